@@ -1,0 +1,181 @@
+"""The few coordination functions the package uses, and the error-agreement rule.
+
+Every function whose docstring says "collective" must be called by all ranks of the group,
+in the same order. Without an initialized process group each collapses to its one-rank
+meaning, so the same code runs in single-process scripts and tests.
+
+The agreement rule: a step that may fail on some ranks is followed by `agree_on_errors`,
+which turns a failure anywhere into an exception everywhere (naming the ranks and causes),
+so one rank's error never leaves the others waiting in the next collective.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, List, Optional, Tuple, TypeVar
+
+import torch.distributed as dist
+
+from . import errors
+from .errors import CheckpointingException, DistributedFailureError
+
+__all__ = [
+    "is_distributed",
+    "get_rank",
+    "get_world_size",
+    "all_gather_object",
+    "gather_object",
+    "broadcast_object",
+    "barrier",
+    "error_report",
+    "raise_on_reported_errors",
+    "agree_on_errors",
+    "run_collectively",
+    "log_rank0",
+]
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+Group = Optional[Any]
+
+_MAX_MESSAGE = 2000
+
+
+def is_distributed() -> bool:
+    """Whether a default process group is initialized."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def get_rank(group: Group = None) -> int:
+    """This process's rank in `group` (0 without a process group)."""
+    return dist.get_rank(group) if is_distributed() else 0
+
+
+def get_world_size(group: Group = None) -> int:
+    """Number of ranks in `group` (1 without a process group)."""
+    return dist.get_world_size(group) if is_distributed() else 1
+
+
+def all_gather_object(obj: T, group: Group = None) -> List[T]:
+    """Collective: returns every rank's `obj`, indexed by group rank."""
+    if not is_distributed():
+        return [obj]
+    out: List[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def gather_object(obj: T, dst: int = 0, group: Group = None) -> Optional[List[T]]:
+    """Collective: group rank `dst` receives every rank's `obj` (indexed by rank); others None."""
+    if not is_distributed():
+        return [obj]
+    out: Optional[List[Any]] = (
+        [None] * dist.get_world_size(group) if dist.get_rank(group) == dst else None
+    )
+    dist.gather_object(obj, out, group_dst=dst, group=group)
+    return out
+
+
+def broadcast_object(obj: T, src: int = 0, group: Group = None) -> T:
+    """Collective: returns group rank `src`'s `obj` on every rank."""
+    if not is_distributed():
+        return obj
+    holder = [obj]
+    dist.broadcast_object_list(holder, group_src=src, group=group)
+    return holder[0]
+
+
+def barrier(group: Group = None) -> None:
+    """Collective: waits until every rank of `group` arrives."""
+    if is_distributed():
+        dist.barrier(group=group)
+
+
+def _describe(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}"
+    return text if len(text) <= _MAX_MESSAGE else text[:_MAX_MESSAGE] + "..."
+
+
+def _error_class(name: str) -> type[CheckpointingException]:
+    cls = getattr(errors, name, None)
+    if isinstance(cls, type) and issubclass(cls, CheckpointingException):
+        return cls
+    return DistributedFailureError
+
+
+def error_report(error: Optional[BaseException]) -> Optional[Tuple[str, str]]:
+    """What a rank tells the others about its failure: (class name, message), or None."""
+    return None if error is None else (type(error).__name__, _describe(error))
+
+
+def raise_on_reported_errors(
+    reports: List[Optional[Tuple[str, str]]], error: Optional[BaseException], what: str
+) -> None:
+    """Raises on this rank if any rank's report (see `error_report`) is a failure.
+
+    Every rank holding the same `reports` raises, so callers that already exchanged reports
+    (piggybacked on a gather of other data) need no further collective.
+
+    Raises:
+        CheckpointingException: the failing rank's own class when it is one of ours (else
+            `DistributedFailureError`), naming each failing rank and its cause; chained to
+            the local exception on the ranks that failed.
+    """
+    failed: List[Tuple[int, Tuple[str, str]]] = [
+        (rank, rep) for rank, rep in enumerate(reports) if rep is not None
+    ]
+    if error is not None and not failed:  # local failure not yet in the reports
+        failed = [(get_rank(), (type(error).__name__, _describe(error)))]
+    if not failed:
+        return
+    detail = "; ".join(f"rank {rank}: {rep[1]}" for rank, rep in failed)
+    ranks = ", ".join(str(rank) for rank, _ in failed)
+    message = f"{what} failed on rank(s) {ranks}: {detail}"
+    if isinstance(error, CheckpointingException):
+        cls: type[CheckpointingException] = type(error)
+    else:
+        cls = _error_class(failed[0][1][0])
+    try:
+        exc = cls(message)
+    except TypeError:  # a subclass with a richer constructor
+        exc = DistributedFailureError(message)
+    raise exc from error
+
+
+def agree_on_errors(error: Optional[BaseException], what: str, group: Group = None) -> None:
+    """Collective: raises on every rank if `error` is set on any rank.
+
+    Args:
+        error: this rank's failure in the step, or None.
+        what: the step's name, used in the message.
+        group: the process group.
+
+    Raises:
+        CheckpointingException: see `raise_on_reported_errors`.
+    """
+    raise_on_reported_errors(all_gather_object(error_report(error), group), error, what)
+
+
+def run_collectively(what: str, fn: Callable[..., T], *args: Any, group: Group = None) -> T:
+    """Collective: runs `fn(*args)` locally, then agrees on failure across ranks.
+
+    Returns:
+        `fn`'s result, when no rank failed.
+
+    Raises:
+        CheckpointingException: on every rank, when `fn` raised on any rank.
+    """
+    result: Any = None
+    error: Optional[BaseException] = None
+    try:
+        result = fn(*args)
+    except Exception as e:  # translated and re-raised on every rank below
+        error = e
+    agree_on_errors(error, what, group)
+    return result
+
+
+def log_rank0(log: logging.Logger, level: int, msg: str, *args: Any) -> None:
+    """Logs on rank 0 only (every rank when there is no process group)."""
+    if get_rank() == 0:
+        log.log(level, msg, *args)

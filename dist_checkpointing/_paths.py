@@ -1,0 +1,59 @@
+"""Turning keys into paths safely: no key may read or write outside a checkpoint dir."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from .errors import CheckpointingException
+
+__all__ = ["check_key_is_safe_relative_path", "safe_join"]
+
+
+def check_key_is_safe_relative_path(key: str, what: str = "key") -> None:
+    """Checks that `key` can be used as a path relative to a checkpoint directory.
+
+    Args:
+        key: the key to check.
+        what: how to name the key in the error message.
+
+    Raises:
+        CheckpointingException: if the key is empty, absolute, contains a NUL byte or a
+            backslash, or has an empty, `.` or `..` path component.
+    """
+    if not isinstance(key, str) or not key:
+        raise CheckpointingException(f"Invalid {what} {key!r}: must be a non-empty string")
+    if "\x00" in key or "\\" in key:
+        raise CheckpointingException(f"Invalid {what} {key!r}: NUL and backslash are not allowed")
+    if key.startswith("/") or os.path.isabs(key):
+        raise CheckpointingException(f"Invalid {what} {key!r}: absolute paths are not allowed")
+    for part in key.split("/"):
+        if part in ("", ".", ".."):
+            raise CheckpointingException(
+                f"Invalid {what} {key!r}: path components may not be empty, '.' or '..'"
+            )
+
+
+def safe_join(root: str | os.PathLike[str], key: str, suffix: str = "") -> Path:
+    """Joins `key + suffix` under `root`, refusing anything that would escape `root`.
+
+    Args:
+        root: the checkpoint directory.
+        key: a relative, '/'-separated key.
+        suffix: appended to the last path component (e.g. '.pt').
+
+    Returns:
+        The joined path.
+
+    Raises:
+        CheckpointingException: if the key is unsafe or resolves outside `root`.
+    """
+    check_key_is_safe_relative_path(key)
+    root_path = Path(root)
+    path = root_path.joinpath(*key.split("/"))
+    if suffix:
+        path = path.with_name(path.name + suffix)
+    resolved_root = root_path.resolve()
+    if resolved_root not in path.resolve().parents:
+        raise CheckpointingException(f"Key {key!r} resolves outside checkpoint dir {root}")
+    return path

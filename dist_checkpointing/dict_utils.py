@@ -1,0 +1,216 @@
+"""Helpers for nested dict/list state dicts.
+
+A state dict is a tree of dicts and lists whose leaves are anything else. These helpers
+walk, split, merge and compare such trees; none of them know about sharding.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Tuple, TypeVar, Union
+
+import torch
+
+__all__ = [
+    "extract_matching_values",
+    "diff",
+    "nested_values",
+    "nested_items_iter",
+    "dict_list_map_inplace",
+    "dict_list_map_outplace",
+    "merge",
+    "map_reduce",
+]
+
+T = TypeVar("T")
+K = TypeVar("K")
+V = TypeVar("V")
+KeyPath = Tuple[Union[str, int], ...]
+
+
+def extract_matching_values(
+    x: Any, predicate: Callable[[Any], bool], return_lists_as_dicts: bool = False
+) -> Tuple[Any, Any]:
+    """Splits a nested dict/list into the leaves that match `predicate` and those that don't.
+
+    Args:
+        x: a nested dict or list.
+        predicate: called on every leaf.
+        return_lists_as_dicts: keep list positions by returning `{index: value}` dicts in
+            place of lists (otherwise matching list elements are compacted into lists).
+
+    Returns:
+        (matching, non_matching): two trees with the structure of `x`. Empty sub-containers
+        of `x` are kept on the non-matching side.
+
+    Raises:
+        ValueError: if `x` is neither a dict nor a list.
+    """
+
+    def put(target: Any, k: Any, v: Any) -> None:
+        if isinstance(target, dict):
+            target[k] = v
+        else:
+            target.append(v)
+
+    if isinstance(x, dict):
+        items: Iterable[Tuple[Any, Any]] = x.items()
+        matching: Any = {}
+        non_matching: Any = {}
+    elif isinstance(x, list):
+        items = enumerate(x)
+        matching = {} if return_lists_as_dicts else []
+        non_matching = {} if return_lists_as_dicts else []
+    else:
+        raise ValueError(f"Expected a dict or a list, got {type(x).__name__}")
+    for k, v in items:
+        if isinstance(v, (dict, list)):
+            sub_match, sub_rest = extract_matching_values(v, predicate, return_lists_as_dicts)
+            if sub_match:
+                put(matching, k, sub_match)
+            if sub_rest or not v:
+                put(non_matching, k, sub_rest)
+        elif predicate(v):
+            put(matching, k, v)
+        else:
+            put(non_matching, k, v)
+    return matching, non_matching
+
+
+def diff(x1: Any, x2: Any, prefix: KeyPath = ()) -> Tuple[List[KeyPath], List[KeyPath], List[Any]]:
+    """Compares two nested trees.
+
+    Args:
+        x1: left tree.
+        x2: right tree.
+        prefix: key path of `x1`/`x2` inside an enclosing tree (used in recursion).
+
+    Returns:
+        (only_left, only_right, mismatch): key paths present only in `x1`, only in `x2`, and
+        `(path, type_x1, type_x2)` entries for leaves whose values differ. Tensors are
+        compared by value.
+    """
+    only_left: List[KeyPath] = []
+    only_right: List[KeyPath] = []
+    mismatch: List[Any] = []
+    if isinstance(x1, dict) and isinstance(x2, dict):
+        only_left = [prefix + (k,) for k in x1.keys() - x2.keys()]
+        only_right = [prefix + (k,) for k in x2.keys() - x1.keys()]
+        for k in x1.keys() & x2.keys():
+            left, right, mis = diff(x1[k], x2[k], prefix + (k,))
+            only_left += left
+            only_right += right
+            mismatch += mis
+    elif isinstance(x1, list) and isinstance(x2, list):
+        only_left = [prefix + (i,) for i in range(len(x2), len(x1))]
+        only_right = [prefix + (i,) for i in range(len(x1), len(x2))]
+        for i, (v1, v2) in enumerate(zip(x1, x2)):
+            left, right, mis = diff(v1, v2, prefix + (i,))
+            only_left += left
+            only_right += right
+            mismatch += mis
+    else:
+        if isinstance(x1, torch.Tensor) and isinstance(x2, torch.Tensor):
+            equal = (
+                x1.shape == x2.shape
+                and x1.dtype == x2.dtype
+                and bool(torch.equal(x1.cpu(), x2.cpu()))
+            )
+        elif isinstance(x1, torch.Tensor) or isinstance(x2, torch.Tensor):
+            equal = False
+        else:
+            try:
+                equal = bool(x1 == x2)
+            except Exception:  # objects whose __eq__ is not a plain bool (e.g. arrays)
+                equal = False
+        if not equal:
+            mismatch.append((prefix, type(x1), type(x2)))
+    return only_left, only_right, mismatch
+
+
+def nested_items_iter(x: Any) -> Iterator[Tuple[Any, Any]]:
+    """Yields `(key, leaf)` for every leaf of a nested dict/list (key = innermost key)."""
+    items: Iterable[Tuple[Any, Any]] = x.items() if isinstance(x, dict) else enumerate(x)
+    for k, v in items:
+        if isinstance(v, (dict, list)):
+            yield from nested_items_iter(v)
+        else:
+            yield k, v
+
+
+def nested_values(x: Any) -> Iterator[Any]:
+    """Yields every leaf of a nested dict/list, depth first, in insertion order."""
+    for _, v in nested_items_iter(x):
+        yield v
+
+
+def dict_list_map_inplace(f: Callable[[Any], Any], x: Any) -> Any:
+    """Replaces every leaf `v` of a nested dict/list with `f(v)`, in place.
+
+    Returns:
+        `x` itself (or `f(x)` when `x` is a leaf).
+    """
+    if isinstance(x, dict):
+        for k, v in x.items():
+            x[k] = dict_list_map_inplace(f, v)
+    elif isinstance(x, list):
+        x[:] = [dict_list_map_inplace(f, v) for v in x]
+    else:
+        return f(x)
+    return x
+
+
+def dict_list_map_outplace(f: Callable[[Any], Any], x: Any) -> Any:
+    """Returns a new tree with every leaf `v` replaced by `f(v)`; `x` is left unchanged."""
+    if isinstance(x, dict):
+        return {k: dict_list_map_outplace(f, v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [dict_list_map_outplace(f, v) for v in x]
+    return f(x)
+
+
+def merge(x1: Any, x2: Any, key: KeyPath = ()) -> Any:
+    """Merges `x2` into `x1` in place and returns `x1`.
+
+    Dicts are merged key by key; lists of equal length element by element; a dict with int
+    keys merges into a list by index. Any other pair is a conflict.
+
+    Raises:
+        ValueError: on lists of different lengths or two leaves at the same key path.
+    """
+    if isinstance(x1, dict) and isinstance(x2, dict):
+        for k, v2 in x2.items():
+            x1[k] = merge(x1[k], v2, key + (k,)) if k in x1 else v2
+    elif isinstance(x1, list) and isinstance(x2, list):
+        if len(x1) != len(x2):
+            raise ValueError(
+                f"Cannot merge lists of lengths {len(x1)} and {len(x2)} at key path {key}"
+            )
+        for i, v2 in enumerate(x2):
+            x1[i] = merge(x1[i], v2, key + (i,))
+    elif isinstance(x1, list) and isinstance(x2, dict):
+        for k, v2 in x2.items():
+            if not isinstance(k, int) or not 0 <= k < len(x1):
+                raise ValueError(f"Cannot merge dict key {k!r} into a list at key path {key}")
+            x1[k] = merge(x1[k], v2, key + (k,))
+    else:
+        raise ValueError(
+            f"Conflicting values at key path {key}: {type(x1).__name__} and {type(x2).__name__}"
+        )
+    return x1
+
+
+def map_reduce(
+    xs: Iterable[T],
+    key_fn: Callable[[T], K] = lambda x: x,  # type: ignore[assignment,return-value]
+    value_fn: Callable[[T], V] = lambda x: x,  # type: ignore[assignment,return-value]
+    reduce_fn: Callable[[List[V]], Any] = lambda x: x,
+) -> Dict[K, Any]:
+    """Groups `xs` by `key_fn`, maps each with `value_fn` and reduces each group.
+
+    Returns:
+        `{key: reduce_fn([value_fn(x) for x in group])}` in first-seen key order.
+    """
+    groups: Dict[K, List[V]] = {}
+    for x in xs:
+        groups.setdefault(key_fn(x), []).append(value_fn(x))
+    return {k: reduce_fn(v) for k, v in groups.items()}

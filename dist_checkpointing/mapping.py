@@ -1,0 +1,567 @@
+"""The sharded state dict data model.
+
+A sharded state dict is a nested dict/list whose leaves are:
+- `ShardedTensor`: this rank's piece of a global tensor (key, global shape, offset, replica id);
+- `ShardedObject`: this rank's piece of a global grid of arbitrary objects;
+- `ShardedTensorFactory`: a tensor that expands into a sub-state-dict before saving and is
+  merged back after loading;
+- `LocalNonpersistentObject`: a value kept out of the checkpoint and restored locally;
+- anything else: "common" state, written once by rank 0.
+
+Every class validates its metadata at construction: a shard that cannot exist in its global
+tensor is rejected with a `CheckpointingException` before any I/O starts.
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, List, Optional, Tuple, Union
+
+import torch
+
+from ._paths import check_key_is_safe_relative_path
+from ._types import ReplicaId, ShardedStateDict, StateDict
+from .dict_utils import dict_list_map_inplace
+from .errors import CheckpointingException
+
+__all__ = [
+    "ShardedBase",
+    "ShardedTensor",
+    "ShardedObject",
+    "ShardedTensorFactory",
+    "LocalNonpersistentObject",
+    "ShardedStateDict",
+    "StateDict",
+    "ReplicaId",
+    "is_main_replica",
+    "apply_factories",
+    "apply_factory_merges",
+]
+
+logger = logging.getLogger(__name__)
+
+
+def is_main_replica(replica_id: ReplicaId) -> bool:
+    """Whether `replica_id` marks the main replica (0, or a tuple of zeros).
+
+    The main replica of each shard is the copy that gets written; the application chooses
+    replica ids so that exactly one copy of every shard is main.
+    """
+    if isinstance(replica_id, int):
+        return replica_id == 0
+    return all(r == 0 for r in replica_id)
+
+
+def _as_int_tuple(value: Any, name: str, key: str) -> Tuple[int, ...]:
+    try:
+        out = tuple(int(v) for v in value)
+    except (TypeError, ValueError) as e:
+        raise CheckpointingException(
+            f"{name} of {key!r} must be a sequence of ints: {value!r}"
+        ) from e
+    if any(v < 0 for v in out):
+        raise CheckpointingException(f"{name} of {key!r} must be non-negative: {out}")
+    return out
+
+
+def _check_replica_id(replica_id: Any, key: str) -> ReplicaId:
+    if isinstance(replica_id, bool):
+        raise CheckpointingException(f"replica_id of {key!r} must be an int or tuple of ints")
+    if isinstance(replica_id, int):
+        if replica_id < 0:
+            raise CheckpointingException(f"replica_id of {key!r} must be >= 0: {replica_id}")
+        return replica_id
+    return _as_int_tuple(replica_id, "replica_id", key)
+
+
+class ShardedBase(ABC):
+    """Common interface of every sharded leaf of a sharded state dict."""
+
+    key: str
+    data: object
+    replica_id: ReplicaId
+
+    @abstractmethod
+    def validate_metadata_integrity(self) -> None:
+        """Checks the metadata invariants; raises `CheckpointingException` when broken."""
+
+    @abstractmethod
+    def without_data(self) -> ShardedBase:
+        """Returns a copy with `data=None` (metadata only, cheap to send between ranks)."""
+
+
+@dataclass
+class ShardedTensor(ShardedBase):
+    """This rank's piece of a global tensor.
+
+    Attributes:
+        key: unique name of the global tensor.
+        data: the local tensor, or None for metadata-only instances.
+        dtype: dtype of the global tensor.
+        local_shape: shape of `data` (without prepended axes).
+        global_shape: shape of the global tensor (with prepended axes).
+        global_offset: offset of `data` in the global tensor, in elements, one per global axis.
+        axis_fragmentations: number of pieces along each global axis for a regular grid, or
+            None for irregular shardings.
+        replica_id: which copy of this piece this is; only main replicas are saved.
+        prepend_axis_num: number of leading global axes of size 1 locally (the local tensor is
+            unsqueezed that many times to sit in the global tensor).
+        allow_shape_mismatch: on load, accept a checkpoint whose global shape differs (the
+            overlapping region is loaded; e.g. padded vocabularies).
+
+    Raises:
+        CheckpointingException: at construction, when the metadata does not describe a valid
+            piece of the global tensor.
+    """
+
+    key: str
+    data: Optional[torch.Tensor] = field(repr=False)
+    dtype: torch.dtype
+    local_shape: Tuple[int, ...]
+    global_shape: Tuple[int, ...]
+    global_offset: Tuple[int, ...]
+    axis_fragmentations: Optional[Tuple[int, ...]]
+    replica_id: ReplicaId = 0
+    prepend_axis_num: int = 0
+    allow_shape_mismatch: bool = False
+
+    def __post_init__(self) -> None:
+        self.validate_metadata_integrity()
+
+    def validate_metadata_integrity(self) -> None:
+        """Checks that the metadata describes a valid piece of the global tensor.
+
+        Raises:
+            CheckpointingException: naming the key and the broken invariant.
+        """
+        key = self.key
+        if not isinstance(key, str) or not key or "\x00" in key:
+            raise CheckpointingException(f"ShardedTensor key must be a non-empty string: {key!r}")
+        if not isinstance(self.dtype, torch.dtype):
+            raise CheckpointingException(f"dtype of {key!r} must be a torch.dtype: {self.dtype!r}")
+        self.local_shape = _as_int_tuple(self.local_shape, "local_shape", key)
+        self.global_shape = _as_int_tuple(self.global_shape, "global_shape", key)
+        self.global_offset = _as_int_tuple(self.global_offset, "global_offset", key)
+        self.replica_id = _check_replica_id(self.replica_id, key)
+        if not isinstance(self.prepend_axis_num, int) or self.prepend_axis_num < 0:
+            raise CheckpointingException(
+                f"prepend_axis_num of {key!r} must be a non-negative int: {self.prepend_axis_num!r}"
+            )
+        if self.data is not None:
+            if not isinstance(self.data, torch.Tensor):
+                raise CheckpointingException(
+                    f"data of {key!r} must be a torch.Tensor, got {type(self.data).__name__}"
+                )
+            if self.data.dtype != self.dtype:
+                raise CheckpointingException(
+                    f"data dtype {self.data.dtype} of {key!r} differs from dtype {self.dtype}"
+                )
+            if tuple(self.data.shape) != self.local_shape:
+                raise CheckpointingException(
+                    f"data shape {tuple(self.data.shape)} of {key!r} differs from "
+                    f"local_shape {self.local_shape}"
+                )
+        ndim = len(self.global_shape)
+        if len(self.global_offset) != ndim:
+            raise CheckpointingException(
+                f"global_offset {self.global_offset} and global_shape {self.global_shape} of "
+                f"{key!r} have different lengths"
+            )
+        if len(self.local_shape) + self.prepend_axis_num != ndim:
+            raise CheckpointingException(
+                f"local_shape {self.local_shape} with prepend_axis_num={self.prepend_axis_num} "
+                f"does not match global_shape {self.global_shape} of {key!r}"
+            )
+        for axis, (off, size, glob) in enumerate(
+            zip(self.global_offset, self.prepended_local_shape, self.global_shape)
+        ):
+            if off + size > glob:
+                raise CheckpointingException(
+                    f"Shard of {key!r} at offset {self.global_offset} with shape "
+                    f"{self.prepended_local_shape} exceeds global_shape {self.global_shape} "
+                    f"on axis {axis}"
+                )
+        if self.axis_fragmentations is not None:
+            self.axis_fragmentations = _as_int_tuple(
+                self.axis_fragmentations, "axis_fragmentations", key
+            )
+            if len(self.axis_fragmentations) != ndim or any(
+                f < 1 for f in self.axis_fragmentations
+            ):
+                raise CheckpointingException(
+                    f"axis_fragmentations {self.axis_fragmentations} of {key!r} must hold one "
+                    f"positive int per global axis ({ndim})"
+                )
+            for off, size in zip(self.global_offset[self.prepend_axis_num :], self.local_shape):
+                if size != 0 and off % size != 0:
+                    raise CheckpointingException(
+                        f"global_offset {off} of {key!r} is not a multiple of the local size "
+                        f"{size} on a regular grid"
+                    )
+
+    @property
+    def prepended_local_shape(self) -> Tuple[int, ...]:
+        """The local shape as it sits in the global tensor (prepended axes of size 1)."""
+        return (1,) * self.prepend_axis_num + tuple(self.local_shape)
+
+    @property
+    def has_regular_grid(self) -> bool:
+        """Whether the tensor is split on a regular grid (axis_fragmentations is set)."""
+        return self.axis_fragmentations is not None
+
+    def global_slice(self) -> Tuple[Union[int, slice], ...]:
+        """The index of this piece in the global tensor: ints on prepended axes, then slices."""
+        prepended = tuple(self.global_offset[: self.prepend_axis_num])
+        rest = tuple(
+            slice(off, off + size)
+            for off, size in zip(self.global_offset[self.prepend_axis_num :], self.local_shape)
+        )
+        return prepended + rest
+
+    def local_chunk_offset_in_global(self) -> Tuple[int, ...]:
+        """The position of this piece in the global grid of pieces, one index per axis.
+
+        Raises:
+            CheckpointingException: if an offset is not a multiple of the local size.
+        """
+        out = list(self.global_offset[: self.prepend_axis_num])
+        for off, size in zip(self.global_offset[self.prepend_axis_num :], self.local_shape):
+            if size == 0 or off % size != 0:
+                raise CheckpointingException(
+                    f"{self.key!r} is not on a regular grid: offset {off}, local size {size}"
+                )
+            out.append(off // size)
+        return tuple(out)
+
+    def max_allowed_chunks(self) -> Tuple[int, ...]:
+        """The size of one grid piece along each global axis (global size / fragmentation).
+
+        Raises:
+            CheckpointingException: if the tensor has no regular grid, or an axis does not
+                divide evenly (unless `allow_shape_mismatch`).
+        """
+        if self.axis_fragmentations is None:
+            raise CheckpointingException(f"{self.key!r} has no axis_fragmentations")
+        out = []
+        for axis_size, fragm in zip(self.global_shape, self.axis_fragmentations):
+            if not self.allow_shape_mismatch and axis_size % fragm != 0:
+                raise CheckpointingException(
+                    f"Axis size {axis_size} of {self.key!r} is not divisible by its "
+                    f"fragmentation {fragm}"
+                )
+            out.append(axis_size // fragm)
+        return tuple(out)
+
+    def without_data(self) -> ShardedTensor:
+        """Returns a metadata-only copy (data=None)."""
+        return replace(self, data=None)
+
+    def init_data(
+        self, device: Union[str, torch.device], init_fn: Callable[..., torch.Tensor] = torch.empty
+    ) -> None:
+        """Allocates `data` with `init_fn(local_shape, dtype=..., device=...)` if it is None."""
+        if self.data is None:
+            self.data = init_fn(self.local_shape, dtype=self.dtype, device=device)
+
+    def narrow(self, dim: int, start: int, length: int) -> List[ShardedTensor]:
+        """Narrows the local tensor along `dim` on every rank, like `torch.narrow`.
+
+        The global tensor shrinks proportionally: every rank keeps `length` of its
+        `local_shape[dim]` elements, so the grid stays regular.
+
+        Args:
+            dim: local axis (prepended axes not counted).
+            start: first element kept.
+            length: number of elements kept.
+
+        Returns:
+            A one-element list with the narrowed ShardedTensor.
+
+        Raises:
+            CheckpointingException: if the sharding along `dim` is not a regular grid.
+        """
+        if self.data is None:
+            raise CheckpointingException(f"Cannot narrow {self.key!r} without data")
+        gdim = dim + self.prepend_axis_num
+        local = self.local_shape[dim]
+        glob, off = self.global_shape[gdim], self.global_offset[gdim]
+        if local == 0 or glob % local or off % local:
+            raise CheckpointingException(
+                f"narrow of {self.key!r} needs a regular grid on axis {dim}: global {glob}, "
+                f"offset {off}, local {local}"
+            )
+        new_data = self.data.narrow(dim, start, length)
+        shape = list(self.global_shape)
+        offset = list(self.global_offset)
+        shape[gdim] = glob // local * length
+        offset[gdim] = off // local * length
+        return [
+            replace(
+                self,
+                data=new_data,
+                local_shape=tuple(new_data.shape),
+                global_shape=tuple(shape),
+                global_offset=tuple(offset),
+            )
+        ]
+
+    @classmethod
+    def from_rank_offsets(
+        cls,
+        key: str,
+        data: torch.Tensor,
+        *rank_offsets: Tuple[int, int, int],
+        replica_id: ReplicaId = 0,
+        prepend_axis_num: int = 0,
+        flattened_range: None = None,
+        allow_shape_mismatch: bool = False,
+    ) -> ShardedTensor:
+        """Builds a ShardedTensor on a regular grid from per-axis rank positions.
+
+        Args:
+            key: unique name of the global tensor.
+            data: the local tensor.
+            *rank_offsets: `(axis, axis_rank_offset, axis_fragmentations)` triples: along
+                global `axis` the tensor is split in `axis_fragmentations` equal pieces and
+                `data` is piece number `axis_rank_offset`.
+            replica_id: see `ShardedTensor`.
+            prepend_axis_num: see `ShardedTensor`.
+            flattened_range: must be None (flattened shards are not supported).
+            allow_shape_mismatch: see `ShardedTensor`.
+
+        Returns:
+            The ShardedTensor.
+
+        Raises:
+            CheckpointingException: on an invalid or repeated axis, or a position outside
+                `[0, axis_fragmentations)`.
+        """
+        if flattened_range is not None:
+            raise CheckpointingException(
+                f"flattened_range is not supported (key {key!r}); shard along axes instead"
+            )
+        if not isinstance(data, torch.Tensor):
+            raise CheckpointingException(f"data of {key!r} must be a torch.Tensor")
+        ndim = data.ndim + prepend_axis_num
+        global_offset = [0] * ndim
+        global_shape = [1] * prepend_axis_num + list(data.shape)
+        fragmentations = [1] * ndim
+        seen = set()
+        for triple in rank_offsets:
+            if len(triple) != 3:
+                raise CheckpointingException(
+                    f"rank offset {triple!r} of {key!r} must be (axis, axis_rank_offset, "
+                    "axis_fragmentations)"
+                )
+            axis, pos, fragm = (int(v) for v in triple)
+            if not 0 <= axis < ndim or fragm < 1 or not 0 <= pos < fragm or axis in seen:
+                raise CheckpointingException(
+                    f"Invalid rank offsets {rank_offsets} for {key!r} (global ndim {ndim})"
+                )
+            seen.add(axis)
+            local = 1 if axis < prepend_axis_num else data.shape[axis - prepend_axis_num]
+            global_shape[axis] = local * fragm
+            global_offset[axis] = local * pos
+            fragmentations[axis] = fragm
+        return cls(
+            key,
+            data,
+            data.dtype,
+            tuple(data.shape),
+            tuple(global_shape),
+            tuple(global_offset),
+            tuple(fragmentations),
+            replica_id,
+            prepend_axis_num,
+            allow_shape_mismatch,
+        )
+
+    def __str__(self) -> str:
+        return (
+            f"ShardedTensor(key={self.key!r}, dtype={self.dtype}, local={self.local_shape}, "
+            f"global={self.global_shape}, offset={self.global_offset}, "
+            f"replica_id={self.replica_id})"
+        )
+
+
+@dataclass
+class ShardedObject(ShardedBase):
+    """This rank's piece of a global grid of arbitrary (picklable) objects.
+
+    Unlike tensors, object grids cannot be resharded: a load must ask for exactly the pieces
+    that were saved.
+
+    Attributes:
+        key: name of the global object; it becomes a path under some backends, so it must be
+            a safe relative path ('/'-separated, no '..', not absolute).
+        data: the local object, or None for metadata-only instances.
+        global_shape: shape of the grid of pieces.
+        global_offset: position of this piece in the grid.
+        replica_id: which copy this is; only main replicas are saved.
+
+    Raises:
+        CheckpointingException: at construction, on an unsafe key or inconsistent metadata.
+    """
+
+    key: str
+    data: object
+    global_shape: Tuple[int, ...]
+    global_offset: Tuple[int, ...]
+    replica_id: ReplicaId = 0
+
+    def __post_init__(self) -> None:
+        self.validate_metadata_integrity()
+
+    def validate_metadata_integrity(self) -> None:
+        """Checks the key is a safe relative path and the offset lies in the grid.
+
+        Raises:
+            CheckpointingException: naming the key and the broken invariant.
+        """
+        check_key_is_safe_relative_path(self.key, "ShardedObject key")
+        self.global_shape = _as_int_tuple(self.global_shape, "global_shape", self.key)
+        self.global_offset = _as_int_tuple(self.global_offset, "global_offset", self.key)
+        self.replica_id = _check_replica_id(self.replica_id, self.key)
+        if len(self.global_shape) != len(self.global_offset):
+            raise CheckpointingException(
+                f"global_offset {self.global_offset} and global_shape {self.global_shape} of "
+                f"{self.key!r} have different lengths"
+            )
+        if any(o >= s for o, s in zip(self.global_offset, self.global_shape)):
+            raise CheckpointingException(
+                f"global_offset {self.global_offset} of {self.key!r} lies outside "
+                f"global_shape {self.global_shape}"
+            )
+
+    @property
+    def unique_key(self) -> str:
+        """`<key>/shard_<offset>_<shape>`, dot-separated: the name of this piece on disk."""
+        offset = ".".join(map(str, self.global_offset))
+        shape = ".".join(map(str, self.global_shape))
+        return f"{self.key}/shard_{offset}_{shape}"
+
+    def without_data(self) -> ShardedObject:
+        """Returns a metadata-only copy (data=None)."""
+        return replace(self, data=None)
+
+    @classmethod
+    def empty_from_unique_key(cls, unique_key: str, replica_id: ReplicaId = 0) -> ShardedObject:
+        """Parses a `unique_key` back into a metadata-only ShardedObject.
+
+        Raises:
+            CheckpointingException: if `unique_key` is not of the form
+                `<key>/shard_<offset>_<shape>`.
+        """
+        try:
+            key, shard = unique_key.rsplit("/", 1)
+            tag, offset_s, shape_s = shard.split("_")
+            if tag != "shard":
+                raise ValueError("missing 'shard' tag")
+            offset = tuple(int(v) for v in offset_s.split("."))
+            shape = tuple(int(v) for v in shape_s.split("."))
+        except ValueError as e:
+            raise CheckpointingException(
+                f"Malformed ShardedObject unique key {unique_key!r}: {e}"
+            ) from e
+        return cls(key, None, shape, offset, replica_id)
+
+    def __str__(self) -> str:
+        return f"ShardedObject(key={self.unique_key!r}, replica_id={self.replica_id})"
+
+
+FactoryBuildFn = Callable[[str, torch.Tensor, ReplicaId, Optional[slice]], ShardedStateDict]
+FactoryMergeFn = Callable[[StateDict], torch.Tensor]
+
+
+@dataclass
+class ShardedTensorFactory(ShardedBase):
+    """A tensor that expands into a sub-state-dict for saving and is merged back after load.
+
+    Used e.g. for optimizer states that follow their parameter's sharding through a
+    transformation. `build_fn(key, data, replica_id, flattened_range)` returns the
+    sub-state-dict to save; `merge_fn(loaded_sub_state_dict)` returns the tensor.
+    """
+
+    key: str
+    data: Optional[torch.Tensor]
+    build_fn: FactoryBuildFn
+    merge_fn: FactoryMergeFn
+    replica_id: ReplicaId = 0
+    flattened_range: Optional[slice] = None
+
+    def build(self) -> ShardedStateDict:
+        """Builds the sub-state-dict from the original tensor."""
+        if self.data is None:
+            raise CheckpointingException(f"Cannot build factory {self.key!r} without data")
+        return self.build_fn(self.key, self.data, self.replica_id, self.flattened_range)
+
+    def validate_metadata_integrity(self) -> None:
+        """Factories carry no shard geometry of their own; nothing to check."""
+
+    def without_data(self) -> ShardedTensorFactory:
+        """Returns a copy with `data=None`."""
+        return replace(self, data=None)
+
+
+class LocalNonpersistentObject:
+    """Wraps a value that is not saved; on load the local value is put back in its place."""
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def unwrap(self) -> Any:
+        """Returns the wrapped value."""
+        return self.obj
+
+
+def apply_factories(sharded_state_dict: ShardedStateDict) -> None:
+    """Replaces every `ShardedTensorFactory` by the sub-state-dict it builds, in place."""
+
+    def build(x: Any) -> Any:
+        return x.build() if isinstance(x, ShardedTensorFactory) else x
+
+    dict_list_map_inplace(build, sharded_state_dict)
+
+
+def apply_factory_merges(x1: Any, x2: Any, key: Tuple[Any, ...] = ()) -> Any:
+    """Merges loaded sub-state-dicts back into tensors, following the factories in `x2`.
+
+    Args:
+        x1: the loaded state dict (modified in place).
+        x2: a tree with the structure of (part of) `x1` holding the original factories.
+        key: key path of `x1` in the enclosing tree (for error messages).
+
+    Returns:
+        `x1`, with every factory's subtree replaced by `factory.merge_fn(subtree)`.
+
+    Raises:
+        CheckpointingException: when the trees do not line up.
+    """
+    if isinstance(x2, ShardedTensorFactory):
+        return x2.merge_fn(x1)
+    if isinstance(x1, dict) and isinstance(x2, dict):
+        for k, v2 in x2.items():
+            if k not in x1:
+                raise CheckpointingException(
+                    f"Factory key {key + (k,)} is missing from the loaded state dict"
+                )
+            x1[k] = apply_factory_merges(x1[k], v2, key + (k,))
+    elif isinstance(x1, list) and isinstance(x2, list):
+        if len(x1) != len(x2):
+            raise CheckpointingException(
+                f"Cannot apply factory merges to lists of lengths {len(x1)} and {len(x2)} at {key}"
+            )
+        for i, v2 in enumerate(x2):
+            x1[i] = apply_factory_merges(x1[i], v2, key + (i,))
+    elif isinstance(x1, list) and isinstance(x2, dict):
+        for k, v2 in x2.items():
+            if not isinstance(k, int) or not 0 <= k < len(x1):
+                raise CheckpointingException(f"Invalid list index {k!r} for factory merge at {key}")
+            x1[k] = apply_factory_merges(x1[k], v2, key + (k,))
+    else:
+        raise CheckpointingException(
+            f"Cannot apply factory merge at {key}: {type(x1).__name__} vs {type(x2).__name__}"
+        )
+    return x1

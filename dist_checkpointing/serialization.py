@@ -1,0 +1,479 @@
+"""Entry points: `save`, `load` and the metadata/maintenance helpers.
+
+All entry points that take a process group's worth of ranks are collective: call them on
+every rank, in the same order. A failure on any rank raises a `CheckpointingException` on
+every rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional, Set, Tuple, Union
+
+from . import _dist
+from ._types import CommonStateDict, ShardedStateDict, StateDict
+from .core import (
+    CheckpointingConfig,
+    check_is_distributed_checkpoint,
+    maybe_load_config,
+    save_config,
+)
+from .dict_utils import dict_list_map_inplace, diff, extract_matching_values, merge, nested_values
+from .errors import CheckpointExistsError, CheckpointingException, NotACheckpointError
+from .mapping import (
+    LocalNonpersistentObject,
+    ShardedBase,
+    ShardedObject,
+    ShardedTensorFactory,
+    apply_factories,
+    apply_factory_merges,
+)
+from .strategies.base import (
+    AsyncSaveShardedStrategy,
+    LoadCommonStrategy,
+    LoadShardedStrategy,
+    SaveCommonStrategy,
+    SaveShardedStrategy,
+    StrategyAction,
+    get_default_strategy,
+    resolve_strategy,
+)
+from .validation import (
+    StrictHandling,
+    parse_strict_flag,
+    validate_integrity_and_strict_load,
+    validate_sharding_integrity,
+)
+
+__all__ = [
+    "save",
+    "load",
+    "load_common_state_dict",
+    "load_tensors_metadata",
+    "load_sharded_metadata",
+    "load_plain_tensors",
+    "load_content_metadata",
+    "remove_sharded_tensors",
+    "check_is_distributed_checkpoint",
+    "verify_checkpoint_and_load_strategy",
+    "get_default_save_sharded_strategy",
+    "get_default_save_common_strategy",
+    "get_default_load_sharded_strategy",
+]
+
+logger = logging.getLogger(__name__)
+
+CONTENT_METADATA_KEY = "content_metadata"
+PathArg = Union[str, "os.PathLike[str]"]
+LoadResult = Union[StateDict, Tuple[StateDict, Set[str], Set[str]]]
+
+
+def get_default_save_sharded_strategy(
+    backend: str = "torch_dist", version: int = 1
+) -> SaveShardedStrategy:
+    """The registered SAVE_SHARDED strategy for `(backend, version)`."""
+    return get_default_strategy(StrategyAction.SAVE_SHARDED, backend, version)
+
+
+def get_default_save_common_strategy(
+    backend: str = "torch", version: int = 1
+) -> SaveCommonStrategy:
+    """The registered SAVE_COMMON strategy for `(backend, version)`."""
+    return get_default_strategy(StrategyAction.SAVE_COMMON, backend, version)
+
+
+def get_default_load_sharded_strategy(checkpoint_dir: PathArg) -> LoadShardedStrategy:
+    """The LOAD_SHARDED strategy named by a checkpoint's `metadata.json`."""
+    return verify_checkpoint_and_load_strategy(checkpoint_dir)[0]
+
+
+def verify_checkpoint_and_load_strategy(
+    checkpoint_dir: PathArg,
+    sharded_strategy: Union[LoadShardedStrategy, Tuple[str, int], None] = None,
+    common_strategy: Union[LoadCommonStrategy, Tuple[str, int], None] = None,
+) -> Tuple[LoadShardedStrategy, LoadCommonStrategy]:
+    """Checks that `checkpoint_dir` is a complete checkpoint and picks strategies for it.
+
+    Strategies not given are looked up from `metadata.json`; given or not, each must declare
+    itself compatible with the recorded backend and version.
+
+    Raises:
+        NotACheckpointError: no such directory, or no `metadata.json` in it.
+        CheckpointCorruptedError: `metadata.json` is invalid.
+        StrategyNotFoundError: no strategy is registered for the recorded backend/version.
+        IncompatibleCheckpointError: a strategy cannot read this checkpoint.
+    """
+    path = Path(checkpoint_dir)
+    if not path.is_dir():
+        raise NotACheckpointError(
+            f"Checkpoint directory {path} does not exist or is not a directory"
+        )
+    config = maybe_load_config(path)
+    if config is None:
+        raise NotACheckpointError(
+            f"{path} is not a complete distributed checkpoint: no metadata.json"
+        )
+    sharded = resolve_strategy(
+        StrategyAction.LOAD_SHARDED,
+        sharded_strategy,
+        (config.sharded_backend, config.sharded_backend_version),
+    )
+    sharded.check_backend_compatibility(config.sharded_backend)
+    sharded.check_version_compatibility(config.sharded_backend_version)
+    common = resolve_strategy(
+        StrategyAction.LOAD_COMMON,
+        common_strategy,
+        (config.common_backend, config.common_backend_version),
+    )
+    common.check_backend_compatibility(config.common_backend)
+    common.check_version_compatibility(config.common_backend_version)
+    return sharded, common
+
+
+def _shallow_copy(tree: Any) -> Any:
+    """Copies the dict/list containers (not the leaves) so preprocessing never edits the caller's."""
+    return (
+        extract_matching_values(tree, lambda _: True)[0] if isinstance(tree, (dict, list)) else tree
+    )
+
+
+def _is_nonpersistent(x: Any) -> bool:
+    return isinstance(x, LocalNonpersistentObject)
+
+
+def _save_preprocess(
+    sharded_state_dict: ShardedStateDict, content_metadata: Optional[dict]
+) -> Tuple[ShardedStateDict, CommonStateDict]:
+    sd = _shallow_copy(sharded_state_dict)
+    if content_metadata is not None:
+        sd[CONTENT_METADATA_KEY] = content_metadata
+    apply_factories(sd)
+    _, sd = extract_matching_values(sd, _is_nonpersistent)
+    return extract_matching_values(sd, lambda x: isinstance(x, ShardedBase))
+
+
+def _check_common_consistency(
+    common: CommonStateDict, preprocess: Optional[Callable[[CommonStateDict], StateDict]]
+) -> None:
+    """Collective: logs (rank 0) where ranks' common state differs from rank 0's."""
+    view = preprocess(common) if preprocess is not None else common
+    gathered = _dist.gather_object(view)
+    if gathered is None or len(gathered) == 1:
+        return
+    for rank, other in enumerate(gathered[1:], start=1):
+        only_0, only_r, mismatch = diff(gathered[0], other)
+        if only_0 or only_r or mismatch:
+            logger.warning(
+                "Common state differs between rank 0 and rank %d (rank 0's is saved): only on rank 0: %s, "
+                "only on rank %d: %s, different values: %s",
+                rank,
+                only_0[:10],
+                rank,
+                only_r[:10],
+                [m[0] for m in mismatch[:10]],
+            )
+
+
+def save(
+    sharded_state_dict: ShardedStateDict,
+    checkpoint_dir: PathArg,
+    sharded_strategy: Union[SaveShardedStrategy, Tuple[str, int], None] = None,
+    common_strategy: Union[SaveCommonStrategy, Tuple[str, int], None] = None,
+    validate_access_integrity: bool = True,
+    async_sharded_save: bool = False,
+    preprocess_common_before_consistancy_check: Optional[
+        Callable[[CommonStateDict], StateDict]
+    ] = None,
+    content_metadata: Optional[dict] = None,
+) -> Optional[Any]:
+    """Collective: saves a sharded state dict as a checkpoint directory.
+
+    Steps:
+    1. Every rank resolves the strategies, creates the directory, builds factories and
+       splits its state into sharded leaves and common state (LocalNonpersistentObjects are
+       dropped); rank 0 refuses a directory that already holds a complete checkpoint.
+       Failures anywhere raise everywhere.
+    2. With `validate_access_integrity`, the shard metadata of all ranks is checked: main
+       replicas cover each tensor exactly once and ranks agree on shapes and dtypes; rank 0
+       logs where other ranks' common state differs from its own.
+    3. Rank 0 writes `common.pt`; ShardedObjects go to the common strategy if the sharded
+       one cannot store them.
+    4. The sharded strategy writes the shards.
+    5. Rank 0 writes `metadata.json` (the commit) once every rank's data is durable.
+
+    Args:
+        sharded_state_dict: the state to save; it is not modified.
+        checkpoint_dir: the checkpoint directory (created if missing).
+        sharded_strategy: instance or `(backend, version)`; default ('torch_dist', 1).
+        common_strategy: instance or `(backend, version)`; default ('torch', 1).
+        validate_access_integrity: run the sharding checks of step 2.
+        async_sharded_save: return an async request for step 4-5 instead of running them
+            (requires an `AsyncSaveShardedStrategy`).
+        preprocess_common_before_consistancy_check: applied to the common state before the
+            cross-rank comparison (e.g. to drop keys expected to differ); must not modify its
+            argument.
+        content_metadata: a dict stored in the common state, read back with
+            `load_content_metadata`.
+
+    Returns:
+        None, or the async request when `async_sharded_save`.
+
+    Raises:
+        CheckpointExistsError: `checkpoint_dir` already holds a complete checkpoint.
+        ShardingIntegrityError: the shards do not form valid global tensors.
+        StrategyNotFoundError: an unknown `(backend, version)`.
+        CheckpointingException: any other failure, on every rank.
+    """
+    start = time.perf_counter()
+    ckpt = Path(checkpoint_dir)
+
+    def preflight() -> Tuple[
+        SaveShardedStrategy, SaveCommonStrategy, ShardedStateDict, CommonStateDict
+    ]:
+        sharded = resolve_strategy(StrategyAction.SAVE_SHARDED, sharded_strategy, ("torch_dist", 1))
+        common = resolve_strategy(StrategyAction.SAVE_COMMON, common_strategy, ("torch", 1))
+        if async_sharded_save and not isinstance(sharded, AsyncSaveShardedStrategy):
+            raise CheckpointingException(f"{sharded} does not support async save")
+        if _dist.get_rank() == 0 and check_is_distributed_checkpoint(ckpt):
+            raise CheckpointExistsError(
+                f"{ckpt} already holds a complete checkpoint; refusing to overwrite it"
+            )
+        ckpt.mkdir(parents=True, exist_ok=True)
+        sharded_part, common_part = _save_preprocess(sharded_state_dict, content_metadata)
+        for sh in _nested_sharded(sharded_part):
+            sh.validate_metadata_integrity()
+        return sharded, common, sharded_part, common_part
+
+    result: Any = None
+    error: Optional[BaseException] = None
+    try:
+        result = preflight()
+    except Exception as e:  # agreed on below, with the metadata exchange
+        error = e
+    local_md = (
+        [sh.without_data() for sh in _nested_sharded(result[2])] if result is not None else None
+    )
+    gathered = _dist.all_gather_object((local_md, _dist.error_report(error)))
+    _dist.raise_on_reported_errors([g[1] for g in gathered], error, f"save to {ckpt} (preparation)")
+    sharded, common, sharded_part, common_part = result
+    if validate_access_integrity:
+        validate_sharding_integrity([g[0] or [] for g in gathered])
+        _check_common_consistency(common_part, preprocess_common_before_consistancy_check)
+
+    def save_common() -> ShardedStateDict:
+        common.save_common(common_part, ckpt)
+        if sharded.can_handle_sharded_objects:
+            return sharded_part
+        objects, rest = extract_matching_values(
+            sharded_part, lambda v: isinstance(v, ShardedObject)
+        )
+        common.save_sharded_objects(objects, ckpt)
+        return rest
+
+    to_save = _dist.run_collectively(f"save of common state to {ckpt}", save_common)
+
+    def commit() -> None:
+        def write_config() -> None:
+            if _dist.get_rank() == 0:
+                save_config(
+                    CheckpointingConfig(
+                        sharded.backend, sharded.version, common.backend, common.version
+                    ),
+                    ckpt,
+                )
+
+        _dist.run_collectively(f"commit of {ckpt}", write_config)
+        _dist.log_rank0(
+            logger, logging.INFO, "Saved checkpoint %s in %.2f s", ckpt, time.perf_counter() - start
+        )
+
+    if async_sharded_save:
+        request = sharded.async_save(to_save, ckpt)  # type: ignore[attr-defined]
+        request.add_finalize_fn(commit)
+        return request
+    sharded.save(to_save, ckpt)
+    commit()
+    return None
+
+
+def _nested_sharded(tree: Any) -> list:
+    return (
+        [v for v in nested_values(tree) if isinstance(v, ShardedBase)]
+        if isinstance(tree, (dict, list))
+        else []
+    )
+
+
+def _load_preprocess(
+    sharded_state_dict: ShardedStateDict,
+) -> Tuple[ShardedStateDict, StateDict, Any]:
+    sd = _shallow_copy(sharded_state_dict)
+    factories, _ = extract_matching_values(
+        sd, lambda x: isinstance(x, ShardedTensorFactory), return_lists_as_dicts=True
+    )
+    apply_factories(sd)
+    nonpersistent, sd = extract_matching_values(sd, _is_nonpersistent)
+    dict_list_map_inplace(lambda o: o.unwrap(), nonpersistent)
+    sharded, _ = extract_matching_values(sd, lambda x: isinstance(x, ShardedBase))
+    return sharded, nonpersistent, factories
+
+
+def load(
+    sharded_state_dict: ShardedStateDict,
+    checkpoint_dir: PathArg,
+    sharded_strategy: Union[LoadShardedStrategy, Tuple[str, int], None] = None,
+    common_strategy: Union[LoadCommonStrategy, Tuple[str, int], None] = None,
+    validate_access_integrity: bool = True,
+    strict: Union[str, StrictHandling] = StrictHandling.ASSUME_OK_UNEXPECTED,
+) -> LoadResult:
+    """Collective: loads a checkpoint into the layout that `sharded_state_dict` describes.
+
+    The requested sharding may differ from the saved one (other world size, axis or number
+    of pieces): each rank reads exactly the regions it asks for.
+
+    Steps:
+    1. Check `metadata.json` and pick compatible strategies (from it unless given).
+    2. Load the common state; it forms the base of the result.
+    3. Build factories; put LocalNonpersistentObjects' local values in place.
+    4. Apply `strict` (key mismatch handling) and, with `validate_access_integrity`, check
+       that the request is a valid sharding.
+    5. Load ShardedTensors/ShardedObjects, merge them in, apply factory merges.
+
+    Args:
+        sharded_state_dict: what to load and where (ShardedTensors may carry the destination
+            tensors; those without data are allocated on the CPU).
+        checkpoint_dir: the checkpoint directory.
+        sharded_strategy: instance or `(backend, version)`; default from `metadata.json`.
+        common_strategy: instance or `(backend, version)`; default from `metadata.json`.
+        validate_access_integrity: check the request's sharding across ranks.
+        strict: a `StrictHandling` (or its value) for requested-vs-stored key mismatches.
+
+    Returns:
+        The loaded state dict; under RETURN_UNEXPECTED / RETURN_ALL a tuple
+        `(state_dict, missing_keys, unexpected_keys)`.
+
+    Raises:
+        NotACheckpointError: not a complete checkpoint.
+        KeyMismatchError: under a raising strict mode.
+        CheckpointingException: any other failure, on every rank.
+    """
+    start = time.perf_counter()
+    strict = parse_strict_flag(strict)
+    ckpt = Path(checkpoint_dir)
+
+    def prepare() -> Tuple[LoadShardedStrategy, LoadCommonStrategy, StateDict]:
+        sharded, common = verify_checkpoint_and_load_strategy(
+            ckpt, sharded_strategy, common_strategy
+        )
+        return sharded, common, common.load_common(ckpt)
+
+    sharded, common, common_state_dict = _dist.run_collectively(
+        f"load from {ckpt} (preparation)", prepare
+    )
+    request, nonpersistent, factories = _load_preprocess(sharded_state_dict)
+    merge(common_state_dict, nonpersistent)
+
+    ckpt_metadata = None
+    if StrictHandling.requires_explicit_ckpt_mismatch_check(strict):
+        ckpt_metadata = _dist.run_collectively(
+            f"metadata load from {ckpt}", _sharded_metadata, ckpt, sharded, common
+        )
+    local_md, global_md = None, None
+    if validate_access_integrity or StrictHandling.requires_global_app_metadata(strict):
+        local_md = [sh.without_data() for sh in _nested_sharded(request)]
+        global_md = _dist.all_gather_object(local_md)
+    request, missing, unexpected = validate_integrity_and_strict_load(
+        request, strict, validate_access_integrity, local_md, global_md, ckpt_metadata
+    )
+    if not sharded.can_handle_sharded_objects:
+        objects, request = extract_matching_values(request, lambda v: isinstance(v, ShardedObject))
+        loaded_objects = _dist.run_collectively(
+            f"ShardedObject load from {ckpt}", common.load_sharded_objects, objects, ckpt
+        )
+        merge(common_state_dict, loaded_objects)
+    loaded = sharded.load(request, ckpt)
+    merge(common_state_dict, loaded)
+    apply_factory_merges(common_state_dict, factories)
+    _dist.log_rank0(
+        logger, logging.INFO, "Loaded checkpoint %s in %.2f s", ckpt, time.perf_counter() - start
+    )
+    if StrictHandling.requires_returning_mismatch_keys(strict):
+        return common_state_dict, missing, unexpected
+    return common_state_dict
+
+
+def _sharded_metadata(
+    ckpt: Path, sharded: LoadShardedStrategy, common: LoadCommonStrategy
+) -> ShardedStateDict:
+    metadata = sharded.load_sharded_metadata(ckpt)
+    if not sharded.can_handle_sharded_objects:
+        metadata = merge(metadata, common.load_sharded_metadata(ckpt))
+    return metadata
+
+
+def load_common_state_dict(checkpoint_dir: PathArg) -> StateDict:
+    """Loads only the common (non-sharded) state of a checkpoint. Not collective."""
+    _, common = verify_checkpoint_and_load_strategy(checkpoint_dir)
+    return common.load_common(Path(checkpoint_dir))
+
+
+def load_tensors_metadata(
+    checkpoint_dir: PathArg, sharded_strategy: Optional[LoadShardedStrategy] = None
+) -> ShardedStateDict:
+    """Returns `{key: ShardedTensor}` (whole tensors, no data) of a checkpoint. Not collective."""
+    sharded, _ = verify_checkpoint_and_load_strategy(checkpoint_dir, sharded_strategy)
+    return sharded.load_tensors_metadata(Path(checkpoint_dir))
+
+
+def load_sharded_metadata(
+    checkpoint_dir: PathArg,
+    sharded_strategy: Optional[LoadShardedStrategy] = None,
+    common_strategy: Optional[LoadCommonStrategy] = None,
+) -> ShardedStateDict:
+    """Returns tensors (by key) and ShardedObjects (by unique key) of a checkpoint, no data.
+
+    Not collective.
+    """
+    sharded, common = verify_checkpoint_and_load_strategy(
+        checkpoint_dir, sharded_strategy, common_strategy
+    )
+    return _sharded_metadata(Path(checkpoint_dir), sharded, common)
+
+
+def load_plain_tensors(checkpoint_dir: PathArg) -> StateDict:
+    """Collective: loads every tensor of a checkpoint whole, as `{key: tensor}` (common state excluded)."""
+    request = load_tensors_metadata(checkpoint_dir)
+    result = load(request, checkpoint_dir, validate_access_integrity=False)
+    assert isinstance(result, dict)
+    return {k: result[k] for k in request}
+
+
+def load_content_metadata(
+    checkpoint_dir: Optional[PathArg] = None, *, preloaded_state_dict: Optional[StateDict] = None
+) -> Optional[dict]:
+    """Returns the `content_metadata` given to `save`, or None if there was none.
+
+    Args:
+        checkpoint_dir: the checkpoint (read if `preloaded_state_dict` is not given).
+        preloaded_state_dict: an already loaded common or full state dict.
+
+    Raises:
+        CheckpointingException: if neither argument is given.
+    """
+    if preloaded_state_dict is None:
+        if checkpoint_dir is None:
+            raise CheckpointingException("Give checkpoint_dir or preloaded_state_dict")
+        preloaded_state_dict = load_common_state_dict(checkpoint_dir)
+    return preloaded_state_dict.get(CONTENT_METADATA_KEY)
+
+
+def remove_sharded_tensors(checkpoint_dir: PathArg, key_prefix: str) -> None:
+    """Removes the tensors whose keys start with `key_prefix` (saved with that separation hint).
+
+    Not collective: run it on one process.
+    """
+    sharded, _ = verify_checkpoint_and_load_strategy(checkpoint_dir)
+    sharded.remove_sharded_tensors(Path(checkpoint_dir), key_prefix)

@@ -1,0 +1,338 @@
+"""File I/O of the torch_dist backend, in PyTorch DCP's on-disk format.
+
+Layout: `.metadata` (a pickled `torch.distributed.checkpoint.metadata.Metadata` whose
+`storage_data` maps each item to a byte range of a data file) and data files
+`[<hint>]__<rank>_<n>.distcp` holding, back to back, a `torch.save` payload per tensor
+chunk and raw bytes per object.
+
+Reading `.metadata` never runs arbitrary code: it is unpickled with an allowlist of DCP's
+metadata classes (stock DCP uses plain `pickle.load`).
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import pickle
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Sequence, Tuple
+
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.planner import ReadItem, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+
+from .._fileio import atomic_write, fsync_dir
+from .._safe_load import torch_load
+from ..errors import CheckpointCorruptedError, UnsafeCheckpointError
+from ._dcp_plan import WriteEntry
+
+__all__ = [
+    "DCP_METADATA_FNAME",
+    "DATA_SUFFIX",
+    "data_file_name",
+    "write_files",
+    "write_metadata",
+    "read_metadata",
+    "read_tensor_items",
+    "read_byte_items",
+]
+
+logger = logging.getLogger(__name__)
+
+DCP_METADATA_FNAME = ".metadata"
+DATA_SUFFIX = ".distcp"
+_MAX_METADATA_BYTES = 1 << 31
+
+
+def data_file_name(group: str, rank: int, index: int) -> str:
+    """Name of a rank's n-th data file; `group` is '' or the separation hint."""
+    return f"{group}__{rank}_{index}{DATA_SUFFIX}"
+
+
+def _owning_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A CPU tensor whose storage is exactly its data (torch.save writes whole storages)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if (
+        not t.is_contiguous()
+        or t.storage_offset() != 0
+        or t.untyped_storage().nbytes() != t.numel() * t.element_size()
+    ):
+        t = t.clone(memory_format=torch.contiguous_format)
+    return t
+
+
+def _write_one_file(path: Path, entries: Sequence[WriteEntry]) -> List[WriteResult]:
+    results = []
+    with open(path, "wb") as f:
+        for e in entries:
+            offset = f.tell()
+            if e.item.type == WriteItemType.BYTE_IO:
+                f.write(e.data)  # type: ignore[arg-type]
+            else:
+                assert isinstance(e.data, torch.Tensor)
+                torch.save(_owning_tensor(e.data), f)
+            length = f.tell() - offset
+            results.append(
+                WriteResult(
+                    index=e.item.index,
+                    size_in_bytes=length,
+                    storage_data=_StorageInfo(path.name, offset, length),
+                )
+            )
+        f.flush()
+        os.fsync(f.fileno())
+    return results
+
+
+def write_files(
+    checkpoint_dir: Path, files: Sequence[Tuple[str, Sequence[WriteEntry]]], thread_count: int
+) -> List[WriteResult]:
+    """Writes data files (one thread per file, up to `thread_count`), each fsync'd.
+
+    Args:
+        checkpoint_dir: destination directory (exists).
+        files: `(file name, entries)` pairs.
+        thread_count: maximum number of files written at once.
+
+    Returns:
+        The write results (item index -> file, offset, length) of every entry.
+    """
+    if not files:
+        return []
+    jobs = [(checkpoint_dir / name, entries) for name, entries in files]
+    workers = max(1, min(thread_count, len(jobs)))
+    if workers == 1:
+        nested = [_write_one_file(p, e) for p, e in jobs]
+    else:
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="dc-write") as pool:
+            nested = list(pool.map(lambda job: _write_one_file(*job), jobs))
+    fsync_dir(checkpoint_dir)
+    return [r for rs in nested for r in rs]
+
+
+def write_metadata(
+    checkpoint_dir: Path, metadata: Metadata, results: Sequence[WriteResult]
+) -> None:
+    """Attaches storage locations to `metadata` and writes `.metadata` atomically."""
+    metadata.storage_data = {r.index: r.storage_data for r in results}
+    metadata.version = metadata.version or "1.0.0"
+    atomic_write(checkpoint_dir / DCP_METADATA_FNAME, lambda f: pickle.dump(metadata, f))
+
+
+def _allowed_globals() -> Dict[Tuple[str, str], Any]:
+    import pathlib
+
+    import torch.distributed.checkpoint.metadata as md
+
+    allowed: Dict[Tuple[str, str], Any] = {}
+    for name in (
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "MetadataIndex",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
+    ):
+        if hasattr(md, name):
+            allowed[(md.__name__, name)] = getattr(md, name)
+    allowed[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = _StorageInfo
+    allowed[("torch", "Size")] = torch.Size
+    for name in dir(torch):
+        value = getattr(torch, name, None)
+        if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
+            allowed[("torch", name)] = value
+    allowed[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
+    allowed[("collections", "OrderedDict")] = __import__("collections").OrderedDict
+    allowed[("pathlib", "PosixPath")] = pathlib.PosixPath
+    allowed[("pathlib", "PurePosixPath")] = pathlib.PurePosixPath
+    allowed[("builtins", "set")] = set
+    allowed[("builtins", "frozenset")] = frozenset
+    return allowed
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    allowed: Dict[Tuple[str, str], Any] = {}
+
+    def find_class(self, module: str, name: str) -> Any:
+        try:
+            return self.allowed[(module, name)]
+        except KeyError:
+            raise UnsafeCheckpointError(
+                f"refusing to unpickle {module}.{name}: not a DCP metadata type"
+            ) from None
+
+
+def read_metadata(checkpoint_dir: Path) -> Metadata:
+    """Reads `.metadata` with an allowlisting unpickler.
+
+    Raises:
+        CheckpointCorruptedError: if it is missing, truncated or not DCP metadata.
+        UnsafeCheckpointError: if it references any class outside DCP's metadata types.
+    """
+    path = Path(checkpoint_dir) / DCP_METADATA_FNAME
+    if not _MetadataUnpickler.allowed:
+        _MetadataUnpickler.allowed = _allowed_globals()
+    try:
+        with open(path, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+    except UnsafeCheckpointError as e:
+        raise UnsafeCheckpointError(f"{path}: {e}") from e
+    except FileNotFoundError as e:
+        raise CheckpointCorruptedError(f"{path}: DCP metadata file not found") from e
+    except Exception as e:  # any unpickling failure means a damaged file
+        raise CheckpointCorruptedError(
+            f"{path}: cannot read DCP metadata ({type(e).__name__}: {e})"
+        ) from e
+    _check_metadata(metadata, path)
+    return metadata
+
+
+def _check_metadata(metadata: Any, path: Path) -> None:
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+    if not isinstance(metadata, Metadata):
+        raise CheckpointCorruptedError(
+            f"{path}: expected DCP Metadata, got {type(metadata).__name__}"
+        )
+    sdm = metadata.state_dict_metadata
+    if not isinstance(sdm, dict) or not isinstance(metadata.storage_data, dict):
+        raise CheckpointCorruptedError(f"{path}: state_dict_metadata/storage_data are not dicts")
+    for key, value in sdm.items():
+        if not isinstance(key, str) or not isinstance(
+            value, (TensorStorageMetadata, BytesStorageMetadata)
+        ):
+            raise CheckpointCorruptedError(f"{path}: malformed entry for key {key!r}")
+        if isinstance(value, TensorStorageMetadata):
+            ndim = len(value.size)
+            for chunk in value.chunks:
+                if len(chunk.offsets) != ndim or len(chunk.sizes) != ndim:
+                    raise CheckpointCorruptedError(f"{path}: chunk of {key!r} has wrong rank")
+                if any(
+                    o < 0 or s < 0 or o + s > g
+                    for o, s, g in zip(chunk.offsets, chunk.sizes, value.size)
+                ):
+                    raise CheckpointCorruptedError(
+                        f"{path}: chunk of {key!r} lies outside {tuple(value.size)}"
+                    )
+    for index, info in metadata.storage_data.items():
+        if not isinstance(index, MetadataIndex) or not isinstance(info, _StorageInfo):
+            raise CheckpointCorruptedError(f"{path}: malformed storage entry {index!r}")
+        rel = str(info.relative_path)
+        if (
+            "/" in rel
+            or "\\" in rel
+            or rel in ("", ".", "..")
+            or info.offset < 0
+            or info.length < 0
+        ):
+            raise CheckpointCorruptedError(
+                f"{path}: invalid storage location {info!r} for {index.fqn!r}"
+            )
+
+
+def _storage_info(metadata: Metadata, index: MetadataIndex) -> _StorageInfo:
+    try:
+        return metadata.storage_data[index]
+    except KeyError as e:
+        raise CheckpointCorruptedError(
+            f"No storage location for {index.fqn!r} at {index.offset}"
+        ) from e
+
+
+def _read_range(checkpoint_dir: Path, info: _StorageInfo) -> bytes:
+    path = checkpoint_dir / info.relative_path
+    try:
+        with open(path, "rb") as f:
+            f.seek(info.offset)
+            data = f.read(info.length)
+    except OSError as e:
+        raise CheckpointCorruptedError(f"{path}: cannot read ({e})") from e
+    if len(data) != info.length:
+        raise CheckpointCorruptedError(
+            f"{path}: truncated: wanted {info.length} bytes at offset {info.offset}, got {len(data)}"
+        )
+    return data
+
+
+@dataclass
+class _ChunkGroup:
+    info: _StorageInfo
+    reads: List[ReadItem]
+
+
+def read_tensor_items(
+    checkpoint_dir: Path,
+    metadata: Metadata,
+    reads: Sequence[ReadItem],
+    resolve: Callable[[ReadItem], torch.Tensor],
+    thread_count: int = 2,
+) -> int:
+    """Reads each needed stored chunk once and copies the requested regions out of it.
+
+    Args:
+        checkpoint_dir: the checkpoint directory.
+        metadata: its DCP metadata.
+        reads: planned reads (see `plan_tensor_reads`).
+        resolve: returns the destination view for a read item.
+        thread_count: chunks loaded in parallel.
+
+    Returns:
+        Bytes read from storage.
+
+    Raises:
+        CheckpointCorruptedError: on a missing, truncated or malformed chunk.
+    """
+    groups: Dict[Tuple[str, int], _ChunkGroup] = {}
+    for r in reads:
+        info = _storage_info(metadata, r.storage_index)
+        groups.setdefault(
+            (str(info.relative_path), info.offset), _ChunkGroup(info, [])
+        ).reads.append(r)
+
+    def load_group(group: _ChunkGroup) -> int:
+        what = (
+            f"{group.info.relative_path}@{group.info.offset} ({group.reads[0].storage_index.fqn!r})"
+        )
+        stored = torch_load(io.BytesIO(_read_range(checkpoint_dir, group.info)), what)
+        if not isinstance(stored, torch.Tensor):
+            raise CheckpointCorruptedError(
+                f"{what}: expected a tensor, got {type(stored).__name__}"
+            )
+        for r in group.reads:
+            try:
+                src = stored
+                for dim, (o, n) in enumerate(zip(r.storage_offsets, r.lengths)):
+                    src = src.narrow(dim, o, n)
+            except (RuntimeError, IndexError) as e:
+                raise CheckpointCorruptedError(
+                    f"{what}: stored chunk shape {tuple(stored.shape)} does not match metadata"
+                ) from e
+            dest = resolve(r)
+            if dest.shape != src.shape:
+                raise CheckpointCorruptedError(
+                    f"{what}: region shape {tuple(src.shape)} != destination {tuple(dest.shape)}"
+                )
+            dest.copy_(src)
+        return group.info.length
+
+    ordered = sorted(groups.values(), key=lambda g: (str(g.info.relative_path), g.info.offset))
+    if thread_count <= 1 or len(ordered) <= 1:
+        return sum(load_group(g) for g in ordered)
+    with ThreadPoolExecutor(max_workers=thread_count, thread_name_prefix="dc-read") as pool:
+        return sum(pool.map(load_group, ordered))
+
+
+def read_byte_items(
+    checkpoint_dir: Path, metadata: Metadata, indices: Sequence[MetadataIndex]
+) -> List[bytes]:
+    """Reads raw byte items (serialized ShardedObjects) in the order of `indices`."""
+    return [_read_range(checkpoint_dir, _storage_info(metadata, i)) for i in indices]

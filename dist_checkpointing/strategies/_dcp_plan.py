@@ -1,0 +1,235 @@
+"""Pure planning for the torch_dist backend: what to write, what to read, and the metadata.
+
+Nothing here touches files or process groups, so every function is testable on plain data.
+The vocabulary is PyTorch DCP's (WriteItem, ReadItem, Metadata, ...), which keeps the
+on-disk format readable by `torch.distributed.checkpoint` and megatron-core.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    ReadItem,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
+
+from ..errors import CheckpointingException, ShardingIntegrityError
+from ..mapping import ShardedObject, ShardedTensor
+
+__all__ = [
+    "WriteEntry",
+    "tensor_write_item",
+    "object_write_item",
+    "serialize_object",
+    "split_into_files",
+    "build_metadata",
+    "TensorRequest",
+    "plan_tensor_reads",
+]
+
+
+@dataclass
+class WriteEntry:
+    """One item to write and where its data comes from (a tensor or serialized bytes)."""
+
+    item: WriteItem
+    data: object  # torch.Tensor for SHARD items, bytes for BYTE_IO items
+
+    @property
+    def nbytes(self) -> int:
+        if isinstance(self.data, torch.Tensor):
+            return self.data.numel() * self.data.element_size()
+        assert isinstance(self.data, (bytes, bytearray, memoryview))
+        return len(self.data)
+
+
+def tensor_write_item(sh: ShardedTensor) -> WriteItem:
+    """The DCP write item of one ShardedTensor (prepended axes included in the chunk)."""
+    return WriteItem(
+        index=MetadataIndex(sh.key, torch.Size(sh.global_offset)),
+        type=WriteItemType.SHARD,
+        tensor_data=TensorWriteData(
+            chunk=ChunkStorageMetadata(
+                offsets=torch.Size(sh.global_offset), sizes=torch.Size(sh.prepended_local_shape)
+            ),
+            properties=TensorProperties(dtype=sh.dtype),
+            size=torch.Size(sh.global_shape),
+        ),
+    )
+
+
+def object_write_item(sh: ShardedObject) -> WriteItem:
+    """The DCP write item of one ShardedObject, stored as bytes under its unique key."""
+    return WriteItem(index=MetadataIndex(sh.unique_key), type=WriteItemType.BYTE_IO)
+
+
+def serialize_object(obj: object) -> bytes:
+    """Serializes a ShardedObject's data the way megatron-core does (`torch.save([obj])`)."""
+    buf = io.BytesIO()
+    torch.save([obj], buf)
+    return buf.getvalue()
+
+
+def split_into_files(
+    entries: Sequence[WriteEntry], files_per_rank: int, separation_hint: Optional[str] = None
+) -> List[Tuple[str, List[WriteEntry]]]:
+    """Groups a rank's entries into files of roughly equal byte size.
+
+    Args:
+        entries: what this rank writes.
+        files_per_rank: number of files for each group (the writer uses one thread per file).
+        separation_hint: entries whose key starts with it go to files named with it as a
+            prefix, so `remove_sharded_tensors(prefix)` can drop them whole.
+
+    Returns:
+        `[(file name suffix group, entries)]` where the group is '' or the hint; empty
+        buckets are dropped. Largest entries are placed first, each into the lightest file.
+    """
+    groups: Dict[str, List[WriteEntry]] = {}
+    for e in entries:
+        group = (
+            separation_hint
+            if separation_hint and e.item.index.fqn.startswith(separation_hint)
+            else ""
+        )
+        groups.setdefault(group, []).append(e)
+    out: List[Tuple[str, List[WriteEntry]]] = []
+    for group, items in groups.items():
+        bins: List[List[WriteEntry]] = [[] for _ in range(max(1, files_per_rank))]
+        sizes = [0] * len(bins)
+        for e in sorted(items, key=lambda x: x.nbytes, reverse=True):
+            i = sizes.index(min(sizes))
+            bins[i].append(e)
+            sizes[i] += e.nbytes
+        out += [(group, b) for b in bins if b]
+    return out
+
+
+def build_metadata(all_items: Sequence[Sequence[WriteItem]], dedup: bool = False) -> Metadata:
+    """Builds DCP's global metadata from every rank's write items (storage_data not set).
+
+    Args:
+        all_items: each rank's write items, indexed by rank.
+        dedup: keep the first of identical chunks written by several ranks (replicas saved
+            on purpose) instead of raising.
+
+    Raises:
+        ShardingIntegrityError: if ranks disagree on a tensor's global shape or dtype, a key
+            is both a tensor and an object, or the same chunk or object is written twice.
+    """
+    md: Dict[str, object] = {}
+    seen_chunks: Dict[str, set] = {}
+    for rank, items in enumerate(all_items):
+        for item in items:
+            fqn = item.index.fqn
+            if item.type == WriteItemType.BYTE_IO:
+                if fqn in md:
+                    if dedup and isinstance(md[fqn], BytesStorageMetadata):
+                        continue
+                    raise ShardingIntegrityError(f"{fqn!r} is written twice (again by rank {rank})")
+                md[fqn] = BytesStorageMetadata()
+                continue
+            td = item.tensor_data
+            assert td is not None
+            existing = md.get(fqn)
+            if existing is None:
+                existing = TensorStorageMetadata(properties=td.properties, size=td.size, chunks=[])
+                md[fqn] = existing
+                seen_chunks[fqn] = set()
+            if not isinstance(existing, TensorStorageMetadata):
+                raise ShardingIntegrityError(f"{fqn!r} is both a tensor and an object")
+            if existing.size != td.size or existing.properties.dtype != td.properties.dtype:
+                raise ShardingIntegrityError(
+                    f"{fqn!r}: rank {rank} writes shape {tuple(td.size)} {td.properties.dtype}, "
+                    f"another rank {tuple(existing.size)} {existing.properties.dtype}"
+                )
+            offsets = tuple(td.chunk.offsets)
+            if offsets in seen_chunks[fqn]:
+                if dedup:
+                    continue
+                raise ShardingIntegrityError(
+                    f"{fqn!r}: chunk at {offsets} is written twice (again by rank {rank})"
+                )
+            seen_chunks[fqn].add(offsets)
+            existing.chunks.append(td.chunk)
+    return Metadata(state_dict_metadata=md)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class TensorRequest:
+    """A region a rank wants to load: key, its slot id on this rank, global offsets, sizes."""
+
+    key: str
+    slot: int
+    offsets: Tuple[int, ...]
+    sizes: Tuple[int, ...]
+
+
+def _overlap(
+    a_off: Sequence[int], a_size: Sequence[int], b_off: Sequence[int], b_size: Sequence[int]
+) -> Optional[Tuple[List[int], List[int]]]:
+    lo = [max(x, y) for x, y in zip(a_off, b_off)]
+    hi = [min(x + sx, y + sy) for x, sx, y, sy in zip(a_off, a_size, b_off, b_size)]
+    if any(h <= low for low, h in zip(lo, hi)):
+        return None
+    return lo, [h - low for low, h in zip(lo, hi)]
+
+
+def plan_tensor_reads(
+    request: TensorRequest, stored: TensorStorageMetadata, allow_partial: bool = False
+) -> List[ReadItem]:
+    """Plans the reads that fill one requested region from the stored chunks.
+
+    Args:
+        request: the region to fill.
+        stored: the checkpoint's metadata of that tensor.
+        allow_partial: accept a region the checkpoint covers only in part (shape mismatch
+            allowed); otherwise an uncovered element is an error.
+
+    Returns:
+        One ReadItem per overlapping stored chunk, with offsets into both sides.
+
+    Raises:
+        CheckpointingException: if part of the region is not in the checkpoint.
+    """
+    items = []
+    covered = 0
+    for idx, chunk in enumerate(stored.chunks):
+        ov = _overlap(request.offsets, request.sizes, tuple(chunk.offsets), tuple(chunk.sizes))
+        if ov is None:
+            continue
+        lo, lengths = ov
+        covered += math.prod(lengths)
+        items.append(
+            ReadItem(
+                type=LoadItemType.TENSOR,
+                dest_index=MetadataIndex(request.key, torch.Size(request.offsets), request.slot),
+                dest_offsets=torch.Size([x - o for x, o in zip(lo, request.offsets)]),
+                storage_index=MetadataIndex(request.key, chunk.offsets, idx),
+                storage_offsets=torch.Size([x - o for x, o in zip(lo, chunk.offsets)]),
+                lengths=torch.Size(lengths),
+            )
+        )
+    wanted = math.prod(request.sizes)
+    if covered != wanted and not allow_partial:
+        raise CheckpointingException(
+            f"Checkpoint holds {covered} of the {wanted} elements requested for {request.key!r} "
+            f"at offset {request.offsets} with shape {request.sizes}"
+        )
+    return items

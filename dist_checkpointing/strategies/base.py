@@ -1,0 +1,310 @@
+"""The strategy registry and the strategy base classes.
+
+A strategy is selected by `(StrategyAction, backend, version)`. Built-in strategies are
+registered lazily, on the first lookup, by `_register_builtin_strategies`; importing this
+module registers nothing. Users add their own with `register_default_strategy` and select
+them in `save`/`load` by `(backend, version)` or by passing an instance.
+
+Protocol of a save: `save()` runs on every rank; a `SaveShardedStrategy.save` must be
+collective-safe (all ranks call it, all succeed or all raise). The checkpoint records the
+strategy's `(backend, version)` in `metadata.json`; `load` looks that pair up under
+`LOAD_SHARDED`/`LOAD_COMMON` and then asks the strategy `check_backend_compatibility` and
+`check_version_compatibility`, which raise on mismatch.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import defaultdict
+from enum import Enum
+from pathlib import Path
+from typing import Any, DefaultDict, Dict, Optional, Tuple, Type, Union
+
+from .._types import ShardedStateDict, StateDict
+from ..errors import (
+    CheckpointingException,
+    IncompatibleCheckpointError,
+    StrategyNotFoundError,
+)
+
+__all__ = [
+    "StrategyAction",
+    "default_strategies",
+    "get_default_strategy",
+    "register_default_strategy",
+    "resolve_strategy",
+    "LoadStrategyBase",
+    "SaveStrategyBase",
+    "LoadCommonStrategy",
+    "LoadShardedStrategy",
+    "SaveCommonStrategy",
+    "SaveShardedStrategy",
+    "AsyncSaveShardedStrategy",
+]
+
+CheckpointDir = Union[str, Path]
+
+
+class StrategyAction(Enum):
+    """What a strategy does: load or save, the sharded or the common part."""
+
+    LOAD_COMMON = "load_common"
+    LOAD_SHARDED = "load_sharded"
+    SAVE_COMMON = "save_common"
+    SAVE_SHARDED = "save_sharded"
+
+
+#: Registered strategies: `default_strategies[action.value][(backend, version)]`.
+#: Read it freely; change it only through `register_default_strategy`.
+default_strategies: DefaultDict[str, Dict[Tuple[str, int], Any]] = defaultdict(dict)
+_builtins_registered = False
+
+
+def _register_builtin_strategies() -> None:
+    """Registers the built-in backends, once, on first use of the registry."""
+    global _builtins_registered
+    if _builtins_registered:
+        return
+    _builtins_registered = True
+    from .common import register_default_common_strategies
+    from .torch import register_default_torch_strategies
+
+    register_default_common_strategies()
+    register_default_torch_strategies()
+
+
+def _registered_listing() -> str:
+    entries = [
+        f"({action}, {backend!r}, {version})"
+        for action, table in sorted(default_strategies.items())
+        for backend, version in sorted(table)
+    ]
+    return ", ".join(entries) or "none"
+
+
+def get_default_strategy(action: StrategyAction, backend: str, version: int) -> Any:
+    """Returns the strategy registered for `(action, backend, version)`.
+
+    Raises:
+        StrategyNotFoundError: naming the triple and listing what is registered.
+    """
+    _register_builtin_strategies()
+    if not isinstance(action, StrategyAction):
+        raise StrategyNotFoundError(f"Unknown strategy action {action!r}")
+    try:
+        return default_strategies[action.value][(backend, version)]
+    except (KeyError, TypeError) as e:
+        raise StrategyNotFoundError(
+            f"No strategy registered for action={action.value}, backend={backend!r}, "
+            f"version={version!r}. Registered: {_registered_listing()}"
+        ) from e
+
+
+_EXPECTED_BASE: Dict[StrategyAction, str] = {
+    StrategyAction.LOAD_COMMON: "LoadCommonStrategy",
+    StrategyAction.LOAD_SHARDED: "LoadShardedStrategy",
+    StrategyAction.SAVE_COMMON: "SaveCommonStrategy",
+    StrategyAction.SAVE_SHARDED: "SaveShardedStrategy",
+}
+
+
+def register_default_strategy(
+    action: StrategyAction, backend: str, version: int, strategy: Any
+) -> None:
+    """Registers `strategy` for `(action, backend, version)`, replacing any earlier one.
+
+    Raises:
+        CheckpointingException: on a malformed backend/version or a strategy of the wrong
+            kind for `action`.
+    """
+    if not isinstance(action, StrategyAction):
+        raise CheckpointingException(f"Unknown strategy action {action!r}")
+    if not isinstance(backend, str) or not backend:
+        raise CheckpointingException(f"Backend must be a non-empty string, got {backend!r}")
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        raise CheckpointingException(f"Version must be a positive int, got {version!r}")
+    base: Type[Any] = globals()[_EXPECTED_BASE[action]]
+    if not isinstance(strategy, base):
+        raise CheckpointingException(
+            f"Strategy for {action.value} must be a {base.__name__}, got {type(strategy).__name__}"
+        )
+    default_strategies[action.value][(backend, version)] = strategy
+
+
+def resolve_strategy(
+    action: StrategyAction, spec: Any, default: Optional[Tuple[str, int]] = None
+) -> Any:
+    """Turns a strategy argument of `save`/`load` into a strategy instance.
+
+    Args:
+        action: what the strategy is for.
+        spec: a strategy instance, a `(backend, version)` tuple, or None.
+        default: the `(backend, version)` used when `spec` is None.
+
+    Returns:
+        The strategy instance.
+
+    Raises:
+        StrategyNotFoundError: if the tuple is not registered.
+        CheckpointingException: if `spec` is of the wrong kind.
+    """
+    base: Type[Any] = globals()[_EXPECTED_BASE[action]]
+    if spec is None:
+        if default is None:
+            raise CheckpointingException(f"No strategy given for {action.value}")
+        spec = default
+    if isinstance(spec, tuple):
+        if len(spec) != 2:
+            raise CheckpointingException(f"Strategy tuple must be (backend, version), got {spec!r}")
+        spec = get_default_strategy(action, spec[0], spec[1])
+    if not isinstance(spec, base):
+        raise CheckpointingException(
+            f"Expected a {base.__name__} or a (backend, version) tuple for {action.value}, "
+            f"got {type(spec).__name__}"
+        )
+    return spec
+
+
+class LoadStrategyBase(ABC):
+    """Base of load strategies: declares which checkpoints it can read."""
+
+    @abstractmethod
+    def check_backend_compatibility(self, loaded_backend: str) -> None:
+        """Raises `IncompatibleCheckpointError` if checkpoints of `loaded_backend` are unreadable."""
+
+    @abstractmethod
+    def check_version_compatibility(self, loaded_version: int) -> None:
+        """Raises `IncompatibleCheckpointError` if that format version is unreadable."""
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        """Whether this strategy loads ShardedObjects itself (else the common strategy does)."""
+        return False
+
+    def __str__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+class SaveStrategyBase(ABC):  # noqa: B024 (abstract methods live in the subclasses)
+    """Base of save strategies: knows the `(backend, version)` it writes.
+
+    Args:
+        backend: backend name recorded in `metadata.json`.
+        version: format version recorded in `metadata.json`.
+    """
+
+    def __init__(self, backend: str, version: int) -> None:
+        self.backend = backend
+        self.version = version
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        """Whether this strategy saves ShardedObjects itself (else the common strategy does)."""
+        return False
+
+    def __str__(self) -> str:
+        return f"{type(self).__name__}({self.backend}, {self.version})"
+
+
+class LoadCommonStrategy(LoadStrategyBase):
+    """Loads the common (non-sharded) part, and ShardedObjects for backends that don't."""
+
+    @abstractmethod
+    def load_common(self, checkpoint_dir: CheckpointDir) -> StateDict:
+        """Returns the common state dict of the checkpoint (every rank calls it)."""
+
+    @abstractmethod
+    def load_sharded_objects(
+        self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir
+    ) -> StateDict:
+        """Returns `sharded_objects_state_dict` with each ShardedObject replaced by its data."""
+
+    def load_sharded_metadata(self, checkpoint_dir: CheckpointDir) -> ShardedStateDict:
+        """Returns `{unique_key: ShardedObject}` (metadata only) of the stored objects."""
+        return {}
+
+
+class LoadShardedStrategy(LoadStrategyBase):
+    """Loads the sharded part of a checkpoint (collective: every rank calls `load`)."""
+
+    @abstractmethod
+    def load(
+        self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir
+    ) -> StateDict:
+        """Returns `sharded_state_dict` with every sharded leaf replaced by its loaded data."""
+
+    @abstractmethod
+    def load_tensors_metadata(self, checkpoint_dir: CheckpointDir) -> ShardedStateDict:
+        """Returns `{key: ShardedTensor}` (metadata only, unsharded) of the stored tensors."""
+
+    def load_sharded_metadata(self, checkpoint_dir: CheckpointDir) -> ShardedStateDict:
+        """Returns tensors and (when handled here) objects metadata, keyed by (unique) key."""
+        if self.can_handle_sharded_objects:
+            raise CheckpointingException(f"{self} handles ShardedObjects but does not list them")
+        return self.load_tensors_metadata(checkpoint_dir)
+
+    def remove_sharded_tensors(self, checkpoint_dir: CheckpointDir, key_prefix: str) -> None:
+        """Removes the tensors whose keys start with `key_prefix` from a checkpoint.
+
+        Raises:
+            CheckpointingException: if the strategy cannot do it.
+        """
+        raise CheckpointingException(f"{self} cannot remove sharded tensors")
+
+
+def require_backend(strategy: LoadStrategyBase, expected: str, loaded: str) -> None:
+    """For built-in strategies: raise `IncompatibleCheckpointError` unless `loaded == expected`."""
+    if loaded != expected:
+        raise IncompatibleCheckpointError(
+            f"{strategy} reads backend {expected!r}, but the checkpoint was written by backend {loaded!r}"
+        )
+
+
+def require_version(
+    strategy: LoadStrategyBase, backend: str, supported: Tuple[int, ...], loaded: int
+) -> None:
+    """For built-in strategies: raise `IncompatibleCheckpointError` unless `loaded` is supported."""
+    if loaded not in supported:
+        raise IncompatibleCheckpointError(
+            f"{strategy} reads {backend!r} versions {list(supported)}, but the checkpoint has version {loaded!r}"
+        )
+
+
+class SaveCommonStrategy(SaveStrategyBase):
+    """Saves the common part (rank 0 writes) and ShardedObjects for backends that don't."""
+
+    @abstractmethod
+    def save_common(self, common_state_dict: StateDict, checkpoint_dir: CheckpointDir) -> None:
+        """Writes the common state dict (every rank calls it; rank 0 writes)."""
+
+    @abstractmethod
+    def save_sharded_objects(
+        self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir
+    ) -> None:
+        """Writes this rank's main-replica ShardedObjects."""
+
+
+class SaveShardedStrategy(SaveStrategyBase):
+    """Saves the sharded part (collective: every rank calls `save`)."""
+
+    @abstractmethod
+    def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir) -> None:
+        """Writes this rank's main-replica shards; all ranks succeed or all raise."""
+
+
+class AsyncSaveShardedStrategy(SaveShardedStrategy):
+    """A sharded save strategy that can also write in the background.
+
+    `async_save` does the caller-side part (planning, copy to host memory) and returns an
+    `AsyncRequest` for the rest; `save` runs that same request synchronously.
+    """
+
+    @abstractmethod
+    def async_save(
+        self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir
+    ) -> Any:
+        """Starts a save; returns the request (with `execute_sync()`) that writes and finalizes it."""
+
+    def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir) -> None:
+        """Saves synchronously by running the async request in the caller."""
+        self.async_save(sharded_state_dict, checkpoint_dir).execute_sync()

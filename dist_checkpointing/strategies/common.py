@@ -1,0 +1,148 @@
+"""The 'torch' common strategy, version 1: `common.pt`, and ShardedObjects as files.
+
+Rank 0 writes the common state dict to `<ckpt>/common.pt`. For sharded backends that do not
+store ShardedObjects themselves, each main replica is written to
+`<ckpt>/<key>/shard_<offset>_<shape>.pt`, its path checked to stay inside the checkpoint.
+Loads use `torch.load(weights_only=True)` unless the strategy is built with
+`weights_only=False` (trusted checkpoints only).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .._dist import get_rank
+from .._fileio import atomic_write
+from .._paths import safe_join
+from .._safe_load import torch_load
+from .._types import ShardedStateDict, StateDict
+from ..dict_utils import dict_list_map_inplace, nested_values
+from ..errors import CheckpointCorruptedError
+from ..mapping import ShardedObject, is_main_replica
+from .base import (
+    CheckpointDir,
+    LoadCommonStrategy,
+    SaveCommonStrategy,
+    StrategyAction,
+    register_default_strategy,
+    require_backend,
+    require_version,
+)
+
+__all__ = [
+    "COMMON_STATE_FNAME",
+    "TorchCommonSaveStrategy",
+    "TorchCommonLoadStrategy",
+    "register_default_common_strategies",
+]
+
+logger = logging.getLogger(__name__)
+
+COMMON_STATE_FNAME = "common.pt"
+BACKEND = "torch"
+SUPPORTED_VERSIONS = (1,)
+
+
+def register_default_common_strategies() -> None:
+    """Registers ('torch', 1) for SAVE_COMMON and LOAD_COMMON."""
+    register_default_strategy(StrategyAction.LOAD_COMMON, BACKEND, 1, TorchCommonLoadStrategy())
+    register_default_strategy(
+        StrategyAction.SAVE_COMMON, BACKEND, 1, TorchCommonSaveStrategy(BACKEND, 1)
+    )
+
+
+def _torch_save_atomic(obj: Any, path: Path) -> None:
+    atomic_write(path, lambda f: torch.save(obj, f))
+
+
+class TorchCommonSaveStrategy(SaveCommonStrategy):
+    """Writes `common.pt` (rank 0) and ShardedObjects as per-object `.pt` files."""
+
+    def save_common(self, common_state_dict: StateDict, checkpoint_dir: CheckpointDir) -> None:
+        """Rank 0 writes `common_state_dict` to `<checkpoint_dir>/common.pt`, atomically."""
+        if get_rank() == 0:
+            _torch_save_atomic(common_state_dict, Path(checkpoint_dir) / COMMON_STATE_FNAME)
+
+    def save_sharded_objects(
+        self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir
+    ) -> None:
+        """Writes each main-replica ShardedObject to `<checkpoint_dir>/<unique_key>.pt`.
+
+        Raises:
+            CheckpointingException: if a key would escape `checkpoint_dir`.
+        """
+        for sh_obj in nested_values(sharded_objects_state_dict):
+            if isinstance(sh_obj, ShardedObject) and is_main_replica(sh_obj.replica_id):
+                path = safe_join(checkpoint_dir, sh_obj.unique_key, ".pt")
+                path.parent.mkdir(parents=True, exist_ok=True)
+                _torch_save_atomic(sh_obj.data, path)
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        return True
+
+
+class TorchCommonLoadStrategy(LoadCommonStrategy):
+    """Reads `common.pt` and per-object `.pt` files.
+
+    Args:
+        weights_only: keep True (the default) to refuse arbitrary pickled objects; set False
+            only for checkpoints you trust, or allowlist classes with
+            `torch.serialization.add_safe_globals`.
+    """
+
+    def __init__(self, weights_only: bool = True) -> None:
+        self.weights_only = weights_only
+
+    def check_backend_compatibility(self, loaded_backend: str) -> None:
+        require_backend(self, BACKEND, loaded_backend)
+
+    def check_version_compatibility(self, loaded_version: int) -> None:
+        require_version(self, BACKEND, SUPPORTED_VERSIONS, loaded_version)
+
+    def load_common(self, checkpoint_dir: CheckpointDir) -> StateDict:
+        """Loads `common.pt`.
+
+        Raises:
+            CheckpointCorruptedError: if it is missing, malformed, or not a dict.
+            UnsafeCheckpointError: if it holds objects outside the safe allowlist.
+        """
+        path = Path(checkpoint_dir) / COMMON_STATE_FNAME
+        state = torch_load(path, str(path), self.weights_only)
+        if not isinstance(state, dict):
+            raise CheckpointCorruptedError(f"{path}: expected a dict, got {type(state).__name__}")
+        return state
+
+    def load_sharded_objects(
+        self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir
+    ) -> StateDict:
+        """Replaces each ShardedObject leaf with the object loaded from its file, in place."""
+
+        def load_one(x: Any) -> Any:
+            if not isinstance(x, ShardedObject):
+                return x
+            path = safe_join(checkpoint_dir, x.unique_key, ".pt")
+            return torch_load(path, f"ShardedObject {x.unique_key!r} ({path})", self.weights_only)
+
+        return dict_list_map_inplace(load_one, sharded_objects_state_dict)
+
+    def load_sharded_metadata(self, checkpoint_dir: CheckpointDir) -> ShardedStateDict:
+        """Lists the ShardedObjects stored as files, keyed by unique key."""
+        root = Path(checkpoint_dir)
+        out: ShardedStateDict = {}
+        for path in sorted(root.rglob("shard_*.pt")):
+            rel = path.relative_to(root)
+            if len(rel.parts) < 2:
+                continue
+            unique_key = "/".join(rel.parts[:-1] + (path.stem,))
+            sh_obj = ShardedObject.empty_from_unique_key(unique_key)
+            out[sh_obj.unique_key] = sh_obj
+        return out
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        return True

@@ -1,0 +1,429 @@
+"""The 'torch_dist' backend, version 1: sharded tensors in PyTorch DCP's on-disk format.
+
+Save (collective): each rank writes its main-replica shards to its own `.distcp` files in
+parallel; rank 0 gathers the items and their locations, writes DCP's `.metadata`, and
+every rank learns whether all of that succeeded. No planning exchange is needed before the
+write: file names and chunk placement follow from each rank's own shards.
+
+Load (collective): every rank reads `.metadata` (safely), plans reads for exactly the
+regions it asked for (any sharding: another world size, axis, or number of pieces), and
+reads each needed stored chunk once.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import pickle
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import ReadItem, WriteItem
+from torch.distributed.checkpoint.storage import WriteResult
+
+from .._dist import agree_on_errors, broadcast_object, gather_object, get_rank, run_collectively
+from .._fileio import atomic_write
+from .._safe_load import torch_load
+from .._types import ShardedStateDict, StateDict
+from ..dict_utils import dict_list_map_inplace, nested_values
+from ..errors import CheckpointCorruptedError, CheckpointingException
+from ..mapping import ShardedBase, ShardedObject, ShardedTensor, is_main_replica
+from . import _dcp_io
+from ._dcp_plan import (
+    TensorRequest,
+    WriteEntry,
+    build_metadata,
+    object_write_item,
+    plan_tensor_reads,
+    serialize_object,
+    split_into_files,
+    tensor_write_item,
+)
+from .base import (
+    CheckpointDir,
+    LoadShardedStrategy,
+    SaveShardedStrategy,
+    StrategyAction,
+    register_default_strategy,
+    require_backend,
+    require_version,
+)
+
+__all__ = [
+    "TorchDistSaveShardedStrategy",
+    "TorchDistLoadShardedStrategy",
+    "register_default_torch_strategies",
+]
+
+logger = logging.getLogger(__name__)
+
+BACKEND = "torch_dist"
+SUPPORTED_VERSIONS = (1,)
+
+
+def register_default_torch_strategies() -> None:
+    """Registers ('torch_dist', 1) for SAVE_SHARDED and LOAD_SHARDED."""
+    register_default_strategy(
+        StrategyAction.LOAD_SHARDED, BACKEND, 1, TorchDistLoadShardedStrategy()
+    )
+    register_default_strategy(
+        StrategyAction.SAVE_SHARDED, BACKEND, 1, TorchDistSaveShardedStrategy(BACKEND, 1)
+    )
+
+
+def _gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / max(seconds, 1e-9) / 1e9
+
+
+class TorchDistSaveShardedStrategy(SaveShardedStrategy):
+    """Saves ShardedTensors and ShardedObjects in PyTorch DCP's format.
+
+    Args:
+        backend: recorded in metadata.json ('torch_dist').
+        version: recorded in metadata.json (1).
+        keep_only_main_replica: write only main replicas (True), or every replica and keep
+            one copy of each chunk in the metadata (False).
+        thread_count: files written in parallel by each rank (one thread per file).
+        cached_metadata: accepted for API compatibility; this strategy never exchanges a
+            plan before writing, so there is nothing to cache.
+        separation_hint: keys starting with this prefix go to separate files named with it,
+            so `remove_sharded_tensors(dir, prefix)` can drop them.
+    """
+
+    def __init__(
+        self,
+        backend: str = BACKEND,
+        version: int = 1,
+        keep_only_main_replica: bool = True,
+        thread_count: int = 2,
+        cached_metadata: bool = False,
+        separation_hint: Optional[str] = None,
+    ) -> None:
+        super().__init__(backend, version)
+        if thread_count < 1:
+            raise CheckpointingException(f"thread_count must be >= 1, got {thread_count}")
+        self.keep_only_main_replica = keep_only_main_replica
+        self.thread_count = thread_count
+        self.cached_metadata = cached_metadata
+        self.separation_hint = separation_hint
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        return True
+
+    def _local_entries(self, sharded_state_dict: ShardedStateDict) -> List[WriteEntry]:
+        entries = []
+        for sh in nested_values(sharded_state_dict):
+            if not isinstance(sh, ShardedBase):
+                continue
+            if self.keep_only_main_replica and not is_main_replica(sh.replica_id):
+                continue
+            if isinstance(sh, ShardedTensor):
+                if sh.data is None:
+                    raise CheckpointingException(f"Cannot save {sh.key!r}: data is None")
+                view = sh.data
+                for _ in range(sh.prepend_axis_num):
+                    view = view.unsqueeze(0)
+                entries.append(WriteEntry(tensor_write_item(sh), view))
+            elif isinstance(sh, ShardedObject):
+                entries.append(WriteEntry(object_write_item(sh), serialize_object(sh.data)))
+            else:
+                raise CheckpointingException(
+                    f"{self} cannot save {type(sh).__name__} {sh.key!r}; apply factories first"
+                )
+        return entries
+
+    def _write_local(
+        self, sharded_state_dict: ShardedStateDict, ckpt: Path
+    ) -> Tuple[List[WriteItem], List[WriteResult]]:
+        entries = self._local_entries(sharded_state_dict)
+        rank = get_rank()
+        files = split_into_files(entries, self.thread_count, self.separation_hint)
+        named = [
+            (_dcp_io.data_file_name(group, rank, i), es) for i, (group, es) in enumerate(files)
+        ]
+        return [e.item for e in entries], _dcp_io.write_files(ckpt, named, self.thread_count)
+
+    def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir) -> None:
+        """Collective: writes this rank's shards, then rank 0 writes DCP's `.metadata`.
+
+        Raises:
+            CheckpointingException: on every rank, if any rank's write or the metadata failed.
+        """
+        ckpt = Path(checkpoint_dir)
+        start = time.perf_counter()
+        local: Optional[Tuple[List[WriteItem], List[WriteResult]]] = None
+        error: Optional[BaseException] = None
+        try:
+            local = self._write_local(sharded_state_dict, ckpt)
+        except Exception as e:  # reported to rank 0 and re-raised on every rank below
+            error = e
+        gathered = gather_object(local if error is None else f"{type(error).__name__}: {error}")
+        outcome: Optional[str] = None
+        if gathered is not None:
+            outcome = self._finish_on_coordinator(ckpt, gathered, start)
+        outcome = broadcast_object(outcome)
+        if error is not None or outcome is not None:
+            agree_failure = error if error is not None else CheckpointingException(outcome or "")
+            agree_on_errors(agree_failure, f"torch_dist save to {ckpt}")
+        # every rank reached here without a local error and rank 0 reported success
+        logger.debug(
+            "rank %d wrote %d items to %s", get_rank(), len(local[0]) if local else 0, ckpt
+        )
+
+    def _finish_on_coordinator(
+        self, ckpt: Path, gathered: List[Any], start: float
+    ) -> Optional[str]:
+        failed = [f"rank {r}: {g}" for r, g in enumerate(gathered) if isinstance(g, str)]
+        if failed:
+            return "; ".join(failed)
+        try:
+            all_items = [g[0] for g in gathered]
+            results = [r for g in gathered for r in g[1]]
+            metadata = build_metadata(all_items, dedup=not self.keep_only_main_replica)
+            _dcp_io.write_metadata(ckpt, metadata, results)
+        except Exception as e:  # turned into an error on every rank by the caller
+            return f"rank 0 (metadata): {type(e).__name__}: {e}"
+        nbytes = sum(r.size_in_bytes for r in results)
+        seconds = time.perf_counter() - start
+        logger.info(
+            "torch_dist save %s: %d items, %.3f GB in %.2f s (%.2f GB/s)",
+            ckpt,
+            len(results),
+            nbytes / 1e9,
+            seconds,
+            _gbps(nbytes, seconds),
+        )
+        return None
+
+
+class TorchDistLoadShardedStrategy(LoadShardedStrategy):
+    """Loads checkpoints in PyTorch DCP's format, resharding to the requested layout.
+
+    Args:
+        weights_only: keep True (the default) to refuse arbitrary pickled ShardedObjects;
+            set False only for trusted checkpoints.
+        thread_count: stored chunks read in parallel.
+    """
+
+    def __init__(self, weights_only: bool = True, thread_count: int = 2) -> None:
+        self.weights_only = weights_only
+        self.thread_count = thread_count
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        return True
+
+    def check_backend_compatibility(self, loaded_backend: str) -> None:
+        require_backend(self, BACKEND, loaded_backend)
+
+    def check_version_compatibility(self, loaded_version: int) -> None:
+        require_version(self, BACKEND, SUPPORTED_VERSIONS, loaded_version)
+
+    def load(
+        self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir
+    ) -> StateDict:
+        """Collective: fills every requested shard from the checkpoint.
+
+        ShardedTensors without data are allocated on the CPU. A dtype different from the
+        stored one is converted (with a warning); a different global shape is an error
+        unless the tensor allows shape mismatch.
+
+        Returns:
+            `sharded_state_dict` with every ShardedTensor/ShardedObject replaced by its data.
+
+        Raises:
+            CheckpointingException: on every rank, if any rank's load failed.
+        """
+        return run_collectively(
+            f"torch_dist load from {checkpoint_dir}",
+            self._load_local,
+            sharded_state_dict,
+            Path(checkpoint_dir),
+        )
+
+    def _load_local(self, sharded_state_dict: ShardedStateDict, ckpt: Path) -> StateDict:
+        start = time.perf_counter()
+        metadata = _dcp_io.read_metadata(ckpt)
+        sdm = metadata.state_dict_metadata
+        dests: List[torch.Tensor] = []
+        reads: List[ReadItem] = []
+        objects: List[ShardedObject] = []
+        for sh in nested_values(sharded_state_dict):
+            if isinstance(sh, ShardedTensor):
+                reads += self._plan_tensor(sh, sdm.get(sh.key), len(dests))
+                dests.append(self._destination(sh))
+            elif isinstance(sh, ShardedObject):
+                if not isinstance(sdm.get(sh.unique_key), BytesStorageMetadata):
+                    raise CheckpointingException(
+                        f"ShardedObject {sh.unique_key!r} is not in checkpoint {ckpt}"
+                    )
+                objects.append(sh)
+            elif isinstance(sh, ShardedBase):
+                raise CheckpointingException(
+                    f"{self} cannot load {type(sh).__name__} {sh.key!r}; apply factories first"
+                )
+
+        def resolve(r: ReadItem) -> torch.Tensor:
+            view = dests[r.dest_index.index]  # type: ignore[index]
+            for dim, (o, n) in enumerate(zip(r.dest_offsets, r.lengths)):
+                view = view.narrow(dim, o, n)
+            return view
+
+        nbytes = _dcp_io.read_tensor_items(ckpt, metadata, reads, resolve, self.thread_count)
+        raw = _dcp_io.read_byte_items(
+            ckpt, metadata, [MetadataIndex(o.unique_key) for o in objects]
+        )
+        loaded_objects: Dict[int, Any] = {}
+        for o, data in zip(objects, raw):
+            value = torch_load(
+                io.BytesIO(data), f"ShardedObject {o.unique_key!r} in {ckpt}", self.weights_only
+            )
+            if not isinstance(value, list) or len(value) != 1:
+                raise CheckpointCorruptedError(
+                    f"ShardedObject {o.unique_key!r} in {ckpt}: expected a one-element list"
+                )
+            loaded_objects[id(o)] = value[0]
+            nbytes += len(data)
+        seconds = time.perf_counter() - start
+        logger.debug(
+            "rank %d loaded %.3f GB from %s in %.2f s (%.2f GB/s)",
+            get_rank(),
+            nbytes / 1e9,
+            ckpt,
+            seconds,
+            _gbps(nbytes, seconds),
+        )
+
+        def unwrap(x: Any) -> Any:
+            if isinstance(x, ShardedTensor):
+                assert x.data is not None
+                return x.data
+            if isinstance(x, ShardedObject):
+                return loaded_objects[id(x)]
+            return x
+
+        return dict_list_map_inplace(unwrap, sharded_state_dict)
+
+    @staticmethod
+    def _destination(sh: ShardedTensor) -> torch.Tensor:
+        if sh.data is None or sh.data.device.type == "meta":
+            sh.data = torch.empty(sh.local_shape, dtype=sh.dtype, device="cpu")
+        view = sh.data
+        for _ in range(sh.prepend_axis_num):
+            view = view.unsqueeze(0)
+        return view
+
+    @staticmethod
+    def _plan_tensor(sh: ShardedTensor, stored: Any, slot: int) -> List[ReadItem]:
+        if not isinstance(stored, TensorStorageMetadata):
+            raise CheckpointingException(f"Tensor {sh.key!r} is not in the checkpoint")
+        if tuple(stored.size) != sh.global_shape and not sh.allow_shape_mismatch:
+            raise CheckpointingException(
+                f"Global shape mismatch for {sh.key!r}: checkpoint has {tuple(stored.size)}, "
+                f"requested {sh.global_shape}"
+            )
+        if stored.properties.dtype != sh.dtype:
+            logger.warning(
+                "%r is stored as %s and loaded as %s (converted)",
+                sh.key,
+                stored.properties.dtype,
+                sh.dtype,
+            )
+        request = TensorRequest(sh.key, slot, sh.global_offset, sh.prepended_local_shape)
+        return plan_tensor_reads(request, stored, allow_partial=sh.allow_shape_mismatch)
+
+    def load_tensors_metadata(
+        self, checkpoint_dir: CheckpointDir, metadata: Optional[Metadata] = None
+    ) -> ShardedStateDict:
+        """Returns `{key: ShardedTensor}` of the stored tensors: whole, metadata only."""
+        if metadata is None:
+            metadata = _dcp_io.read_metadata(Path(checkpoint_dir))
+        out: ShardedStateDict = {}
+        for key, md in metadata.state_dict_metadata.items():
+            if isinstance(md, TensorStorageMetadata):
+                shape = tuple(md.size)
+                out[key] = ShardedTensor(
+                    key,
+                    None,
+                    md.properties.dtype,
+                    shape,
+                    shape,
+                    (0,) * len(shape),
+                    (1,) * len(shape),
+                )
+        return out
+
+    def load_sharded_metadata(self, checkpoint_dir: CheckpointDir) -> ShardedStateDict:
+        """Returns stored tensors (by key) and ShardedObjects (by unique key), metadata only."""
+        metadata = _dcp_io.read_metadata(Path(checkpoint_dir))
+        out: ShardedStateDict = {}
+        for key, md in metadata.state_dict_metadata.items():
+            if isinstance(md, BytesStorageMetadata):
+                try:
+                    sh_obj = ShardedObject.empty_from_unique_key(key)
+                except CheckpointingException:
+                    logger.warning(
+                        "Bytes entry %r of %s is not a ShardedObject; not listed",
+                        key,
+                        checkpoint_dir,
+                    )
+                    continue
+                out[sh_obj.unique_key] = sh_obj
+        out.update(self.load_tensors_metadata(checkpoint_dir, metadata))
+        return out
+
+    def remove_sharded_tensors(self, checkpoint_dir: CheckpointDir, key_prefix: str) -> None:
+        """Drops every key starting with `key_prefix`, and the data files named with it.
+
+        Works on checkpoints saved with `separation_hint=key_prefix`. Not collective: call
+        it on one process. The new `.metadata` is written atomically before files go.
+
+        Raises:
+            CheckpointingException: if no data file starts with the prefix, or kept keys live
+                in those files (removing them would lose data).
+        """
+        ckpt = Path(checkpoint_dir)
+        if not key_prefix:
+            raise CheckpointingException("key_prefix must be non-empty")
+        doomed = sorted(
+            p.name
+            for p in ckpt.iterdir()
+            if p.name.endswith(_dcp_io.DATA_SUFFIX) and p.name.startswith(key_prefix)
+        )
+        if not doomed:
+            raise CheckpointingException(
+                f"No data file in {ckpt} starts with {key_prefix!r}; was it saved with separation_hint?"
+            )
+        metadata = _dcp_io.read_metadata(ckpt)
+        doomed_set = set(doomed)
+        for index, info in metadata.storage_data.items():
+            if not index.fqn.startswith(key_prefix) and str(info.relative_path) in doomed_set:
+                raise CheckpointingException(
+                    f"Key {index.fqn!r} is stored in {info.relative_path}, which would be removed"
+                )
+        metadata.state_dict_metadata = {
+            k: v for k, v in metadata.state_dict_metadata.items() if not k.startswith(key_prefix)
+        }
+        metadata.storage_data = {
+            i: s for i, s in metadata.storage_data.items() if not i.fqn.startswith(key_prefix)
+        }
+        if isinstance(metadata.planner_data, dict):
+            metadata.planner_data = {
+                k: v for k, v in metadata.planner_data.items() if not str(k).startswith(key_prefix)
+            }
+        atomic_write(ckpt / _dcp_io.DCP_METADATA_FNAME, lambda f: pickle.dump(metadata, f))
+        for name in doomed:
+            os.remove(ckpt / name)
+        logger.info(
+            "Removed keys with prefix %r and %d file(s) from %s", key_prefix, len(doomed), ckpt
+        )

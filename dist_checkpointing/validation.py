@@ -1,0 +1,375 @@
+"""Sharding integrity checks and strict-load handling.
+
+The checks are pure functions of metadata (testable without processes); the only collective
+here is `determine_global_metadata`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import defaultdict
+from enum import Enum
+from typing import Dict, List, Optional, Sequence, Set, Tuple, Union
+
+import numpy as np
+
+from ._dist import agree_on_errors, all_gather_object, is_distributed
+from ._types import ShardedStateDict
+from .dict_utils import extract_matching_values, nested_values
+from .errors import KeyMismatchError, ShardingIntegrityError
+from .mapping import ShardedBase, ShardedObject, ShardedTensor, is_main_replica
+
+__all__ = [
+    "StrictHandling",
+    "parse_strict_flag",
+    "determine_global_metadata",
+    "validate_sharding_integrity",
+    "find_sharding_problems",
+    "validate_integrity_and_strict_load",
+    "determine_missing_and_unexpected_keys",
+    "adjust_non_strict_load",
+]
+
+logger = logging.getLogger(__name__)
+
+LocalMetadata = List[ShardedBase]
+GlobalMetadata = List[LocalMetadata]
+CkptShardedMetadata = Dict[str, ShardedBase]
+
+_MAX_REPORTED = 20
+_OVERLAP_BLOCK = 512
+
+
+class StrictHandling(Enum):
+    """What `load` does when requested keys and checkpoint keys differ.
+
+    "Unexpected" keys are requested but absent from the checkpoint; "missing" keys are in the
+    checkpoint but requested by no rank. `*_UNEXPECTED` modes look only at unexpected keys
+    (no extra exchange between ranks); `*_ALL` modes need every rank's request.
+    """
+
+    #: No check: an unexpected key fails inside the load strategy.
+    ASSUME_OK_UNEXPECTED = "assume_ok_unexpected"
+    #: Log unexpected keys (WARNING) and skip them.
+    LOG_UNEXPECTED = "log_unexpected"
+    #: Log unexpected and missing keys (WARNING); skip unexpected keys.
+    LOG_ALL = "log_all"
+    #: Raise before loading if any key is unexpected.
+    RAISE_UNEXPECTED = "raise_unexpected"
+    #: Raise before loading if any key is unexpected or missing.
+    RAISE_ALL = "raise_all"
+    #: Skip unexpected keys; `load` returns (state_dict, missing_keys, unexpected_keys) with
+    #: missing_keys empty.
+    RETURN_UNEXPECTED = "return_unexpected"
+    #: Skip unexpected keys; `load` returns (state_dict, missing_keys, unexpected_keys).
+    RETURN_ALL = "return_all"
+    #: Skip unexpected keys silently.
+    IGNORE_ALL = "ignore_all"
+
+    @staticmethod
+    def requires_explicit_ckpt_mismatch_check(val: StrictHandling) -> bool:
+        """Whether `val` needs the checkpoint's key list before loading."""
+        return val != StrictHandling.ASSUME_OK_UNEXPECTED
+
+    @staticmethod
+    def requires_global_app_metadata(val: StrictHandling) -> bool:
+        """Whether `val` needs every rank's requested keys (an exchange between ranks)."""
+        return val in (
+            StrictHandling.IGNORE_ALL,
+            StrictHandling.RAISE_ALL,
+            StrictHandling.RETURN_ALL,
+            StrictHandling.LOG_ALL,
+        )
+
+    @staticmethod
+    def requires_returning_mismatch_keys(val: StrictHandling) -> bool:
+        """Whether `load` returns `(state_dict, missing_keys, unexpected_keys)` under `val`."""
+        return val in (StrictHandling.RETURN_UNEXPECTED, StrictHandling.RETURN_ALL)
+
+
+def parse_strict_flag(strict: Union[str, StrictHandling]) -> StrictHandling:
+    """Turns a `StrictHandling` or its string value into a `StrictHandling`.
+
+    Raises:
+        ValueError: for an unknown value.
+    """
+    if isinstance(strict, StrictHandling):
+        return strict
+    try:
+        return StrictHandling(strict)
+    except (ValueError, TypeError) as e:
+        choices = ", ".join(s.value for s in StrictHandling)
+        raise ValueError(f"Invalid strict flag {strict!r}; expected one of: {choices}") from e
+
+
+def determine_global_metadata(
+    sharded_state_dict: ShardedStateDict,
+) -> Tuple[LocalMetadata, GlobalMetadata]:
+    """Collective: call on all ranks. Exchanges every rank's shard metadata (no data).
+
+    Returns:
+        (local_metadata, global_metadata): this rank's metadata-only shards, and the list of
+        every rank's, indexed by rank.
+    """
+    local = [
+        sh.without_data() for sh in nested_values(sharded_state_dict) if isinstance(sh, ShardedBase)
+    ]
+    return local, all_gather_object(local)
+
+
+def _volume(shape: Sequence[int]) -> int:
+    return math.prod(shape)
+
+
+def _first_overlap(starts: np.ndarray, ends: np.ndarray) -> Optional[Tuple[int, int]]:
+    """Returns one pair (i, j), i < j, of overlapping non-empty boxes, or None."""
+    n = len(starts)
+    nonempty = np.all(ends > starts, axis=1) if starts.shape[1] else np.ones(n, dtype=bool)
+    idx = np.nonzero(nonempty)[0]
+    s, e = starts[idx], ends[idx]
+    for lo in range(0, len(idx), _OVERLAP_BLOCK):
+        hi = min(lo + _OVERLAP_BLOCK, len(idx))
+        overlap = np.all(
+            (s[lo:hi, None, :] < e[None, :, :]) & (s[None, :, :] < e[lo:hi, None, :]), axis=2
+        )
+        # only pairs (i, j) with j > i
+        overlap &= np.arange(len(idx))[None, :] > np.arange(lo, hi)[:, None]
+        hits = np.argwhere(overlap)
+        if len(hits):
+            i, j = hits[0]
+            return int(idx[lo + i]), int(idx[j])
+    return None
+
+
+def _tensor_problems(key: str, shards: List[Tuple[int, ShardedTensor]]) -> List[str]:
+    problems = []
+    rank0, ref = shards[0]
+    for rank, sh in shards[1:]:
+        if sh.global_shape != ref.global_shape:
+            problems.append(
+                f"{key!r}: global_shape {sh.global_shape} on rank {rank} differs from "
+                f"{ref.global_shape} on rank {rank0}"
+            )
+            return problems
+        if sh.dtype != ref.dtype:
+            problems.append(
+                f"{key!r}: dtype {sh.dtype} on rank {rank} differs from {ref.dtype} on rank {rank0}"
+            )
+            return problems
+    main = [(rank, sh) for rank, sh in shards if is_main_replica(sh.replica_id)]
+    if not main:
+        return [f"{key!r}: no rank holds a main replica (replica_id 0), so it would not be saved"]
+    ndim = len(ref.global_shape)
+    starts = np.array([sh.global_offset for _, sh in main], dtype=np.int64).reshape(len(main), ndim)
+    sizes = np.array([sh.prepended_local_shape for _, sh in main], dtype=np.int64).reshape(
+        len(main), ndim
+    )
+    pair = _first_overlap(starts, starts + sizes)
+    if pair is not None:
+        (ra, a), (rb, b) = main[pair[0]], main[pair[1]]
+        return [
+            f"{key!r}: main replicas overlap: rank {ra} offset {a.global_offset} shape "
+            f"{a.prepended_local_shape} and rank {rb} offset {b.global_offset} shape "
+            f"{b.prepended_local_shape}"
+        ]
+    covered = sum(_volume(sh.prepended_local_shape) for _, sh in main)
+    total = _volume(ref.global_shape)
+    if covered != total:
+        problems.append(
+            f"{key!r}: main replicas cover {covered} of {total} elements of global shape "
+            f"{ref.global_shape} (a gap)"
+        )
+    return problems
+
+
+def _object_problems(key: str, shards: List[Tuple[int, ShardedObject]]) -> List[str]:
+    rank0, ref = shards[0]
+    for rank, sh in shards[1:]:
+        if sh.global_shape != ref.global_shape:
+            return [
+                f"ShardedObject {key!r}: global_shape {sh.global_shape} on rank {rank} differs "
+                f"from {ref.global_shape} on rank {rank0}"
+            ]
+    seen: Dict[Tuple[int, ...], int] = {}
+    for rank, sh in shards:
+        if not is_main_replica(sh.replica_id):
+            continue
+        if sh.global_offset in seen:
+            return [
+                f"ShardedObject {key!r}: offset {sh.global_offset} has main replicas on ranks "
+                f"{seen[sh.global_offset]} and {rank}"
+            ]
+        seen[sh.global_offset] = rank
+    total = _volume(ref.global_shape)
+    if len(seen) != total:
+        return [
+            f"ShardedObject {key!r}: main replicas cover {len(seen)} of {total} pieces of grid "
+            f"{ref.global_shape} (a gap)"
+        ]
+    return []
+
+
+def find_sharding_problems(global_metadata: GlobalMetadata) -> List[str]:
+    """Lists what is wrong with a global sharding (empty when it is valid).
+
+    For each ShardedTensor key: every rank agrees on global shape and dtype, and the main
+    replicas cover the global tensor exactly once (no overlap, no gap). For each
+    ShardedObject key: ranks agree on the grid shape and every grid cell has exactly one main
+    replica. A key used both as a tensor and as an object is a problem too.
+    """
+    tensors: Dict[str, List[Tuple[int, ShardedTensor]]] = defaultdict(list)
+    objects: Dict[str, List[Tuple[int, ShardedObject]]] = defaultdict(list)
+    for rank, local in enumerate(global_metadata):
+        for sh in local:
+            if isinstance(sh, ShardedTensor):
+                tensors[sh.key].append((rank, sh))
+            elif isinstance(sh, ShardedObject):
+                objects[sh.key].append((rank, sh))
+    problems = [
+        f"{k!r} is used both as a ShardedTensor and a ShardedObject"
+        for k in tensors.keys() & objects.keys()
+    ]
+    for key, tshards in tensors.items():
+        problems += _tensor_problems(key, tshards)
+    for key, oshards in objects.items():
+        problems += _object_problems(key, oshards)
+    return problems
+
+
+def validate_sharding_integrity(
+    global_metadata: GlobalMetadata, common_state_dict: Optional[dict] = None
+) -> None:
+    """Checks that the shards of all ranks form valid global tensors and objects.
+
+    Args:
+        global_metadata: every rank's metadata-only shards, indexed by rank (as returned by
+            `determine_global_metadata`); every rank passes the same list, so every rank
+            reaches the same verdict without further communication.
+        common_state_dict: accepted for API compatibility; not inspected.
+
+    Raises:
+        ShardingIntegrityError: listing the problems found (see `find_sharding_problems`).
+    """
+    problems = find_sharding_problems(global_metadata)
+    if problems:
+        shown = "\n  ".join(problems[:_MAX_REPORTED])
+        more = (
+            f"\n  ... and {len(problems) - _MAX_REPORTED} more"
+            if len(problems) > _MAX_REPORTED
+            else ""
+        )
+        raise ShardingIntegrityError(
+            f"Invalid sharding ({len(problems)} problem(s)):\n  {shown}{more}"
+        )
+
+
+def _sharded_key(sh: ShardedBase) -> str:
+    return sh.unique_key if isinstance(sh, ShardedObject) else sh.key
+
+
+def determine_missing_and_unexpected_keys(
+    ckpt_sharded_metadata: CkptShardedMetadata,
+    local_metadata: LocalMetadata,
+    global_metadata: Optional[GlobalMetadata] = None,
+) -> Tuple[Set[str], Set[str]]:
+    """Compares requested keys with checkpoint keys.
+
+    Returns:
+        (missing_keys, unexpected_keys): checkpoint keys no rank requested (empty when
+        `global_metadata` is None), and keys this rank requested that the checkpoint lacks.
+        ShardedObjects are named by their `unique_key`.
+    """
+    local_keys = {_sharded_key(sh) for sh in local_metadata}
+    unexpected = local_keys - ckpt_sharded_metadata.keys()
+    missing: Set[str] = set()
+    if global_metadata is not None:
+        requested = {_sharded_key(sh) for local in global_metadata for sh in local}
+        missing = set(ckpt_sharded_metadata.keys()) - requested
+    return missing, unexpected
+
+
+def adjust_non_strict_load(
+    sharded_state_dict: ShardedStateDict, unexpected_keys: Set[str]
+) -> ShardedStateDict:
+    """Returns `sharded_state_dict` without the leaves whose key is in `unexpected_keys`."""
+    if not unexpected_keys:
+        return sharded_state_dict
+
+    def is_unexpected(x: object) -> bool:
+        return isinstance(x, ShardedBase) and _sharded_key(x) in unexpected_keys
+
+    _, kept = extract_matching_values(sharded_state_dict, is_unexpected)
+    return kept
+
+
+def _report(missing: Set[str], unexpected: Set[str]) -> str:
+    parts = []
+    if unexpected:
+        parts.append(
+            f"unexpected keys (requested, not in checkpoint): {sorted(unexpected)[:_MAX_REPORTED]}"
+        )
+    if missing:
+        parts.append(
+            f"missing keys (in checkpoint, not requested): {sorted(missing)[:_MAX_REPORTED]}"
+        )
+    return "; ".join(parts)
+
+
+def validate_integrity_and_strict_load(
+    sharded_state_dict: ShardedStateDict,
+    strict: StrictHandling,
+    validate_access_integrity: bool,
+    local_metadata: Optional[LocalMetadata] = None,
+    global_metadata: Optional[GlobalMetadata] = None,
+    ckpt_sharded_metadata: Optional[CkptShardedMetadata] = None,
+) -> Tuple[ShardedStateDict, Set[str], Set[str]]:
+    """Applies the strict mode and the sharding integrity check before a load.
+
+    Raising modes agree across ranks (a collective when a process group is initialized), so
+    a key unexpected on one rank raises on every rank.
+
+    Returns:
+        (sharded_state_dict without unexpected keys, missing_keys, unexpected_keys).
+
+    Raises:
+        KeyMismatchError: under RAISE_UNEXPECTED / RAISE_ALL when keys differ.
+        ShardingIntegrityError: when `validate_access_integrity` and the request is invalid.
+        ValueError: when metadata needed by `strict` was not provided.
+    """
+    missing: Set[str] = set()
+    unexpected: Set[str] = set()
+    if StrictHandling.requires_explicit_ckpt_mismatch_check(strict):
+        if ckpt_sharded_metadata is None:
+            raise ValueError(f"strict={strict} needs the checkpoint's sharded metadata")
+        if local_metadata is None:
+            local_metadata = [
+                sh.without_data()
+                for sh in nested_values(sharded_state_dict)
+                if isinstance(sh, ShardedBase)
+            ]
+        use_global = (
+            global_metadata if StrictHandling.requires_global_app_metadata(strict) else None
+        )
+        missing, unexpected = determine_missing_and_unexpected_keys(
+            ckpt_sharded_metadata, local_metadata, use_global
+        )
+        sharded_state_dict = adjust_non_strict_load(sharded_state_dict, unexpected)
+        if strict == StrictHandling.IGNORE_ALL:
+            missing, unexpected = set(), set()
+        elif strict in (StrictHandling.LOG_UNEXPECTED, StrictHandling.LOG_ALL):
+            if missing or unexpected:
+                logger.warning("Checkpoint key mismatch: %s", _report(missing, unexpected))
+        elif strict in (StrictHandling.RAISE_UNEXPECTED, StrictHandling.RAISE_ALL):
+            error = (
+                KeyMismatchError(_report(missing, unexpected)) if (missing or unexpected) else None
+            )
+            if is_distributed():
+                agree_on_errors(error, "Strict key check")
+            elif error is not None:
+                raise error
+    if validate_access_integrity:
+        if global_metadata is None:
+            raise ValueError("validate_access_integrity needs global_metadata")
+        validate_sharding_integrity(global_metadata)
+    return sharded_state_dict, missing, unexpected

@@ -1,0 +1,103 @@
+"""Hypothesis strategies for global tensors and their shardings across ranks.
+
+A sharding is, for each rank, a list of boxes `(offset, size, replica_id)` in global
+coordinates. Boxes come from cutting each axis at random points (irregular grids); each
+box gets one main replica on a random rank and maybe extra non-main replicas elsewhere.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import List, Tuple
+
+import torch
+from hypothesis import strategies as st
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int8, torch.bool]
+
+Box = Tuple[Tuple[int, ...], Tuple[int, ...], int]  # offset, size, replica_id
+
+
+@dataclass
+class Case:
+    """One round-trip case: a global tensor, how it is saved and how it is loaded."""
+
+    key: str
+    global_shape: Tuple[int, ...]
+    dtype: torch.dtype
+    seed: int
+    prepend_axis_num: int
+    save: List[List[Box]]  # per rank
+    load: List[List[Box]]  # per rank (may use another world's worth of pieces)
+
+
+def make_global(case: Case) -> torch.Tensor:
+    """The deterministic global tensor of a case."""
+    g = torch.Generator().manual_seed(case.seed)
+    shape = case.global_shape
+    if case.dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=g).bool()
+    if case.dtype == torch.int8:
+        return torch.randint(-128, 128, shape, generator=g).to(torch.int8)
+    if case.dtype == torch.int64:
+        return torch.randint(-(2**62), 2**62, shape, generator=g, dtype=torch.int64)
+    return (torch.randn(shape, generator=g) * 100).to(case.dtype)
+
+
+def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Exact equality of shape, dtype and bytes (NaN-safe)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return bool(torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))) if a.numel() else True
+
+
+@st.composite
+def cuts(draw: st.DrawFn, size: int, every: bool) -> List[int]:
+    if every:
+        return list(range(size + 1))
+    inner = draw(st.sets(st.integers(1, size - 1), max_size=3)) if size > 1 else set()
+    return [0, *sorted(inner), size]
+
+
+@st.composite
+def shardings(draw: st.DrawFn, shape: Tuple[int, ...], prepend: int, world: int, replicas: bool = True) -> List[List[Box]]:
+    """A valid sharding of `shape` over `world` ranks (main replicas tile it exactly)."""
+    axis_cuts = [draw(cuts(size, every=axis < prepend)) for axis, size in enumerate(shape)]
+    boxes: List[Tuple[Tuple[int, ...], Tuple[int, ...]]] = [((), ())]
+    for c in axis_cuts:
+        boxes = [(o + (lo,), s + (hi - lo,)) for o, s in boxes for lo, hi in zip(c[:-1], c[1:])]
+    per_rank: List[List[Box]] = [[] for _ in range(world)]
+    for offset, size in boxes:
+        owner = draw(st.integers(0, world - 1))
+        per_rank[owner].append((offset, size, 0))
+        if replicas and world > 1 and draw(st.booleans()):
+            other = draw(st.integers(0, world - 1).filter(lambda r, o=owner: r != o))
+            per_rank[other].append((offset, size, 1))
+    return per_rank
+
+
+@st.composite
+def cases(draw: st.DrawFn, world: int, index: int = 0, load_world: int = 0) -> Case:
+    """A case saved over `world` ranks and loaded over `load_world` (default: the same)."""
+    ndim = draw(st.integers(1, 4))
+    max_side = {1: 40, 2: 12, 3: 6, 4: 4}[ndim]
+    shape = tuple(draw(st.lists(st.integers(1, max_side), min_size=ndim, max_size=ndim)))
+    prepend = draw(st.integers(0, 1)) if ndim >= 2 and shape[0] <= 4 else 0
+    return Case(
+        key=f"t{index}.weight",
+        global_shape=shape,
+        dtype=draw(st.sampled_from(DTYPES)),
+        seed=draw(st.integers(0, 2**31 - 1)),
+        prepend_axis_num=prepend,
+        save=draw(shardings(shape, prepend, world)),
+        load=draw(shardings(shape, prepend, load_world or world)),
+    )
+
+
+def box_count(per_rank: List[List[Box]]) -> int:
+    return sum(len(b) for b in per_rank)
+
+
+def volume(shape: Tuple[int, ...]) -> int:
+    return math.prod(shape)

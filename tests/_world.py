@@ -1,0 +1,154 @@
+"""Reusable multi-rank gloo worlds for tests.
+
+A `World(n)` spawns n processes once, each with an initialized gloo process group, and
+runs functions on all of them: `world.run(fn, *args)` calls `fn(*args)` on every rank and
+returns one `Outcome` per rank. A call that does not finish within its timeout kills the
+world (a hang fails the test fast); the next `get_world(n)` starts a fresh one.
+
+Functions must be importable module-level callables (they are sent by reference).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional
+
+_START_TIMEOUT = 120.0
+
+
+@dataclass
+class Outcome:
+    """What one rank's call produced: a value, or an exception (with its traceback text)."""
+
+    rank: int
+    value: Any = None
+    error: Optional[BaseException] = None
+    trace: str = ""
+
+    def unwrap(self) -> Any:
+        if self.error is not None:
+            raise AssertionError(f"rank {self.rank} raised:\n{self.trace}") from self.error
+        return self.value
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, inbox: Any, outbox: Any) -> None:
+    import datetime
+    import logging
+
+    import torch.distributed as dist
+
+    logging.basicConfig(level=logging.WARNING)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=90),
+    )
+    outbox.put((rank, "ready", None, ""))
+    while True:
+        task = inbox.get()
+        if task is None:
+            break
+        fn, args = task
+        try:
+            outbox.put((rank, "ok", fn(*args), ""))
+        except BaseException as e:  # reported to the test process
+            trace = traceback.format_exc()
+            try:
+                outbox.put((rank, "err", e, trace))
+            except Exception:
+                outbox.put((rank, "err", RuntimeError(repr(e)), trace))
+    dist.destroy_process_group()
+
+
+class World:
+    """n ranks with a gloo process group, reused across calls."""
+
+    def __init__(self, size: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.size = size
+        port = _free_port()
+        self.inboxes = [ctx.Queue() for _ in range(size)]
+        self.outbox = ctx.Queue()
+        self.procs = [
+            ctx.Process(target=_worker, args=(r, size, port, self.inboxes[r], self.outbox), daemon=True)
+            for r in range(size)
+        ]
+        for p in self.procs:
+            p.start()
+        self._collect("ready", _START_TIMEOUT)
+
+    @property
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    def _collect(self, what: str, timeout: float) -> List[Outcome]:
+        deadline = time.monotonic() + timeout
+        got: Dict[int, Outcome] = {}
+        while len(got) < self.size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not self.alive:
+                self.close(kill=True)
+                missing = sorted(set(range(self.size)) - got.keys())
+                raise TimeoutError(f"ranks {missing} did not finish {what} within {timeout:.0f} s (world killed)")
+            try:
+                rank, status, value, trace = self.outbox.get(timeout=min(remaining, 1.0))
+            except Exception:
+                continue
+            got[rank] = Outcome(rank, value if status != "err" else None, value if status == "err" else None, trace)
+        return [got[r] for r in range(self.size)]
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 60.0) -> List[Outcome]:
+        """Runs `fn(*args)` on every rank; returns the per-rank outcomes."""
+        for inbox in self.inboxes:
+            inbox.put((fn, args))
+        return self._collect(getattr(fn, "__name__", "call"), timeout)
+
+    def run_ok(self, fn: Callable[..., Any], *args: Any, timeout: float = 60.0) -> List[Any]:
+        """Runs `fn(*args)` on every rank and returns the values; fails if any rank raised."""
+        return [o.unwrap() for o in self.run(fn, *args, timeout=timeout)]
+
+    def close(self, kill: bool = False) -> None:
+        if not kill:
+            for inbox in self.inboxes:
+                try:
+                    inbox.put(None)
+                except Exception:
+                    pass
+            for p in self.procs:
+                p.join(timeout=10)
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=10)
+
+
+_worlds: Dict[int, World] = {}
+
+
+def get_world(size: int) -> World:
+    """A live world of `size` ranks, reusing the previous one when it is healthy."""
+    world = _worlds.get(size)
+    if world is None or not world.alive:
+        world = World(size)
+        _worlds[size] = world
+    return world
+
+
+def close_all_worlds() -> None:
+    for world in _worlds.values():
+        world.close()
+    _worlds.clear()

@@ -1,0 +1,87 @@
+"""Functions run on every rank of a test world (module-level so they can be sent)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+import dist_checkpointing as dc
+from dist_checkpointing.mapping import ShardedTensor
+from tests._sharding import Box, Case, bitwise_equal, make_global
+
+
+def rank() -> int:
+    return dist.get_rank()
+
+
+def shard_of(case: Case, box: Box, global_tensor: Optional[torch.Tensor]) -> ShardedTensor:
+    offset, size, replica = box
+    local_shape = size[case.prepend_axis_num :]
+    if global_tensor is None:
+        data = torch.full(local_shape, 0, dtype=case.dtype) if case.dtype != torch.bool else torch.zeros(local_shape, dtype=torch.bool)
+    else:
+        index = tuple(slice(o, o + s) for o, s in zip(offset, size))
+        data = global_tensor[index].clone().reshape(local_shape)
+    return ShardedTensor(case.key, data, case.dtype, local_shape, case.global_shape, offset, None, replica, case.prepend_axis_num)
+
+
+def state_for(cases: List[Case], which: str, with_data: bool) -> Dict[str, Any]:
+    r = rank()
+    sd: Dict[str, Any] = {}
+    for i, case in enumerate(cases):
+        g = make_global(case) if with_data else None
+        boxes = getattr(case, which)[r]
+        sd[f"case{i}"] = [shard_of(case, b, g) for b in boxes]
+    return sd
+
+
+def save_cases(cases: List[Case], root: str) -> None:
+    """Saves every case with its `save` sharding into one checkpoint under `root`."""
+    dc.save({**state_for(cases, "save", True), "common": {"n": len(cases)}}, os.path.join(root, "ckpt"))
+
+
+def check_load_cases(cases: List[Case], root: str) -> List[str]:
+    """Loads every case with its `load` sharding and compares bitwise with the global tensor.
+
+    Returns a list of problems (empty on success).
+    """
+    ckpt = os.path.join(root, "ckpt")
+    loaded = dc.load(state_for(cases, "load", False), ckpt)
+    problems = []
+    if loaded.get("common") != {"n": len(cases)}:
+        problems.append(f"common state {loaded.get('common')!r}")
+    r = rank()
+    for i, case in enumerate(cases):
+        g = make_global(case)
+        for box, got in zip(case.load[r], loaded.get(f"case{i}", []), strict=True):
+            offset, size, _ = box
+            want = g[tuple(slice(o, o + s) for o, s in zip(offset, size))].reshape(size[case.prepend_axis_num :])
+            if not bitwise_equal(got, want):
+                problems.append(f"rank {r} case {i} box {box}: loaded data differs")
+    meta = dc.load_sharded_metadata(ckpt)
+    tmeta = dc.load_tensors_metadata(ckpt)
+    for case in cases:
+        for md in (meta, tmeta):
+            sh = md.get(case.key)
+            if sh is None or sh.global_shape != case.global_shape or sh.dtype != case.dtype:
+                problems.append(f"metadata of {case.key}: {sh}")
+    return problems
+
+
+def roundtrip_cases(cases: List[Case], root: str) -> List[str]:
+    """`save_cases` then `check_load_cases` in the same world."""
+    save_cases(cases, root)
+    return check_load_cases(cases, root)
+
+
+def call_save(builder: Callable[[], Dict[str, Any]], ckpt: str, kwargs: Optional[Dict[str, Any]] = None) -> None:
+    """dc.save(builder(), ckpt, **kwargs) on this rank."""
+    dc.save(builder(), ckpt, **(kwargs or {}))
+
+
+def call_load(builder: Callable[[], Dict[str, Any]], ckpt: str, kwargs: Optional[Dict[str, Any]] = None) -> Any:
+    """dc.load(builder(), ckpt, **kwargs) on this rank."""
+    return dc.load(builder(), ckpt, **(kwargs or {}))
