@@ -355,6 +355,11 @@ def validate_integrity_and_strict_load(
             ckpt_sharded_metadata, local_metadata, use_global
         )
         sharded_state_dict = adjust_non_strict_load(sharded_state_dict, unexpected)
+        if global_metadata is not None:
+            # keys absent from the checkpoint are skipped on whichever rank requested them
+            global_metadata = [
+                [sh for sh in local if _sharded_key(sh) in ckpt_sharded_metadata] for local in global_metadata
+            ]
         if strict == StrictHandling.IGNORE_ALL:
             missing, unexpected = set(), set()
         elif strict in (StrictHandling.LOG_UNEXPECTED, StrictHandling.LOG_ALL):
