@@ -358,7 +358,8 @@ def validate_integrity_and_strict_load(
         if global_metadata is not None:
             # keys absent from the checkpoint are skipped on whichever rank requested them
             global_metadata = [
-                [sh for sh in local if _sharded_key(sh) in ckpt_sharded_metadata] for local in global_metadata
+                [sh for sh in local if _sharded_key(sh) in ckpt_sharded_metadata]
+                for local in global_metadata
             ]
         if strict == StrictHandling.IGNORE_ALL:
             missing, unexpected = set(), set()

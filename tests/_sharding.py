@@ -49,7 +49,11 @@ def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Exact equality of shape, dtype and bytes (NaN-safe)."""
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
-    return bool(torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))) if a.numel() else True
+    return (
+        bool(torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)))
+        if a.numel()
+        else True
+    )
 
 
 @st.composite
@@ -61,7 +65,9 @@ def cuts(draw: st.DrawFn, size: int, every: bool) -> List[int]:
 
 
 @st.composite
-def shardings(draw: st.DrawFn, shape: Tuple[int, ...], prepend: int, world: int, replicas: bool = True) -> List[List[Box]]:
+def shardings(
+    draw: st.DrawFn, shape: Tuple[int, ...], prepend: int, world: int, replicas: bool = True
+) -> List[List[Box]]:
     """A valid sharding of `shape` over `world` ranks (main replicas tile it exactly)."""
     axis_cuts = [draw(cuts(size, every=axis < prepend)) for axis, size in enumerate(shape)]
     boxes: List[Tuple[Tuple[int, ...], Tuple[int, ...]]] = [((), ())]

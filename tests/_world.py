@@ -84,7 +84,9 @@ class World:
         self.inboxes = [ctx.Queue() for _ in range(size)]
         self.outbox = ctx.Queue()
         self.procs = [
-            ctx.Process(target=_worker, args=(r, size, port, self.inboxes[r], self.outbox), daemon=True)
+            ctx.Process(
+                target=_worker, args=(r, size, port, self.inboxes[r], self.outbox), daemon=True
+            )
             for r in range(size)
         ]
         for p in self.procs:
@@ -103,12 +105,16 @@ class World:
             if remaining <= 0 or not self.alive:
                 self.close(kill=True)
                 missing = sorted(set(range(self.size)) - got.keys())
-                raise TimeoutError(f"ranks {missing} did not finish {what} within {timeout:.0f} s (world killed)")
+                raise TimeoutError(
+                    f"ranks {missing} did not finish {what} within {timeout:.0f} s (world killed)"
+                )
             try:
                 rank, status, value, trace = self.outbox.get(timeout=min(remaining, 1.0))
             except Exception:
                 continue
-            got[rank] = Outcome(rank, value if status != "err" else None, value if status == "err" else None, trace)
+            got[rank] = Outcome(
+                rank, value if status != "err" else None, value if status == "err" else None, trace
+            )
         return [got[r] for r in range(self.size)]
 
     def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 60.0) -> List[Outcome]:

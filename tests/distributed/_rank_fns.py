@@ -21,11 +21,25 @@ def shard_of(case: Case, box: Box, global_tensor: Optional[torch.Tensor]) -> Sha
     offset, size, replica = box
     local_shape = size[case.prepend_axis_num :]
     if global_tensor is None:
-        data = torch.full(local_shape, 0, dtype=case.dtype) if case.dtype != torch.bool else torch.zeros(local_shape, dtype=torch.bool)
+        data = (
+            torch.full(local_shape, 0, dtype=case.dtype)
+            if case.dtype != torch.bool
+            else torch.zeros(local_shape, dtype=torch.bool)
+        )
     else:
         index = tuple(slice(o, o + s) for o, s in zip(offset, size))
         data = global_tensor[index].clone().reshape(local_shape)
-    return ShardedTensor(case.key, data, case.dtype, local_shape, case.global_shape, offset, None, replica, case.prepend_axis_num)
+    return ShardedTensor(
+        case.key,
+        data,
+        case.dtype,
+        local_shape,
+        case.global_shape,
+        offset,
+        None,
+        replica,
+        case.prepend_axis_num,
+    )
 
 
 def state_for(cases: List[Case], which: str, with_data: bool) -> Dict[str, Any]:
@@ -40,7 +54,9 @@ def state_for(cases: List[Case], which: str, with_data: bool) -> Dict[str, Any]:
 
 def save_cases(cases: List[Case], root: str) -> None:
     """Saves every case with its `save` sharding into one checkpoint under `root`."""
-    dc.save({**state_for(cases, "save", True), "common": {"n": len(cases)}}, os.path.join(root, "ckpt"))
+    dc.save(
+        {**state_for(cases, "save", True), "common": {"n": len(cases)}}, os.path.join(root, "ckpt")
+    )
 
 
 def check_load_cases(cases: List[Case], root: str) -> List[str]:
@@ -58,7 +74,9 @@ def check_load_cases(cases: List[Case], root: str) -> List[str]:
         g = make_global(case)
         for box, got in zip(case.load[r], loaded.get(f"case{i}", []), strict=True):
             offset, size, _ = box
-            want = g[tuple(slice(o, o + s) for o, s in zip(offset, size))].reshape(size[case.prepend_axis_num :])
+            want = g[tuple(slice(o, o + s) for o, s in zip(offset, size))].reshape(
+                size[case.prepend_axis_num :]
+            )
             if not bitwise_equal(got, want):
                 problems.append(f"rank {r} case {i} box {box}: loaded data differs")
     meta = dc.load_sharded_metadata(ckpt)
@@ -77,11 +95,15 @@ def roundtrip_cases(cases: List[Case], root: str) -> List[str]:
     return check_load_cases(cases, root)
 
 
-def call_save(builder: Callable[[], Dict[str, Any]], ckpt: str, kwargs: Optional[Dict[str, Any]] = None) -> None:
+def call_save(
+    builder: Callable[[], Dict[str, Any]], ckpt: str, kwargs: Optional[Dict[str, Any]] = None
+) -> None:
     """dc.save(builder(), ckpt, **kwargs) on this rank."""
     dc.save(builder(), ckpt, **(kwargs or {}))
 
 
-def call_load(builder: Callable[[], Dict[str, Any]], ckpt: str, kwargs: Optional[Dict[str, Any]] = None) -> Any:
+def call_load(
+    builder: Callable[[], Dict[str, Any]], ckpt: str, kwargs: Optional[Dict[str, Any]] = None
+) -> Any:
     """dc.load(builder(), ckpt, **kwargs) on this rank."""
     return dc.load(builder(), ckpt, **(kwargs or {}))

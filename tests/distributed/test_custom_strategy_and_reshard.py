@@ -59,7 +59,9 @@ class PerRankLoad(LoadShardedStrategy):
             try:
                 return shards[(sh.key, sh.global_offset)]
             except KeyError:
-                raise CheckpointingException(f"per_rank: no shard {sh.key!r} at {sh.global_offset}") from None
+                raise CheckpointingException(
+                    f"per_rank: no shard {sh.key!r} at {sh.global_offset}"
+                ) from None
 
         return dict_list_map_inplace(fill, sharded_state_dict)
 
@@ -68,13 +70,18 @@ class PerRankLoad(LoadShardedStrategy):
 
 
 def register_per_rank() -> None:
-    register_default_strategy(StrategyAction.SAVE_SHARDED, "per_rank", 1, PerRankSave("per_rank", 1))
+    register_default_strategy(
+        StrategyAction.SAVE_SHARDED, "per_rank", 1, PerRankSave("per_rank", 1)
+    )
     register_default_strategy(StrategyAction.LOAD_SHARDED, "per_rank", 1, PerRankLoad())
 
 
 def state() -> Dict[str, Any]:
     r, w = dist.get_rank(), dist.get_world_size()
-    return {"w": ShardedTensor.from_rank_offsets("w", torch.full((2, 3), float(r)), (0, r, w)), "step": 11}
+    return {
+        "w": ShardedTensor.from_rank_offsets("w", torch.full((2, 3), float(r)), (0, r, w)),
+        "step": 11,
+    }
 
 
 def save_with_custom(ckpt: str) -> None:
@@ -112,7 +119,9 @@ def readme_load(ckpt: str) -> bool:
     want = {"w": ShardedTensor.from_rank_offsets("w", torch.empty(1024 // w2, 4096), (0, rank, w2))}
     state = dc.load(want, ckpt)
     full = torch.arange(1024 * 4096, dtype=torch.float32).reshape(1024, 4096)
-    return state["step"] == 100 and torch.equal(state["w"], full[rank * 1024 // w2 : (rank + 1) * 1024 // w2])
+    return state["step"] == 100 and torch.equal(
+        state["w"], full[rank * 1024 // w2 : (rank + 1) * 1024 // w2]
+    )
 
 
 def test_readme_example_reshards_columns_to_rows_across_world_sizes(world_factory, tmp_path):

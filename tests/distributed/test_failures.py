@@ -36,7 +36,11 @@ def _rank() -> int:
 
 def good_state() -> Dict[str, Any]:
     r, w = _rank(), dist.get_world_size()
-    local = torch.arange(8 * 4, dtype=torch.float32).reshape(8, 4)[:, r * (4 // w) : (r + 1) * (4 // w)].clone()
+    local = (
+        torch.arange(8 * 4, dtype=torch.float32)
+        .reshape(8, 4)[:, r * (4 // w) : (r + 1) * (4 // w)]
+        .clone()
+    )
     return {
         "a": ShardedTensor.from_rank_offsets("a", local, (1, r, w)),
         "b": ShardedTensor.from_rank_offsets("b", torch.ones(3), replica_id=r),
@@ -58,7 +62,9 @@ def request_with_unexpected_on_rank1() -> Dict[str, Any]:
 
 
 def overlap_state() -> Dict[str, Any]:
-    return {"w": ShardedTensor.from_rank_offsets("w", torch.ones(4))}  # every rank claims the whole tensor as main
+    return {
+        "w": ShardedTensor.from_rank_offsets("w", torch.ones(4))
+    }  # every rank claims the whole tensor as main
 
 
 def gap_state() -> Dict[str, Any]:
@@ -132,7 +138,9 @@ def test_load_rejects_overlapping_request_on_every_rank(world, saved):
 @pytest.mark.parametrize("strategy", [("nope", 1), ("torch_dist", 99)])
 def test_save_with_unknown_backend_or_version_raises_naming_it(world, tmp_path, strategy):
     outcomes = world.run(call_save, good_state, str(tmp_path / "c"), {"sharded_strategy": strategy})
-    _assert_all_raise(outcomes, StrategyNotFoundError, f"backend={strategy[0]!r}, version={strategy[1]}")
+    _assert_all_raise(
+        outcomes, StrategyNotFoundError, f"backend={strategy[0]!r}, version={strategy[1]}"
+    )
     assert "Registered:" in str(outcomes[0].error) and "torch_dist" in str(outcomes[0].error)
 
 
@@ -145,7 +153,10 @@ def _rewrite_config(ckpt: str, **fields: Any) -> None:
         json.dump(config, f)
 
 
-@pytest.mark.parametrize("fields", [{"sharded_backend": "nope"}, {"sharded_backend_version": 7}, {"common_backend_version": 3}])
+@pytest.mark.parametrize(
+    "fields",
+    [{"sharded_backend": "nope"}, {"sharded_backend_version": 7}, {"common_backend_version": 3}],
+)
 def test_load_of_checkpoint_with_unknown_backend_or_version_raises(world, saved, fields):
     _rewrite_config(saved, **fields)
     outcomes = world.run(call_load, good_state, saved)
@@ -154,25 +165,39 @@ def test_load_of_checkpoint_with_unknown_backend_or_version_raises(world, saved,
 
 def test_explicit_strategy_refuses_incompatible_version(world, saved):
     _rewrite_config(saved, sharded_backend_version=2)
-    outcomes = world.run(call_load, good_state, saved, {"sharded_strategy": TorchDistLoadShardedStrategy()})
+    outcomes = world.run(
+        call_load, good_state, saved, {"sharded_strategy": TorchDistLoadShardedStrategy()}
+    )
     _assert_all_raise(outcomes, IncompatibleCheckpointError, "version 2")
 
 
 def test_load_of_directory_that_is_not_a_checkpoint_raises(world, tmp_path):
-    _assert_all_raise(world.run(call_load, good_state, str(tmp_path / "absent")), NotACheckpointError, "does not exist")
+    _assert_all_raise(
+        world.run(call_load, good_state, str(tmp_path / "absent")),
+        NotACheckpointError,
+        "does not exist",
+    )
     (tmp_path / "empty").mkdir()
-    _assert_all_raise(world.run(call_load, good_state, str(tmp_path / "empty")), NotACheckpointError, "no metadata.json")
+    _assert_all_raise(
+        world.run(call_load, good_state, str(tmp_path / "empty")),
+        NotACheckpointError,
+        "no metadata.json",
+    )
 
 
 def test_checkpoint_without_metadata_json_is_not_loaded(world, saved):
     os.remove(os.path.join(saved, "metadata.json"))
     assert not dc.check_is_distributed_checkpoint(saved)
-    _assert_all_raise(world.run(call_load, good_state, saved), NotACheckpointError, "no metadata.json")
+    _assert_all_raise(
+        world.run(call_load, good_state, saved), NotACheckpointError, "no metadata.json"
+    )
 
 
 def test_save_refuses_to_overwrite_complete_checkpoint(world, saved):
     before = sorted(os.listdir(saved))
-    _assert_all_raise(world.run(call_save, good_state, saved), CheckpointExistsError, "refusing to overwrite")
+    _assert_all_raise(
+        world.run(call_save, good_state, saved), CheckpointExistsError, "refusing to overwrite"
+    )
     assert sorted(os.listdir(saved)) == before
 
 
@@ -188,7 +213,9 @@ def test_failure_of_one_rank_during_write_raises_on_every_rank(world, tmp_path):
     outcomes = world.run(call_save, none_data_on_rank1_state, str(tmp_path / "c"))
     _assert_all_raise(outcomes, CheckpointingException, "data is None")
     assert not dc.check_is_distributed_checkpoint(tmp_path / "c")
-    world.run_ok(call_save, good_state, str(tmp_path / "c"))  # a retry into the same directory succeeds
+    world.run_ok(
+        call_save, good_state, str(tmp_path / "c")
+    )  # a retry into the same directory succeeds
     assert dc.check_is_distributed_checkpoint(tmp_path / "c")
 
 
@@ -219,7 +246,9 @@ def test_unexpected_key_is_skipped_under_lenient_modes(world, saved, strict):
 
 
 def test_return_modes_report_mismatched_keys(world, saved):
-    results = world.run_ok(call_load, request_with_unexpected_on_rank1, saved, {"strict": "return_unexpected"})
+    results = world.run_ok(
+        call_load, request_with_unexpected_on_rank1, saved, {"strict": "return_unexpected"}
+    )
     assert [res[1:] for res in results] == [(set(), set()), (set(), {"ghost"})]
     results = world.run_ok(call_load, request_only_a, saved, {"strict": StrictHandling.RETURN_ALL})
     for sd, missing, unexpected in results:

@@ -13,7 +13,9 @@ from hypothesis import strategies as st
 from tests._sharding import Case, cases
 from tests.distributed._rank_fns import check_load_cases, roundtrip_cases, save_cases
 
-SETTINGS = settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+SETTINGS = settings(
+    max_examples=4, deadline=None, suppress_health_check=list(HealthCheck), database=None
+)
 
 
 def _batch(world: int, load_world: int = 0) -> st.SearchStrategy:
@@ -25,7 +27,9 @@ def _batch(world: int, load_world: int = 0) -> st.SearchStrategy:
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 @pytest.mark.timeout(300)
-def test_random_shardings_round_trip_bitwise_when_resharded(world_size, world_factory, tmp_path_factory):
+def test_random_shardings_round_trip_bitwise_when_resharded(
+    world_size, world_factory, tmp_path_factory
+):
     world = world_factory(world_size)
 
     @SETTINGS
@@ -40,7 +44,9 @@ def test_random_shardings_round_trip_bitwise_when_resharded(world_size, world_fa
 
 @pytest.mark.parametrize("save_world,load_world", [(4, 2), (2, 4), (4, 1), (1, 2)])
 @pytest.mark.timeout(300)
-def test_random_shardings_round_trip_bitwise_when_world_size_changes(save_world, load_world, world_factory, tmp_path_factory):
+def test_random_shardings_round_trip_bitwise_when_world_size_changes(
+    save_world, load_world, world_factory, tmp_path_factory
+):
     @SETTINGS
     @given(_batch(save_world, load_world))
     def run(batch):

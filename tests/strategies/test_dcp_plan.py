@@ -25,7 +25,10 @@ def _item(key, offset, size, shape):
 
 
 def test_split_into_files_balances_bytes_and_separates_hint():
-    entries = [WriteEntry(_item(f"k{i}", (0,), (n,), (n,)), torch.zeros(n)) for i, n in enumerate([100, 60, 50, 10])]
+    entries = [
+        WriteEntry(_item(f"k{i}", (0,), (n,), (n,)), torch.zeros(n))
+        for i, n in enumerate([100, 60, 50, 10])
+    ]
     entries.append(WriteEntry(_item("opt.x", (0,), (5,), (5,)), torch.zeros(5)))
     files = split_into_files(entries, 2, separation_hint="opt.")
     groups = [(g, sorted(e.item.index.fqn for e in es)) for g, es in files]
@@ -67,4 +70,11 @@ def test_read_plan_reports_uncovered_region():
     md = build_metadata([[_item("w", (0,), (2,), (4,))]])
     with pytest.raises(CheckpointingException, match="holds 2 of the 4 elements"):
         plan_tensor_reads(TensorRequest("w", 0, (0,), (4,)), md.state_dict_metadata["w"])
-    assert len(plan_tensor_reads(TensorRequest("w", 0, (0,), (4,)), md.state_dict_metadata["w"], allow_partial=True)) == 1
+    assert (
+        len(
+            plan_tensor_reads(
+                TensorRequest("w", 0, (0,), (4,)), md.state_dict_metadata["w"], allow_partial=True
+            )
+        )
+        == 1
+    )

@@ -10,12 +10,24 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import dist_checkpointing as dc
-from dist_checkpointing import LocalNonpersistentObject, ShardedObject, ShardedTensor, ShardedTensorFactory
+from dist_checkpointing import (
+    LocalNonpersistentObject,
+    ShardedObject,
+    ShardedTensor,
+    ShardedTensorFactory,
+)
 from dist_checkpointing.core import CheckpointingConfig, save_config
-from dist_checkpointing.errors import CheckpointCorruptedError, CheckpointingException, UnsafeCheckpointError
+from dist_checkpointing.errors import (
+    CheckpointCorruptedError,
+    CheckpointingException,
+    UnsafeCheckpointError,
+)
 from dist_checkpointing.serialization import get_default_load_sharded_strategy
 from dist_checkpointing.strategies.common import TorchCommonLoadStrategy
-from dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy, TorchDistSaveShardedStrategy
+from dist_checkpointing.strategies.torch import (
+    TorchDistLoadShardedStrategy,
+    TorchDistSaveShardedStrategy,
+)
 
 
 class Payload:
@@ -33,7 +45,9 @@ class Evil:
 def _state():
     return {
         "w": ShardedTensor.from_rank_offsets("w", torch.arange(12.0).reshape(3, 4)),
-        "stack": ShardedTensor.from_rank_offsets("stack", torch.ones(2, 2, dtype=torch.bfloat16), (0, 0, 1), prepend_axis_num=1),
+        "stack": ShardedTensor.from_rank_offsets(
+            "stack", torch.ones(2, 2, dtype=torch.bfloat16), (0, 0, 1), prepend_axis_num=1
+        ),
         "opt": {"o": ShardedObject("opt/o", {"lr": 0.1, "t": torch.tensor([1, 2])}, (1,), (0,))},
         "step": 3,
         "tmp": LocalNonpersistentObject("not saved"),
@@ -43,7 +57,9 @@ def _state():
 def test_round_trip_common_objects_prepend_and_content_metadata(tmp_path):
     sd = _state()
     dc.save(sd, tmp_path / "c", content_metadata={"format": 2})
-    assert isinstance(sd["tmp"], LocalNonpersistentObject) and "content_metadata" not in sd  # caller's dict untouched
+    assert (
+        isinstance(sd["tmp"], LocalNonpersistentObject) and "content_metadata" not in sd
+    )  # caller's dict untouched
     request = _state()
     request["w"] = ShardedTensor.from_rank_offsets("w", torch.zeros(3, 4))
     request["tmp"] = LocalNonpersistentObject("local")
@@ -55,17 +71,25 @@ def test_round_trip_common_objects_prepend_and_content_metadata(tmp_path):
     assert dc.load_content_metadata(tmp_path / "c") == {"format": 2}
     assert dc.load_common_state_dict(tmp_path / "c")["step"] == 3
     assert dc.load_tensors_metadata(tmp_path / "c")["stack"].global_shape == (1, 2, 2)
-    assert isinstance(get_default_load_sharded_strategy(tmp_path / "c"), TorchDistLoadShardedStrategy)
+    assert isinstance(
+        get_default_load_sharded_strategy(tmp_path / "c"), TorchDistLoadShardedStrategy
+    )
 
 
 def test_factories_round_trip(tmp_path):
     def build(key, data, replica_id, flattened_range):
-        return [ShardedTensor.from_rank_offsets(f"{key}.{i}", data[i], replica_id=replica_id) for i in range(2)]
+        return [
+            ShardedTensor.from_rank_offsets(f"{key}.{i}", data[i], replica_id=replica_id)
+            for i in range(2)
+        ]
 
     def merge(parts):
         return torch.stack(parts)
 
-    dc.save({"f": ShardedTensorFactory("f", torch.arange(6.0).reshape(2, 3), build, merge)}, tmp_path / "c")
+    dc.save(
+        {"f": ShardedTensorFactory("f", torch.arange(6.0).reshape(2, 3), build, merge)},
+        tmp_path / "c",
+    )
     out = dc.load({"f": ShardedTensorFactory("f", torch.zeros(2, 3), build, merge)}, tmp_path / "c")
     assert torch.equal(out["f"], torch.arange(6.0).reshape(2, 3))
 
@@ -74,22 +98,32 @@ def test_load_plain_tensors_returns_whole_tensors(tmp_path):
     dc.save(_state(), tmp_path / "c")
     plain = dc.load_plain_tensors(tmp_path / "c")
     assert set(plain) == {"w", "stack"}
-    assert plain["stack"].shape == (1, 2, 2) and torch.equal(plain["w"], torch.arange(12.0).reshape(3, 4))
+    assert plain["stack"].shape == (1, 2, 2) and torch.equal(
+        plain["w"], torch.arange(12.0).reshape(3, 4)
+    )
 
 
 def test_stock_dcp_reads_our_checkpoint(tmp_path):
     dc.save(_state(), tmp_path / "c")
     target = {"w": torch.zeros(3, 4), "stack": torch.zeros(1, 2, 2, dtype=torch.bfloat16)}
     dcp.load(target, checkpoint_id=str(tmp_path / "c"), no_dist=True)
-    assert torch.equal(target["w"], torch.arange(12.0).reshape(3, 4)) and bool((target["stack"] == 1).all())
+    assert torch.equal(target["w"], torch.arange(12.0).reshape(3, 4)) and bool(
+        (target["stack"] == 1).all()
+    )
 
 
 def test_we_read_and_reshard_a_stock_dcp_checkpoint(tmp_path):
     full = torch.randn(6, 4)
     dcp.save({"w": full}, checkpoint_id=str(tmp_path / "c"), no_dist=True)
-    torch.save({}, tmp_path / "c" / "common.pt")  # adopting a stock DCP checkpoint: empty common state
+    torch.save(
+        {}, tmp_path / "c" / "common.pt"
+    )  # adopting a stock DCP checkpoint: empty common state
     save_config(CheckpointingConfig("torch_dist", 1), tmp_path / "c")
-    out = dc.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(2, 4), (0, 1, 3))}, tmp_path / "c", validate_access_integrity=False)
+    out = dc.load(
+        {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(2, 4), (0, 1, 3))},
+        tmp_path / "c",
+        validate_access_integrity=False,
+    )
     assert torch.equal(out["w"], full[2:4])
 
 
@@ -98,12 +132,18 @@ def test_separation_hint_and_remove_sharded_tensors(tmp_path):
         "model": ShardedTensor.from_rank_offsets("model.w", torch.ones(4)),
         "optim": ShardedTensor.from_rank_offsets("optimizer.m", torch.zeros(4)),
     }
-    dc.save(sd, tmp_path / "c", sharded_strategy=TorchDistSaveShardedStrategy(separation_hint="optimizer."))
+    dc.save(
+        sd,
+        tmp_path / "c",
+        sharded_strategy=TorchDistSaveShardedStrategy(separation_hint="optimizer."),
+    )
     assert any(f.startswith("optimizer.__0_") for f in os.listdir(tmp_path / "c"))
     dc.remove_sharded_tensors(tmp_path / "c", "optimizer.")
     assert not any(f.startswith("optimizer.") for f in os.listdir(tmp_path / "c"))
     assert set(dc.load_tensors_metadata(tmp_path / "c")) == {"model.w"}
-    out = dc.load({"model": ShardedTensor.from_rank_offsets("model.w", torch.zeros(4))}, tmp_path / "c")
+    out = dc.load(
+        {"model": ShardedTensor.from_rank_offsets("model.w", torch.zeros(4))}, tmp_path / "c"
+    )
     assert torch.equal(out["model"], torch.ones(4))
     with pytest.raises(CheckpointingException, match="separation_hint"):
         dc.remove_sharded_tensors(tmp_path / "c", "nothing.")
@@ -111,7 +151,10 @@ def test_separation_hint_and_remove_sharded_tensors(tmp_path):
 
 def test_dtype_conversion_and_shape_mismatch_handling(tmp_path, caplog):
     dc.save({"w": ShardedTensor.from_rank_offsets("w", torch.arange(4.0))}, tmp_path / "c")
-    out = dc.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(4, dtype=torch.float64))}, tmp_path / "c")
+    out = dc.load(
+        {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(4, dtype=torch.float64))},
+        tmp_path / "c",
+    )
     assert out["w"].dtype == torch.float64 and "converted" in caplog.text
     with pytest.raises(CheckpointingException, match="Global shape mismatch for 'w'"):
         dc.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(6))}, tmp_path / "c")
@@ -121,13 +164,22 @@ def test_dtype_conversion_and_shape_mismatch_handling(tmp_path, caplog):
 
 
 def test_saving_all_replicas_keeps_one_copy(tmp_path):
-    sd = {"a": ShardedTensor.from_rank_offsets("w", torch.ones(2), replica_id=0), "b": ShardedTensor.from_rank_offsets("w", torch.ones(2), replica_id=1)}
-    dc.save(sd, tmp_path / "c", sharded_strategy=TorchDistSaveShardedStrategy(keep_only_main_replica=False))
+    sd = {
+        "a": ShardedTensor.from_rank_offsets("w", torch.ones(2), replica_id=0),
+        "b": ShardedTensor.from_rank_offsets("w", torch.ones(2), replica_id=1),
+    }
+    dc.save(
+        sd,
+        tmp_path / "c",
+        sharded_strategy=TorchDistSaveShardedStrategy(keep_only_main_replica=False),
+    )
     assert torch.equal(dc.load_plain_tensors(tmp_path / "c")["w"], torch.ones(2))
 
 
 def test_unsafe_common_state_is_refused_unless_opted_in(tmp_path):
-    dc.save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(1)), "p": Payload(5)}, tmp_path / "c")
+    dc.save(
+        {"w": ShardedTensor.from_rank_offsets("w", torch.ones(1)), "p": Payload(5)}, tmp_path / "c"
+    )
     with pytest.raises(UnsafeCheckpointError, match="add_safe_globals"):
         dc.load({}, tmp_path / "c")
     out = dc.load({}, tmp_path / "c", common_strategy=TorchCommonLoadStrategy(weights_only=False))
@@ -143,7 +195,13 @@ def test_planted_pickles_never_run(tmp_path):
     marker = "/tmp/dist_ckpt_pwned"
     if os.path.exists(marker):
         os.remove(marker)
-    dc.save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(1)), "o": ShardedObject("o", Evil(), (1,), (0,))}, tmp_path / "c")
+    dc.save(
+        {
+            "w": ShardedTensor.from_rank_offsets("w", torch.ones(1)),
+            "o": ShardedObject("o", Evil(), (1,), (0,)),
+        },
+        tmp_path / "c",
+    )
     with pytest.raises(UnsafeCheckpointError):
         dc.load({"o": ShardedObject("o", None, (1,), (0,))}, tmp_path / "c")
     torch.save({"x": Evil()}, tmp_path / "c" / "common.pt")
@@ -168,7 +226,9 @@ def test_damaged_dcp_metadata_is_corruption(tmp_path, damage):
 
 def test_truncated_data_file_is_corruption(tmp_path):
     dc.save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(1000))}, tmp_path / "c")
-    data = next(p for p in (tmp_path / "c").iterdir() if p.suffix == ".distcp" and p.stat().st_size > 0)
+    data = next(
+        p for p in (tmp_path / "c").iterdir() if p.suffix == ".distcp" and p.stat().st_size > 0
+    )
     data.write_bytes(data.read_bytes()[:100])
     with pytest.raises(CheckpointCorruptedError, match="truncated"):
         dc.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(1000))}, tmp_path / "c")

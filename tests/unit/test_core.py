@@ -38,13 +38,23 @@ def test_missing_config_means_not_a_checkpoint(tmp_path):
 
 
 def test_megatron_style_config_without_common_fields_loads(tmp_path):
-    (tmp_path / "metadata.json").write_text('{"sharded_backend": "torch_dist", "sharded_backend_version": 1, "extra": 5}')
+    (tmp_path / "metadata.json").write_text(
+        '{"sharded_backend": "torch_dist", "sharded_backend_version": 1, "extra": 5}'
+    )
     assert maybe_load_config(tmp_path) == CheckpointingConfig("torch_dist", 1, "torch", 1)
 
 
 @pytest.mark.parametrize(
     "content",
-    [b"", b"{", b"[]", b'{"sharded_backend_version": 1}', b'{"sharded_backend": 3}', b'{"sharded_backend": "x", "sharded_backend_version": "1"}', b"\xff\xfe"],
+    [
+        b"",
+        b"{",
+        b"[]",
+        b'{"sharded_backend_version": 1}',
+        b'{"sharded_backend": 3}',
+        b'{"sharded_backend": "x", "sharded_backend_version": "1"}',
+        b"\xff\xfe",
+    ],
 )
 def test_invalid_config_is_corrupted_not_a_checkpoint(tmp_path, content):
     (tmp_path / "metadata.json").write_bytes(content)

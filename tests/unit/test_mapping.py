@@ -18,7 +18,9 @@ from dist_checkpointing.mapping import (
 
 
 def test_from_rank_offsets_computes_global_geometry():
-    sh = ShardedTensor.from_rank_offsets("w", torch.zeros(4, 3), (0, 2, 5), (1, 1, 2), replica_id=(0, 1))
+    sh = ShardedTensor.from_rank_offsets(
+        "w", torch.zeros(4, 3), (0, 2, 5), (1, 1, 2), replica_id=(0, 1)
+    )
     assert sh.global_shape == (20, 6)
     assert sh.global_offset == (8, 3)
     assert sh.axis_fragmentations == (5, 2)
@@ -39,7 +41,8 @@ def test_from_rank_offsets_with_prepended_axis():
 
 
 @pytest.mark.parametrize(
-    "rank_offsets", [((0, 2, 2),), ((0, -1, 2),), ((0, 0, 0),), ((2, 0, 2),), ((0, 0, 2), (0, 1, 2))]
+    "rank_offsets",
+    [((0, 2, 2),), ((0, -1, 2),), ((0, 0, 0),), ((2, 0, 2),), ((0, 0, 2), (0, 1, 2))],
 )
 def test_from_rank_offsets_rejects_invalid_positions(rank_offsets):
     with pytest.raises(CheckpointingException, match="Invalid rank offsets"):
@@ -102,7 +105,12 @@ def test_sharded_object_unique_key_round_trips():
     obj = ShardedObject("opt/state", {"x": 1}, (2, 3), (1, 2))
     assert obj.unique_key == "opt/state/shard_1.2_2.3"
     back = ShardedObject.empty_from_unique_key(obj.unique_key)
-    assert (back.key, back.global_shape, back.global_offset, back.data) == ("opt/state", (2, 3), (1, 2), None)
+    assert (back.key, back.global_shape, back.global_offset, back.data) == (
+        "opt/state",
+        (2, 3),
+        (1, 2),
+        None,
+    )
 
 
 @pytest.mark.parametrize("key", ["../x", "/abs", "a/../b", "a//b", "a\\b", "", "a/./b"])

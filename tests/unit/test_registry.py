@@ -17,15 +17,27 @@ from dist_checkpointing.strategies.base import (
     register_default_strategy,
     resolve_strategy,
 )
-from dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy, TorchDistSaveShardedStrategy
+from dist_checkpointing.strategies.torch import (
+    TorchDistLoadShardedStrategy,
+    TorchDistSaveShardedStrategy,
+)
 
 PKG = pathlib.Path(__file__).resolve().parents[2] / "dist_checkpointing"
 
 
 def test_builtins_are_found():
-    assert isinstance(get_default_strategy(StrategyAction.SAVE_SHARDED, "torch_dist", 1), TorchDistSaveShardedStrategy)
-    assert isinstance(get_default_strategy(StrategyAction.LOAD_SHARDED, "torch_dist", 1), TorchDistLoadShardedStrategy)
-    assert str(get_default_strategy(StrategyAction.SAVE_SHARDED, "torch_dist", 1)) == "TorchDistSaveShardedStrategy(torch_dist, 1)"
+    assert isinstance(
+        get_default_strategy(StrategyAction.SAVE_SHARDED, "torch_dist", 1),
+        TorchDistSaveShardedStrategy,
+    )
+    assert isinstance(
+        get_default_strategy(StrategyAction.LOAD_SHARDED, "torch_dist", 1),
+        TorchDistLoadShardedStrategy,
+    )
+    assert (
+        str(get_default_strategy(StrategyAction.SAVE_SHARDED, "torch_dist", 1))
+        == "TorchDistSaveShardedStrategy(torch_dist, 1)"
+    )
 
 
 def test_unknown_triple_names_all_three_and_lists_registered():
@@ -102,11 +114,17 @@ def _imports(path: pathlib.Path) -> set:
     return names
 
 
-@pytest.mark.parametrize("module", ["core.py", "mapping.py", "dict_utils.py", "validation.py", "serialization.py", "errors.py"])
+@pytest.mark.parametrize(
+    "module",
+    ["core.py", "mapping.py", "dict_utils.py", "validation.py", "serialization.py", "errors.py"],
+)
 def test_core_modules_never_import_a_backend(module):
     for name in _imports(PKG / module):
         assert ".strategies.torch" not in name and ".strategies.common" not in name, (module, name)
-        assert not name.startswith("megatron") and not name.startswith("nvidia_resiliency_ext"), (module, name)
+        assert not name.startswith("megatron") and not name.startswith("nvidia_resiliency_ext"), (
+            module,
+            name,
+        )
 
 
 def test_package_never_imports_reference_implementations():

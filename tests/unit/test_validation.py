@@ -23,7 +23,9 @@ def _meta(shape, dtype, per_rank, prepend=0):
     for boxes in per_rank:
         out.append(
             [
-                ShardedTensor("t", None, dtype, size[prepend:], shape, offset, None, replica, prepend)
+                ShardedTensor(
+                    "t", None, dtype, size[prepend:], shape, offset, None, replica, prepend
+                )
                 for offset, size, replica in boxes
             ]
         )
@@ -75,7 +77,9 @@ def test_scalar_tensor_with_two_main_replicas_overlaps():
 
 def test_disagreeing_dtype_and_shape_are_named():
     a = ShardedTensor.from_rank_offsets("w", torch.zeros(2), (0, 0, 2)).without_data()
-    b = ShardedTensor.from_rank_offsets("w", torch.zeros(2, dtype=torch.int8), (0, 1, 2)).without_data()
+    b = ShardedTensor.from_rank_offsets(
+        "w", torch.zeros(2, dtype=torch.int8), (0, 1, 2)
+    ).without_data()
     with pytest.raises(ShardingIntegrityError, match="dtype torch.int8 on rank 1"):
         validate_sharding_integrity([[a], [b]])
     c = ShardedTensor.from_rank_offsets("w", torch.zeros(3), (0, 1, 2)).without_data()
@@ -88,7 +92,12 @@ def test_sharded_objects_need_exactly_one_main_replica_per_cell():
     assert find_sharding_problems([[objs[0]], [objs[1]]]) == []
     assert "gap" in find_sharding_problems([[objs[0]], []])[0]
     assert "main replicas on ranks 0 and 1" in find_sharding_problems([[objs[0]], [objs[0]]])[0]
-    assert find_sharding_problems([[objs[0]], [objs[1], ShardedObject("o", None, (2,), (0,), replica_id=1)]]) == []
+    assert (
+        find_sharding_problems(
+            [[objs[0]], [objs[1], ShardedObject("o", None, (2,), (0,), replica_id=1)]]
+        )
+        == []
+    )
 
 
 def test_key_used_as_tensor_and_object_is_a_problem():
@@ -103,7 +112,9 @@ def test_strict_flag_parsing():
     with pytest.raises(ValueError, match="assume_ok_unexpected"):
         parse_strict_flag("sometimes")
     assert StrictHandling.requires_returning_mismatch_keys(StrictHandling.RETURN_UNEXPECTED)
-    assert not StrictHandling.requires_explicit_ckpt_mismatch_check(StrictHandling.ASSUME_OK_UNEXPECTED)
+    assert not StrictHandling.requires_explicit_ckpt_mismatch_check(
+        StrictHandling.ASSUME_OK_UNEXPECTED
+    )
     assert StrictHandling.requires_global_app_metadata(StrictHandling.RAISE_ALL)
 
 
