@@ -144,6 +144,12 @@ def _allowed_globals() -> Dict[Tuple[str, str], Any]:
     ):
         if hasattr(md, name):
             allowed[(md.__name__, name)] = getattr(md, name)
+    import torch.distributed.checkpoint.planner as planner
+
+    # megatron-core pickles its global save plan (plain dataclasses and enums) beside the metadata
+    for name in ("SavePlan", "WriteItem", "TensorWriteData", "BytesIOWriteData", "WriteItemType", "LoadPlan", "ReadItem", "LoadItemType"):
+        if hasattr(planner, name):
+            allowed[(planner.__name__, name)] = getattr(planner, name)
     allowed[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = _StorageInfo
     allowed[("torch", "Size")] = torch.Size
     for name in dir(torch):

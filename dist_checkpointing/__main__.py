@@ -1,0 +1,8 @@
+"""`python -m dist_checkpointing ...` runs the `dist-ckpt` command."""
+
+import sys
+
+from .cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

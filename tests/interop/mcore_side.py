@@ -1,0 +1,86 @@
+"""Runs megatron-core's dist_checkpointing in a 2-rank gloo world (interop tests only).
+
+Usage: python mcore_side.py save|load CKPT_DIR RESULT_JSON
+
+Run with an interpreter that has megatron-core 0.16.1 installed. Never imported by our
+package or by the test process itself. `save` writes a checkpoint with megatron-core;
+`load` loads one (written by us) with a different sharding and records what it found.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def expected():
+    import torch
+
+    full = torch.arange(8 * 6, dtype=torch.float32).reshape(8, 6)
+    stack = torch.arange(2 * 3 * 4, dtype=torch.float32).reshape(2, 3, 4).to(torch.bfloat16)
+    return full, stack
+
+
+def worker(rank: int, world: int, port: int, mode: str, ckpt: str, result: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    # megatron-core calls these even for CPU tensors (see PEERS.md)
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.current_device = lambda: "cpu"
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    from megatron.core import dist_checkpointing as mdc
+    from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
+
+    full, stack = expected()
+    if mode == "save":
+        sd = {
+            "w": ShardedTensor.from_rank_offsets("w", full[rank * 4 : (rank + 1) * 4].clone(), (0, rank, world)),
+            "layers": ShardedTensor.from_rank_offsets("layers", stack[rank].clone(), (0, rank, world), prepend_axis_num=1),
+            "obj": ShardedObject("rng", {"seed": rank}, (world,), (rank,)),
+            "iteration": 5,
+        }
+        if rank == 0:
+            os.makedirs(ckpt, exist_ok=True)
+        dist.barrier()
+        mdc.save(sd, ckpt)
+        dist.barrier()
+        ok = {"saved": True}
+    else:
+        sd = {
+            "w": ShardedTensor.from_rank_offsets("w", torch.zeros(8, 3), (1, rank, world)),
+            "layers": ShardedTensor.from_rank_offsets("layers", torch.zeros(3, 4, dtype=torch.bfloat16), (0, rank, world), prepend_axis_num=1),
+            "obj": ShardedObject("rng", None, (world,), (rank,)),
+        }
+        out = mdc.load(sd, ckpt)
+        ok = {
+            "w": bool(torch.equal(out["w"], full[:, rank * 3 : (rank + 1) * 3])),
+            "layers": bool(torch.equal(out["layers"], stack[rank])),
+            "obj": out["obj"] == {"seed": rank},
+            "iteration": out.get("iteration") == 5,
+        }
+    with open(f"{result}.{rank}", "w") as f:
+        json.dump(ok, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    import torch.multiprocessing as mp
+
+    mode, ckpt, result = sys.argv[1:4]
+    mp.spawn(worker, args=(2, _port(), mode, ckpt, result), nprocs=2, join=True)
+    merged = {}
+    for r in range(2):
+        with open(f"{result}.{r}") as f:
+            merged[str(r)] = json.load(f)
+    with open(result, "w") as f:
+        json.dump(merged, f)
