@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import (  # noqa: E402
+from _common import (
     drop_page_cache,
     free_port,
     fsync_tree,
@@ -47,7 +47,11 @@ def _ours(shapes: List[tuple], rank: int, world: int, axis: int, data: bool) -> 
 
     sd = {}
     for i, shape in enumerate(shapes):
-        t = local_piece(i, shape, rank, world, axis) if data else torch.empty_like(local_piece(i, shape, rank, world, axis))
+        t = (
+            local_piece(i, shape, rank, world, axis)
+            if data
+            else torch.empty_like(local_piece(i, shape, rank, world, axis))
+        )
         sd[f"t{i}"] = ShardedTensor.from_rank_offsets(f"t{i}", t, (axis, rank, world))
     return sd
 
@@ -65,7 +69,9 @@ def _dtensors(shapes: List[tuple], rank: int, world: int, axis: int, data: bool)
     return out
 
 
-def _run_method(method: str, shapes: List[tuple], root: str, rank: int, world: int, repeats: int) -> Dict[str, List[float]]:
+def _run_method(
+    method: str, shapes: List[tuple], root: str, rank: int, world: int, repeats: int
+) -> Dict[str, List[float]]:
     import torch.distributed.checkpoint as dcp
 
     import dist_checkpointing as dc
@@ -99,11 +105,18 @@ def _run_method(method: str, shapes: List[tuple], root: str, rank: int, world: i
                 dreq = _dtensors(shapes, rank, world, axis, False)
                 times[kind].append(timed(lambda: dcp.load(dreq, checkpoint_id=path)))
             elif axis == 0:
-                times[kind].append(timed(lambda: torch.load(os.path.join(path, f"rank{rank}.pt"), weights_only=True)))
+                times[kind].append(
+                    timed(
+                        lambda: torch.load(os.path.join(path, f"rank{rank}.pt"), weights_only=True)
+                    )
+                )
             else:
 
                 def gather_all() -> None:
-                    pieces = [torch.load(os.path.join(path, f"rank{r}.pt"), weights_only=True) for r in range(world)]
+                    pieces = [
+                        torch.load(os.path.join(path, f"rank{r}.pt"), weights_only=True)
+                        for r in range(world)
+                    ]
                     for i, s in enumerate(shapes):
                         full = torch.cat([p[f"t{i}"] for p in pieces], dim=0)
                         cols = s[1] // world
@@ -118,7 +131,13 @@ def _run_method(method: str, shapes: List[tuple], root: str, rank: int, world: i
 
 
 def _worker(rank: int, args: argparse.Namespace, port: int, queue: Any) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.world_size, timeout=datetime.timedelta(minutes=30))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=args.world_size,
+        timeout=datetime.timedelta(minutes=30),
+    )
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // args.world_size))
     import torch.distributed.checkpoint as _dcp  # noqa: F401  (import cost kept out of the timings)
 
@@ -126,14 +145,19 @@ def _worker(rank: int, args: argparse.Namespace, port: int, queue: Any) -> None:
 
     ser.get_default_save_sharded_strategy()
     shapes = model_shapes(args.total_mib << 20, args.world_size)
-    results = {m: _run_method(m, shapes, args.dir, rank, args.world_size, args.repeats) for m in args.methods}
+    results = {
+        m: _run_method(m, shapes, args.dir, rank, args.world_size, args.repeats)
+        for m in args.methods
+    }
     if rank == 0:
         queue.put((sum(r * c * 4 for r, c in shapes), results))
     dist.destroy_process_group()
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--total-mib", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=3)
@@ -144,7 +168,13 @@ def main() -> None:
     os.makedirs(args.dir, exist_ok=True)
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    mp.start_processes(_worker, args=(args, free_port(), queue), nprocs=args.world_size, join=True, start_method="spawn")
+    mp.start_processes(
+        _worker,
+        args=(args, free_port(), queue),
+        nprocs=args.world_size,
+        join=True,
+        start_method="spawn",
+    )
     nbytes, results = queue.get()
     cache = drop_page_cache()
     rows = []
@@ -166,11 +196,20 @@ def main() -> None:
         f"{args.world_size} ranks, {nbytes / 2**30:.2f} GiB fp32, median of {args.repeats}, "
         f"page cache {'dropped' if cache else 'NOT dropped (not root)'} before loads"
     )
-    cols = ["method"] + [f"{k} GB/s" for k in ("save", "load", "resharded load")] + [
-        f"{k} vs {b}" for b in ("torch.save", "dcp") for k in ("save", "load", "resharded load")
-    ]
+    cols = (
+        ["method"]
+        + [f"{k} GB/s" for k in ("save", "load", "resharded load")]
+        + [f"{k} vs {b}" for b in ("torch.save", "dcp") for k in ("save", "load", "resharded load")]
+    )
     print_table(title, rows, cols)
-    payload = {"world_size": args.world_size, "bytes": nbytes, "repeats": args.repeats, "cache_dropped": cache, "raw_seconds": results, "rows": rows}
+    payload = {
+        "world_size": args.world_size,
+        "bytes": nbytes,
+        "repeats": args.repeats,
+        "cache_dropped": cache,
+        "raw_seconds": results,
+        "rows": rows,
+    }
     if args.json:
         write_json(args.json, payload)
 

@@ -9,6 +9,7 @@ checks every byte, and prints a table.
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import socket
 import tempfile
@@ -50,7 +51,9 @@ def _global_tensor(name: str, shape: Tuple[int, ...], dtype: torch.dtype) -> tor
 def _specs(cfg: DemoConfig) -> List[Tuple[str, Tuple[int, ...], torch.dtype, int]]:
     """(key, global shape, dtype, tensor-parallel axis or -1 for replicated)."""
     h = cfg.hidden
-    specs = [("embedding.weight", (cfg.vocab, h), torch.bfloat16, 0)]
+    specs: List[Tuple[str, Tuple[int, ...], torch.dtype, int]] = [
+        ("embedding.weight", (cfg.vocab, h), torch.bfloat16, 0)
+    ]
     for i in range(cfg.layers):
         p = f"layers.{i}."
         specs += [
@@ -70,7 +73,9 @@ def _state(cfg: DemoConfig, swap_axes: bool, with_data: bool) -> Dict[str, Any]:
     sd: Dict[str, Any] = {}
     for key, shape, dtype, axis in _specs(cfg):
         if axis < 0:
-            local = _global_tensor(key, shape, dtype) if with_data else torch.empty(shape, dtype=dtype)
+            local = (
+                _global_tensor(key, shape, dtype) if with_data else torch.empty(shape, dtype=dtype)
+            )
             sd[key] = ShardedTensor.from_rank_offsets(key, local, replica_id=rank)
             continue
         if swap_axes and len(shape) == 2:
@@ -79,9 +84,13 @@ def _state(cfg: DemoConfig, swap_axes: bool, with_data: bool) -> Dict[str, Any]:
         if with_data:
             local = _global_tensor(key, shape, dtype).narrow(axis, rank * size, size).clone()
         else:
-            local = torch.empty(*(size if a == axis else s for a, s in enumerate(shape)), dtype=dtype)
+            local = torch.empty(
+                *(size if a == axis else s for a, s in enumerate(shape)), dtype=dtype
+            )
         sd[key] = ShardedTensor.from_rank_offsets(key, local, (axis, rank, world))
-    sd["rng"] = ShardedObject("rng_state", {"rank": rank, "seed": 1234 + rank} if with_data else None, (world,), (rank,))
+    sd["rng"] = ShardedObject(
+        "rng_state", {"rank": rank, "seed": 1234 + rank} if with_data else None, (world,), (rank,)
+    )
     sd["iteration"] = 100
     return sd
 
@@ -97,13 +106,21 @@ def _worker(rank: int, cfg: DemoConfig, port: int, ckpt: str) -> None:
     from .mapping import ShardedTensor
 
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=cfg.world_size, timeout=datetime.timedelta(minutes=5)
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=cfg.world_size,
+        timeout=datetime.timedelta(minutes=5),
     )
     try:
         # importing torch.distributed.checkpoint costs seconds once per process; keep it out of the timings
         serialization.get_default_save_sharded_strategy()
         state = _state(cfg, swap_axes=False, with_data=True)
-        nbytes = sum(v.data.numel() * v.data.element_size() for v in state.values() if isinstance(v, ShardedTensor) and v.replica_id == 0)
+        nbytes = sum(
+            math.prod(v.local_shape) * v.dtype.itemsize
+            for v in state.values()
+            if isinstance(v, ShardedTensor) and v.replica_id == 0
+        )
         dist.barrier()
         t0 = time.perf_counter()
         serialization.save(state, ckpt)
@@ -118,7 +135,9 @@ def _worker(rank: int, cfg: DemoConfig, port: int, ckpt: str) -> None:
         for key, value in request.items():
             if isinstance(value, ShardedTensor):
                 want = _global_tensor(key, value.global_shape, value.dtype)[value.global_slice()]
-                if not torch.equal(loaded[key].view(torch.uint8), want.contiguous().view(torch.uint8)):
+                if not torch.equal(
+                    loaded[key].view(torch.uint8), want.contiguous().view(torch.uint8)
+                ):
                     mismatches.append(key)
         if loaded["rng"] != {"rank": rank, "seed": 1234 + rank} or loaded["iteration"] != 100:
             mismatches.append("rng/iteration")
@@ -127,23 +146,43 @@ def _worker(rank: int, cfg: DemoConfig, port: int, ckpt: str) -> None:
         times = torch.tensor([save_s, load_s], dtype=torch.float64)
         dist.all_reduce(times, op=dist.ReduceOp.MAX)
         if rank == 0:
-            _print_report(cfg, ckpt, len(_specs(cfg)), int(totals[0]), float(times[0]), float(times[1]), int(totals[1]))
+            _print_report(
+                cfg,
+                ckpt,
+                len(_specs(cfg)),
+                int(totals[0]),
+                float(times[0]),
+                float(times[1]),
+                int(totals[1]),
+            )
         if totals[1]:
             raise SystemExit(f"rank {rank}: mismatched {mismatches}")
     finally:
         dist.destroy_process_group()
 
 
-def _print_report(cfg: DemoConfig, ckpt: str, n: int, nbytes: int, save_s: float, load_s: float, bad: int) -> None:
+def _print_report(
+    cfg: DemoConfig, ckpt: str, n: int, nbytes: int, save_s: float, load_s: float, bad: int
+) -> None:
     files = sorted(os.listdir(ckpt))
     print(f"dist_checkpointing demo: {cfg.world_size} ranks (gloo), checkpoint {ckpt}")
-    print(f"  saved with tensor-parallel splits on the usual axes; loaded with every split axis swapped")
+    print(
+        "  saved with tensor-parallel splits on the usual axes; loaded with every split axis swapped"
+    )
     print(f"  files: {', '.join(files)}")
     print()
-    print(f"  {'tensors':>8} {'bytes':>12} {'save s':>8} {'save GB/s':>10} {'load s':>8} {'load GB/s':>10}")
-    print(f"  {n:>8} {nbytes:>12,} {save_s:>8.3f} {nbytes / save_s / 1e9:>10.3f} {load_s:>8.3f} {nbytes / load_s / 1e9:>10.3f}")
+    print(
+        f"  {'tensors':>8} {'bytes':>12} {'save s':>8} {'save GB/s':>10} {'load s':>8} {'load GB/s':>10}"
+    )
+    print(
+        f"  {n:>8} {nbytes:>12,} {save_s:>8.3f} {nbytes / save_s / 1e9:>10.3f} {load_s:>8.3f} {nbytes / load_s / 1e9:>10.3f}"
+    )
     print()
-    print("  verified: every byte of every resharded tensor, the ShardedObjects and the common state" if not bad else f"  FAILED: {bad} mismatches")
+    print(
+        "  verified: every byte of every resharded tensor, the ShardedObjects and the common state"
+        if not bad
+        else f"  FAILED: {bad} mismatches"
+    )
 
 
 def run_demo(cfg: DemoConfig) -> None:
@@ -152,8 +191,12 @@ def run_demo(cfg: DemoConfig) -> None:
     Raises:
         ValueError: when the world size does not divide the model dimensions.
     """
-    if cfg.world_size < 1 or any(s[a] % cfg.world_size for _, s, _, a in _specs(cfg) for a in range(len(s))):
-        raise ValueError(f"world size {cfg.world_size} must divide hidden={cfg.hidden} and vocab={cfg.vocab}")
+    if cfg.world_size < 1 or any(
+        s[a] % cfg.world_size for _, s, _, a in _specs(cfg) for a in range(len(s))
+    ):
+        raise ValueError(
+            f"world size {cfg.world_size} must divide hidden={cfg.hidden} and vocab={cfg.vocab}"
+        )
     parent = cfg.directory or tempfile.mkdtemp(prefix="dist_ckpt_demo_")
     ckpt = os.path.join(parent, f"iter_{int(time.time())}")
     mp.spawn(_worker, args=(cfg, _free_port(), ckpt), nprocs=cfg.world_size, join=True)
