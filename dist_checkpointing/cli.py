@@ -27,13 +27,17 @@ def _inspect(path: str) -> int:
     except CheckpointingException as e:
         print(f"{path}: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
-    print(f"{path}: sharded {config.sharded_backend} v{config.sharded_backend_version}, common {config.common_backend} v{config.common_backend_version}")
+    print(
+        f"{path}: sharded {config.sharded_backend} v{config.sharded_backend_version}, common {config.common_backend} v{config.common_backend_version}"
+    )
     total = 0
     for key, sh in sorted(metadata.items()):
         if isinstance(sh, ShardedTensor):
             nbytes = math.prod(sh.global_shape) * sh.dtype.itemsize
             total += nbytes
-            print(f"  tensor  {key:<40} {str(tuple(sh.global_shape)):<20} {str(sh.dtype):<16} {nbytes:>14,} B")
+            print(
+                f"  tensor  {key:<40} {str(tuple(sh.global_shape)):<20} {str(sh.dtype):<16} {nbytes:>14,} B"
+            )
         elif isinstance(sh, ShardedObject):
             print(f"  object  {key}")
     print(f"  common keys: {sorted(map(str, common))}")
@@ -51,11 +55,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     demo.add_argument("--hidden", type=int, default=512)
     demo.add_argument("--layers", type=int, default=4)
     demo.add_argument("--vocab", type=int, default=8192)
-    demo.add_argument("--dir", default="", help="parent directory of the checkpoint (default: a temp dir)")
+    demo.add_argument(
+        "--dir", default="", help="parent directory of the checkpoint (default: a temp dir)"
+    )
     insp = sub.add_parser("inspect", help="list a checkpoint's backend, tensors and objects")
     insp.add_argument("path")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
     if args.command == "demo":
         from .demo import DemoConfig, run_demo
 

@@ -17,6 +17,7 @@ __all__ = [
     "CheckpointCorruptedError",
     "UnsafeCheckpointError",
     "DistributedFailureError",
+    "AsyncSaveError",
 ]
 
 
@@ -58,3 +59,7 @@ class UnsafeCheckpointError(CheckpointingException):
 
 class DistributedFailureError(CheckpointingException):
     """One or more other ranks failed a collective step; raised on every rank."""
+
+
+class AsyncSaveError(CheckpointingException):
+    """A background checkpoint write failed, crashed or was killed on some rank."""

@@ -84,9 +84,8 @@ class World:
         self.inboxes = [ctx.Queue() for _ in range(size)]
         self.outbox = ctx.Queue()
         self.procs = [
-            ctx.Process(
-                target=_worker, args=(r, size, port, self.inboxes[r], self.outbox), daemon=True
-            )
+            # not daemonic: ranks start background writer processes of their own (async save)
+            ctx.Process(target=_worker, args=(r, size, port, self.inboxes[r], self.outbox))
             for r in range(size)
         ]
         for p in self.procs:

@@ -36,6 +36,7 @@ __all__ = [
     "DATA_SUFFIX",
     "data_file_name",
     "write_files",
+    "write_staged_files",
     "write_metadata",
     "read_metadata",
     "read_tensor_items",
@@ -117,6 +118,38 @@ def write_files(
     return [r for rs in nested for r in rs]
 
 
+def write_staged_files(
+    checkpoint_dir: Path,
+    flat: torch.Tensor,
+    plan: Sequence[Tuple[str, Sequence[Tuple[Any, Any]]]],
+    thread_count: int,
+) -> List[WriteResult]:
+    """Writes files whose tensors were staged in one flat host buffer (async save).
+
+    Args:
+        checkpoint_dir: destination directory.
+        flat: the staging buffer.
+        plan: `(file name, [(WriteItem, TensorSlot or serialized bytes)])` pairs.
+        thread_count: maximum number of files written at once.
+
+    Returns:
+        The write results, as `write_files`.
+    """
+    from ._staging import TensorSlot, slot_view
+
+    files = [
+        (
+            name,
+            [
+                WriteEntry(item, slot_view(flat, src) if isinstance(src, TensorSlot) else src)
+                for item, src in entries
+            ],
+        )
+        for name, entries in plan
+    ]
+    return write_files(Path(checkpoint_dir), files, thread_count)
+
+
 def write_metadata(
     checkpoint_dir: Path, metadata: Metadata, results: Sequence[WriteResult]
 ) -> None:
@@ -147,7 +180,16 @@ def _allowed_globals() -> Dict[Tuple[str, str], Any]:
     import torch.distributed.checkpoint.planner as planner
 
     # megatron-core pickles its global save plan (plain dataclasses and enums) beside the metadata
-    for name in ("SavePlan", "WriteItem", "TensorWriteData", "BytesIOWriteData", "WriteItemType", "LoadPlan", "ReadItem", "LoadItemType"):
+    for name in (
+        "SavePlan",
+        "WriteItem",
+        "TensorWriteData",
+        "BytesIOWriteData",
+        "WriteItemType",
+        "LoadPlan",
+        "ReadItem",
+        "LoadItemType",
+    ):
         if hasattr(planner, name):
             allowed[(planner.__name__, name)] = getattr(planner, name)
     allowed[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = _StorageInfo

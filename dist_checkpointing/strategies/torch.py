@@ -12,6 +12,8 @@ reads each needed stored chunk once.
 
 from __future__ import annotations
 
+import copy
+import hashlib
 import io
 import logging
 import os
@@ -48,10 +50,12 @@ from ._dcp_plan import (
     split_into_files,
     tensor_write_item,
 )
+from ._staging import HostBufferPool
+from .async_utils import AsyncRequest
 from .base import (
+    AsyncSaveShardedStrategy,
     CheckpointDir,
     LoadShardedStrategy,
-    SaveShardedStrategy,
     StrategyAction,
     register_default_strategy,
     require_backend,
@@ -84,7 +88,7 @@ def _gbps(nbytes: int, seconds: float) -> float:
     return nbytes / max(seconds, 1e-9) / 1e9
 
 
-class TorchDistSaveShardedStrategy(SaveShardedStrategy):
+class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
     """Saves ShardedTensors and ShardedObjects in PyTorch DCP's format.
 
     Args:
@@ -93,8 +97,9 @@ class TorchDistSaveShardedStrategy(SaveShardedStrategy):
         keep_only_main_replica: write only main replicas (True), or every replica and keep
             one copy of each chunk in the metadata (False).
         thread_count: files written in parallel by each rank (one thread per file).
-        cached_metadata: accepted for API compatibility; this strategy never exchanges a
-            plan before writing, so there is nothing to cache.
+        cached_metadata: accepted for API compatibility. Plans are always cached: this
+            strategy exchanges no plan before writing, and at finalization a rank whose
+            write plan is unchanged since its previous save sends only its digest.
         separation_hint: keys starting with this prefix go to separate files named with it,
             so `remove_sharded_tensors(dir, prefix)` can drop them.
     """
@@ -115,6 +120,10 @@ class TorchDistSaveShardedStrategy(SaveShardedStrategy):
         self.thread_count = thread_count
         self.cached_metadata = cached_metadata
         self.separation_hint = separation_hint
+        self._pool = HostBufferPool()
+        self._sent_fingerprint: Optional[str] = None
+        self._items_cache: Dict[int, Tuple[str, List[WriteItem]]] = {}
+        self._metadata_cache: Optional[Tuple[Tuple[str, ...], Metadata]] = None
 
     @property
     def can_handle_sharded_objects(self) -> bool:
@@ -142,43 +151,103 @@ class TorchDistSaveShardedStrategy(SaveShardedStrategy):
                 )
         return entries
 
-    def _write_local(
-        self, sharded_state_dict: ShardedStateDict, ckpt: Path
-    ) -> Tuple[List[WriteItem], List[WriteResult]]:
-        entries = self._local_entries(sharded_state_dict)
+    def _plan_files(self, entries: List[WriteEntry]) -> List[Tuple[str, List[WriteEntry]]]:
         rank = get_rank()
         files = split_into_files(entries, self.thread_count, self.separation_hint)
-        named = [
-            (_dcp_io.data_file_name(group, rank, i), es) for i, (group, es) in enumerate(files)
-        ]
-        return [e.item for e in entries], _dcp_io.write_files(ckpt, named, self.thread_count)
+        return [(_dcp_io.data_file_name(group, rank, i), es) for i, (group, es) in enumerate(files)]
 
     def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir) -> None:
-        """Collective: writes this rank's shards, then rank 0 writes DCP's `.metadata`.
+        """Collective: writes this rank's shards from the tensors themselves, then finalizes.
 
         Raises:
             CheckpointingException: on every rank, if any rank's write or the metadata failed.
         """
         ckpt = Path(checkpoint_dir)
         start = time.perf_counter()
-        local: Optional[Tuple[List[WriteItem], List[WriteResult]]] = None
+        items: List[WriteItem] = []
+        results: List[WriteResult] = []
         error: Optional[BaseException] = None
         try:
-            local = self._write_local(sharded_state_dict, ckpt)
-        except Exception as e:  # reported to rank 0 and re-raised on every rank below
+            entries = self._local_entries(sharded_state_dict)
+            items = [e.item for e in entries]
+            results = _dcp_io.write_files(ckpt, self._plan_files(entries), self.thread_count)
+        except Exception as e:  # reported to rank 0 and re-raised on every rank
             error = e
-        gathered = gather_object(local if error is None else f"{type(error).__name__}: {error}")
+        self._finalize(ckpt, items, results, error, start)
+
+    def async_save(
+        self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir
+    ) -> AsyncRequest:
+        """Copies this rank's shards to host staging buffers and returns the write request.
+
+        The caller blocks only for the copy (and the serialization of ShardedObjects). The
+        request's `async_fn` writes the staged bytes (in a background process when
+        scheduled on an `AsyncCallsQueue`); its finalize function (collective) writes DCP's
+        `.metadata`. Staging buffers return to a pool, reused by later saves of the same
+        structure, when the request is finalized or fails.
+
+        Raises:
+            CheckpointingException: on invalid input (e.g. a ShardedTensor without data);
+                raised locally, before anything is scheduled.
+        """
+        ckpt = Path(checkpoint_dir)
+        start = time.perf_counter()
+        entries = self._local_entries(sharded_state_dict)
+        tensor_entries = [e for e in entries if isinstance(e.data, torch.Tensor)]
+        buffer = self._pool.stage([e.data for e in tensor_entries])  # type: ignore[misc]
+        slot_of = {id(e): slot for e, slot in zip(tensor_entries, buffer.slots)}
+        plan = [
+            (name, [(e.item, slot_of.get(id(e), e.data)) for e in es])
+            for name, es in self._plan_files(entries)
+        ]
+        items = [e.item for e in entries]
+        request = AsyncRequest(
+            _dcp_io.write_staged_files,
+            (ckpt, buffer.flat, plan, self.thread_count),
+            [],
+            description=f"torch_dist save to {ckpt}",
+        )
+        request.add_finalize_fn(lambda: self._finalize(ckpt, items, request.result, None, start))
+        request.cleanup_fns.append(lambda: self._pool.release(buffer))
+        logger.debug(
+            "rank %d staged %d bytes for %s in %.3f s",
+            get_rank(),
+            buffer.nbytes,
+            ckpt,
+            time.perf_counter() - start,
+        )
+        return request
+
+    def _finalize(
+        self,
+        ckpt: Path,
+        items: List[WriteItem],
+        results: List[WriteResult],
+        error: Optional[BaseException],
+        start: float,
+    ) -> None:
+        """Collective: rank 0 gathers every rank's items and locations, writes `.metadata`.
+
+        Every rank learns the outcome; a failure anywhere raises on every rank.
+        """
+        fingerprint = _items_fingerprint(items)
+        send_items = None if fingerprint == self._sent_fingerprint else items
+        report: Any = (
+            (fingerprint, send_items, results)
+            if error is None
+            else f"{type(error).__name__}: {error}"
+        )
+        gathered = gather_object(report)
         outcome: Optional[str] = None
         if gathered is not None:
             outcome = self._finish_on_coordinator(ckpt, gathered, start)
         outcome = broadcast_object(outcome)
-        if error is not None or outcome is not None:
-            agree_failure = error if error is not None else CheckpointingException(outcome or "")
-            agree_on_errors(agree_failure, f"torch_dist save to {ckpt}")
-        # every rank reached here without a local error and rank 0 reported success
-        logger.debug(
-            "rank %d wrote %d items to %s", get_rank(), len(local[0]) if local else 0, ckpt
-        )
+        if outcome is not None:
+            agree_on_errors(
+                error if error is not None else CheckpointingException(outcome),
+                f"torch_dist save to {ckpt}",
+            )
+        self._sent_fingerprint = fingerprint
 
     def _finish_on_coordinator(
         self, ckpt: Path, gathered: List[Any], start: float
@@ -187,9 +256,26 @@ class TorchDistSaveShardedStrategy(SaveShardedStrategy):
         if failed:
             return "; ".join(failed)
         try:
-            all_items = [g[0] for g in gathered]
-            results = [r for g in gathered for r in g[1]]
-            metadata = build_metadata(all_items, dedup=not self.keep_only_main_replica)
+            all_items = []
+            for rank, (fingerprint, items, _) in enumerate(gathered):
+                if items is None:
+                    cached = self._items_cache.get(rank)
+                    if cached is None or cached[0] != fingerprint:
+                        raise CheckpointingException(
+                            f"rank {rank} sent no plan and none is cached for it"
+                        )
+                    items = cached[1]
+                else:
+                    self._items_cache[rank] = (fingerprint, items)
+                all_items.append(items)
+            key = tuple(g[0] for g in gathered)
+            if self._metadata_cache is None or self._metadata_cache[0] != key:
+                self._metadata_cache = (
+                    key,
+                    build_metadata(all_items, dedup=not self.keep_only_main_replica),
+                )
+            metadata = copy.deepcopy(self._metadata_cache[1])
+            results = [r for g in gathered for r in g[2]]
             _dcp_io.write_metadata(ckpt, metadata, results)
         except Exception as e:  # turned into an error on every rank by the caller
             return f"rank 0 (metadata): {type(e).__name__}: {e}"
@@ -204,6 +290,26 @@ class TorchDistSaveShardedStrategy(SaveShardedStrategy):
             _gbps(nbytes, seconds),
         )
         return None
+
+
+def _items_fingerprint(items: List[WriteItem]) -> str:
+    """A digest of a rank's write plan: equal digests mean the same DCP metadata entries."""
+    h = hashlib.blake2b(digest_size=16)
+    for it in items:
+        td = it.tensor_data
+        desc = (
+            (it.index.fqn, it.type.value)
+            if td is None
+            else (
+                it.index.fqn,
+                tuple(td.chunk.offsets),
+                tuple(td.chunk.sizes),
+                tuple(td.size),
+                str(td.properties.dtype),
+            )
+        )
+        h.update(repr(desc).encode())
+    return h.hexdigest()
 
 
 class TorchDistLoadShardedStrategy(LoadShardedStrategy):

@@ -36,15 +36,21 @@ def worker(rank: int, world: int, port: int, mode: str, ckpt: str, result: str) 
     # megatron-core calls these even for CPU tensors (see PEERS.md)
     torch.cuda.synchronize = lambda *a, **k: None
     torch.cuda.current_device = lambda: "cpu"
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
     from megatron.core import dist_checkpointing as mdc
     from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
 
     full, stack = expected()
     if mode == "save":
         sd = {
-            "w": ShardedTensor.from_rank_offsets("w", full[rank * 4 : (rank + 1) * 4].clone(), (0, rank, world)),
-            "layers": ShardedTensor.from_rank_offsets("layers", stack[rank].clone(), (0, rank, world), prepend_axis_num=1),
+            "w": ShardedTensor.from_rank_offsets(
+                "w", full[rank * 4 : (rank + 1) * 4].clone(), (0, rank, world)
+            ),
+            "layers": ShardedTensor.from_rank_offsets(
+                "layers", stack[rank].clone(), (0, rank, world), prepend_axis_num=1
+            ),
             "obj": ShardedObject("rng", {"seed": rank}, (world,), (rank,)),
             "iteration": 5,
         }
@@ -57,7 +63,12 @@ def worker(rank: int, world: int, port: int, mode: str, ckpt: str, result: str) 
     else:
         sd = {
             "w": ShardedTensor.from_rank_offsets("w", torch.zeros(8, 3), (1, rank, world)),
-            "layers": ShardedTensor.from_rank_offsets("layers", torch.zeros(3, 4, dtype=torch.bfloat16), (0, rank, world), prepend_axis_num=1),
+            "layers": ShardedTensor.from_rank_offsets(
+                "layers",
+                torch.zeros(3, 4, dtype=torch.bfloat16),
+                (0, rank, world),
+                prepend_axis_num=1,
+            ),
             "obj": ShardedObject("rng", None, (world,), (rank,)),
         }
         out = mdc.load(sd, ckpt)

@@ -31,7 +31,9 @@ def _mcore_python() -> str | None:
         candidate = sys.executable
     if not candidate:
         return None
-    probe = subprocess.run([candidate, "-c", "import megatron.core.dist_checkpointing"], capture_output=True)
+    probe = subprocess.run(
+        [candidate, "-c", "import megatron.core.dist_checkpointing"], capture_output=True
+    )
     return candidate if probe.returncode == 0 else None
 
 
@@ -72,7 +74,9 @@ def load_mcore_checkpoint_resharded(ckpt: str) -> Dict[str, bool]:
     full, stack = _expected()
     request = {
         "w": ShardedTensor.from_rank_offsets("w", torch.zeros(8, 3), (1, rank, 2)),
-        "layers": ShardedTensor.from_rank_offsets("layers", torch.zeros(3, 4, dtype=torch.bfloat16), (0, rank, 2), prepend_axis_num=1),
+        "layers": ShardedTensor.from_rank_offsets(
+            "layers", torch.zeros(3, 4, dtype=torch.bfloat16), (0, rank, 2), prepend_axis_num=1
+        ),
         "obj": ShardedObject("rng", None, (2,), (rank,)),
     }
     out = dc.load(request, ckpt)
@@ -89,8 +93,12 @@ def save_for_mcore(ckpt: str) -> None:
     full, stack = _expected()
     dc.save(
         {
-            "w": ShardedTensor.from_rank_offsets("w", full[rank * 4 : (rank + 1) * 4].clone(), (0, rank, 2)),
-            "layers": ShardedTensor.from_rank_offsets("layers", stack[rank].clone(), (0, rank, 2), prepend_axis_num=1),
+            "w": ShardedTensor.from_rank_offsets(
+                "w", full[rank * 4 : (rank + 1) * 4].clone(), (0, rank, 2)
+            ),
+            "layers": ShardedTensor.from_rank_offsets(
+                "layers", stack[rank].clone(), (0, rank, 2), prepend_axis_num=1
+            ),
             "obj": ShardedObject("rng", {"seed": rank}, (2,), (rank,)),
             "iteration": 5,
         },
@@ -101,7 +109,10 @@ def save_for_mcore(ckpt: str) -> None:
 @requires_mcore
 def test_we_load_megatron_core_checkpoint_resharded(world_factory, tmp_path):
     ckpt = str(tmp_path / "mcore_ckpt")
-    assert _run_mcore("save", ckpt, str(tmp_path / "res.json")) == {"0": {"saved": True}, "1": {"saved": True}}
+    assert _run_mcore("save", ckpt, str(tmp_path / "res.json")) == {
+        "0": {"saved": True},
+        "1": {"saved": True},
+    }
     assert dc.check_is_distributed_checkpoint(ckpt)
     results = world_factory(2).run_ok(load_mcore_checkpoint_resharded, ckpt)
     assert results == [{"w": True, "layers": True, "obj": True, "iteration": True}] * 2
@@ -112,4 +123,6 @@ def test_megatron_core_loads_our_checkpoint_resharded(world_factory, tmp_path):
     ckpt = str(tmp_path / "our_ckpt")
     world_factory(2).run_ok(save_for_mcore, ckpt)
     result = _run_mcore("load", ckpt, str(tmp_path / "res.json"))
-    assert result == {str(r): {"w": True, "layers": True, "obj": True, "iteration": True} for r in range(2)}
+    assert result == {
+        str(r): {"w": True, "layers": True, "obj": True, "iteration": True} for r in range(2)
+    }
