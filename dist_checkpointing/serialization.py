@@ -43,6 +43,7 @@ from .strategies.base import (
 )
 from .validation import (
     StrictHandling,
+    metadata_fingerprint,
     parse_strict_flag,
     validate_integrity_and_strict_load,
     validate_sharding_integrity,
@@ -254,13 +255,16 @@ def save(
     except Exception as e:  # agreed on below, with the metadata exchange
         error = e
     local_md = (
-        [sh.without_data() for sh in _nested_sharded(result[2])] if result is not None else None
+        [sh.without_data() for sh in _nested_sharded(result[2])] if result is not None else []
     )
-    gathered = _dist.all_gather_object((local_md, _dist.error_report(error)))
-    _dist.raise_on_reported_errors([g[1] for g in gathered], error, f"save to {ckpt} (preparation)")
+    fingerprint = metadata_fingerprint(local_md)
+    reports = _dist.all_gather_object(
+        (fingerprint, _last_validated_structure, _dist.error_report(error))
+    )
+    _dist.raise_on_reported_errors([r[2] for r in reports], error, f"save to {ckpt} (preparation)")
     sharded, common, sharded_part, common_part = result
     if validate_access_integrity:
-        validate_sharding_integrity([g[0] or [] for g in gathered])
+        _validate_save_sharding(local_md, reports)
         _check_common_consistency(common_part, preprocess_common_before_consistancy_check)
 
     def save_common() -> ShardedStateDict:
@@ -297,6 +301,25 @@ def save(
     sharded.save(to_save, ckpt)
     commit()
     return None
+
+
+# Digest of the last global sharding that passed validation (identical on every rank).
+_last_validated_structure: Optional[str] = None
+
+
+def _validate_save_sharding(local_md: list, reports: list) -> None:
+    """Collective (unless skipped on every rank alike): validates the global sharding.
+
+    The exchange of every rank's shard metadata is skipped when every rank reports the same
+    structure digest as the last validated save (decided from `reports`, which every rank
+    holds, so all ranks skip or exchange together).
+    """
+    global _last_validated_structure
+    structure = "|".join(r[0] for r in reports)
+    if all(r[1] == structure for r in reports):
+        return
+    validate_sharding_integrity(_dist.all_gather_object(local_md))
+    _last_validated_structure = structure
 
 
 def _nested_sharded(tree: Any) -> list:

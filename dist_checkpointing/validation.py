@@ -6,6 +6,7 @@ here is `determine_global_metadata`.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 from collections import defaultdict
@@ -25,6 +26,7 @@ __all__ = [
     "parse_strict_flag",
     "determine_global_metadata",
     "validate_sharding_integrity",
+    "metadata_fingerprint",
     "find_sharding_problems",
     "validate_integrity_and_strict_load",
     "determine_missing_and_unexpected_keys",
@@ -262,6 +264,33 @@ def validate_sharding_integrity(
         raise ShardingIntegrityError(
             f"Invalid sharding ({len(problems)} problem(s)):\n  {shown}{more}"
         )
+
+
+def metadata_fingerprint(local_metadata: LocalMetadata) -> str:
+    """A digest of a rank's shard geometry (keys, shapes, offsets, dtypes, replica ids).
+
+    Equal digests on every rank mean the same global sharding as the save that produced
+    them, so a validation of it can be reused.
+    """
+    h = hashlib.blake2b(digest_size=16)
+    for sh in local_metadata:
+        if isinstance(sh, ShardedTensor):
+            desc: tuple = (
+                "t",
+                sh.key,
+                str(sh.dtype),
+                sh.local_shape,
+                sh.global_shape,
+                sh.global_offset,
+                sh.replica_id,
+                sh.prepend_axis_num,
+            )
+        elif isinstance(sh, ShardedObject):
+            desc = ("o", sh.unique_key, sh.replica_id)
+        else:
+            desc = (type(sh).__name__, sh.key, sh.replica_id)
+        h.update(repr(desc).encode())
+    return h.hexdigest()
 
 
 def _sharded_key(sh: ShardedBase) -> str:
