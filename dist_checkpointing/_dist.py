@@ -26,6 +26,7 @@ __all__ = [
     "all_gather_object",
     "gather_object",
     "broadcast_object",
+    "all_reduce_max",
     "barrier",
     "error_report",
     "raise_on_reported_errors",
@@ -83,6 +84,17 @@ def broadcast_object(obj: T, src: int = 0, group: Group = None) -> T:
     holder = [obj]
     dist.broadcast_object_list(holder, group_src=src, group=group)
     return holder[0]
+
+
+def all_reduce_max(values: List[int], group: Group = None) -> List[int]:
+    """Collective: the element-wise maximum of small int vectors over ranks (cheap flags)."""
+    if not is_distributed():
+        return list(values)
+    import torch
+
+    t = torch.tensor(values, dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return [int(v) for v in t.tolist()]
 
 
 def barrier(group: Group = None) -> None:

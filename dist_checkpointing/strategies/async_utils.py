@@ -24,6 +24,7 @@ from __future__ import annotations
 import atexit
 import logging
 import multiprocessing as mp
+import os
 import time
 import traceback
 import weakref
@@ -141,23 +142,40 @@ class AsyncCaller(ABC):
         """Releases the caller's processes (waits for running calls)."""
 
 
-def _temporal_child(fn: Callable[..., Any], args: Tuple[Any, ...], conn: Any) -> None:
+def _lower_priority(niceness: int) -> None:
+    """Makes this (writer) process yield the CPU to the training processes."""
+    if niceness > 0:
+        try:
+            os.nice(niceness)
+        except OSError as e:
+            logger.debug("could not lower writer priority: %s", e)
+
+
+def _temporal_child(
+    fn: Callable[..., Any], args: Tuple[Any, ...], conn: Any, niceness: int
+) -> None:
+    _lower_priority(niceness)
     conn.send(_run_and_report(fn, args))
     conn.close()
 
 
 class TemporalAsyncCaller(AsyncCaller):
-    """A fresh forked process per request; it inherits the host buffers without copying."""
+    """A fresh forked process per request; it inherits the host buffers without copying.
 
-    def __init__(self) -> None:
+    Args:
+        niceness: added to the writer's nice value so training keeps the CPU.
+    """
+
+    def __init__(self, niceness: int = 0) -> None:
         self._calls: Dict[int, Tuple[Any, Any]] = {}
+        self.niceness = niceness
 
     def schedule(self, call_idx: int, request: AsyncRequest) -> None:
         ctx = mp.get_context("fork")
         recv, send = ctx.Pipe(duplex=False)
         proc = ctx.Process(
             target=_temporal_child,
-            args=(request.async_fn, request.async_fn_args, send),
+            args=(request.async_fn, request.async_fn_args, send, self.niceness),
             daemon=True,
             name=f"dc-async-{call_idx}",
         )
@@ -202,7 +220,8 @@ class TemporalAsyncCaller(AsyncCaller):
         self._calls.clear()
 
 
-def _persistent_worker(tasks: Any, results: Any) -> None:
+def _persistent_worker(tasks: Any, results: Any, niceness: int) -> None:
+    _lower_priority(niceness)
     while True:
         task = tasks.get()
         if task is None:
@@ -214,11 +233,16 @@ def _persistent_worker(tasks: Any, results: Any) -> None:
 
 
 class PersistentAsyncCaller(AsyncCaller):
-    """One long-lived spawned worker process, fed through a queue; restarted if it dies."""
+    """One long-lived spawned worker process, fed through a queue; restarted if it dies.
 
-    def __init__(self) -> None:
+    Args:
+        niceness: added to the worker's nice value so training keeps the CPU.
+    """
+
+    def __init__(self, niceness: int = 0) -> None:
         import torch.multiprocessing as tmp
 
+        self.niceness = niceness
         self._ctx = tmp.get_context("spawn")
         self._proc: Any = None
         self._tasks: Any = None
@@ -232,7 +256,7 @@ class PersistentAsyncCaller(AsyncCaller):
         self._tasks, self._results = self._ctx.Queue(), self._ctx.Queue()
         self._proc = self._ctx.Process(
             target=_persistent_worker,
-            args=(self._tasks, self._results),
+            args=(self._tasks, self._results, self.niceness),
             daemon=True,
             name="dc-async-worker",
         )
@@ -315,11 +339,15 @@ class AsyncCallsQueue:
     Args:
         persistent: use one persistent worker process (True) or a fresh forked process per
             request (False).
+        writer_niceness: how much lower than the training process the writers run (Unix
+            nice increment; 0 keeps the same priority). Writes mostly wait on the disk, so a
+            low priority costs them little and keeps the CPU for training.
     """
 
-    def __init__(self, persistent: bool = False) -> None:
+    def __init__(self, persistent: bool = False, *, writer_niceness: int = 10) -> None:
         global _atexit_registered
         self.persistent = persistent
+        self.writer_niceness = writer_niceness
         self._calls: Deque[_Call] = deque()
         self._next_idx = 0
         self._persistent_caller: Optional[PersistentAsyncCaller] = None
@@ -332,10 +360,10 @@ class AsyncCallsQueue:
     def _caller(self) -> AsyncCaller:
         if self.persistent:
             if self._persistent_caller is None:
-                self._persistent_caller = PersistentAsyncCaller()
+                self._persistent_caller = PersistentAsyncCaller(self.writer_niceness)
             return self._persistent_caller
         if self._temporal_caller is None:
-            self._temporal_caller = TemporalAsyncCaller()
+            self._temporal_caller = TemporalAsyncCaller(self.writer_niceness)
         return self._temporal_caller
 
     def schedule_async_request(self, async_request: AsyncRequest) -> int:
@@ -379,23 +407,28 @@ class AsyncCallsQueue:
         while self._calls:
             call = self._calls[0]
             state, payload = call.caller.poll(call.idx, blocking)
-            report = (state, payload if state == "err" else None)
-            reports = [report] if no_dist else _dist.all_gather_object(report)
-            if any(s == "running" for s, _ in reports):
+            if no_dist:
+                any_running, any_failed = state == "running", state == "err"
+            else:  # one small all-reduce per poll; messages are exchanged only on failure
+                any_running, any_failed = (
+                    bool(v) for v in _dist.all_reduce_max([state == "running", state == "err"])
+                )
+            if any_running:
                 if state != "running":  # keep our finished status for the next poll
                     call.caller = _DoneCaller(state, payload)
                 break
             self._calls.popleft()
-            failed = [(r, msg) for r, (s, msg) in enumerate(reports) if s == "err"]
-            if failed:
+            if any_failed:
                 call.request.run_cleanup()
-                detail = "; ".join(
-                    f"rank {r}: {str(m).strip().splitlines()[0] if m else ''}" for r, m in failed
-                )
+                mine = str(payload).strip().splitlines()[0] if state == "err" and payload else None
+                reports = [mine] if no_dist else _dist.all_gather_object(mine)
+                failed = [(r, m) for r, m in enumerate(reports) if m is not None]
+                detail = "; ".join(f"rank {r}: {m}" for r, m in failed)
                 if state == "err":
                     logger.error("async save call %d failed on this rank:\n%s", call.idx, payload)
                 raise AsyncSaveError(
-                    f"Async save call {call.idx} ({call.request.description}) failed on rank(s) {', '.join(str(r) for r, _ in failed)}: {detail}"
+                    f"Async save call {call.idx} ({call.request.description}) failed on rank(s) "
+                    f"{', '.join(str(r) for r, _ in failed)}: {detail}"
                 )
             call.request.result = payload
             try:
