@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 import os
 from pathlib import Path
-from typing import Callable, Union
+from typing import Any, Callable, Union
 
 __all__ = ["atomic_write", "fsync_dir"]
 
@@ -21,7 +21,7 @@ def fsync_dir(path: PathLike) -> None:
         os.close(fd)
 
 
-def atomic_write(path: PathLike, write_fn: Callable[[io.BufferedWriter], None]) -> None:
+def atomic_write(path: PathLike, write_fn: Callable[[io.BufferedWriter], Any]) -> None:
     """Writes a file so that readers see either the old content or the complete new one.
 
     Steps: write to `<path>.tmp.<pid>`, fsync it, rename over `path`, fsync the directory.

@@ -7,11 +7,14 @@ every rank.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import pickle
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional, Set, Tuple, Union
+from typing import Any, Callable, List, Optional, Set, Tuple, Union
 
 from . import _dist
 from ._types import CommonStateDict, ShardedStateDict, StateDict
@@ -31,6 +34,7 @@ from .mapping import (
     apply_factories,
     apply_factory_merges,
 )
+from .strategies.async_utils import call_in_sequence
 from .strategies.base import (
     AsyncSaveShardedStrategy,
     LoadCommonStrategy,
@@ -156,7 +160,7 @@ def _save_preprocess(
     return extract_matching_values(sd, lambda x: isinstance(x, ShardedBase))
 
 
-def _check_common_consistency(
+def _log_common_differences(
     common: CommonStateDict, preprocess: Optional[Callable[[CommonStateDict], StateDict]]
 ) -> None:
     """Collective: logs (rank 0) where ranks' common state differs from rank 0's."""
@@ -230,54 +234,43 @@ def save(
     """
     start = time.perf_counter()
     ckpt = Path(checkpoint_dir)
-
-    def preflight() -> Tuple[
-        SaveShardedStrategy, SaveCommonStrategy, ShardedStateDict, CommonStateDict
-    ]:
-        sharded = resolve_strategy(StrategyAction.SAVE_SHARDED, sharded_strategy, ("torch_dist", 1))
-        common = resolve_strategy(StrategyAction.SAVE_COMMON, common_strategy, ("torch", 1))
-        if async_sharded_save and not isinstance(sharded, AsyncSaveShardedStrategy):
-            raise CheckpointingException(f"{sharded} does not support async save")
-        if _dist.get_rank() == 0 and check_is_distributed_checkpoint(ckpt):
-            raise CheckpointExistsError(
-                f"{ckpt} already holds a complete checkpoint; refusing to overwrite it"
-            )
-        ckpt.mkdir(parents=True, exist_ok=True)
-        sharded_part, common_part = _save_preprocess(sharded_state_dict, content_metadata)
-        for sh in _nested_sharded(sharded_part):
-            sh.validate_metadata_integrity()
-        return sharded, common, sharded_part, common_part
-
-    result: Any = None
+    result: Optional[_SavePlan] = None
     error: Optional[BaseException] = None
     try:
-        result = preflight()
-    except Exception as e:  # agreed on below, with the metadata exchange
-        error = e
-    local_md = (
-        [sh.without_data() for sh in _nested_sharded(result[2])] if result is not None else []
-    )
-    fingerprint = metadata_fingerprint(local_md)
-    reports = _dist.all_gather_object(
-        (fingerprint, _last_validated_structure, _dist.error_report(error))
-    )
-    _dist.raise_on_reported_errors([r[2] for r in reports], error, f"save to {ckpt} (preparation)")
-    sharded, common, sharded_part, common_part = result
-    if validate_access_integrity:
-        _validate_save_sharding(local_md, reports)
-        _check_common_consistency(common_part, preprocess_common_before_consistancy_check)
-
-    def save_common() -> ShardedStateDict:
-        common.save_common(common_part, ckpt)
-        if sharded.can_handle_sharded_objects:
-            return sharded_part
-        objects, rest = extract_matching_values(
-            sharded_part, lambda v: isinstance(v, ShardedObject)
+        result = _prepare_save(
+            sharded_state_dict,
+            ckpt,
+            sharded_strategy,
+            common_strategy,
+            async_sharded_save,
+            content_metadata,
+            (preprocess_common_before_consistancy_check or True)
+            if validate_access_integrity
+            else None,
         )
-        common.save_sharded_objects(objects, ckpt)
-        return rest
-
-    to_save = _dist.run_collectively(f"save of common state to {ckpt}", save_common)
+    except Exception as e:  # agreed on below, with the digest exchange
+        error = e
+    reports = _dist.all_gather_object(
+        (
+            result.structure if result else "",
+            _last_validated_structure,
+            result.common_digest if result else "",
+            _dist.error_report(error),
+        )
+    )
+    _dist.raise_on_reported_errors([r[3] for r in reports], error, f"save to {ckpt} (preparation)")
+    assert result is not None
+    sharded, common = result.sharded, result.common
+    if validate_access_integrity:
+        _validate_save_sharding(result.local_metadata, reports)
+        if len({r[2] for r in reports}) > 1:
+            _log_common_differences(result.common_part, preprocess_common_before_consistancy_check)
+    if result.deferred_common is None:
+        to_save = _dist.run_collectively(
+            f"save of common state to {ckpt}", _save_common, result, ckpt
+        )
+    else:
+        to_save = result.sharded_part
 
     def commit() -> None:
         def write_config() -> None:
@@ -296,11 +289,92 @@ def save(
 
     if async_sharded_save:
         request = sharded.async_save(to_save, ckpt)  # type: ignore[attr-defined]
+        if result.deferred_common:
+            calls = [*result.deferred_common, (request.async_fn, request.async_fn_args)]
+            request.async_fn, request.async_fn_args = call_in_sequence, (calls,)
         request.add_finalize_fn(commit)
         return request
     sharded.save(to_save, ckpt)
     commit()
     return None
+
+
+@dataclass
+class _SavePlan:
+    """What `_prepare_save` worked out on one rank."""
+
+    sharded: SaveShardedStrategy
+    common: SaveCommonStrategy
+    sharded_part: ShardedStateDict
+    common_part: CommonStateDict
+    local_metadata: list
+    structure: str
+    common_digest: str
+    deferred_common: Optional[List[Tuple[Callable[..., Any], Tuple[Any, ...]]]]
+
+
+def _prepare_save(
+    sharded_state_dict: ShardedStateDict,
+    ckpt: Path,
+    sharded_strategy: Any,
+    common_strategy: Any,
+    async_sharded_save: bool,
+    content_metadata: Optional[dict],
+    preprocess_common: Union[Callable[[CommonStateDict], StateDict], bool, None],
+) -> _SavePlan:
+    """The local part of a save's preparation (no collectives; may raise).
+
+    `preprocess_common` is None when the common state is not compared across ranks, True
+    to compare it as is, or the caller's preprocessing function.
+    """
+    sharded = resolve_strategy(StrategyAction.SAVE_SHARDED, sharded_strategy, ("torch_dist", 1))
+    common = resolve_strategy(StrategyAction.SAVE_COMMON, common_strategy, ("torch", 1))
+    if async_sharded_save and not isinstance(sharded, AsyncSaveShardedStrategy):
+        raise CheckpointingException(f"{sharded} does not support async save")
+    if _dist.get_rank() == 0 and check_is_distributed_checkpoint(ckpt):
+        raise CheckpointExistsError(
+            f"{ckpt} already holds a complete checkpoint; refusing to overwrite it"
+        )
+    ckpt.mkdir(parents=True, exist_ok=True)
+    sharded_part, common_part = _save_preprocess(sharded_state_dict, content_metadata)
+    for sh in _nested_sharded(sharded_part):
+        sh.validate_metadata_integrity()
+    local_md = [sh.without_data() for sh in _nested_sharded(sharded_part)]
+    deferred = None
+    if async_sharded_save and sharded.can_handle_sharded_objects:
+        deferred = common.deferred_save_common(common_part, ckpt)
+    return _SavePlan(
+        sharded,
+        common,
+        sharded_part,
+        common_part,
+        local_md,
+        metadata_fingerprint(local_md),
+        _common_digest(common_part, preprocess_common),
+        deferred,
+    )
+
+
+def _common_digest(common: CommonStateDict, preprocess: Any) -> str:
+    """A digest of the common state as compared across ranks ('' when not compared)."""
+    if preprocess is None:
+        return ""
+    view = preprocess(common) if callable(preprocess) else common
+    try:
+        return hashlib.blake2b(pickle.dumps(view, protocol=4), digest_size=16).hexdigest()
+    except Exception:  # unpicklable values: compare in full instead
+        return f"unhashable:{_dist.get_rank()}"
+
+
+def _save_common(plan: _SavePlan, ckpt: Path) -> ShardedStateDict:
+    plan.common.save_common(plan.common_part, ckpt)
+    if plan.sharded.can_handle_sharded_objects:
+        return plan.sharded_part
+    objects, rest = extract_matching_values(
+        plan.sharded_part, lambda v: isinstance(v, ShardedObject)
+    )
+    plan.common.save_sharded_objects(objects, ckpt)
+    return rest
 
 
 # Digest of the last global sharding that passed validation (identical on every rank).

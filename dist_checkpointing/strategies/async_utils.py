@@ -119,6 +119,14 @@ class AsyncRequest:
                 logger.exception("AsyncRequest cleanup failed")
 
 
+def call_in_sequence(calls: List[Tuple[Callable[..., Any], Tuple[Any, ...]]]) -> Any:
+    """Runs `(fn, args)` calls in order; returns the last one's result (an async_fn helper)."""
+    result = None
+    for fn, args in calls:
+        result = fn(*args)
+    return result
+
+
 def _run_and_report(fn: Callable[..., Any], args: Tuple[Any, ...]) -> CallStatus:
     try:
         return ("ok", fn(*args))

@@ -18,7 +18,7 @@ from abc import ABC, abstractmethod
 from collections import defaultdict
 from enum import Enum
 from pathlib import Path
-from typing import Any, DefaultDict, Dict, Optional, Tuple, Type, Union
+from typing import Any, Callable, DefaultDict, Dict, List, Optional, Tuple, Type, Union
 
 from .._types import ShardedStateDict, StateDict
 from ..errors import (
@@ -276,6 +276,21 @@ class SaveCommonStrategy(SaveStrategyBase):
     @abstractmethod
     def save_common(self, common_state_dict: StateDict, checkpoint_dir: CheckpointDir) -> None:
         """Writes the common state dict (every rank calls it; rank 0 writes)."""
+
+    def deferred_save_common(
+        self, common_state_dict: StateDict, checkpoint_dir: CheckpointDir
+    ) -> Optional[List[Tuple[Callable[..., Any], Tuple[Any, ...]]]]:
+        """Prepares the common save to run later, in an async save's background writer.
+
+        Called on every rank at `save()` time; whatever the calls capture must be a snapshot
+        (the caller may change its state as soon as `save()` returns). Return None (the
+        default, on every rank alike) to have `save_common` run synchronously instead.
+
+        Returns:
+            `(function, args)` calls to run in the background on this rank (possibly none),
+            or None.
+        """
+        return None
 
     @abstractmethod
     def save_sharded_objects(

@@ -9,9 +9,10 @@ Loads use `torch.load(weights_only=True)` unless the strategy is built with
 
 from __future__ import annotations
 
+import io
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 
@@ -55,6 +56,11 @@ def register_default_common_strategies() -> None:
     )
 
 
+def write_bytes_atomically(payload: bytes, path: str) -> None:
+    """Writes `payload` to `path` durably and atomically (runs in background writers)."""
+    atomic_write(Path(path), lambda f: f.write(payload))
+
+
 def _torch_save_atomic(obj: Any, path: Path) -> None:
     atomic_write(path, lambda f: torch.save(obj, f))
 
@@ -66,6 +72,21 @@ class TorchCommonSaveStrategy(SaveCommonStrategy):
         """Rank 0 writes `common_state_dict` to `<checkpoint_dir>/common.pt`, atomically."""
         if get_rank() == 0:
             _torch_save_atomic(common_state_dict, Path(checkpoint_dir) / COMMON_STATE_FNAME)
+
+    def deferred_save_common(
+        self, common_state_dict: StateDict, checkpoint_dir: CheckpointDir
+    ) -> Optional[List[Tuple[Callable[..., Any], Tuple[Any, ...]]]]:
+        """Rank 0 serializes the common state now; the background writer writes the bytes."""
+        if get_rank() != 0:
+            return []
+        buf = io.BytesIO()
+        torch.save(common_state_dict, buf)
+        return [
+            (
+                write_bytes_atomically,
+                (buf.getvalue(), str(Path(checkpoint_dir) / COMMON_STATE_FNAME)),
+            )
+        ]
 
     def save_sharded_objects(
         self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir

@@ -73,12 +73,16 @@ def round_trip(root: str, persistent: bool) -> List[bool]:
     q = _queue(persistent)
     ckpt = os.path.join(root, "c")
     sd = state(3)
+    sd["history"] = [1, 2]
     req = dc.save(sd, ckpt, async_sharded_save=True)
     assert isinstance(req, AsyncRequest)
     for t in sd.values():  # the caller may change its tensors as soon as save() returns
         if isinstance(t, ShardedTensor):
             t.data.fill_(-1)
-    committed_early = dc.check_is_distributed_checkpoint(ckpt)
+    sd["history"].append(3)  # ... and its common state
+    committed_early = dc.check_is_distributed_checkpoint(ckpt) or os.path.exists(
+        os.path.join(ckpt, "common.pt")
+    )
     q.schedule_async_request(req)
     done = q.maybe_finalize_async_calls(blocking=True)
     q.close()

@@ -270,3 +270,31 @@ def test_world_is_healthy_after_failures(world, tmp_path):
     results = world.run_ok(call_load, good_state, ckpt)
     assert [res["obj"] for res in results] == [{"seed": 0}, {"seed": 1}]
     shutil.rmtree(ckpt)
+
+
+def save_with_rank_specific_common(ckpt: str) -> List[str]:
+    import logging
+
+    records: List[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    handler = Keep(level=logging.WARNING)
+    logging.getLogger("dist_checkpointing").addHandler(handler)
+    try:
+        sd = good_state()
+        sd["lr"] = 0.1 * (1 + _rank())
+        dc.save(sd, ckpt)
+    finally:
+        logging.getLogger("dist_checkpointing").removeHandler(handler)
+    return records
+
+
+def test_common_state_differences_are_logged_by_rank_0(world, tmp_path):
+    logs = world.run_ok(save_with_rank_specific_common, str(tmp_path / "c"))
+    assert any(
+        "Common state differs between rank 0 and rank 1" in m and "'lr'" in m for m in logs[0]
+    ), logs
+    assert dc.load_common_state_dict(tmp_path / "c")["lr"] == 0.1
