@@ -80,9 +80,9 @@ def round_trip(root: str, persistent: bool) -> List[bool]:
         if isinstance(t, ShardedTensor):
             t.data.fill_(-1)
     sd["history"].append(3)  # ... and its common state
-    committed_early = dc.check_is_distributed_checkpoint(ckpt) or os.path.exists(
-        os.path.join(ckpt, "common.pt")
-    )
+    committed_early = dc.check_is_distributed_checkpoint(ckpt)
+    if dist.get_rank() == 0:  # common.pt comes from rank 0's writer, not yet scheduled here
+        committed_early |= os.path.exists(os.path.join(ckpt, "common.pt"))
     q.schedule_async_request(req)
     done = q.maybe_finalize_async_calls(blocking=True)
     q.close()
