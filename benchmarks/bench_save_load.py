@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import shutil
 import sys
@@ -210,6 +211,7 @@ def main() -> None:
         "raw_seconds": results,
         "rows": rows,
     }
+    print(json.dumps(payload["rows"], indent=1))
     if args.json:
         write_json(args.json, payload)
 

@@ -16,7 +16,6 @@ import io
 import logging
 import os
 import pickle
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,7 +72,7 @@ def _owning_tensor(t: torch.Tensor) -> torch.Tensor:
 
 def _write_one_file(path: Path, entries: Sequence[WriteEntry]) -> List[WriteResult]:
     results = []
-    with open(path, "wb") as f:
+    with _no_zip_crc(), open(path, "wb") as f:
         for e in entries:
             offset = f.tell()
             if e.item.type == WriteItemType.BYTE_IO:
@@ -94,23 +93,19 @@ def _write_one_file(path: Path, entries: Sequence[WriteEntry]) -> List[WriteResu
     return results
 
 
-_crc_lock = threading.Lock()
-
-
 @contextlib.contextmanager
 def _no_zip_crc() -> Iterator[None]:
     """Skips the zip CRC32 that `torch.save` computes (up to 40% of its CPU time).
 
-    Readers (`torch.load`, hence DCP and megatron-core) do not check it; our own checksums
-    cover integrity. The option is process-wide, so it is restored afterwards.
+    Readers (`torch.load`, hence DCP and megatron-core) do not check it. The option is
+    per thread in PyTorch, so each writer thread sets it and restores it afterwards.
     """
-    with _crc_lock:
-        previous = torch.serialization.get_crc32_options()
-        torch.serialization.set_crc32_options(False)
-        try:
-            yield
-        finally:
-            torch.serialization.set_crc32_options(previous)
+    previous = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(False)
+    try:
+        yield
+    finally:
+        torch.serialization.set_crc32_options(previous)
 
 
 def write_files(
@@ -128,13 +123,6 @@ def write_files(
     """
     if not files:
         return []
-    with _no_zip_crc():
-        return _write_files(checkpoint_dir, files, thread_count)
-
-
-def _write_files(
-    checkpoint_dir: Path, files: Sequence[Tuple[str, Sequence[WriteEntry]]], thread_count: int
-) -> List[WriteResult]:
     jobs = [(checkpoint_dir / name, entries) for name, entries in files]
     workers = max(1, min(thread_count, len(jobs)))
     if workers == 1:

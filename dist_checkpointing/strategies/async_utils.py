@@ -352,7 +352,7 @@ class AsyncCallsQueue:
             low priority costs them little and keeps the CPU for training.
     """
 
-    def __init__(self, persistent: bool = False, *, writer_niceness: int = 10) -> None:
+    def __init__(self, persistent: bool = False, *, writer_niceness: int = 19) -> None:
         global _atexit_registered
         self.persistent = persistent
         self.writer_niceness = writer_niceness
