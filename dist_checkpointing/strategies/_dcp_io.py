@@ -314,17 +314,59 @@ def _storage_info(metadata: Metadata, index: MetadataIndex) -> _StorageInfo:
 
 def _read_range(checkpoint_dir: Path, info: _StorageInfo) -> bytes:
     path = checkpoint_dir / info.relative_path
+    with _open_range(path, info) as f:
+        data = f.read(info.length)
+    if len(data) != info.length:
+        raise CheckpointCorruptedError(f"{path}: short read at offset {info.offset}")
+    return data
+
+
+class _FileRange(io.RawIOBase):
+    """A read-only, seekable view of `length` bytes of an open file from `offset`."""
+
+    def __init__(self, f: Any, offset: int, length: int) -> None:
+        super().__init__()
+        self._f, self._start, self._len, self._pos = f, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._len}[whence]
+        self._pos = max(0, min(self._len, base + pos))
+        return self._pos
+
+    def readinto(self, b: Any) -> int:
+        n = min(len(b), self._len - self._pos)
+        if n <= 0:
+            return 0
+        self._f.seek(self._start + self._pos)
+        got = self._f.readinto(memoryview(b).cast("B")[:n])
+        self._pos += got
+        return got
+
+
+@contextlib.contextmanager
+def _open_range(path: Path, info: _StorageInfo) -> Iterator[io.BufferedReader]:
+    """Opens the byte range of one stored item, checking the file is long enough."""
     try:
-        with open(path, "rb") as f:
-            f.seek(info.offset)
-            data = f.read(info.length)
+        f = open(path, "rb")
     except OSError as e:
         raise CheckpointCorruptedError(f"{path}: cannot read ({e})") from e
-    if len(data) != info.length:
-        raise CheckpointCorruptedError(
-            f"{path}: truncated: wanted {info.length} bytes at offset {info.offset}, got {len(data)}"
-        )
-    return data
+    with f:
+        size = os.fstat(f.fileno()).st_size
+        if size < info.offset + info.length:
+            raise CheckpointCorruptedError(
+                f"{path}: truncated: item at offset {info.offset} needs {info.length} bytes, "
+                f"the file has {max(0, size - info.offset)} from there"
+            )
+        yield io.BufferedReader(_FileRange(f, info.offset, info.length), 1 << 24)
 
 
 @dataclass
