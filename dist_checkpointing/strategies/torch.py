@@ -238,22 +238,34 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         """
         fingerprint = _items_fingerprint(items)
         send_items = None if fingerprint == self._sent_fingerprint else items
-        report: Any = (
-            (fingerprint, send_items, results)
-            if error is None
-            else f"{type(error).__name__}: {error}"
-        )
-        gathered = gather_object(report)
-        outcome: Optional[str] = None
-        if gathered is not None:
-            outcome = self._finish_on_coordinator(ckpt, gathered, start)
-        outcome = broadcast_object(outcome)
+        outcome = self._gather_and_finish(ckpt, fingerprint, send_items, results, error, start)
+        if outcome == _RESEND_PLANS:  # rank 0 lacked a cached plan: everyone sends theirs
+            outcome = self._gather_and_finish(ckpt, fingerprint, items, results, error, start)
         if outcome is not None:
             agree_on_errors(
                 error if error is not None else CheckpointingException(outcome),
                 f"torch_dist save to {ckpt}",
             )
         self._sent_fingerprint = fingerprint
+
+    def _gather_and_finish(
+        self,
+        ckpt: Path,
+        fingerprint: str,
+        items: Optional[List[WriteItem]],
+        results: List[WriteResult],
+        error: Optional[BaseException],
+        start: float,
+    ) -> Optional[str]:
+        """Collective: one gather to rank 0 and one broadcast of its outcome."""
+        report: Any = (
+            (fingerprint, items, results) if error is None else f"{type(error).__name__}: {error}"
+        )
+        gathered = gather_object(report)
+        outcome = (
+            self._finish_on_coordinator(ckpt, gathered, start) if gathered is not None else None
+        )
+        return broadcast_object(outcome)
 
     def _finish_on_coordinator(
         self, ckpt: Path, gathered: List[Any], start: float
@@ -267,9 +279,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
                 if items is None:
                     cached = self._items_cache.get(rank)
                     if cached is None or cached[0] != fingerprint:
-                        raise CheckpointingException(
-                            f"rank {rank} sent no plan and none is cached for it"
-                        )
+                        return _RESEND_PLANS
                     items = cached[1]
                 else:
                     self._items_cache[rank] = (fingerprint, items)
@@ -296,6 +306,10 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             _gbps(nbytes, seconds),
         )
         return None
+
+
+# rank 0's answer when some rank sent only a digest that rank 0 has no cached plan for
+_RESEND_PLANS = "\x00resend plans"
 
 
 def _items_fingerprint(items: List[WriteItem]) -> str:

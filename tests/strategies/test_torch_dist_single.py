@@ -232,3 +232,16 @@ def test_truncated_data_file_is_corruption(tmp_path):
     data.write_bytes(data.read_bytes()[:100])
     with pytest.raises(CheckpointCorruptedError, match="truncated"):
         dc.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(1000))}, tmp_path / "c")
+
+
+def test_finalize_recovers_when_coordinator_lost_its_plan_cache(tmp_path):
+    strategy = TorchDistSaveShardedStrategy()
+
+    def sd():
+        return {"w": ShardedTensor.from_rank_offsets("w", torch.arange(4.0))}
+
+    dc.save(sd(), tmp_path / "a", sharded_strategy=strategy)
+    strategy._items_cache.clear()  # e.g. rank 0 replaced its strategy object, others did not
+    strategy._metadata_cache = None
+    dc.save(sd(), tmp_path / "b", sharded_strategy=strategy)
+    assert torch.equal(dc.load_plain_tensors(tmp_path / "b")["w"], torch.arange(4.0))
