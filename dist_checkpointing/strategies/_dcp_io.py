@@ -179,35 +179,37 @@ def _allowed_globals() -> Dict[Tuple[str, str], Any]:
     import pathlib
 
     import torch.distributed.checkpoint.metadata as md
-
-    allowed: Dict[Tuple[str, str], Any] = {}
-    for name in (
-        "Metadata",
-        "TensorStorageMetadata",
-        "BytesStorageMetadata",
-        "ChunkStorageMetadata",
-        "TensorProperties",
-        "MetadataIndex",
-        "StorageMeta",
-        "_MEM_FORMAT_ENCODING",
-    ):
-        if hasattr(md, name):
-            allowed[(md.__name__, name)] = getattr(md, name)
     import torch.distributed.checkpoint.planner as planner
 
-    # megatron-core pickles its global save plan (plain dataclasses and enums) beside the metadata
-    for name in (
-        "SavePlan",
-        "WriteItem",
-        "TensorWriteData",
-        "BytesIOWriteData",
-        "WriteItemType",
-        "LoadPlan",
-        "ReadItem",
-        "LoadItemType",
-    ):
-        if hasattr(planner, name):
-            allowed[(planner.__name__, name)] = getattr(planner, name)
+    safe_names = {
+        md: (
+            "Metadata",
+            "TensorStorageMetadata",
+            "BytesStorageMetadata",
+            "ChunkStorageMetadata",
+            "TensorProperties",
+            "MetadataIndex",
+            "StorageMeta",
+            "_MEM_FORMAT_ENCODING",
+        ),
+        # megatron-core pickles its global save plan (plain dataclasses and enums) beside it
+        planner: (
+            "SavePlan",
+            "WriteItem",
+            "TensorWriteData",
+            "BytesIOWriteData",
+            "WriteItemType",
+            "LoadPlan",
+            "ReadItem",
+            "LoadItemType",
+        ),
+    }
+    allowed: Dict[Tuple[str, str], Any] = {
+        (module.__name__, name): getattr(module, name)
+        for module, names in safe_names.items()
+        for name in names
+        if hasattr(module, name)
+    }
     allowed[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = _StorageInfo
     allowed[("torch", "Size")] = torch.Size
     for name in dir(torch):
