@@ -53,6 +53,7 @@ class WriteEntry:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of payload (tensor data or serialized object)."""
         if isinstance(self.data, torch.Tensor):
             return self.data.numel() * self.data.element_size()
         assert isinstance(self.data, (bytes, bytearray, memoryview))

@@ -67,9 +67,11 @@ class StagingBuffer:
         self.pinned = pin and _pin(self.flat)
 
     def views(self) -> List[torch.Tensor]:
+        """One tensor per slot, each owning exactly its bytes of the buffer."""
         return [slot_view(self.flat, s) for s in self.slots]
 
     def release_pages(self) -> None:
+        """Unpins the buffer (before it is dropped)."""
         if self.pinned:
             _unpin(self.flat)
             self.pinned = False
@@ -112,6 +114,7 @@ class HostBufferPool:
 
     @staticmethod
     def structure_key(tensors: Sequence[torch.Tensor]) -> StructureKey:
+        """The (shape, dtype) sequence that buffers are laid out and reused by."""
         return tuple((tuple(t.shape), t.dtype) for t in tensors)
 
     def acquire(self, key: StructureKey, pin: bool) -> StagingBuffer:
