@@ -34,7 +34,7 @@ from .mapping import (
     apply_factories,
     apply_factory_merges,
 )
-from .strategies.async_utils import call_in_sequence
+from .strategies.async_utils import AsyncRequest, call_in_sequence
 from .strategies.base import (
     AsyncSaveShardedStrategy,
     LoadCommonStrategy,
@@ -193,7 +193,7 @@ def save(
         Callable[[CommonStateDict], StateDict]
     ] = None,
     content_metadata: Optional[dict] = None,
-) -> Optional[Any]:
+) -> Optional[AsyncRequest]:
     """Collective: saves a sharded state dict as a checkpoint directory.
 
     Steps:
@@ -288,7 +288,8 @@ def save(
         )
 
     if async_sharded_save:
-        request = sharded.async_save(to_save, ckpt)  # type: ignore[attr-defined]
+        assert isinstance(sharded, AsyncSaveShardedStrategy)  # checked in _prepare_save
+        request = sharded.async_save(to_save, ckpt)
         if result.deferred_common:
             calls = [*result.deferred_common, (request.async_fn, request.async_fn_args)]
             request.async_fn, request.async_fn_args = call_in_sequence, (calls,)

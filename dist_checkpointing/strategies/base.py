@@ -26,6 +26,7 @@ from ..errors import (
     IncompatibleCheckpointError,
     StrategyNotFoundError,
 )
+from .async_utils import AsyncRequest
 
 __all__ = [
     "StrategyAction",
@@ -317,7 +318,7 @@ class AsyncSaveShardedStrategy(SaveShardedStrategy):
     @abstractmethod
     def async_save(
         self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir
-    ) -> Any:
+    ) -> AsyncRequest:
         """Starts a save; returns the request (with `execute_sync()`) that writes and finalizes it."""
 
     def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir) -> None:
