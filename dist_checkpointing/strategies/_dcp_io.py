@@ -19,7 +19,7 @@ import pickle
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from .._fileio import atomic_write, fsync_dir
 from .._safe_load import torch_load
 from ..errors import CheckpointCorruptedError, UnsafeCheckpointError
+from ._dcp_fastread import chunk_layout, read_into
 from ._dcp_plan import WriteEntry
 
 __all__ = [
@@ -410,11 +411,10 @@ def read_tensor_items(
         what = (
             f"{group.info.relative_path}@{group.info.offset} ({group.reads[0].storage_index.fqn!r})"
         )
-        stored = torch_load(io.BytesIO(_read_range(checkpoint_dir, group.info)), what)
-        if not isinstance(stored, torch.Tensor):
-            raise CheckpointCorruptedError(
-                f"{what}: expected a tensor, got {type(stored).__name__}"
-            )
+        with _open_range(checkpoint_dir / group.info.relative_path, group.info) as stream:
+            stored = _read_stored(stream, group, resolve, what)
+        if stored is None:  # read straight into the destination
+            return group.info.length
         for r in group.reads:
             try:
                 src = stored
@@ -437,6 +437,40 @@ def read_tensor_items(
         return sum(load_group(g) for g in ordered)
     with ThreadPoolExecutor(max_workers=thread_count, thread_name_prefix="dc-read") as pool:
         return sum(pool.map(load_group, ordered))
+
+
+def _read_stored(
+    stream: io.BufferedReader,
+    group: _ChunkGroup,
+    resolve: Callable[[ReadItem], torch.Tensor],
+    what: str,
+) -> Optional[torch.Tensor]:
+    """Returns the stored chunk as a tensor, or None when it was read into its destination.
+
+    The zip is parsed directly when it is a plain contiguous chunk (no `torch.load`, one
+    copy from the page cache); otherwise `torch.load` decodes it.
+    """
+    raw = stream.raw
+    layout = chunk_layout(raw)  # type: ignore[arg-type]
+    if layout is None:
+        stream.seek(0)
+        stored = torch_load(stream, what)
+        if not isinstance(stored, torch.Tensor):
+            raise CheckpointCorruptedError(
+                f"{what}: expected a tensor, got {type(stored).__name__}"
+            )
+        return stored
+    try:
+        if len(group.reads) == 1:
+            r = group.reads[0]
+            whole = all(o == 0 for o in r.storage_offsets) and tuple(r.lengths) == layout.shape
+            if whole and read_into(raw, layout, resolve(r)):  # type: ignore[arg-type]
+                return None
+        stored = torch.empty(layout.shape, dtype=layout.dtype)
+        read_into(raw, layout, stored)  # type: ignore[arg-type]
+    except EOFError as e:
+        raise CheckpointCorruptedError(f"{what}: {e}") from e
+    return stored
 
 
 def read_byte_items(

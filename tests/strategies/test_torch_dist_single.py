@@ -245,3 +245,18 @@ def test_finalize_recovers_when_coordinator_lost_its_plan_cache(tmp_path):
     strategy._metadata_cache = None
     dc.save(sd(), tmp_path / "b", sharded_strategy=strategy)
     assert torch.equal(dc.load_plain_tensors(tmp_path / "b")["w"], torch.arange(4.0))
+
+
+def test_non_contiguous_chunks_from_other_writers_still_load(tmp_path):
+    # stock DCP saves a transposed tensor with its strides; our direct reader must fall back
+    full = torch.arange(24.0).reshape(4, 6).t()
+    dcp.save({"w": full}, checkpoint_id=str(tmp_path / "c"), no_dist=True)
+    torch.save({}, tmp_path / "c" / "common.pt")
+    save_config(CheckpointingConfig("torch_dist", 1), tmp_path / "c")
+    whole = dc.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(6, 4))}, tmp_path / "c")
+    part = dc.load(
+        {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(6, 2), (1, 1, 2))},
+        tmp_path / "c",
+        validate_access_integrity=False,
+    )
+    assert torch.equal(whole["w"], full) and torch.equal(part["w"], full[:, 2:])
