@@ -121,21 +121,27 @@ def verify_checkpoint_and_load_strategy(
         raise NotACheckpointError(
             f"{path} is not a complete distributed checkpoint: no metadata.json"
         )
-    sharded = resolve_strategy(
+    sharded = _compatible_strategy(
         StrategyAction.LOAD_SHARDED,
         sharded_strategy,
-        (config.sharded_backend, config.sharded_backend_version),
+        config.sharded_backend,
+        config.sharded_backend_version,
     )
-    sharded.check_backend_compatibility(config.sharded_backend)
-    sharded.check_version_compatibility(config.sharded_backend_version)
-    common = resolve_strategy(
+    common = _compatible_strategy(
         StrategyAction.LOAD_COMMON,
         common_strategy,
-        (config.common_backend, config.common_backend_version),
+        config.common_backend,
+        config.common_backend_version,
     )
-    common.check_backend_compatibility(config.common_backend)
-    common.check_version_compatibility(config.common_backend_version)
     return sharded, common
+
+
+def _compatible_strategy(action: StrategyAction, spec: Any, backend: str, version: int) -> Any:
+    """The given (or registered) load strategy for `(backend, version)`, checked compatible."""
+    strategy = resolve_strategy(action, spec, (backend, version))
+    strategy.check_backend_compatibility(backend)
+    strategy.check_version_compatibility(version)
+    return strategy
 
 
 def _shallow_copy(tree: Any) -> Any:
