@@ -11,7 +11,6 @@ from __future__ import annotations
 import datetime
 import math
 import os
-import socket
 import tempfile
 import time
 from dataclasses import dataclass
@@ -95,19 +94,13 @@ def _state(cfg: DemoConfig, swap_axes: bool, with_data: bool) -> Dict[str, Any]:
     return sd
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, cfg: DemoConfig, port: int, ckpt: str) -> None:
+def _worker(rank: int, cfg: DemoConfig, rendezvous: str, ckpt: str) -> None:
     from . import serialization
     from .mapping import ShardedTensor
 
     dist.init_process_group(
         "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
+        init_method=f"file://{rendezvous}",
         rank=rank,
         world_size=cfg.world_size,
         timeout=datetime.timedelta(minutes=5),
@@ -199,4 +192,8 @@ def run_demo(cfg: DemoConfig) -> None:
         )
     parent = cfg.directory or tempfile.mkdtemp(prefix="dist_ckpt_demo_")
     ckpt = os.path.join(parent, f"iter_{int(time.time())}")
-    mp.spawn(_worker, args=(cfg, _free_port(), ckpt), nprocs=cfg.world_size, join=True)
+    # a file rendezvous: no free-port race with other processes on the machine
+    with tempfile.TemporaryDirectory(prefix="dist_ckpt_demo_rdzv_") as rdzv:
+        mp.spawn(
+            _worker, args=(cfg, os.path.join(rdzv, "store"), ckpt), nprocs=cfg.world_size, join=True
+        )
