@@ -39,6 +39,8 @@ from .strategies.base import (
     AsyncSaveShardedStrategy,
     LoadCommonStrategy,
     LoadShardedStrategy,
+    NodeLocalLoadShardedStrategy,
+    NodeLocalSaveShardedStrategy,
     SaveCommonStrategy,
     SaveShardedStrategy,
     StrategyAction,
@@ -271,16 +273,17 @@ def save(
         _validate_save_sharding(result.local_metadata, reports)
         if len({r[2] for r in reports}) > 1:
             _log_common_differences(result.common_part, preprocess_common_before_consistancy_check)
-    if result.deferred_common is None:
+    node_local = isinstance(sharded, NodeLocalSaveShardedStrategy)
+    if node_local or result.deferred_common is not None:
+        to_save = result.sharded_part  # node-local backends store the common state themselves
+    else:
         to_save = _dist.run_collectively(
             f"save of common state to {ckpt}", _save_common, result, ckpt
         )
-    else:
-        to_save = result.sharded_part
 
     def commit() -> None:
         def write_config() -> None:
-            if _dist.get_rank() == 0:
+            if node_local or _dist.get_rank() == 0:
                 save_config(
                     CheckpointingConfig(
                         sharded.backend, sharded.version, common.backend, common.version
@@ -293,6 +296,15 @@ def save(
             logger, logging.INFO, "Saved checkpoint %s in %.2f s", ckpt, time.perf_counter() - start
         )
 
+    if node_local:
+        assert isinstance(sharded, NodeLocalSaveShardedStrategy)
+        if async_sharded_save:
+            request = sharded.async_save_rank_state(to_save, result.common_part, ckpt)
+            request.add_finalize_fn(commit)
+            return request
+        sharded.save_rank_state(to_save, result.common_part, ckpt)
+        commit()
+        return None
     if async_sharded_save:
         assert isinstance(sharded, AsyncSaveShardedStrategy)  # checked in _prepare_save
         request = sharded.async_save(to_save, ckpt)
@@ -338,7 +350,7 @@ def _prepare_save(
     common = resolve_strategy(StrategyAction.SAVE_COMMON, common_strategy, ("torch", 1))
     if async_sharded_save and not isinstance(sharded, AsyncSaveShardedStrategy):
         raise CheckpointingException(f"{sharded} does not support async save")
-    if _dist.get_rank() == 0 and check_is_distributed_checkpoint(ckpt):
+    if (sharded.node_local or _dist.get_rank() == 0) and check_is_distributed_checkpoint(ckpt):
         raise CheckpointExistsError(
             f"{ckpt} already holds a complete checkpoint; refusing to overwrite it"
         )
@@ -348,7 +360,7 @@ def _prepare_save(
         sh.validate_metadata_integrity()
     local_md = [sh.without_data() for sh in _nested_sharded(sharded_part)]
     deferred = None
-    if async_sharded_save and sharded.can_handle_sharded_objects:
+    if async_sharded_save and sharded.can_handle_sharded_objects and not sharded.node_local:
         deferred = common.deferred_save_common(common_part, ckpt)
     return _SavePlan(
         sharded,
@@ -468,17 +480,14 @@ def load(
     strict = parse_strict_flag(strict)
     ckpt = Path(checkpoint_dir)
 
-    def prepare() -> Tuple[LoadShardedStrategy, LoadCommonStrategy, StateDict]:
-        sharded, common = verify_checkpoint_and_load_strategy(
-            ckpt, sharded_strategy, common_strategy
-        )
-        return sharded, common, common.load_common(ckpt)
-
-    sharded, common, common_state_dict = _dist.run_collectively(
-        f"load from {ckpt} (preparation)", prepare
+    sharded, common = _load_strategies(ckpt, sharded_strategy, common_strategy)
+    node_local = isinstance(sharded, NodeLocalLoadShardedStrategy)
+    common_state_dict: StateDict = (
+        {}
+        if node_local
+        else _dist.run_collectively(f"load of common state from {ckpt}", common.load_common, ckpt)
     )
     request, nonpersistent, factories = _load_preprocess(sharded_state_dict)
-    merge(common_state_dict, nonpersistent)
 
     ckpt_metadata = None
     if StrictHandling.requires_explicit_ckpt_mismatch_check(strict):
@@ -492,6 +501,23 @@ def load(
     request, missing, unexpected = validate_integrity_and_strict_load(
         request, strict, validate_access_integrity, local_md, global_md, ckpt_metadata
     )
+    if node_local:
+        assert isinstance(sharded, NodeLocalLoadShardedStrategy)
+        common_state_dict, loaded = sharded.load_rank_state(request, ckpt)
+        merge(common_state_dict, nonpersistent)
+        merge(common_state_dict, loaded)
+        apply_factory_merges(common_state_dict, factories)
+        _dist.log_rank0(
+            logger,
+            logging.INFO,
+            "Loaded checkpoint %s in %.2f s",
+            ckpt,
+            time.perf_counter() - start,
+        )
+        if StrictHandling.requires_returning_mismatch_keys(strict):
+            return common_state_dict, missing, unexpected
+        return common_state_dict
+    merge(common_state_dict, nonpersistent)
     if not sharded.can_handle_sharded_objects:
         objects, request = extract_matching_values(request, lambda v: isinstance(v, ShardedObject))
         loaded_objects = _dist.run_collectively(
@@ -509,6 +535,66 @@ def load(
     return common_state_dict
 
 
+def _load_strategies(
+    ckpt: Path, sharded_strategy: Any, common_strategy: Any
+) -> Tuple[LoadShardedStrategy, LoadCommonStrategy]:
+    """Collective: the load strategies for `ckpt`, checked on every rank.
+
+    A rank whose directory lacks the checkpoint (its node lost it) adopts the record of
+    the other ranks when they hold a node-local checkpoint, whose parts can be fetched from
+    replica holders; otherwise every rank raises.
+    """
+    found: Optional[Tuple[LoadShardedStrategy, LoadCommonStrategy]] = None
+    error: Optional[BaseException] = None
+    config = None
+    try:
+        found = verify_checkpoint_and_load_strategy(ckpt, sharded_strategy, common_strategy)
+        if found[0].node_local:
+            config = maybe_load_config(ckpt)
+    except Exception as e:  # agreed on below
+        error = e
+    reports = _dist.all_gather_object((_dist.error_report(error), config))
+    records = [r[1] for r in reports if r[1] is not None]
+    failures = [r[0] for r in reports if r[0] is not None]
+    what = f"load from {ckpt} (preparation)"
+    if not failures:
+        assert found is not None
+        return found
+    if not records or any(f[0] != "NotACheckpointError" for f in failures):
+        _dist.raise_on_reported_errors([r[0] for r in reports], error, what)
+    # every failure is a missing checkpoint, and others hold a node-local one: adopt it
+    if error is not None:
+        record = records[0]
+        logger.warning(
+            "%s is missing on rank %d; using the other ranks' record (backend %r) to fetch this "
+            "rank's part from a replica holder",
+            ckpt,
+            _dist.get_rank(),
+            record.sharded_backend,
+        )
+        error = None
+        try:
+            found = (
+                _compatible_strategy(
+                    StrategyAction.LOAD_SHARDED,
+                    sharded_strategy,
+                    record.sharded_backend,
+                    record.sharded_backend_version,
+                ),
+                _compatible_strategy(
+                    StrategyAction.LOAD_COMMON,
+                    common_strategy,
+                    record.common_backend,
+                    record.common_backend_version,
+                ),
+            )
+        except Exception as e:  # agreed on below
+            error = e
+    _dist.agree_on_errors(error, what)
+    assert found is not None
+    return found
+
+
 def _sharded_metadata(
     ckpt: Path, sharded: LoadShardedStrategy, common: LoadCommonStrategy
 ) -> ShardedStateDict:
@@ -519,8 +605,13 @@ def _sharded_metadata(
 
 
 def load_common_state_dict(checkpoint_dir: PathArg) -> StateDict:
-    """Loads only the common (non-sharded) state of a checkpoint. Not collective."""
-    _, common = verify_checkpoint_and_load_strategy(checkpoint_dir)
+    """Loads only the common (non-sharded) state of a checkpoint. Not collective.
+
+    For node-local backends, this rank's common state from its own directory.
+    """
+    sharded, common = verify_checkpoint_and_load_strategy(checkpoint_dir)
+    if isinstance(sharded, NodeLocalLoadShardedStrategy):
+        return sharded.load_common_rank_state(Path(checkpoint_dir))
     return common.load_common(Path(checkpoint_dir))
 
 

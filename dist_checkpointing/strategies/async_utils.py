@@ -25,6 +25,7 @@ import atexit
 import logging
 import multiprocessing as mp
 import os
+import threading
 import time
 import traceback
 import weakref
@@ -42,6 +43,7 @@ __all__ = [
     "AsyncCaller",
     "TemporalAsyncCaller",
     "PersistentAsyncCaller",
+    "ThreadAsyncCaller",
 ]
 
 logger = logging.getLogger(__name__)
@@ -64,6 +66,9 @@ class AsyncRequest:
         cleanup_fns: run after finalization or failure, on this rank (e.g. to return host
             buffers to their pool).
         result: `async_fn`'s return value, set before the finalize functions run.
+        run_in_thread: run `async_fn` in a thread of the calling process instead of another
+            process (for work already running in the caller's own background threads, such
+            as local checkpoint exchanges, whose `async_fn` only waits for it).
     """
 
     async_fn: Optional[Callable[..., Any]]
@@ -74,6 +79,7 @@ class AsyncRequest:
     is_frozen: bool = False
     result: Any = None
     description: str = ""
+    run_in_thread: bool = False
 
     def add_finalize_fn(self, fn: Callable[[], Any]) -> None:
         """Appends a finalize function.
@@ -228,6 +234,39 @@ class TemporalAsyncCaller(AsyncCaller):
         self._calls.clear()
 
 
+class ThreadAsyncCaller(AsyncCaller):
+    """Runs each request's `async_fn` in a daemon thread of the calling process."""
+
+    def __init__(self) -> None:
+        self._calls: Dict[int, Tuple[threading.Thread, List[CallStatus]]] = {}
+
+    def schedule(self, call_idx: int, request: AsyncRequest) -> None:
+        box: List[CallStatus] = []
+        fn, args = request.async_fn, request.async_fn_args
+        assert fn is not None
+        thread = threading.Thread(
+            target=lambda: box.append(_run_and_report(fn, args)),
+            name=f"dc-async-{call_idx}",
+            daemon=True,
+        )
+        thread.start()
+        self._calls[call_idx] = (thread, box)
+
+    def poll(self, call_idx: int, block: bool) -> CallStatus:
+        thread, box = self._calls[call_idx]
+        if block:
+            thread.join()
+        if thread.is_alive():
+            return ("running", None)
+        del self._calls[call_idx]
+        return box[0] if box else ("err", "background thread ended without a result")
+
+    def close(self) -> None:
+        for thread, _ in self._calls.values():
+            thread.join(timeout=60)
+        self._calls.clear()
+
+
 def _persistent_worker(tasks: Any, results: Any, niceness: int) -> None:
     _lower_priority(niceness)
     while True:
@@ -360,12 +399,17 @@ class AsyncCallsQueue:
         self._next_idx = 0
         self._persistent_caller: Optional[PersistentAsyncCaller] = None
         self._temporal_caller: Optional[TemporalAsyncCaller] = None
+        self._thread_caller: Optional[ThreadAsyncCaller] = None
         _live_queues.add(self)
         if not _atexit_registered:
             atexit.register(_warn_unfinalized_at_exit)
             _atexit_registered = True
 
-    def _caller(self) -> AsyncCaller:
+    def _caller(self, request: AsyncRequest) -> AsyncCaller:
+        if request.run_in_thread:
+            if self._thread_caller is None:
+                self._thread_caller = ThreadAsyncCaller()
+            return self._thread_caller
         if self.persistent:
             if self._persistent_caller is None:
                 self._persistent_caller = PersistentAsyncCaller(self.writer_niceness)
@@ -385,10 +429,10 @@ class AsyncCallsQueue:
             request.preload_fn()
         idx = self._next_idx
         self._next_idx += 1
-        caller = self._caller()
         if request.async_fn is None:
             self._calls.append(_Call(idx, request, _NoopCaller(), time.perf_counter()))
             return idx
+        caller = self._caller(request)
         caller.schedule(idx, request)
         self._calls.append(_Call(idx, request, caller, time.perf_counter()))
         return idx
@@ -465,11 +509,12 @@ class AsyncCallsQueue:
             self._shutdown_callers()
 
     def _shutdown_callers(self) -> None:
-        for caller in (self._persistent_caller, self._temporal_caller):
+        for caller in (self._persistent_caller, self._temporal_caller, self._thread_caller):
             if caller is not None:
                 caller.close()
         self._persistent_caller = None
         self._temporal_caller = None
+        self._thread_caller = None
 
 
 class _NoopCaller(AsyncCaller):

@@ -41,6 +41,8 @@ __all__ = [
     "SaveCommonStrategy",
     "SaveShardedStrategy",
     "AsyncSaveShardedStrategy",
+    "NodeLocalSaveShardedStrategy",
+    "NodeLocalLoadShardedStrategy",
 ]
 
 CheckpointDir = Union[str, Path]
@@ -68,10 +70,12 @@ def _register_builtin_strategies() -> None:
         return
     _builtins_registered = True
     from .common import register_default_common_strategies
+    from .local import register_default_local_strategies
     from .torch import register_default_torch_strategies
 
     register_default_common_strategies()
     register_default_torch_strategies()
+    register_default_local_strategies()
 
 
 def _registered_listing() -> str:
@@ -169,6 +173,10 @@ def resolve_strategy(
 class LoadStrategyBase(ABC):
     """Base of load strategies: declares which checkpoints it can read."""
 
+    #: True for backends that keep each rank's files on that rank's node only (see
+    #: `NodeLocalLoadShardedStrategy`).
+    node_local = False
+
     @abstractmethod
     def check_backend_compatibility(self, loaded_backend: str) -> None:
         """Raises `IncompatibleCheckpointError` if checkpoints of `loaded_backend` are unreadable."""
@@ -193,6 +201,10 @@ class SaveStrategyBase(ABC):  # noqa: B024 (abstract methods live in the subclas
         backend: backend name recorded in `metadata.json`.
         version: format version recorded in `metadata.json`.
     """
+
+    #: True for backends that keep each rank's files on that rank's node only (see
+    #: `NodeLocalSaveShardedStrategy`).
+    node_local = False
 
     def __init__(self, backend: str, version: int) -> None:
         self.backend = backend
@@ -324,3 +336,69 @@ class AsyncSaveShardedStrategy(SaveShardedStrategy):
     def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir) -> None:
         """Saves synchronously by running the async request in the caller."""
         self.async_save(sharded_state_dict, checkpoint_dir).execute_sync()
+
+
+class NodeLocalSaveShardedStrategy(AsyncSaveShardedStrategy):
+    """A backend that stores each rank's whole state (sharded and common) on its own node.
+
+    The checkpoint directory need not be shared: `save` gives the strategy the common state
+    too, and every rank writes its own `metadata.json`, so each node can recognize a
+    complete checkpoint from its own directory.
+    """
+
+    node_local = True
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        return True
+
+    @abstractmethod
+    def async_save_rank_state(
+        self,
+        sharded_state_dict: ShardedStateDict,
+        common_state_dict: StateDict,
+        checkpoint_dir: CheckpointDir,
+    ) -> AsyncRequest:
+        """Collective: starts saving this rank's state; returns the request to schedule."""
+
+    @abstractmethod
+    def save_rank_state(
+        self,
+        sharded_state_dict: ShardedStateDict,
+        common_state_dict: StateDict,
+        checkpoint_dir: CheckpointDir,
+    ) -> None:
+        """Collective: saves this rank's state; all ranks succeed or all raise."""
+
+    def async_save(
+        self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir
+    ) -> AsyncRequest:
+        return self.async_save_rank_state(sharded_state_dict, {}, checkpoint_dir)
+
+    def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir) -> None:
+        self.save_rank_state(sharded_state_dict, {}, checkpoint_dir)
+
+
+class NodeLocalLoadShardedStrategy(LoadShardedStrategy):
+    """Loads checkpoints of a `NodeLocalSaveShardedStrategy` backend."""
+
+    node_local = True
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        return True
+
+    @abstractmethod
+    def load_rank_state(
+        self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir
+    ) -> Tuple[StateDict, StateDict]:
+        """Collective: returns `(common state, loaded sharded leaves)` of this rank."""
+
+    @abstractmethod
+    def load_common_rank_state(self, checkpoint_dir: CheckpointDir) -> StateDict:
+        """This rank's common state, from its own node (not collective)."""
+
+    def load(
+        self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir
+    ) -> StateDict:
+        return self.load_rank_state(sharded_state_dict, checkpoint_dir)[1]

@@ -1,0 +1,298 @@
+"""The byte image of one local checkpoint part: raw tensor bytes, a safe header, checksums.
+
+One image is what the manager writes to a file, sends to replica holders and reads back;
+replicas are byte-identical to the owner's file, so every copy carries the same checksums.
+
+Layout (little-endian):
+    [tensor bytes, each tensor at a 64-byte aligned offset]
+    [header: `torch.save` of {"format", "id", "state" (hollow), "tensors", "names"}]
+    [checksum table: xxh3_64 of each tensor's bytes, 8 bytes each]
+    [footer, 48 bytes: magic, header offset, header length, tensor count,
+     xxh3_64 of the header, xxh3_64 of the table]
+
+The header is read with `torch.load(weights_only=True)`: a planted pickle does not run.
+Building an image is split in two so that a save blocks only for the copy of the tensors to
+host memory: `start_image` (caller) copies the tensors and the header into one buffer;
+`finish_image` (background) fills in the checksums and the footer.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import struct
+from dataclasses import dataclass
+from typing import Any, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+import xxhash
+
+from .._safe_load import torch_load
+from ..errors import CheckpointCorruptedError, CheckpointingException
+from .base_state_dict import TensorAwareStateDict
+
+__all__ = ["LocalImage", "start_image", "finish_image", "decode_image", "read_image", "write_image"]
+
+MAGIC = b"DCLCKPT1"
+FORMAT_VERSION = 1
+_FOOTER = struct.Struct("<8sQQQQQ")
+_ALIGN = 64
+_IO_CHUNK = 64 << 20
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def checksum(data: Any) -> int:
+    """xxh3_64 of a bytes-like object."""
+    return xxhash.xxh3_64_intdigest(data)
+
+
+@dataclass
+class LocalImage:
+    """A local checkpoint part as one host byte buffer (complete once finished)."""
+
+    ckpt_id: Tuple[Any, ...]
+    buffer: torch.Tensor  # uint8, 1-D
+    slots: List[Tuple[int, int]]  # (offset, nbytes) per tensor
+    header_offset: int
+    header_len: int
+    finished: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.buffer.numel())
+
+
+def _pin_if_cuda(buffer: torch.Tensor, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    if any(t.is_cuda for t in tensors) and torch.cuda.is_available():
+        return buffer.pin_memory()
+    return buffer
+
+
+def start_image(
+    state: TensorAwareStateDict, ckpt_id: Tuple[Any, ...], names: Optional[List[str]] = None
+) -> LocalImage:
+    """Copies `state` into a new image buffer (the part of a save the caller waits for).
+
+    The tensors are taken out of `state` to serialize its hollow part and put back before
+    returning, so `state` is unchanged afterwards. The copy is complete on return (device
+    copies are synchronized), so the caller may modify its tensors at once.
+
+    Args:
+        state: the state to store (not hollow).
+        ckpt_id: the checkpoint id recorded in the header.
+        names: optional per-tensor names for error messages (e.g. ShardedTensor keys).
+
+    Returns:
+        An unfinished image; pass it to `finish_image` before writing or sending it.
+
+    Raises:
+        CheckpointingException: if the hollow state cannot be serialized.
+    """
+    tensors = state.pop_tensors()
+    try:
+        slots, offset = [], 0
+        for t in tensors:
+            nbytes = t.numel() * t.element_size()
+            slots.append((offset, nbytes))
+            offset = _aligned(offset + nbytes)
+        header = {
+            "format": FORMAT_VERSION,
+            "id": tuple(ckpt_id),
+            "state": state,
+            "tensors": [
+                (off, n, str(t.dtype).removeprefix("torch."), tuple(t.shape))
+                for (off, n), t in zip(slots, tensors)
+            ],
+            "names": list(names) if names is not None else None,
+        }
+        raw = io.BytesIO()
+        try:
+            torch.save(header, raw)
+        except Exception as e:
+            raise CheckpointingException(
+                f"Cannot serialize the non-tensor part of local checkpoint {ckpt_id}: {e}"
+            ) from e
+    finally:
+        state.insert_tensors(tensors)
+    header_bytes = raw.getbuffer()
+    header_offset = offset
+    total = header_offset + len(header_bytes) + 8 * len(tensors) + _FOOTER.size
+    buffer = _pin_if_cuda(torch.empty(total, dtype=torch.uint8), tensors)
+    for (off, n), t in zip(slots, tensors):
+        if n:
+            dst = buffer[off : off + n].view(t.dtype).view(t.shape)
+            dst.copy_(t, non_blocking=t.is_cuda)
+    if any(t.is_cuda for t in tensors):
+        torch.cuda.synchronize()
+    flat = buffer.numpy()
+    flat[header_offset : header_offset + len(header_bytes)] = np.frombuffer(
+        header_bytes, dtype=np.uint8
+    )
+    return LocalImage(tuple(ckpt_id), buffer, slots, header_offset, len(header_bytes))
+
+
+def finish_image(image: LocalImage) -> LocalImage:
+    """Computes the checksums and writes the footer (runs in the background)."""
+    if image.finished:
+        return image
+    flat = image.buffer.numpy()
+    table = np.array([checksum(flat[off : off + n]) for off, n in image.slots], dtype="<u8").view(
+        np.uint8
+    )
+    table_off = image.header_offset + image.header_len
+    flat[table_off : table_off + table.size] = table
+    footer = _FOOTER.pack(
+        MAGIC,
+        image.header_offset,
+        image.header_len,
+        len(image.slots),
+        checksum(flat[image.header_offset : table_off]),
+        checksum(flat[table_off : table_off + table.size]),
+    )
+    flat[table_off + table.size :] = np.frombuffer(footer, dtype=np.uint8)
+    image.finished = True
+    return image
+
+
+def _dtype(name: Any, where: str) -> torch.dtype:
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    if not isinstance(dtype, torch.dtype):
+        raise CheckpointCorruptedError(f"{where}: unknown dtype {name!r} in the header")
+    return dtype
+
+
+def decode_image(
+    buffer: torch.Tensor, where: str, verify: bool = True, weights_only: bool = True
+) -> Tuple[Tuple[Any, ...], TensorAwareStateDict]:
+    """Parses and checks an image; returns its id and its state with the tensors inserted.
+
+    The tensors are views into `buffer` (no copy).
+
+    Args:
+        buffer: the image bytes (uint8, 1-D, on the CPU).
+        where: names the image in error messages (its path, or who sent it).
+        verify: check each tensor's checksum (the header and table are always checked).
+        weights_only: False unpickles the header without the allowlist (trusted files only).
+
+    Returns:
+        `(ckpt_id, state)`.
+
+    Raises:
+        CheckpointCorruptedError: truncated or malformed image, or a checksum mismatch
+            (naming the tensor and its byte range).
+        UnsafeCheckpointError: the header holds objects outside the safe allowlist.
+    """
+    flat = buffer.numpy()
+    size = flat.size
+    if size < _FOOTER.size:
+        raise CheckpointCorruptedError(f"{where}: {size} bytes, too short for a local checkpoint")
+    magic, h_off, h_len, count, h_sum, t_sum = _FOOTER.unpack(flat[size - _FOOTER.size :].tobytes())
+    if magic != MAGIC:
+        raise CheckpointCorruptedError(f"{where}: not a local checkpoint file (bad magic)")
+    table_off = h_off + h_len
+    if table_off + 8 * count + _FOOTER.size != size:
+        raise CheckpointCorruptedError(f"{where}: inconsistent sizes in the footer (truncated?)")
+    if checksum(flat[h_off:table_off]) != h_sum:
+        raise CheckpointCorruptedError(
+            f"{where}: header checksum mismatch (bytes {h_off}-{table_off})"
+        )
+    table_bytes = flat[table_off : table_off + 8 * count]
+    if checksum(table_bytes) != t_sum:
+        raise CheckpointCorruptedError(f"{where}: checksum table mismatch")
+    header = torch_load(
+        io.BytesIO(flat[h_off:table_off].tobytes()), f"{where} (header)", weights_only
+    )
+    if not isinstance(header, dict) or header.get("format") != FORMAT_VERSION:
+        raise CheckpointCorruptedError(
+            f"{where}: unsupported local checkpoint header (format "
+            f"{header.get('format') if isinstance(header, dict) else type(header).__name__!r})"
+        )
+    state, entries, names = header.get("state"), header.get("tensors"), header.get("names")
+    if not isinstance(state, TensorAwareStateDict) or not isinstance(entries, list):
+        raise CheckpointCorruptedError(f"{where}: malformed header")
+    if len(entries) != count:
+        raise CheckpointCorruptedError(
+            f"{where}: header lists {len(entries)} tensors, footer {count}"
+        )
+    sums = table_bytes.view("<u8")
+    tensors = []
+    for i, entry in enumerate(entries):
+        label = names[i] if isinstance(names, list) and i < len(names) else f"#{i}"
+        try:
+            off, n, dtype_name, shape = entry
+            dtype = _dtype(dtype_name, where)
+            numel = int(np.prod(shape, dtype=np.int64)) if len(shape) else 1
+            valid = (
+                isinstance(off, int)
+                and isinstance(n, int)
+                and 0 <= off
+                and off + n <= h_off
+                and n == numel * dtype.itemsize
+                and off % _ALIGN == 0
+            )
+        except (TypeError, ValueError) as e:
+            raise CheckpointCorruptedError(f"{where}: malformed entry for tensor {label}") from e
+        if not valid:
+            raise CheckpointCorruptedError(f"{where}: invalid byte range for tensor {label}")
+        if verify and checksum(flat[off : off + n]) != int(sums[i]):
+            raise CheckpointCorruptedError(
+                f"{where}: checksum mismatch in tensor {label} (bytes {off}-{off + n})"
+            )
+        data = buffer[off : off + n]
+        tensors.append(
+            data.view(dtype).view(tuple(shape)) if n else torch.empty(shape, dtype=dtype)
+        )
+    try:
+        state.insert_tensors(tensors)
+    except CheckpointingException as e:
+        raise CheckpointCorruptedError(f"{where}: {e}") from e
+    return tuple(header.get("id", ())), state
+
+
+def write_image(image: LocalImage, path: str) -> None:
+    """Writes a finished image to `path` (created, must not exist) and fsyncs it.
+
+    Raises:
+        FileExistsError: `path` exists.
+        OSError: the write failed (the partial file is removed).
+    """
+    assert image.finished, "finish_image must run before write_image"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        view = memoryview(image.buffer.numpy())  # type: ignore[arg-type]
+        for start in range(0, len(view), _IO_CHUNK):
+            chunk = view[start : start + _IO_CHUNK]
+            while len(chunk):
+                chunk = chunk[os.write(fd, chunk) :]
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+        raise
+    os.close(fd)
+
+
+def read_image(path: str) -> torch.Tensor:
+    """Reads a whole file into a new uint8 tensor.
+
+    Raises:
+        OSError: the file cannot be read (FileNotFoundError when missing).
+    """
+    with open(path, "rb", buffering=0) as f:
+        size = os.fstat(f.fileno()).st_size
+        buffer = torch.empty(size, dtype=torch.uint8)
+        view = memoryview(buffer.numpy())  # type: ignore[arg-type]
+        got = 0
+        while got < size:
+            n = f.readinto(view[got : min(size, got + _IO_CHUNK)])
+            if not n:
+                raise CheckpointCorruptedError(f"{path}: file shrank while reading")
+            got += n
+    return buffer

@@ -1,0 +1,75 @@
+"""`TensorAwareStateDict`: the interface between a user's state and the local checkpoint manager.
+
+The manager moves a state in two parts: its tensors (raw bytes, written and replicated
+without pickling) and the rest, the "hollow" state, which keeps enough about each tensor
+(shape, dtype, device) to rebuild it. Implementations decide what the tensors are and how
+the hollow state is represented; the manager only uses the methods below.
+
+Hollow states are stored with `torch.save` and read back with `torch.load(weights_only=True)`,
+so an implementation class (and any non-tensor object it holds) must be allowlisted with
+`torch.serialization.add_safe_globals([...])`; the package's own classes are allowlisted
+when their module is imported.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, Iterable, List, ValuesView
+
+import torch
+
+__all__ = ["TensorAwareStateDict"]
+
+
+class TensorAwareStateDict(ABC):
+    """A state whose tensors can be taken out, put back, and moved between devices."""
+
+    @abstractmethod
+    def pop_tensors(self) -> List[torch.Tensor]:
+        """Takes the tensors out, leaving placeholders that remember shape, dtype and device.
+
+        Returns:
+            The tensors, in a fixed order that `insert_tensors` accepts back.
+
+        Raises:
+            CheckpointingException: if the state is already hollow.
+        """
+
+    @property
+    @abstractmethod
+    def tensors(self) -> Iterable[torch.Tensor]:
+        """The tensors, in `pop_tensors` order, without removing them."""
+
+    @property
+    @abstractmethod
+    def is_hollow(self) -> bool:
+        """True between `pop_tensors` (or loading the hollow part) and `insert_tensors`."""
+
+    @abstractmethod
+    def insert_tensors(self, tensor_data: Iterable[torch.Tensor]) -> None:
+        """Puts tensors back in place of the placeholders (inverse of `pop_tensors`).
+
+        Raises:
+            CheckpointingException: if the state is not hollow, or the number, shapes or
+                dtypes of `tensor_data` do not match the placeholders.
+        """
+
+    @abstractmethod
+    def init_tensors(self) -> None:
+        """Replaces the placeholders with uninitialized tensors of the recorded properties."""
+
+    @abstractmethod
+    def copy_tensors_to_cpu(self, non_blocking: bool = False) -> None:
+        """Replaces each tensor with a host copy, remembering its device for `restore_tensor_device`.
+
+        Args:
+            non_blocking: allow asynchronous device-to-host copies (the caller synchronizes).
+        """
+
+    @abstractmethod
+    def restore_tensor_device(self, non_blocking: bool = True) -> None:
+        """Moves every tensor back to the device it came from (no-op for host tensors)."""
+
+    def values(self) -> ValuesView[Any]:
+        """The object's attribute values (what a generic traversal sees)."""
+        return vars(self).values()

@@ -1,0 +1,1 @@
+"""Checkpoint managers for local (node-level) checkpoints."""

@@ -1,0 +1,411 @@
+"""`BaseCheckpointManager`: save, find and load local checkpoints, with replication.
+
+A checkpoint of iteration I is the set of parts `(I, r, session)`, one per rank r. The base
+class owns the protocol; subclasses store parts (`LocalCheckpointManager`: files).
+
+Save (collective):
+1. Caller: agree that no part of iteration I exists here yet, copy the tensors into a host
+   image (the only part the training loop waits for), queue the rest on the manager's one
+   background thread, in call order (so background exchanges run in the same order on
+   every rank).
+2. Background: checksums, replication exchange, write of every part kept here as a dirty
+   file, fsync.
+3. Finalize (collective, after every rank's background work succeeded): commit (rename)
+   the parts, agree that every rank committed, then remove older iterations. If any rank
+   failed, every rank removes the iteration's files and raises; the previous checkpoint
+   stays.
+
+`find_latest` (collective) returns, on every rank alike, the newest iteration whose every
+part is held by some rank (by its owner only, without replication), or -1. `load`
+(collective) reads and verifies the parts held here, plans who provides each rank's part,
+and moves missing parts from holders; a part with no usable copy raises
+`NoReplicasAvailableError` on every rank.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import time
+from abc import ABC, abstractmethod
+from typing import Any, Dict, Iterable, List, Optional, Tuple
+
+import torch
+
+from ... import _dist
+from ...errors import CheckpointingException
+from ...strategies.async_utils import AsyncRequest
+from .._image import LocalImage, decode_image, finish_image, start_image
+from ..base_state_dict import TensorAwareStateDict
+from ..replication.strategies import (
+    CkptID,
+    ReplicationStrategy,
+    describe_id,
+    execute_plan,
+    host_group,
+    plan_retrieval,
+)
+
+__all__ = [
+    "BaseCheckpointManager",
+    "CheckpointingException",
+    "SameMachineReplicationException",
+    "CkptID",
+]
+
+logger = logging.getLogger(__name__)
+
+
+class SameMachineReplicationException(CheckpointingException):
+    """A part of this iteration is already stored here (the iteration was saved before).
+
+    Args:
+        ckpt_id: the part that exists, or a message.
+    """
+
+    def __init__(self, ckpt_id: Any) -> None:
+        self.ckpt_id = ckpt_id
+        text = (
+            ckpt_id
+            if isinstance(ckpt_id, str)
+            else f"local checkpoint {describe_id(ckpt_id)} already exists on this machine"
+        )
+        super().__init__(text)
+
+
+_executor: Optional[concurrent.futures.ThreadPoolExecutor] = None
+
+
+def _background_thread() -> concurrent.futures.ThreadPoolExecutor:
+    """The one background thread of the process, shared by every manager.
+
+    One thread for all managers keeps background exchanges in program order, which is the
+    same on every rank, so two saves never interleave their collectives.
+    """
+    global _executor
+    if _executor is None:
+        _executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="dc-local-ckpt"
+        )
+    return _executor
+
+
+def _wait(future: concurrent.futures.Future) -> Any:
+    return future.result()
+
+
+class BaseCheckpointManager(ABC):
+    """Saves and loads `TensorAwareStateDict`s as local checkpoints (collective methods).
+
+    Args:
+        session_id: names this training job's checkpoints (part of every checkpoint id).
+        repl_strategy: where copies of each part go; None keeps each part on its owner only.
+        use_replicas: whether parts held by other ranks count in `find_latest` and `load`
+            (default: when `repl_strategy` is given). A loader that did not save may set it
+            to recover from copies made by an earlier run.
+    """
+
+    def __init__(
+        self,
+        session_id: str,
+        repl_strategy: Optional[ReplicationStrategy] = None,
+        *,
+        use_replicas: Optional[bool] = None,
+    ) -> None:
+        self.session_id = session_id
+        self.repl_strategy = repl_strategy
+        self.use_replicas = repl_strategy is not None if use_replicas is None else use_replicas
+        self.latest_iteration = -1
+        self.globally_available_ids: Optional[List[List[CkptID]]] = None
+        self._newest_committed = -1
+        #: False unpickles hollow states without the allowlist (trusted checkpoints only)
+        self.weights_only = True
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in the default process group."""
+        return _dist.get_rank()
+
+    def _ckpt_id(self, iteration: int) -> CkptID:
+        if isinstance(iteration, bool) or not isinstance(iteration, int) or iteration < 0:
+            raise CheckpointingException(f"iteration must be a non-negative int, got {iteration!r}")
+        return (iteration, self.rank, self.session_id)
+
+    # ---- storage hooks (subclasses) -------------------------------------------------------
+    @abstractmethod
+    def _my_ckpt_ids(self) -> Iterable[CkptID]:
+        """Committed parts stored here (dirty ones never count)."""
+
+    @abstractmethod
+    def _load_image(self, ckpt_id: CkptID) -> Tuple[torch.Tensor, str]:
+        """Reads a committed part's bytes; returns `(image, where)` (`where` names it).
+
+        Raises:
+            CheckpointingException: the part cannot be read.
+        """
+
+    @abstractmethod
+    def _save_image(self, image: LocalImage, ckpt_id: CkptID) -> None:
+        """Stores a part durably, uncommitted (dirty).
+
+        Raises:
+            SameMachineReplicationException: the part already exists here.
+        """
+
+    @abstractmethod
+    def _dirty_ids(self, iteration: int) -> List[CkptID]:
+        """Parts of `iteration` stored here but not committed yet."""
+
+    @abstractmethod
+    def _commit(self, ckpt_id: CkptID) -> None:
+        """Makes a stored dirty part committed (atomically)."""
+
+    @abstractmethod
+    def _cleanup(self, iteration: int) -> None:
+        """After `iteration` committed everywhere: removes older parts and stray dirty ones."""
+
+    @abstractmethod
+    def _cleanup_failed_save(self, iteration: int) -> None:
+        """Removes every part of `iteration` stored here, dirty or committed."""
+
+    def _load(self, ckpt_id: CkptID) -> TensorAwareStateDict:
+        """Reads and verifies one committed part stored here.
+
+        Raises:
+            CheckpointCorruptedError: it is missing, truncated or fails verification.
+        """
+        image, where = self._load_image(ckpt_id)
+        return decode_image(image, where, weights_only=self.weights_only)[1]
+
+    def _save(self, state_dict: TensorAwareStateDict, ckpt_id: CkptID) -> None:
+        """Stores and commits one part here (no replication)."""
+        self._save_image(finish_image(start_image(state_dict, ckpt_id)), ckpt_id)
+        self._commit(ckpt_id)
+
+    # ---- protocol -------------------------------------------------------------------------
+    def _background(self) -> concurrent.futures.ThreadPoolExecutor:
+        return _background_thread()
+
+    def find_latest(self) -> int:
+        """Collective: the newest complete iteration (see the module docstring), or -1."""
+        if self.latest_iteration != -1:
+            return self.latest_iteration
+        local = sorted(set(self._my_ckpt_ids()))
+        if not self.use_replicas:
+            local = [i for i in local if i[1] == self.rank]
+        self.globally_available_ids = _dist.all_gather_object(local)
+        world = _dist.get_world_size()
+        owners: Dict[int, set] = {}
+        for ids in self.globally_available_ids:
+            for iteration, owner, _ in ids:
+                owners.setdefault(iteration, set()).add(owner)
+        complete = [it for it, o in owners.items() if o >= set(range(world))]
+        self.latest_iteration = max(complete, default=-1)
+        return self.latest_iteration
+
+    def save(
+        self, state_dict: TensorAwareStateDict, iteration: int, is_async: bool = False
+    ) -> Optional[AsyncRequest]:
+        """Collective: saves this rank's part of `iteration` (see the module docstring).
+
+        Args:
+            state_dict: this rank's state; unchanged by the save, and free to change as soon
+                as `save` returns.
+            iteration: the global iteration; must be newer than any saved by this manager.
+            is_async: return an `AsyncRequest` for `AsyncCallsQueue.schedule_async_request`
+                instead of waiting for the writes.
+
+        Returns:
+            None, or the request when `is_async`.
+
+        Raises:
+            SameMachineReplicationException: a part of `iteration` is already stored on some
+                rank (raised on every rank).
+            CheckpointingException: any other failure, on every rank (with `is_async`,
+                background failures surface as `AsyncSaveError` from the queue).
+        """
+        start = time.perf_counter()
+        ckpt_id = self._ckpt_id(iteration)
+        image: Optional[LocalImage] = None
+        extra: List[LocalImage] = []
+        error: Optional[BaseException] = None
+        try:
+            if iteration <= self._newest_committed:
+                raise CheckpointingException(
+                    f"Iteration {iteration} is not newer than the last saved iteration {self._newest_committed}"
+                )
+            clash = [i for i in self._my_ckpt_ids() if i[0] == iteration]
+            if clash:
+                raise SameMachineReplicationException(clash[0])
+            if self.repl_strategy is not None:
+                self.repl_strategy.prepare()
+            if self.repl_strategy is not None and not hasattr(
+                self.repl_strategy, "replicate_images"
+            ):
+                extra = self._foreground_replicate(state_dict, ckpt_id)
+            names_fn = getattr(state_dict, "tensor_names", None)
+            image = start_image(state_dict, ckpt_id, names_fn() if callable(names_fn) else None)
+        except Exception as e:  # agreed on below
+            error = e
+        reports = _dist.all_gather_object(_dist.error_report(error))
+        if any(r is not None and r[0] == "SameMachineReplicationException" for r in reports):
+            ranks = [i for i, r in enumerate(reports) if r is not None]
+            detail = "; ".join(f"rank {i}: {reports[i][1]}" for i in ranks)  # type: ignore[index]
+            raise SameMachineReplicationException(
+                f"Saving iteration {iteration} failed on rank(s) {ranks}: {detail}"
+            ) from error
+        _dist.raise_on_reported_errors(
+            reports, error, f"local checkpoint save of iteration {iteration}"
+        )
+        assert image is not None
+        self.latest_iteration = -1
+        nbytes = image.nbytes
+        future = self._background().submit(self._write_parts, image, extra)
+        blocked = time.perf_counter() - start
+
+        def finalize() -> None:
+            self._finalize_save(iteration, future)
+            elapsed = time.perf_counter() - start
+            logger.info(
+                "local checkpoint of iteration %d: %.1f MB (own part) in %.2f s (%.0f MB/s), caller blocked %.3f s",
+                iteration,
+                nbytes / 1e6,
+                elapsed,
+                nbytes / 1e6 / max(elapsed, 1e-9),
+                blocked,
+            )
+
+        request = AsyncRequest(
+            _wait,
+            (future,),
+            [finalize],
+            cleanup_fns=[lambda: self._drop_dirty(iteration, future)],
+            run_in_thread=True,
+            description=f"local checkpoint iteration {iteration}",
+        )
+        if is_async:
+            return request
+        error = None
+        try:
+            future.result()
+        except Exception as e:  # agreed on below
+            error = e
+        try:
+            _dist.agree_on_errors(error, f"local checkpoint write of iteration {iteration}")
+        except CheckpointingException:
+            self._drop_dirty(iteration, future)
+            raise
+        finalize()
+        return None
+
+    def _foreground_replicate(
+        self, state_dict: TensorAwareStateDict, ckpt_id: CkptID
+    ) -> List[LocalImage]:
+        """For strategies without a byte-image exchange: their `replicate`, in the caller."""
+        assert self.repl_strategy is not None
+        states, ids = self.repl_strategy.replicate(state_dict, ckpt_id)
+        return [start_image(sd, i) for sd, i in zip(states, ids) if tuple(i) != tuple(ckpt_id)]
+
+    def _write_parts(self, image: LocalImage, extra: List[LocalImage]) -> int:
+        """Background: checksums, replication exchange, durable writes of every part kept here."""
+        finish_image(image)
+        parts: List[Tuple[CkptID, Any]] = [(image.ckpt_id, image)]  # type: ignore[list-item]
+        if self.repl_strategy is not None and hasattr(self.repl_strategy, "replicate_images"):
+            for other_id, buf in self.repl_strategy.replicate_images(image.buffer, image.ckpt_id):
+                parts.append((other_id, buf))
+        parts.extend((e.ckpt_id, finish_image(e)) for e in extra)  # type: ignore[misc]
+        written = 0
+        for ckpt_id, part in parts:
+            if isinstance(part, torch.Tensor):
+                part = LocalImage(ckpt_id, part, [], 0, 0, finished=True)
+            self._save_image(part, ckpt_id)
+            written += part.nbytes
+        return written
+
+    def _drop_dirty(self, iteration: int, future: concurrent.futures.Future) -> None:
+        """Removes this iteration's uncommitted files once its background work ended."""
+        if future.done() and iteration > self._newest_committed:
+            self._cleanup_failed_save(iteration)
+
+    def _finalize_save(self, iteration: int, future: concurrent.futures.Future) -> None:
+        """Collective: commits every part written here, agrees, then removes older iterations."""
+        error: Optional[BaseException] = None
+        try:
+            future.result()  # done on every rank (the queue or `save` waited)
+            for ckpt_id in self._dirty_ids(iteration):
+                self._commit(ckpt_id)
+        except Exception as e:  # agreed on below
+            error = e
+        try:
+            _dist.agree_on_errors(error, f"local checkpoint commit of iteration {iteration}")
+        except CheckpointingException:
+            self._cleanup_failed_save(iteration)
+            raise
+        self._newest_committed = iteration
+        self._cleanup(iteration)
+        self.latest_iteration = -1
+
+    def load(self) -> Tuple[TensorAwareStateDict, CkptID]:
+        """Collective: loads this rank's part of the newest complete iteration.
+
+        Parts held here are read and verified; a corrupted one counts as missing. Each rank's
+        part comes from itself when possible, else from a holder.
+
+        Returns:
+            `(state_dict, ckpt_id)`, tensors on the devices they were saved from.
+
+        Raises:
+            CheckpointingException: no complete local checkpoint exists (on every rank).
+            NoReplicasAvailableError: a rank's part has no usable copy (on every rank).
+        """
+        start = time.perf_counter()
+        iteration = self.find_latest()
+        if iteration == -1:
+            raise CheckpointingException(
+                f"No complete local checkpoint found (session {self.session_id!r})"
+            )
+        assert self.globally_available_ids is not None
+        wanted = self._ckpt_id(iteration)
+        available = {
+            r: [tuple(i) for i in ids if i[0] == iteration]
+            for r, ids in enumerate(self.globally_available_ids)
+        }
+        cache: Dict[CkptID, torch.Tensor] = {}
+        while True:
+            everyone = _dist.all_gather_object([wanted], host_group())
+            plan = plan_retrieval(available, dict(enumerate(everyone)))  # type: ignore[arg-type]
+            bad: List[CkptID] = []
+            for ckpt_id in plan.required_ids(self.rank):
+                if ckpt_id in cache:
+                    continue
+                try:
+                    image, where = self._load_image(ckpt_id)
+                    decode_image(image, where, weights_only=self.weights_only)
+                    cache[ckpt_id] = image
+                except CheckpointingException as e:
+                    logger.warning(
+                        "local checkpoint part %s unusable, trying another copy: %s",
+                        describe_id(ckpt_id),
+                        e,
+                    )
+                    bad.append(ckpt_id)
+            all_bad = _dist.all_gather_object(bad)
+            if not any(all_bad):
+                break
+            for rank, ids in enumerate(all_bad):
+                available[rank] = [i for i in available[rank] if i not in set(map(tuple, ids))]  # type: ignore[arg-type]
+        received = execute_plan(plan, cache, host_group())
+        image = received[wanted]
+        _, state = decode_image(
+            image, f"local checkpoint part {describe_id(wanted)}", weights_only=self.weights_only
+        )
+        state.restore_tensor_device(non_blocking=False)
+        elapsed = time.perf_counter() - start
+        logger.info(
+            "loaded local checkpoint %s: %.1f MB in %.2f s (%.0f MB/s)",
+            describe_id(wanted),
+            image.numel() / 1e6,
+            elapsed,
+            image.numel() / 1e6 / max(elapsed, 1e-9),
+        )
+        return state, wanted

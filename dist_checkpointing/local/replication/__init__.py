@@ -1,0 +1,1 @@
+"""Replication of local checkpoint parts across ranks (see `strategies`)."""

@@ -1,0 +1,415 @@
+"""Replication strategies: where copies of each rank's local checkpoint part are kept.
+
+`CliqueReplicationStrategy` splits the ranks into cliques of `replication_factor` ranks,
+`replication_jump` apart, and gives every member of a clique a copy of every other member's
+part. Parts travel as byte images (see `.._image`): raw tensor bytes broadcast over a gloo
+process group, never pickled tensors. Copies are byte-identical, checksums included.
+
+Retrieval (at load) is planned from what every rank holds, identically on every rank, so a
+missing part raises `NoReplicasAvailableError` on every rank rather than hanging one. Any
+holder in the world may send a part (not only clique members), so a part stays reachable
+after replication parameters change between runs.
+
+Why gloo on host buffers even with NCCL training: the bytes are in host memory anyway (they
+are written to local disk from there), and exchanging them over gloo keeps GPU memory and
+NCCL streams out of a background exchange.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
+
+import torch
+import torch.distributed as dist
+
+from ... import _dist
+from ...errors import CheckpointingException
+from .._image import decode_image, finish_image, start_image
+from ..base_state_dict import TensorAwareStateDict
+
+__all__ = [
+    "CkptID",
+    "NoReplicasAvailableError",
+    "ExchangePlan",
+    "ReplicationStrategy",
+    "CliqueReplicationStrategy",
+    "LazyCliqueReplicationStrategy",
+    "clique_ranks",
+    "plan_retrieval",
+    "execute_plan",
+]
+
+logger = logging.getLogger(__name__)
+
+#: (iteration, owner rank, session id)
+CkptID = Tuple[int, int, str]
+
+
+class NoReplicasAvailableError(CheckpointingException):
+    """No rank holds a usable copy of a part that a rank needs."""
+
+
+def describe_id(ckpt_id: Any) -> str:
+    """'iteration I, rank R' for a checkpoint id (for messages)."""
+    try:
+        iteration, owner, session = ckpt_id
+        return f"iteration {iteration}, rank {owner}" + (
+            f", session {session!r}" if session else ""
+        )
+    except (TypeError, ValueError):
+        return repr(ckpt_id)
+
+
+def clique_ranks(
+    world_size: int, replication_jump: int, replication_factor: int
+) -> List[List[int]]:
+    """The cliques `n, n+J, ..., n+(F-1)J` for `n = a*J*F + b`, `b < J`.
+
+    Raises:
+        CheckpointingException: non-positive parameters, or `world_size` not divisible by J*F.
+    """
+    for name, v in (
+        ("replication_jump", replication_jump),
+        ("replication_factor", replication_factor),
+    ):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise CheckpointingException(f"{name} must be a positive int, got {v!r}")
+    span = replication_jump * replication_factor
+    if world_size % span:
+        raise CheckpointingException(
+            f"World size {world_size} is not divisible by replication_jump * replication_factor "
+            f"= {replication_jump} * {replication_factor} = {span}"
+        )
+    cliques = []
+    for a in range(world_size // span):
+        for b in range(replication_jump):
+            n = a * span + b
+            cliques.append([n + i * replication_jump for i in range(replication_factor)])
+    return cliques
+
+
+@dataclass
+class ExchangePlan:
+    """Who sends which part to whom: `(sender, receiver, ckpt_id)`, in execution order."""
+
+    transfers: List[Tuple[int, int, CkptID]] = field(default_factory=list)
+
+    def plan(self, sender: int, receiver: int, id_: CkptID) -> None:
+        self.transfers.append((sender, receiver, id_))
+
+    def required_ids(self, rank: Optional[int] = None) -> Set[CkptID]:
+        """Parts that `rank` (default: this rank) must provide, for itself or for others."""
+        rank = _dist.get_rank() if rank is None else rank
+        return {id_ for s, _, id_ in self.transfers if s == rank}
+
+    def received_ids(self, rank: Optional[int] = None) -> List[CkptID]:
+        """Parts that `rank` (default: this rank) ends up with."""
+        rank = _dist.get_rank() if rank is None else rank
+        return [id_ for _, r, id_ in self.transfers if r == rank]
+
+
+def plan_retrieval(
+    available: Mapping[int, Iterable[CkptID]], wanted: Mapping[int, Sequence[CkptID]]
+) -> ExchangePlan:
+    """Plans who provides each wanted part (pure; every rank computes the same plan).
+
+    A receiver that holds a part keeps it; otherwise the holder with the fewest sends so
+    far sends it (lowest rank on ties).
+
+    Args:
+        available: rank -> parts it holds.
+        wanted: receiver rank -> parts it needs.
+
+    Raises:
+        NoReplicasAvailableError: a wanted part is held by no rank (names it and the receiver).
+    """
+    holders: Dict[CkptID, List[int]] = {}
+    for rank in sorted(available):
+        for id_ in available[rank]:
+            holders.setdefault(tuple(id_), []).append(rank)  # type: ignore[arg-type]
+    sends: Dict[int, int] = {}
+    plan = ExchangePlan()
+    for receiver in sorted(wanted):
+        for id_ in wanted[receiver]:
+            key = tuple(id_)
+            candidates = holders.get(key, [])  # type: ignore[arg-type]
+            if not candidates:
+                raise NoReplicasAvailableError(
+                    f"No rank holds a usable copy of the local checkpoint part ({describe_id(key)}) "
+                    f"needed by rank {receiver}"
+                )
+            sender = (
+                receiver
+                if receiver in candidates
+                else min(candidates, key=lambda r: (sends.get(r, 0), r))
+            )
+            if sender != receiver:  # keeping one's own copy costs no network
+                sends[sender] = sends.get(sender, 0) + 1
+            plan.plan(sender, receiver, key)  # type: ignore[arg-type]
+    return plan
+
+
+_host_group: Any = None
+
+
+def host_group() -> Any:
+    """Collective on first call: a gloo group over all ranks (None: the default group is gloo)."""
+    global _host_group
+    if not _dist.is_distributed() or dist.get_backend() == "gloo":
+        return None
+    if _host_group is None:
+        _host_group = dist.new_group(backend="gloo")
+    return _host_group
+
+
+def execute_plan(
+    plan: ExchangePlan, my_data: Mapping[CkptID, torch.Tensor], group: Any = None
+) -> Dict[CkptID, torch.Tensor]:
+    """Collective over `group` (all ranks): moves byte images as `plan` says.
+
+    Args:
+        plan: the same plan on every rank.
+        my_data: the images (uint8 CPU tensors) this rank provides: at least
+            `plan.required_ids()`.
+        group: a gloo group over all ranks (None: the default group).
+
+    Returns:
+        The images this rank receives (or keeps), by id.
+
+    Raises:
+        CheckpointingException: this rank lacks an image the plan asks it to send.
+    """
+    me = _dist.get_rank()
+    missing = plan.required_ids(me) - set(my_data)
+    if missing:
+        raise CheckpointingException(
+            f"Rank {me} was planned to provide {sorted(describe_id(m) for m in missing)} but does not hold them"
+        )
+    sizes: Dict[CkptID, int] = {}
+    for part in _dist.all_gather_object(
+        {id_: int(my_data[id_].numel()) for id_ in plan.required_ids(me)}, group
+    ):
+        sizes.update(part)
+    received: Dict[CkptID, torch.Tensor] = {}
+    works = []
+    for tag, (sender, receiver, id_) in enumerate(plan.transfers):
+        if sender == receiver:
+            if sender == me:
+                received[id_] = my_data[id_]
+        elif sender == me:
+            works.append(dist.isend(my_data[id_].contiguous(), dst=receiver, group=group, tag=tag))
+        elif receiver == me:
+            buf = torch.empty(sizes[id_], dtype=torch.uint8)
+            works.append(dist.irecv(buf, src=sender, group=group, tag=tag))
+            received[id_] = buf
+    for w in works:
+        if w is not None:
+            w.wait()
+    return received
+
+
+class ReplicationStrategy(ABC):
+    """Decides where copies of local checkpoint parts go, and how they come back."""
+
+    def prepare(self) -> None:
+        """Collective: builds what the strategy needs (process groups) in the caller thread.
+
+        The manager calls it before handing work to its background thread; strategies that
+        build lazily must do it here.
+        """
+        return None
+
+    @abstractmethod
+    def replicate(
+        self, local_ckpt: TensorAwareStateDict, id_: CkptID
+    ) -> Tuple[List[TensorAwareStateDict], List[CkptID]]:
+        """Collective: exchanges parts; returns the parts this rank keeps, with their ids."""
+
+    @abstractmethod
+    def retrieve_plan(
+        self, globally_available_ids: Mapping[int, List[CkptID]], wanted: Sequence[CkptID]
+    ) -> ExchangePlan:
+        """Collective: plans how every rank gets the parts it wants.
+
+        Raises:
+            NoReplicasAvailableError: on every rank, when a wanted part has no holder.
+        """
+
+    @abstractmethod
+    def retrieve_execute(self, *args: Any, **kwargs: Any) -> Any:
+        """Collective: executes a retrieval plan."""
+
+
+class CliqueReplicationStrategy(ReplicationStrategy):
+    """Every member of this rank's clique keeps a copy of every member's part.
+
+    Args:
+        local_group: the process group of this rank's clique (gloo, or any group that can
+            move tensors on `target_device`); None means all ranks form one clique.
+        target_device: where exchange buffers live ('cpu' for gloo).
+    """
+
+    def __init__(self, local_group: Any, target_device: str = "cpu") -> None:
+        self.local_group = local_group
+        self.target_device = target_device
+        if _dist.is_distributed():
+            self.ranks = (
+                dist.get_process_group_ranks(local_group)
+                if local_group is not None
+                else list(range(dist.get_world_size()))
+            )
+        else:
+            self.ranks = [0]
+
+    @classmethod
+    def from_replication_params(
+        cls,
+        replication_jump: Optional[int] = None,
+        replication_factor: int = 2,
+        *,
+        timeout: Optional[datetime.timedelta] = None,
+    ) -> CliqueReplicationStrategy:
+        """Collective: creates one gloo group per clique and returns this rank's strategy.
+
+        Args:
+            replication_jump: J, the distance between ranks of a clique (e.g. GPUs per node,
+                so copies land on other nodes); default: the number of local CUDA devices,
+                or 1 without CUDA.
+            replication_factor: F, the number of copies of each part (clique size).
+            timeout: how long a background exchange waits for a missing peer before failing
+                (default: the process group default).
+
+        Raises:
+            CheckpointingException: on every rank, if the world size is not divisible by J*F.
+        """
+        if replication_jump is None:
+            replication_jump = max(1, torch.cuda.device_count())
+        world = _dist.get_world_size()
+        cliques = clique_ranks(world, replication_jump, replication_factor)
+        me = _dist.get_rank()
+        mine: Any = None
+        for ranks in cliques:
+            kwargs: Dict[str, Any] = {"backend": "gloo"}
+            if timeout is not None:
+                kwargs["timeout"] = timeout
+            group = dist.new_group(ranks, **kwargs) if _dist.is_distributed() else None
+            if me in ranks:
+                mine = group
+        logger.debug("replication cliques %s (rank %d)", cliques, me)
+        return cls(mine)
+
+    def _to_target(self, t: torch.Tensor) -> torch.Tensor:
+        return t if self.target_device == "cpu" else t.to(self.target_device)
+
+    def replicate_images(
+        self, image: torch.Tensor, id_: CkptID
+    ) -> List[Tuple[CkptID, torch.Tensor]]:
+        """Collective over the clique: sends this rank's image to every other member.
+
+        Safe to run in a background thread (it uses only the clique group).
+
+        Returns:
+            The other members' `(id, image)` pairs.
+        """
+        if len(self.ranks) == 1:
+            return []
+        start = time.perf_counter()
+        me = _dist.get_rank()
+        infos: List[Any] = [None] * len(self.ranks)
+        dist.all_gather_object(infos, (tuple(id_), int(image.numel())), group=self.local_group)
+        out = []
+        for src, (other_id, nbytes) in zip(self.ranks, infos):
+            if src == me:
+                buf = self._to_target(image)
+            else:
+                buf = torch.empty(nbytes, dtype=torch.uint8, device=self.target_device)
+            dist.broadcast(buf, src=src, group=self.local_group)
+            if src != me:
+                out.append((tuple(other_id), buf.cpu()))
+        received = sum(int(b.numel()) for _, b in out)
+        elapsed = time.perf_counter() - start
+        logger.info(
+            "replicated %.1f MB to %d peers, received %.1f MB in %.2f s",
+            image.numel() / 1e6,
+            len(self.ranks) - 1,
+            received / 1e6,
+            elapsed,
+        )
+        return out  # type: ignore[return-value]
+
+    def replicate(
+        self, local_ckpt: TensorAwareStateDict, id_: CkptID
+    ) -> Tuple[List[TensorAwareStateDict], List[CkptID]]:
+        """Collective over the clique: returns every member's part (this rank's included)."""
+        image = finish_image(start_image(local_ckpt, id_))
+        others = {i: buf for i, buf in self.replicate_images(image.buffer, id_)}
+        states, ids = [], []
+        for other_id, buf in others.items():
+            _, sd = decode_image(buf, f"replica of {describe_id(other_id)}")
+            states.append(sd)
+            ids.append(other_id)
+        return [local_ckpt, *states], [tuple(id_), *ids]  # type: ignore[list-item]
+
+    def retrieve_plan(
+        self, globally_available_ids: Mapping[int, List[CkptID]], wanted: Sequence[CkptID]
+    ) -> ExchangePlan:
+        """Collective over all ranks: see `plan_retrieval`."""
+        everyone = _dist.all_gather_object([tuple(w) for w in wanted], host_group())
+        return plan_retrieval(globally_available_ids, dict(enumerate(everyone)))  # type: ignore[arg-type]
+
+    def retrieve_execute(  # type: ignore[override]
+        self, plan: ExchangePlan, my_data: Mapping[CkptID, torch.Tensor]
+    ) -> Dict[CkptID, torch.Tensor]:
+        """Collective over all ranks: see `execute_plan` (images in, images out)."""
+        return execute_plan(plan, my_data, host_group())
+
+
+class LazyCliqueReplicationStrategy(CliqueReplicationStrategy):
+    """A `CliqueReplicationStrategy` whose groups are created on first use (in `prepare`).
+
+    For code that must construct the strategy before `torch.distributed` is initialized.
+    """
+
+    def __init__(
+        self,
+        replication_jump: Optional[int] = None,
+        replication_factor: int = 2,
+        *,
+        timeout: Optional[datetime.timedelta] = None,
+    ) -> None:
+        self.replication_jump = replication_jump
+        self.replication_factor = replication_factor
+        self.timeout = timeout
+        self._built: Optional[CliqueReplicationStrategy] = None
+
+    def prepare(self) -> None:
+        if self._built is None:
+            self._built = CliqueReplicationStrategy.from_replication_params(
+                self.replication_jump, self.replication_factor, timeout=self.timeout
+            )
+            self.local_group = self._built.local_group
+            self.ranks = self._built.ranks
+            self.target_device = self._built.target_device
+
+    def replicate_images(
+        self, image: torch.Tensor, id_: CkptID
+    ) -> List[Tuple[CkptID, torch.Tensor]]:
+        self._require_built()
+        return super().replicate_images(image, id_)
+
+    def replicate(
+        self, local_ckpt: TensorAwareStateDict, id_: CkptID
+    ) -> Tuple[List[TensorAwareStateDict], List[CkptID]]:
+        self.prepare()
+        return super().replicate(local_ckpt, id_)
+
+    def _require_built(self) -> None:
+        if self._built is None:
+            raise CheckpointingException(
+                "LazyCliqueReplicationStrategy.prepare() must run (collectively) before a background exchange"
+            )
