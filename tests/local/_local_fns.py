@@ -17,7 +17,10 @@ import dist_checkpointing as dc
 from dist_checkpointing import ShardedObject, ShardedTensor
 from dist_checkpointing.local.basic_state_dict import BasicTensorAwareStateDict
 from dist_checkpointing.local.ckpt_managers.local_manager import LocalCheckpointManager
-from dist_checkpointing.local.replication.strategies import CliqueReplicationStrategy
+from dist_checkpointing.local.replication.strategies import (
+    CliqueReplicationStrategy,
+    LazyCliqueReplicationStrategy,
+)
 from dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 from dist_checkpointing.strategies.local import LocalSaveShardedStrategy
 
@@ -30,7 +33,12 @@ def repl(jump: int, factor: int) -> Optional[CliqueReplicationStrategy]:
         return None
     key = (jump, factor)
     if key not in _repl_cache:
-        _repl_cache[key] = CliqueReplicationStrategy.from_replication_params(jump, factor)
+        # jump 2 goes through the lazy variant (groups built on first save)
+        _repl_cache[key] = (
+            LazyCliqueReplicationStrategy(jump, factor)
+            if jump == 2
+            else CliqueReplicationStrategy.from_replication_params(jump, factor)
+        )
     return _repl_cache[key]
 
 

@@ -39,6 +39,7 @@ from .._image import LocalImage, decode_image, finish_image, start_image
 from ..base_state_dict import TensorAwareStateDict
 from ..replication.strategies import (
     CkptID,
+    NoReplicasAvailableError,
     ReplicationStrategy,
     describe_id,
     execute_plan,
@@ -345,6 +346,24 @@ class BaseCheckpointManager(ABC):
         self._cleanup(iteration)
         self.latest_iteration = -1
 
+    def _raise_nothing_complete(self) -> None:
+        """Raises (identically on every rank) why no iteration is complete."""
+        assert self.globally_available_ids is not None
+        owners: Dict[int, set] = {}
+        for ids in self.globally_available_ids:
+            for iteration, owner, _ in ids:
+                owners.setdefault(iteration, set()).add(owner)
+        if not owners:
+            raise CheckpointingException(
+                f"No local checkpoint found on any rank (session {self.session_id!r})"
+            )
+        newest = max(owners)
+        lost = sorted(set(range(_dist.get_world_size())) - owners[newest])
+        raise NoReplicasAvailableError(
+            f"No complete local checkpoint: no rank holds a usable copy of iteration {newest}'s "
+            f"part of rank(s) {lost} (session {self.session_id!r})"
+        )
+
     def load(self) -> Tuple[TensorAwareStateDict, CkptID]:
         """Collective: loads this rank's part of the newest complete iteration.
 
@@ -355,16 +374,15 @@ class BaseCheckpointManager(ABC):
             `(state_dict, ckpt_id)`, tensors on the devices they were saved from.
 
         Raises:
-            CheckpointingException: no complete local checkpoint exists (on every rank).
-            NoReplicasAvailableError: a rank's part has no usable copy (on every rank).
+            CheckpointingException: no local checkpoint exists at all (on every rank).
+            NoReplicasAvailableError: a rank's part of the newest iteration has no usable
+                copy (on every rank, naming the iteration and rank).
         """
         start = time.perf_counter()
         iteration = self.find_latest()
-        if iteration == -1:
-            raise CheckpointingException(
-                f"No complete local checkpoint found (session {self.session_id!r})"
-            )
         assert self.globally_available_ids is not None
+        if iteration == -1:
+            self._raise_nothing_complete()
         wanted = self._ckpt_id(iteration)
         available = {
             r: [tuple(i) for i in ids if i[0] == iteration]
