@@ -5,6 +5,7 @@ The public API mirrors megatron-core's `dist_checkpointing`: build a sharded sta
 rank. Loading may use a different sharding than saving.
 """
 
+from ._dist import get_collective_timeout, set_collective_timeout
 from .core import check_is_distributed_checkpoint
 from .errors import CheckpointingException
 from .mapping import LocalNonpersistentObject, ShardedObject, ShardedTensor, ShardedTensorFactory
@@ -38,4 +39,6 @@ __all__ = [
     "LocalNonpersistentObject",
     "StrictHandling",
     "CheckpointingException",
+    "set_collective_timeout",
+    "get_collective_timeout",
 ]

@@ -11,7 +11,9 @@ so one rank's error never leaves the others waiting in the next collective.
 
 from __future__ import annotations
 
+import datetime
 import logging
+import os
 from typing import Any, Callable, List, Optional, Tuple, TypeVar
 
 import torch.distributed as dist
@@ -33,6 +35,8 @@ __all__ = [
     "agree_on_errors",
     "run_collectively",
     "log_rank0",
+    "set_collective_timeout",
+    "get_collective_timeout",
 ]
 
 logger = logging.getLogger(__name__)
@@ -40,6 +44,62 @@ T = TypeVar("T")
 Group = Optional[Any]
 
 _MAX_MESSAGE = 2000
+
+
+DEFAULT_TIMEOUT_S = float(os.environ.get("DIST_CKPT_TIMEOUT_S", "600"))
+_timeout_s = DEFAULT_TIMEOUT_S
+_coordination: Any = None
+_coordination_key: Any = None
+
+
+def set_collective_timeout(seconds: float) -> None:
+    """Sets how long checkpoint collectives wait for the other ranks before failing.
+
+    Every rank must set the same value at the same point of the program. The library's
+    coordination (error agreement, metadata exchange) runs on its own gloo group created
+    with this timeout, so a dead or stuck rank turns into a `DistributedFailureError` on
+    the others within it, instead of a hang. Default: `DIST_CKPT_TIMEOUT_S` from the
+    environment, else 600 s.
+
+    Raises:
+        CheckpointingException: for a non-positive value.
+    """
+    global _timeout_s
+    if not isinstance(seconds, (int, float)) or seconds <= 0:
+        raise CheckpointingException(
+            f"timeout must be a positive number of seconds, got {seconds!r}"
+        )
+    _timeout_s = float(seconds)
+
+
+def get_collective_timeout() -> float:
+    """The current collective timeout in seconds (see `set_collective_timeout`)."""
+    return _timeout_s
+
+
+def _group(group: Group) -> Group:
+    """`group`, or (for None) the coordination group: gloo, all ranks, our timeout.
+
+    Created on first use, which is collective: every rank makes its first checkpoint
+    collective call at the same point.
+    """
+    global _coordination, _coordination_key
+    if group is not None:
+        return group
+    key = (id(dist.distributed_c10d._get_default_group()), _timeout_s)
+    if _coordination is None or _coordination_key != key:
+        _coordination = dist.new_group(
+            backend="gloo", timeout=datetime.timedelta(seconds=_timeout_s)
+        )
+        _coordination_key = key
+    return _coordination
+
+
+def _failed(op: str, e: BaseException) -> DistributedFailureError:
+    return DistributedFailureError(
+        f"Checkpoint collective {op} failed: another rank died or did not answer within "
+        f"{_timeout_s:.0f} s ({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''})"
+    )
 
 
 def is_distributed() -> bool:
@@ -58,49 +118,84 @@ def get_world_size(group: Group = None) -> int:
 
 
 def all_gather_object(obj: T, group: Group = None) -> List[T]:
-    """Collective: returns every rank's `obj`, indexed by group rank."""
+    """Collective: returns every rank's `obj`, indexed by group rank.
+
+    Raises:
+        DistributedFailureError: another rank died or timed out.
+    """
     if not is_distributed():
         return [obj]
-    out: List[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
+    g = _group(group)
+    out: List[Any] = [None] * dist.get_world_size(g)
+    try:
+        dist.all_gather_object(out, obj, group=g)
+    except RuntimeError as e:
+        raise _failed("all_gather_object", e) from e
     return out
 
 
 def gather_object(obj: T, dst: int = 0, group: Group = None) -> Optional[List[T]]:
-    """Collective: group rank `dst` receives every rank's `obj` (indexed by rank); others None."""
+    """Collective: group rank `dst` receives every rank's `obj` (indexed by rank); others None.
+
+    Raises:
+        DistributedFailureError: another rank died or timed out.
+    """
     if not is_distributed():
         return [obj]
-    out: Optional[List[Any]] = (
-        [None] * dist.get_world_size(group) if dist.get_rank(group) == dst else None
-    )
-    dist.gather_object(obj, out, group_dst=dst, group=group)
+    g = _group(group)
+    out: Optional[List[Any]] = [None] * dist.get_world_size(g) if dist.get_rank(g) == dst else None
+    try:
+        dist.gather_object(obj, out, group_dst=dst, group=g)
+    except RuntimeError as e:
+        raise _failed("gather_object", e) from e
     return out
 
 
 def broadcast_object(obj: T, src: int = 0, group: Group = None) -> T:
-    """Collective: returns group rank `src`'s `obj` on every rank."""
+    """Collective: returns group rank `src`'s `obj` on every rank.
+
+    Raises:
+        DistributedFailureError: another rank died or timed out.
+    """
     if not is_distributed():
         return obj
     holder = [obj]
-    dist.broadcast_object_list(holder, group_src=src, group=group)
+    try:
+        dist.broadcast_object_list(holder, group_src=src, group=_group(group))
+    except RuntimeError as e:
+        raise _failed("broadcast_object", e) from e
     return holder[0]
 
 
 def all_reduce_max(values: List[int], group: Group = None) -> List[int]:
-    """Collective: the element-wise maximum of small int vectors over ranks (cheap flags)."""
+    """Collective: the element-wise maximum of small int vectors over ranks (cheap flags).
+
+    Raises:
+        DistributedFailureError: another rank died or timed out.
+    """
     if not is_distributed():
         return list(values)
     import torch
 
     t = torch.tensor(values, dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    try:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_group(group))
+    except RuntimeError as e:
+        raise _failed("all_reduce", e) from e
     return [int(v) for v in t.tolist()]
 
 
 def barrier(group: Group = None) -> None:
-    """Collective: waits until every rank of `group` arrives."""
+    """Collective: waits until every rank of `group` arrives.
+
+    Raises:
+        DistributedFailureError: another rank died or timed out.
+    """
     if is_distributed():
-        dist.barrier(group=group)
+        try:
+            dist.barrier(group=_group(group))
+        except RuntimeError as e:
+            raise _failed("barrier", e) from e
 
 
 def _describe(exc: BaseException) -> str:

@@ -126,6 +126,32 @@ class World:
         """Runs `fn(*args)` on every rank and returns the values; fails if any rank raised."""
         return [o.unwrap() for o in self.run(fn, *args, timeout=timeout)]
 
+    def run_tolerating_deaths(
+        self, fn: Callable[..., Any], *args: Any, timeout: float = 60.0
+    ) -> List[Optional[Outcome]]:
+        """Runs `fn(*args)` on every rank when some ranks are meant to die (SIGKILL).
+
+        Returns one outcome per rank, None for a rank that died (or did not answer within
+        `timeout`). The world is killed afterwards: its process group is broken.
+        """
+        for inbox in self.inboxes:
+            inbox.put((fn, args))
+        deadline = time.monotonic() + timeout
+        got: Dict[int, Outcome] = {}
+        while len(got) < self.size and time.monotonic() < deadline:
+            dead = {r for r, p in enumerate(self.procs) if not p.is_alive()}
+            if len(got) + len(dead - got.keys()) >= self.size and self.outbox.empty():
+                break
+            try:
+                rank, status, value, trace = self.outbox.get(timeout=0.5)
+            except Exception:
+                continue
+            got[rank] = Outcome(
+                rank, value if status != "err" else None, value if status == "err" else None, trace
+            )
+        self.close(kill=True)
+        return [got.get(r) for r in range(self.size)]
+
     def close(self, kill: bool = False) -> None:
         if not kill:
             for inbox in self.inboxes:

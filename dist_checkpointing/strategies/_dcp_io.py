@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from .._fileio import atomic_write, fsync_dir
 from .._safe_load import torch_load
 from ..errors import CheckpointCorruptedError, UnsafeCheckpointError
+from ..integrity import Checksums, checksum, new_hasher
 from ._dcp_fastread import chunk_layout, read_into
 from ._dcp_plan import WriteEntry
 
@@ -71,17 +72,44 @@ def _owning_tensor(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _write_one_file(path: Path, entries: Sequence[WriteEntry]) -> List[WriteResult]:
-    results = []
-    with _no_zip_crc(), open(path, "wb") as f:
+class _HashingWriter:
+    """A write-only file wrapper that also feeds every byte to a hasher (when one is set)."""
+
+    def __init__(self, f: Any) -> None:
+        self._f = f
+        self.hasher: Any = None
+
+    def write(self, data: Any) -> int:
+        if self.hasher is not None:
+            self.hasher.update(data)
+        return self._f.write(data)
+
+    def flush(self) -> None:
+        self._f.flush()
+
+    def tell(self) -> int:
+        return self._f.tell()
+
+
+#: `(file name, offset, length, xxh3-64)` of one written item
+ItemChecksum = Tuple[str, int, int, int]
+
+
+def _write_one_file(
+    path: Path, entries: Sequence[WriteEntry], checksums: bool
+) -> Tuple[List[WriteResult], List[ItemChecksum]]:
+    results, sums = [], []
+    with _no_zip_crc(), open(path, "wb") as raw:
+        f = _HashingWriter(raw)
         for e in entries:
-            offset = f.tell()
+            offset = raw.tell()
+            f.hasher = new_hasher() if checksums else None
             if e.item.type == WriteItemType.BYTE_IO:
-                f.write(e.data)  # type: ignore[arg-type]
+                f.write(e.data)
             else:
                 assert isinstance(e.data, torch.Tensor)
-                torch.save(_owning_tensor(e.data), f)
-            length = f.tell() - offset
+                torch.save(_owning_tensor(e.data), f)  # type: ignore[arg-type]
+            length = raw.tell() - offset
             results.append(
                 WriteResult(
                     index=e.item.index,
@@ -89,9 +117,11 @@ def _write_one_file(path: Path, entries: Sequence[WriteEntry]) -> List[WriteResu
                     storage_data=_StorageInfo(path.name, offset, length),
                 )
             )
-        f.flush()
-        os.fsync(f.fileno())
-    return results
+            if f.hasher is not None:
+                sums.append((path.name, offset, length, f.hasher.intdigest()))
+        raw.flush()
+        os.fsync(raw.fileno())
+    return results, sums
 
 
 @contextlib.contextmanager
@@ -110,29 +140,34 @@ def _no_zip_crc() -> Iterator[None]:
 
 
 def write_files(
-    checkpoint_dir: Path, files: Sequence[Tuple[str, Sequence[WriteEntry]]], thread_count: int
-) -> List[WriteResult]:
+    checkpoint_dir: Path,
+    files: Sequence[Tuple[str, Sequence[WriteEntry]]],
+    thread_count: int,
+    checksums: bool = True,
+) -> Tuple[List[WriteResult], List[ItemChecksum]]:
     """Writes data files (one thread per file, up to `thread_count`), each fsync'd.
 
     Args:
         checkpoint_dir: destination directory (exists).
         files: `(file name, entries)` pairs.
         thread_count: maximum number of files written at once.
+        checksums: compute each item's xxh3-64 while writing it.
 
     Returns:
-        The write results (item index -> file, offset, length) of every entry.
+        The write results (item index -> file, offset, length) of every entry, and the
+        items' checksums (empty without `checksums`).
     """
     if not files:
-        return []
-    jobs = [(checkpoint_dir / name, entries) for name, entries in files]
+        return [], []
+    jobs = [(checkpoint_dir / name, entries, checksums) for name, entries in files]
     workers = max(1, min(thread_count, len(jobs)))
     if workers == 1:
-        nested = [_write_one_file(p, e) for p, e in jobs]
+        nested = [_write_one_file(*job) for job in jobs]
     else:
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="dc-write") as pool:
             nested = list(pool.map(lambda job: _write_one_file(*job), jobs))
     fsync_dir(checkpoint_dir)
-    return [r for rs in nested for r in rs]
+    return [r for rs, _ in nested for r in rs], [c for _, cs in nested for c in cs]
 
 
 def write_staged_files(
@@ -140,7 +175,8 @@ def write_staged_files(
     flat: torch.Tensor,
     plan: Sequence[Tuple[str, Sequence[Tuple[Any, Any]]]],
     thread_count: int,
-) -> List[WriteResult]:
+    checksums: bool = True,
+) -> Tuple[List[WriteResult], List[ItemChecksum]]:
     """Writes files whose tensors were staged in one flat host buffer (async save).
 
     Args:
@@ -164,16 +200,20 @@ def write_staged_files(
         )
         for name, entries in plan
     ]
-    return write_files(Path(checkpoint_dir), files, thread_count)
+    return write_files(Path(checkpoint_dir), files, thread_count, checksums)
 
 
-def write_metadata(
-    checkpoint_dir: Path, metadata: Metadata, results: Sequence[WriteResult]
-) -> None:
-    """Attaches storage locations to `metadata` and writes `.metadata` atomically."""
+def write_metadata(checkpoint_dir: Path, metadata: Metadata, results: Sequence[WriteResult]) -> int:
+    """Attaches storage locations to `metadata` and writes `.metadata` atomically.
+
+    Returns:
+        The xxh3-64 of the written file.
+    """
     metadata.storage_data = {r.index: r.storage_data for r in results}
     metadata.version = metadata.version or "1.0.0"
-    atomic_write(checkpoint_dir / DCP_METADATA_FNAME, lambda f: pickle.dump(metadata, f))
+    payload = pickle.dumps(metadata)
+    atomic_write(checkpoint_dir / DCP_METADATA_FNAME, lambda f: f.write(payload))
+    return checksum(payload)
 
 
 def _allowed_globals() -> Dict[Tuple[str, str], Any]:
@@ -238,11 +278,12 @@ class _MetadataUnpickler(pickle.Unpickler):
             ) from None
 
 
-def read_metadata(checkpoint_dir: Path) -> Metadata:
-    """Reads `.metadata` with an allowlisting unpickler.
+def read_metadata(checkpoint_dir: Path, checksums: Optional[Checksums] = None) -> Metadata:
+    """Reads `.metadata` with an allowlisting unpickler, verified when `checksums` list it.
 
     Raises:
-        CheckpointCorruptedError: if it is missing, truncated or not DCP metadata.
+        CheckpointCorruptedError: if it is missing, truncated, fails verification or is not
+            DCP metadata.
         UnsafeCheckpointError: if it references any class outside DCP's metadata types.
     """
     path = Path(checkpoint_dir) / DCP_METADATA_FNAME
@@ -250,11 +291,19 @@ def read_metadata(checkpoint_dir: Path) -> Metadata:
         _MetadataUnpickler.allowed = _allowed_globals()
     try:
         with open(path, "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
-    except UnsafeCheckpointError as e:
-        raise UnsafeCheckpointError(f"{path}: {e}") from e
+            raw = f.read(_MAX_METADATA_BYTES + 1)
     except FileNotFoundError as e:
         raise CheckpointCorruptedError(f"{path}: DCP metadata file not found") from e
+    except OSError as e:
+        raise CheckpointCorruptedError(f"{path}: cannot be read ({e})") from e
+    if len(raw) > _MAX_METADATA_BYTES:
+        raise CheckpointCorruptedError(f"{path}: larger than {_MAX_METADATA_BYTES} bytes")
+    if checksums is not None:
+        checksums.verify_file(DCP_METADATA_FNAME, raw, str(path))
+    try:
+        metadata = _MetadataUnpickler(io.BytesIO(raw)).load()
+    except UnsafeCheckpointError as e:
+        raise UnsafeCheckpointError(f"{path}: {e}") from e
     except Exception as e:  # any unpickling failure means a damaged file
         raise CheckpointCorruptedError(
             f"{path}: cannot read DCP metadata ({type(e).__name__}: {e})"
@@ -384,6 +433,7 @@ def read_tensor_items(
     reads: Sequence[ReadItem],
     resolve: Callable[[ReadItem], torch.Tensor],
     thread_count: int = 2,
+    checksums: Optional[Checksums] = None,
 ) -> int:
     """Reads each needed stored chunk once and copies the requested regions out of it.
 
@@ -393,12 +443,14 @@ def read_tensor_items(
         reads: planned reads (see `plan_tensor_reads`).
         resolve: returns the destination view for a read item.
         thread_count: chunks loaded in parallel.
+        checksums: when given, every item read is verified against it.
 
     Returns:
         Bytes read from storage.
 
     Raises:
-        CheckpointCorruptedError: on a missing, truncated or malformed chunk.
+        CheckpointCorruptedError: on a missing, truncated, malformed or (with `checksums`)
+            damaged chunk, naming the file, key and byte range.
     """
     groups: Dict[Tuple[str, int], _ChunkGroup] = {}
     for r in reads:
@@ -411,8 +463,14 @@ def read_tensor_items(
         what = (
             f"{group.info.relative_path}@{group.info.offset} ({group.reads[0].storage_index.fqn!r})"
         )
-        with _open_range(checkpoint_dir / group.info.relative_path, group.info) as stream:
-            stored = _read_stored(stream, group, resolve, what)
+        info = group.info
+        expected = (
+            checksums.expected_range(str(info.relative_path), info.offset, info.length, what)
+            if checksums is not None
+            else None
+        )
+        with _open_range(checkpoint_dir / info.relative_path, info) as stream:
+            stored = _read_stored(stream, group, resolve, what, expected)
         if stored is None:  # read straight into the destination
             return group.info.length
         for r in group.reads:
@@ -439,42 +497,94 @@ def read_tensor_items(
         return sum(pool.map(load_group, ordered))
 
 
+def _mismatch(what: str, info: _StorageInfo) -> CheckpointCorruptedError:
+    return CheckpointCorruptedError(
+        f"{what}: checksum mismatch in bytes {info.offset}-{info.offset + info.length} of "
+        f"{info.relative_path}: the stored data is damaged"
+    )
+
+
+def _verify_around(raw: Any, layout: Any, data: torch.Tensor, length: int, expected: int) -> bool:
+    """Whether the item's bytes (its zip records around the data, and the data) hash to `expected`."""
+    h = new_hasher()
+    raw.seek(0)
+    h.update(raw.read(layout.data_offset))
+    if layout.nbytes:
+        h.update(memoryview(data.reshape(-1).view(torch.uint8).numpy()))  # type: ignore[arg-type]
+    raw.seek(layout.data_offset + layout.nbytes)
+    h.update(raw.read(length - layout.data_offset - layout.nbytes))
+    return h.intdigest() == expected
+
+
 def _read_stored(
     stream: io.BufferedReader,
     group: _ChunkGroup,
     resolve: Callable[[ReadItem], torch.Tensor],
     what: str,
+    expected: Optional[int] = None,
 ) -> Optional[torch.Tensor]:
     """Returns the stored chunk as a tensor, or None when it was read into its destination.
 
     The zip is parsed directly when it is a plain contiguous chunk (no `torch.load`, one
-    copy from the page cache); otherwise `torch.load` decodes it.
+    copy from the page cache); otherwise `torch.load` decodes it. With `expected`, the
+    item's bytes are verified (a mismatch raises after reading, before anything is used).
     """
     raw = stream.raw
     layout = chunk_layout(raw)  # type: ignore[arg-type]
     if layout is None:
         stream.seek(0)
-        stored = torch_load(stream, what)
+        payload = stream.read()
+        if expected is not None and checksum(payload) != expected:
+            raise _mismatch(what, group.info)
+        stored = torch_load(io.BytesIO(payload), what)
         if not isinstance(stored, torch.Tensor):
             raise CheckpointCorruptedError(
                 f"{what}: expected a tensor, got {type(stored).__name__}"
             )
         return stored
     try:
+        target: Optional[torch.Tensor] = None
         if len(group.reads) == 1:
             r = group.reads[0]
             whole = all(o == 0 for o in r.storage_offsets) and tuple(r.lengths) == layout.shape
-            if whole and read_into(raw, layout, resolve(r)):  # type: ignore[arg-type]
-                return None
-        stored = torch.empty(layout.shape, dtype=layout.dtype)
-        read_into(raw, layout, stored)  # type: ignore[arg-type]
+            dest = resolve(r)
+            if whole and read_into(raw, layout, dest):  # type: ignore[arg-type]
+                target = dest
+        stored = None
+        if target is None:
+            stored = torch.empty(layout.shape, dtype=layout.dtype)
+            read_into(raw, layout, stored)  # type: ignore[arg-type]
+            target = stored
+        if expected is not None and not _verify_around(
+            raw, layout, target, group.info.length, expected
+        ):
+            raise _mismatch(what, group.info)
     except EOFError as e:
         raise CheckpointCorruptedError(f"{what}: {e}") from e
     return stored
 
 
 def read_byte_items(
-    checkpoint_dir: Path, metadata: Metadata, indices: Sequence[MetadataIndex]
+    checkpoint_dir: Path,
+    metadata: Metadata,
+    indices: Sequence[MetadataIndex],
+    checksums: Optional[Checksums] = None,
 ) -> List[bytes]:
-    """Reads raw byte items (serialized ShardedObjects) in the order of `indices`."""
-    return [_read_range(checkpoint_dir, _storage_info(metadata, i)) for i in indices]
+    """Reads raw byte items (serialized ShardedObjects) in the order of `indices`.
+
+    Raises:
+        CheckpointCorruptedError: a missing, truncated or (with `checksums`) damaged item.
+    """
+    out = []
+    for index in indices:
+        info = _storage_info(metadata, index)
+        data = _read_range(checkpoint_dir, info)
+        if checksums is not None:
+            what = f"{info.relative_path}@{info.offset} ({index.fqn!r})"
+            expected = checksums.expected_range(
+                str(info.relative_path), info.offset, info.length, what
+            )
+            if expected is not None and checksum(data) != expected:
+                raise _mismatch(what, info)
+        out.append(data)
+    return out

@@ -23,6 +23,7 @@ from .._safe_load import torch_load
 from .._types import ShardedStateDict, StateDict
 from ..dict_utils import dict_list_map_inplace, nested_values
 from ..errors import CheckpointCorruptedError
+from ..integrity import read_checksums
 from ..mapping import ShardedObject, is_main_replica
 from .base import (
     CheckpointDir,
@@ -114,10 +115,13 @@ class TorchCommonLoadStrategy(LoadCommonStrategy):
         weights_only: keep True (the default) to refuse arbitrary pickled objects; set False
             only for checkpoints you trust, or allowlist classes with
             `torch.serialization.add_safe_globals`.
+        verify_checksums: check `common.pt` against the checkpoint's `checksums.json` when
+            it records one.
     """
 
-    def __init__(self, weights_only: bool = True) -> None:
+    def __init__(self, weights_only: bool = True, verify_checksums: bool = True) -> None:
         self.weights_only = weights_only
+        self.verify_checksums = verify_checksums
 
     def check_backend_compatibility(self, loaded_backend: str) -> None:
         require_backend(self, BACKEND, loaded_backend)
@@ -129,11 +133,21 @@ class TorchCommonLoadStrategy(LoadCommonStrategy):
         """Loads `common.pt`.
 
         Raises:
-            CheckpointCorruptedError: if it is missing, malformed, or not a dict.
+            CheckpointCorruptedError: if it is missing, malformed, fails verification, or
+                is not a dict.
             UnsafeCheckpointError: if it holds objects outside the safe allowlist.
         """
         path = Path(checkpoint_dir) / COMMON_STATE_FNAME
-        state = torch_load(path, str(path), self.weights_only)
+        sums = read_checksums(checkpoint_dir) if self.verify_checksums else None
+        if sums is None or COMMON_STATE_FNAME not in sums.files:
+            state = torch_load(path, str(path), self.weights_only)
+        else:
+            try:
+                raw = path.read_bytes()
+            except OSError as e:
+                raise CheckpointCorruptedError(f"{path}: cannot be read ({e})") from e
+            sums.verify_file(COMMON_STATE_FNAME, raw, str(path))
+            state = torch_load(io.BytesIO(raw), str(path), self.weights_only)
         if not isinstance(state, dict):
             raise CheckpointCorruptedError(f"{path}: expected a dict, got {type(state).__name__}")
         return state

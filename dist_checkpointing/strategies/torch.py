@@ -32,12 +32,13 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import ReadItem, WriteItem
 from torch.distributed.checkpoint.storage import WriteResult
 
-from .._dist import agree_on_errors, broadcast_object, gather_object, get_rank, run_collectively
+from .._dist import broadcast_object, gather_object, get_rank, run_collectively
 from .._fileio import atomic_write
 from .._safe_load import torch_load
 from .._types import ShardedStateDict, StateDict
 from ..dict_utils import dict_list_map_inplace, nested_values
 from ..errors import CheckpointCorruptedError, CheckpointingException
+from ..integrity import Checksums, checksum, file_checksum, read_checksums, write_checksums
 from ..mapping import ShardedBase, ShardedObject, ShardedTensor, is_main_replica
 from . import _dcp_io
 from ._dcp_plan import (
@@ -61,6 +62,7 @@ from .base import (
     require_backend,
     require_version,
 )
+from .common import COMMON_STATE_FNAME
 
 __all__ = [
     "TorchDistSaveShardedStrategy",
@@ -105,6 +107,9 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         background_thread_count: threads of an async save's background writer. One thread
             keeps the writer's CPU use (and its competition with training) lowest; the file
             layout is the same as a sync save's.
+        checksums: record an xxh3-64 of every stored item, of `.metadata` and of
+            `common.pt` in `checksums.json` (verified by default on load; other readers
+            ignore the file).
     """
 
     def __init__(
@@ -117,6 +122,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         separation_hint: Optional[str] = None,
         *,
         background_thread_count: int = 1,
+        checksums: bool = True,
     ) -> None:
         super().__init__(backend, version)
         if thread_count < 1:
@@ -124,6 +130,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         self.keep_only_main_replica = keep_only_main_replica
         self.thread_count = thread_count
         self.background_thread_count = max(1, background_thread_count)
+        self.checksums = checksums
         self.cached_metadata = cached_metadata
         self.separation_hint = separation_hint
         self._pool = HostBufferPool()
@@ -171,15 +178,17 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         ckpt = Path(checkpoint_dir)
         start = time.perf_counter()
         items: List[WriteItem] = []
-        results: List[WriteResult] = []
+        written: Tuple[List[WriteResult], List[Any]] = ([], [])
         error: Optional[BaseException] = None
         try:
             entries = self._local_entries(sharded_state_dict)
             items = [e.item for e in entries]
-            results = _dcp_io.write_files(ckpt, self._plan_files(entries), self.thread_count)
+            written = _dcp_io.write_files(
+                ckpt, self._plan_files(entries), self.thread_count, self.checksums
+            )
         except Exception as e:  # reported to rank 0 and re-raised on every rank
             error = e
-        self._finalize(ckpt, items, results, error, start)
+        self._finalize(ckpt, items, written, error, start)
 
     def async_save(
         self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir
@@ -209,7 +218,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         items = [e.item for e in entries]
         request = AsyncRequest(
             _dcp_io.write_staged_files,
-            (ckpt, buffer.flat, plan, self.background_thread_count),
+            (ckpt, buffer.flat, plan, self.background_thread_count, self.checksums),
             [],
             description=f"torch_dist save to {ckpt}",
         )
@@ -228,7 +237,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         self,
         ckpt: Path,
         items: List[WriteItem],
-        results: List[WriteResult],
+        written: Tuple[List[WriteResult], List[Any]],
         error: Optional[BaseException],
         start: float,
     ) -> None:
@@ -238,14 +247,18 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         """
         fingerprint = _items_fingerprint(items)
         send_items = None if fingerprint == self._sent_fingerprint else items
-        outcome = self._gather_and_finish(ckpt, fingerprint, send_items, results, error, start)
+        outcome = self._gather_and_finish(ckpt, fingerprint, send_items, written, error, start)
         if outcome == _RESEND_PLANS:  # rank 0 lacked a cached plan: everyone sends theirs
-            outcome = self._gather_and_finish(ckpt, fingerprint, items, results, error, start)
-        if outcome is not None:
-            agree_on_errors(
-                error if error is not None else CheckpointingException(outcome),
-                f"torch_dist save to {ckpt}",
+            outcome = self._gather_and_finish(ckpt, fingerprint, items, written, error, start)
+        if outcome is not None:  # the same outcome on every rank: all raise, no more collectives
+            cls = (
+                type(error) if isinstance(error, CheckpointingException) else CheckpointingException
             )
+            try:
+                exc = cls(f"torch_dist save to {ckpt} failed on {outcome}")
+            except TypeError:
+                exc = CheckpointingException(f"torch_dist save to {ckpt} failed on {outcome}")
+            raise exc from error
         self._sent_fingerprint = fingerprint
 
     def _gather_and_finish(
@@ -253,13 +266,15 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         ckpt: Path,
         fingerprint: str,
         items: Optional[List[WriteItem]],
-        results: List[WriteResult],
+        written: Tuple[List[WriteResult], List[Any]],
         error: Optional[BaseException],
         start: float,
     ) -> Optional[str]:
         """Collective: one gather to rank 0 and one broadcast of its outcome."""
         report: Any = (
-            (fingerprint, items, results) if error is None else f"{type(error).__name__}: {error}"
+            (fingerprint, items, written[0], written[1])
+            if error is None
+            else f"{type(error).__name__}: {error}"
         )
         gathered = gather_object(report)
         outcome = (
@@ -275,7 +290,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             return "; ".join(failed)
         try:
             all_items = []
-            for rank, (fingerprint, items, _) in enumerate(gathered):
+            for rank, (fingerprint, items, _, _) in enumerate(gathered):
                 if items is None:
                     cached = self._items_cache.get(rank)
                     if cached is None or cached[0] != fingerprint:
@@ -292,7 +307,9 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
                 )
             metadata = copy.deepcopy(self._metadata_cache[1])
             results = [r for g in gathered for r in g[2]]
-            _dcp_io.write_metadata(ckpt, metadata, results)
+            metadata_digest = _dcp_io.write_metadata(ckpt, metadata, results)
+            if self.checksums:
+                self._write_checksums(ckpt, metadata_digest, [c for g in gathered for c in g[3]])
         except Exception as e:  # turned into an error on every rank by the caller
             return f"rank 0 (metadata): {type(e).__name__}: {e}"
         nbytes = sum(r.size_in_bytes for r in results)
@@ -306,6 +323,17 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             _gbps(nbytes, seconds),
         )
         return None
+
+    @staticmethod
+    def _write_checksums(ckpt: Path, metadata_digest: int, items: List[Any]) -> None:
+        """Rank 0: writes `checksums.json` (items, `.metadata`, and `common.pt` if present)."""
+        sums = Checksums()
+        sums.add_ranges(items)
+        sums.files[_dcp_io.DCP_METADATA_FNAME] = metadata_digest
+        common = ckpt / COMMON_STATE_FNAME
+        if common.is_file():  # written before the sharded part, by sync and async saves alike
+            sums.files[COMMON_STATE_FNAME] = file_checksum(common)
+        write_checksums(ckpt, sums)
 
 
 # rank 0's answer when some rank sent only a digest that rank 0 has no cached plan for
@@ -339,11 +367,19 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         weights_only: keep True (the default) to refuse arbitrary pickled ShardedObjects;
             set False only for trusted checkpoints.
         thread_count: stored chunks read in parallel.
+        verify_checksums: verify everything read against `checksums.json` when the
+            checkpoint has one (a mismatch raises `CheckpointCorruptedError`).
     """
 
-    def __init__(self, weights_only: bool = True, thread_count: int = 2) -> None:
+    def __init__(
+        self, weights_only: bool = True, thread_count: int = 2, verify_checksums: bool = True
+    ) -> None:
         self.weights_only = weights_only
         self.thread_count = thread_count
+        self.verify_checksums = verify_checksums
+
+    def _checksums(self, ckpt: Path) -> Optional[Checksums]:
+        return read_checksums(ckpt) if self.verify_checksums else None
 
     @property
     def can_handle_sharded_objects(self) -> bool:
@@ -379,7 +415,8 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
 
     def _load_local(self, sharded_state_dict: ShardedStateDict, ckpt: Path) -> StateDict:
         start = time.perf_counter()
-        metadata = _dcp_io.read_metadata(ckpt)
+        checksums = self._checksums(ckpt)
+        metadata = _dcp_io.read_metadata(ckpt, checksums)
         sdm = metadata.state_dict_metadata
         dests: List[torch.Tensor] = []
         reads: List[ReadItem] = []
@@ -405,9 +442,11 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                 view = view.narrow(dim, o, n)
             return view
 
-        nbytes = _dcp_io.read_tensor_items(ckpt, metadata, reads, resolve, self.thread_count)
+        nbytes = _dcp_io.read_tensor_items(
+            ckpt, metadata, reads, resolve, self.thread_count, checksums
+        )
         raw = _dcp_io.read_byte_items(
-            ckpt, metadata, [MetadataIndex(o.unique_key) for o in objects]
+            ckpt, metadata, [MetadataIndex(o.unique_key) for o in objects], checksums
         )
         loaded_objects: Dict[int, Any] = {}
         for o, data in zip(objects, raw):
@@ -473,7 +512,8 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
     ) -> ShardedStateDict:
         """Returns `{key: ShardedTensor}` of the stored tensors: whole, metadata only."""
         if metadata is None:
-            metadata = _dcp_io.read_metadata(Path(checkpoint_dir))
+            ckpt = Path(checkpoint_dir)
+            metadata = _dcp_io.read_metadata(ckpt, self._checksums(ckpt))
         out: ShardedStateDict = {}
         for key, md in metadata.state_dict_metadata.items():
             if isinstance(md, TensorStorageMetadata):
@@ -491,7 +531,8 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
 
     def load_sharded_metadata(self, checkpoint_dir: CheckpointDir) -> ShardedStateDict:
         """Returns stored tensors (by key) and ShardedObjects (by unique key), metadata only."""
-        metadata = _dcp_io.read_metadata(Path(checkpoint_dir))
+        ckpt = Path(checkpoint_dir)
+        metadata = _dcp_io.read_metadata(ckpt, self._checksums(ckpt))
         out: ShardedStateDict = {}
         for key, md in metadata.state_dict_metadata.items():
             if isinstance(md, BytesStorageMetadata):
@@ -547,7 +588,14 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             metadata.planner_data = {
                 k: v for k, v in metadata.planner_data.items() if not str(k).startswith(key_prefix)
             }
-        atomic_write(ckpt / _dcp_io.DCP_METADATA_FNAME, lambda f: pickle.dump(metadata, f))
+        sums = read_checksums(ckpt)
+        payload = pickle.dumps(metadata)
+        atomic_write(ckpt / _dcp_io.DCP_METADATA_FNAME, lambda f: f.write(payload))
+        if sums is not None:
+            sums.files[_dcp_io.DCP_METADATA_FNAME] = checksum(payload)
+            for name in doomed:
+                sums.ranges.pop(name, None)
+            write_checksums(ckpt, sums)
         for name in doomed:
             os.remove(ckpt / name)
         logger.info(

@@ -205,6 +205,10 @@ def test_planted_pickles_never_run(tmp_path):
     with pytest.raises(UnsafeCheckpointError):
         dc.load({"o": ShardedObject("o", None, (1,), (0,))}, tmp_path / "c")
     torch.save({"x": Evil()}, tmp_path / "c" / "common.pt")
+    # a replaced file fails its checksum first; without checksums.json the allowlist refuses it
+    with pytest.raises(CheckpointCorruptedError, match="checksum"):
+        dc.load_common_state_dict(tmp_path / "c")
+    os.remove(tmp_path / "c" / "checksums.json")
     with pytest.raises(UnsafeCheckpointError):
         dc.load_common_state_dict(tmp_path / "c")
     with open(tmp_path / "c" / ".metadata", "wb") as f:
