@@ -4,7 +4,9 @@ Same data, same run, same directory, for each method:
 - `torch.save`: each rank torch.save's its shards (+ fsync); a resharded load makes every
   rank read every file and slice what it needs;
 - `dcp`: stock torch.distributed.checkpoint with DTensors (Shard on the split axis);
-- `ours`: dist_checkpointing.save / load with the default ('torch_dist', 1) backend.
+- `ours`: dist_checkpointing.save / load with the default ('torch_dist', 1) backend
+  (checksums written and verified);
+- `ours-nocheck`: the same without checksums (to measure their cost).
 
 The state is fp32, split on axis 0 across ranks; the resharded load asks for axis 1.
 Figures are medians over --repeats; GB/s counts the global state size. The page cache is
@@ -40,7 +42,7 @@ from _common import (
     write_json,
 )
 
-METHODS = ["torch.save", "dcp", "ours"]
+METHODS = ["torch.save", "dcp", "ours", "ours-nocheck"]
 
 
 def _ours(shapes: List[tuple], rank: int, world: int, axis: int, data: bool) -> Dict[str, Any]:
@@ -80,9 +82,19 @@ def _run_method(
     times: Dict[str, List[float]] = {"save": [], "load": [], "resharded load": []}
     for rep in range(repeats):
         path = os.path.join(root, f"{method.replace('.', '_')}_{rep}")
-        if method == "ours":
+        saver: Any = None
+        loader: Any = None
+        if method.startswith("ours"):
+            from dist_checkpointing.strategies.torch import (
+                TorchDistLoadShardedStrategy,
+                TorchDistSaveShardedStrategy,
+            )
+
+            check = method == "ours"
+            saver = TorchDistSaveShardedStrategy(checksums=check)
+            loader = TorchDistLoadShardedStrategy(verify_checksums=check)
             sd = _ours(shapes, rank, world, 0, True)
-            times["save"].append(timed(lambda: dc.save(sd, path)))
+            times["save"].append(timed(lambda: dc.save(sd, path, sharded_strategy=saver)))
         elif method == "dcp":
             sd = _dtensors(shapes, rank, world, 0, True)
             times["save"].append(timed(lambda: dcp.save(sd, checkpoint_id=path)))
@@ -99,9 +111,9 @@ def _run_method(
             if rank == 0:
                 drop_page_cache()
             dist.barrier()
-            if method == "ours":
+            if method.startswith("ours"):
                 req = _ours(shapes, rank, world, axis, False)
-                times[kind].append(timed(lambda: dc.load(req, path)))
+                times[kind].append(timed(lambda: dc.load(req, path, sharded_strategy=loader)))
             elif method == "dcp":
                 dreq = _dtensors(shapes, rank, world, axis, False)
                 times[kind].append(timed(lambda: dcp.load(dreq, checkpoint_id=path)))

@@ -90,7 +90,8 @@ class _RecipeUnpickler(pickle.Unpickler):
         tag, storage_type, key, _location, numel = pid
         if tag != "storage":
             raise pickle.UnpicklingError(f"unexpected persistent id {tag!r}")
-        return _Storage(str(key), _STORAGE_DTYPES[storage_type], int(numel))
+        name = storage_type.__name__ if isinstance(storage_type, type) else str(storage_type)
+        return _Storage(str(key), _STORAGE_DTYPES[name], int(numel))
 
 
 def _contiguous_strides(shape: Tuple[int, ...]) -> Tuple[int, ...]:

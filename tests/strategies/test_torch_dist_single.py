@@ -264,3 +264,20 @@ def test_non_contiguous_chunks_from_other_writers_still_load(tmp_path):
         validate_access_integrity=False,
     )
     assert torch.equal(whole["w"], full) and torch.equal(part["w"], full[:, 2:])
+
+
+def test_our_chunks_take_the_direct_read_path(tmp_path):
+    """Every tensor item we write is parsed without torch.load (a regression here costs 2x on loads)."""
+    from dist_checkpointing.strategies import _dcp_fastread
+    from dist_checkpointing.strategies._dcp_io import _open_range, read_metadata
+
+    sd = {
+        f"t{i}": ShardedTensor.from_rank_offsets(f"t{i}", torch.ones(7, 5, dtype=dtype))
+        for i, dtype in enumerate([torch.float32, torch.bfloat16, torch.int64, torch.bool])
+    }
+    dc.save(sd, tmp_path / "c")
+    md = read_metadata(tmp_path / "c")
+    for index, info in md.storage_data.items():
+        with _open_range(tmp_path / "c" / info.relative_path, info) as stream:
+            layout = _dcp_fastread.chunk_layout(stream.raw)
+        assert layout is not None and layout.shape == (7, 5), index.fqn
