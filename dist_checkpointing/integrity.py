@@ -32,6 +32,9 @@ from .errors import CheckpointCorruptedError
 __all__ = [
     "CHECKSUMS_FNAME",
     "ALGORITHM",
+    "BLOCK",
+    "ItemSum",
+    "blocked_sum",
     "Checksums",
     "checksum",
     "new_hasher",
@@ -71,6 +74,67 @@ def file_checksum(path: PathArg) -> int:
     return h.intdigest()
 
 
+#: Data block size of tensor items: partial (resharded) reads verify only the blocks they touch.
+BLOCK = 4 << 20
+
+
+@dataclass(frozen=True)
+class ItemSum:
+    """The digest(s) of one stored item.
+
+    Either `digest` covers the whole item (`data_len == 0`), or the item is a frame (the
+    bytes before `data_off` and after `data_off + data_len`, hashed together into `digest`)
+    around a data region hashed per `block`-byte block into `blocks`.
+    """
+
+    length: int
+    digest: int
+    data_off: int = 0
+    data_len: int = 0
+    block: int = 0
+    blocks: Tuple[int, ...] = ()
+
+    @property
+    def blocked(self) -> bool:
+        return self.data_len > 0
+
+    def matches_whole(self, payload: Any) -> bool:
+        """Whether an item's full bytes match."""
+        view = memoryview(payload).cast("B")
+        if not self.blocked:
+            return checksum(view) == self.digest
+        if len(view) != self.length:
+            return False
+        end = self.data_off + self.data_len
+        h = new_hasher()
+        h.update(view[: self.data_off])
+        h.update(view[end:])
+        return h.intdigest() == self.digest and self.bad_block(view[self.data_off : end], 0) is None
+
+    def bad_block(self, data: Any, start: int) -> Optional[int]:
+        """The first mismatching block of the data region, or None.
+
+        Args:
+            data: data-region bytes from data byte `start` (a block boundary) to a block
+                boundary or the end of the region.
+            start: where `data` starts in the data region.
+        """
+        view = memoryview(data).cast("B")
+        first = start // self.block
+        for i in range(0, len(view), self.block):
+            k = first + i // self.block
+            if k >= len(self.blocks) or checksum(view[i : i + self.block]) != self.blocks[k]:
+                return k
+        return None
+
+
+def blocked_sum(length: int, frame: int, data_off: int, data: Any) -> ItemSum:
+    """The `ItemSum` of a framed item whose data region is `data` (hashed per block)."""
+    view = memoryview(data).cast("B")
+    blocks = tuple(checksum(view[i : i + BLOCK]) for i in range(0, len(view), BLOCK))
+    return ItemSum(length, frame, data_off, len(view), BLOCK, blocks)
+
+
 @dataclass
 class Checksums:
     """Digests of a checkpoint's files and stored items.
@@ -81,15 +145,15 @@ class Checksums:
     """
 
     files: Dict[str, int] = field(default_factory=dict)
-    ranges: Dict[str, Dict[int, Tuple[int, int]]] = field(default_factory=dict)
+    ranges: Dict[str, Dict[int, ItemSum]] = field(default_factory=dict)
 
-    def add_ranges(self, entries: Iterable[Tuple[str, int, int, int]]) -> None:
-        """Adds `(file, offset, length, digest)` entries."""
-        for name, offset, length, digest in entries:
-            self.ranges.setdefault(name, {})[int(offset)] = (int(length), int(digest))
+    def add_ranges(self, entries: Iterable[Tuple[str, int, ItemSum]]) -> None:
+        """Adds `(file, offset, ItemSum)` entries."""
+        for name, offset, item in entries:
+            self.ranges.setdefault(name, {})[int(offset)] = item
 
-    def expected_range(self, name: str, offset: int, length: int, where: str) -> Optional[int]:
-        """The digest of an item, or None when the file's items were not recorded.
+    def expected_range(self, name: str, offset: int, length: int, where: str) -> Optional[ItemSum]:
+        """The digests of an item, or None when the file's items were not recorded.
 
         Raises:
             CheckpointCorruptedError: the file's items are recorded but not this one (the
@@ -99,12 +163,12 @@ class Checksums:
         if table is None:
             return None
         entry = table.get(int(offset))
-        if entry is None or entry[0] != int(length):
+        if entry is None or entry.length != int(length):
             raise CheckpointCorruptedError(
                 f"{where}: bytes {offset}-{offset + length} of {name} were not written as one "
                 f"item (checksums.json disagrees with the metadata)"
             )
-        return entry[1]
+        return entry
 
     def verify_file(self, name: str, data: Any, where: str) -> None:
         """Checks a whole file's bytes when its digest is recorded.
@@ -124,9 +188,7 @@ class Checksums:
             "algorithm": ALGORITHM,
             "files": {k: f"{v:016x}" for k, v in sorted(self.files.items())},
             "ranges": {
-                name: {
-                    str(off): [length, f"{d:016x}"] for off, (length, d) in sorted(table.items())
-                }
+                name: {str(off): _encode_item(item) for off, item in sorted(table.items())}
                 for name, table in sorted(self.ranges.items())
             },
         }
@@ -159,14 +221,42 @@ class Checksums:
             for name, d in body["files"].items():
                 out.files[_name(name)] = int(d, 16)
             for name, table in body["ranges"].items():
-                out.ranges[_name(name)] = {
-                    int(off): (int(length), int(d, 16)) for off, (length, d) in table.items()
-                }
+                out.ranges[_name(name)] = {int(off): _decode_item(v) for off, v in table.items()}
             return out
         except CheckpointCorruptedError:
             raise
         except (ValueError, TypeError, KeyError, AttributeError, UnicodeDecodeError) as e:
             raise CheckpointCorruptedError(f"{where}: malformed ({type(e).__name__}: {e})") from e
+
+
+def _encode_item(item: ItemSum) -> list:
+    if not item.blocked:
+        return [item.length, f"{item.digest:016x}"]
+    return [
+        item.length,
+        f"{item.digest:016x}",
+        item.data_off,
+        item.data_len,
+        item.block,
+        [f"{b:016x}" for b in item.blocks],
+    ]
+
+
+def _decode_item(v: Any) -> ItemSum:
+    if not isinstance(v, list) or len(v) not in (2, 6):
+        raise ValueError(f"malformed item entry {v!r}")
+    length, digest = int(v[0]), int(v[1], 16)
+    if length < 0:
+        raise ValueError("negative length")
+    if len(v) == 2:
+        return ItemSum(length, digest)
+    data_off, data_len, block = int(v[2]), int(v[3]), int(v[4])
+    blocks = tuple(int(b, 16) for b in v[5])
+    if block <= 0 or data_off < 0 or data_len <= 0 or data_off + data_len > length:
+        raise ValueError(f"malformed block layout {v[:5]!r}")
+    if len(blocks) != -(-data_len // block):
+        raise ValueError("block count does not match the data length")
+    return ItemSum(length, digest, data_off, data_len, block, blocks)
 
 
 def _name(name: Any) -> str:

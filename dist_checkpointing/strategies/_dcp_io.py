@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import math
 import os
 import pickle
 from concurrent.futures import ThreadPoolExecutor
@@ -24,22 +25,20 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
-from torch.distributed.checkpoint.planner import ReadItem, WriteItemType
+from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.storage import WriteResult
 
-from .._fileio import atomic_write, fsync_dir
+from .._fileio import atomic_write
 from .._safe_load import torch_load
 from ..errors import CheckpointCorruptedError, UnsafeCheckpointError
-from ..integrity import Checksums, checksum, new_hasher
-from ._dcp_fastread import chunk_layout, read_into
-from ._dcp_plan import WriteEntry
+from ..integrity import Checksums, ItemSum, checksum, new_hasher
+from ._dcp_fastread import chunk_layout
+from ._dcp_reader import read_region
 
 __all__ = [
     "DCP_METADATA_FNAME",
     "DATA_SUFFIX",
     "data_file_name",
-    "write_files",
-    "write_staged_files",
     "write_metadata",
     "read_metadata",
     "read_tensor_items",
@@ -56,151 +55,6 @@ _MAX_METADATA_BYTES = 1 << 31
 def data_file_name(group: str, rank: int, index: int) -> str:
     """Name of a rank's n-th data file; `group` is '' or the separation hint."""
     return f"{group}__{rank}_{index}{DATA_SUFFIX}"
-
-
-def _owning_tensor(t: torch.Tensor) -> torch.Tensor:
-    """A CPU tensor whose storage is exactly its data (torch.save writes whole storages)."""
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    if (
-        not t.is_contiguous()
-        or t.storage_offset() != 0
-        or t.untyped_storage().nbytes() != t.numel() * t.element_size()
-    ):
-        t = t.clone(memory_format=torch.contiguous_format)
-    return t
-
-
-class _HashingWriter:
-    """A write-only file wrapper that also feeds every byte to a hasher (when one is set)."""
-
-    def __init__(self, f: Any) -> None:
-        self._f = f
-        self.hasher: Any = None
-
-    def write(self, data: Any) -> int:
-        if self.hasher is not None:
-            self.hasher.update(data)
-        return self._f.write(data)
-
-    def flush(self) -> None:
-        self._f.flush()
-
-    def tell(self) -> int:
-        return self._f.tell()
-
-
-#: `(file name, offset, length, xxh3-64)` of one written item
-ItemChecksum = Tuple[str, int, int, int]
-
-
-def _write_one_file(
-    path: Path, entries: Sequence[WriteEntry], checksums: bool
-) -> Tuple[List[WriteResult], List[ItemChecksum]]:
-    results, sums = [], []
-    with _no_zip_crc(), open(path, "wb") as raw:
-        f = _HashingWriter(raw)
-        for e in entries:
-            offset = raw.tell()
-            f.hasher = new_hasher() if checksums else None
-            if e.item.type == WriteItemType.BYTE_IO:
-                f.write(e.data)
-            else:
-                assert isinstance(e.data, torch.Tensor)
-                torch.save(_owning_tensor(e.data), f)  # type: ignore[arg-type]
-            length = raw.tell() - offset
-            results.append(
-                WriteResult(
-                    index=e.item.index,
-                    size_in_bytes=length,
-                    storage_data=_StorageInfo(path.name, offset, length),
-                )
-            )
-            if f.hasher is not None:
-                sums.append((path.name, offset, length, f.hasher.intdigest()))
-        raw.flush()
-        os.fsync(raw.fileno())
-    return results, sums
-
-
-@contextlib.contextmanager
-def _no_zip_crc() -> Iterator[None]:
-    """Skips the zip CRC32 that `torch.save` computes (up to 40% of its CPU time).
-
-    Readers (`torch.load`, hence DCP and megatron-core) do not check it. The option is
-    per thread in PyTorch, so each writer thread sets it and restores it afterwards.
-    """
-    previous = torch.serialization.get_crc32_options()
-    torch.serialization.set_crc32_options(False)
-    try:
-        yield
-    finally:
-        torch.serialization.set_crc32_options(previous)
-
-
-def write_files(
-    checkpoint_dir: Path,
-    files: Sequence[Tuple[str, Sequence[WriteEntry]]],
-    thread_count: int,
-    checksums: bool = True,
-) -> Tuple[List[WriteResult], List[ItemChecksum]]:
-    """Writes data files (one thread per file, up to `thread_count`), each fsync'd.
-
-    Args:
-        checkpoint_dir: destination directory (exists).
-        files: `(file name, entries)` pairs.
-        thread_count: maximum number of files written at once.
-        checksums: compute each item's xxh3-64 while writing it.
-
-    Returns:
-        The write results (item index -> file, offset, length) of every entry, and the
-        items' checksums (empty without `checksums`).
-    """
-    if not files:
-        return [], []
-    jobs = [(checkpoint_dir / name, entries, checksums) for name, entries in files]
-    workers = max(1, min(thread_count, len(jobs)))
-    if workers == 1:
-        nested = [_write_one_file(*job) for job in jobs]
-    else:
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="dc-write") as pool:
-            nested = list(pool.map(lambda job: _write_one_file(*job), jobs))
-    fsync_dir(checkpoint_dir)
-    return [r for rs, _ in nested for r in rs], [c for _, cs in nested for c in cs]
-
-
-def write_staged_files(
-    checkpoint_dir: Path,
-    flat: torch.Tensor,
-    plan: Sequence[Tuple[str, Sequence[Tuple[Any, Any]]]],
-    thread_count: int,
-    checksums: bool = True,
-) -> Tuple[List[WriteResult], List[ItemChecksum]]:
-    """Writes files whose tensors were staged in one flat host buffer (async save).
-
-    Args:
-        checkpoint_dir: destination directory.
-        flat: the staging buffer.
-        plan: `(file name, [(WriteItem, TensorSlot or serialized bytes)])` pairs.
-        thread_count: maximum number of files written at once.
-
-    Returns:
-        The write results, as `write_files`.
-    """
-    from ._staging import TensorSlot, slot_view
-
-    files = [
-        (
-            name,
-            [
-                WriteEntry(item, slot_view(flat, src) if isinstance(src, TensorSlot) else src)
-                for item, src in entries
-            ],
-        )
-        for name, entries in plan
-    ]
-    return write_files(Path(checkpoint_dir), files, thread_count, checksums)
 
 
 def write_metadata(checkpoint_dir: Path, metadata: Metadata, results: Sequence[WriteResult]) -> int:
@@ -469,15 +323,16 @@ def read_tensor_items(
             if checksums is not None
             else None
         )
-        with _open_range(checkpoint_dir / info.relative_path, info) as stream:
-            stored = _read_stored(stream, group, resolve, what, expected)
+        path = checkpoint_dir / info.relative_path
+        with _open_range(path, info) as stream:
+            stored, row0 = _read_stored(stream, group, resolve, what, expected, str(path))
         if stored is None:  # read straight into the destination
             return group.info.length
         for r in group.reads:
             try:
                 src = stored
                 for dim, (o, n) in enumerate(zip(r.storage_offsets, r.lengths)):
-                    src = src.narrow(dim, o, n)
+                    src = src.narrow(dim, o - (row0 if dim == 0 else 0), n)
             except (RuntimeError, IndexError) as e:
                 raise CheckpointCorruptedError(
                     f"{what}: stored chunk shape {tuple(stored.shape)} does not match metadata"
@@ -504,16 +359,35 @@ def _mismatch(what: str, info: _StorageInfo) -> CheckpointCorruptedError:
     )
 
 
-def _verify_around(raw: Any, layout: Any, data: torch.Tensor, length: int, expected: int) -> bool:
-    """Whether the item's bytes (its zip records around the data, and the data) hash to `expected`."""
+def _frame_matches(raw: Any, layout: Any, length: int, expected: ItemSum) -> bool:
+    """Whether the item's zip records (all bytes around the data) match their digest."""
+    if layout.data_offset != expected.data_off or layout.nbytes != expected.data_len:
+        return False
+    h = new_hasher()
+    raw.seek(0)
+    h.update(raw.read(layout.data_offset))
+    raw.seek(layout.data_offset + layout.nbytes)
+    h.update(raw.read(length - layout.data_offset - layout.nbytes))
+    return h.intdigest() == expected.digest
+
+
+def _whole_matches(
+    raw: Any, layout: Any, data: torch.Tensor, length: int, expected: ItemSum
+) -> bool:
+    """Whether a whole item (records around the data, and the data) matches its digest."""
+    if expected.blocked:
+        return (
+            _frame_matches(raw, layout, length, expected)
+            and expected.bad_block(_flat_bytes(data), 0) is None
+        )
     h = new_hasher()
     raw.seek(0)
     h.update(raw.read(layout.data_offset))
     if layout.nbytes:
-        h.update(memoryview(data.reshape(-1).view(torch.uint8).numpy()))  # type: ignore[arg-type]
+        h.update(_flat_bytes(data))
     raw.seek(layout.data_offset + layout.nbytes)
     h.update(raw.read(length - layout.data_offset - layout.nbytes))
-    return h.intdigest() == expected
+    return h.intdigest() == expected.digest
 
 
 def _read_stored(
@@ -521,47 +395,107 @@ def _read_stored(
     group: _ChunkGroup,
     resolve: Callable[[ReadItem], torch.Tensor],
     what: str,
-    expected: Optional[int] = None,
-) -> Optional[torch.Tensor]:
-    """Returns the stored chunk as a tensor, or None when it was read into its destination.
+    expected: Optional[ItemSum],
+    path: str,
+) -> Tuple[Optional[torch.Tensor], int]:
+    """Reads what the group needs of one stored chunk.
 
-    The zip is parsed directly when it is a plain contiguous chunk (no `torch.load`, one
-    copy from the page cache); otherwise `torch.load` decodes it. With `expected`, the
-    item's bytes are verified (a mismatch raises after reading, before anything is used).
+    Returns:
+        `(None, 0)` when the chunk was read straight into its one destination; else
+        `(rows, first_row)`: the rows `first_row...` of the chunk that the reads touch.
+
+    The zip is parsed directly for a plain contiguous chunk (no `torch.load`) and its data
+    read with `read_region` (O_DIRECT, large requests): only the rows the reads touch,
+    widened to whole checksum blocks when the item has per-block digests (then only those
+    blocks and the item's zip records are verified). Items with one digest for the whole
+    item are read whole to be verified. Other chunks go through `torch.load`.
     """
     raw = stream.raw
     layout = chunk_layout(raw)  # type: ignore[arg-type]
     if layout is None:
         stream.seek(0)
         payload = stream.read()
-        if expected is not None and checksum(payload) != expected:
+        if expected is not None and not expected.matches_whole(payload):
             raise _mismatch(what, group.info)
         stored = torch_load(io.BytesIO(payload), what)
         if not isinstance(stored, torch.Tensor):
             raise CheckpointCorruptedError(
                 f"{what}: expected a tensor, got {type(stored).__name__}"
             )
-        return stored
-    try:
-        target: Optional[torch.Tensor] = None
-        if len(group.reads) == 1:
-            r = group.reads[0]
-            whole = all(o == 0 for o in r.storage_offsets) and tuple(r.lengths) == layout.shape
-            dest = resolve(r)
-            if whole and read_into(raw, layout, dest):  # type: ignore[arg-type]
-                target = dest
-        stored = None
-        if target is None:
-            stored = torch.empty(layout.shape, dtype=layout.dtype)
-            read_into(raw, layout, stored)  # type: ignore[arg-type]
-            target = stored
-        if expected is not None and not _verify_around(
-            raw, layout, target, group.info.length, expected
-        ):
+        return stored, 0
+    shape = layout.shape
+    nrows = shape[0] if shape else 0
+    row0, row1 = 0, nrows
+    if (expected is None or expected.blocked) and nrows > 0:
+        row0 = min(int(r.storage_offsets[0]) for r in group.reads)
+        row1 = max(int(r.storage_offsets[0]) + int(r.lengths[0]) for r in group.reads)
+    row_bytes = (math.prod(shape[1:]) if shape else 1) * layout.dtype.itemsize
+    data_file_off = group.info.offset + layout.data_offset
+    if expected is not None and expected.blocked:
+        if not _frame_matches(raw, layout, group.info.length, expected):
             raise _mismatch(what, group.info)
-    except EOFError as e:
-        raise CheckpointCorruptedError(f"{what}: {e}") from e
-    return stored
+    whole = (row0, row1) == (0, nrows)
+    if whole and len(group.reads) == 1:
+        r = group.reads[0]
+        dest = resolve(r)
+        if (
+            all(o == 0 for o in r.storage_offsets)
+            and tuple(r.lengths) == shape
+            and tuple(dest.shape) == shape
+            and dest.dtype == layout.dtype
+            and dest.is_contiguous()
+            and dest.device.type == "cpu"
+        ):
+            read_region(path, data_file_off, _flat_bytes(dest))
+            _check_read(raw, layout, dest, 0, group, expected, what)
+            return None, 0
+    if whole:
+        target = torch.empty(shape, dtype=layout.dtype)
+        read_region(path, data_file_off, _flat_bytes(target))
+        _check_read(raw, layout, target, 0, group, expected, what)
+        return target, 0
+    start, stop = row0 * row_bytes, row1 * row_bytes
+    if expected is not None:  # widen to whole checksum blocks
+        start = start - start % expected.block
+        stop = min(layout.nbytes, -(-stop // expected.block) * expected.block)
+    region = torch.empty(stop - start, dtype=torch.uint8)
+    read_region(path, data_file_off + start, region.numpy())
+    _check_read(raw, layout, region, start, group, expected, what)
+    skip = row0 * row_bytes - start
+    rows = region[skip : skip + (row1 - row0) * row_bytes].view(layout.dtype)
+    return rows.view((row1 - row0,) + tuple(shape[1:])), row0
+
+
+def _check_read(
+    raw: Any,
+    layout: Any,
+    data: torch.Tensor,
+    start: int,
+    group: _ChunkGroup,
+    expected: Optional[ItemSum],
+    what: str,
+) -> None:
+    """Verifies the data just read (`data` = data-region bytes from `start`)."""
+    if expected is None:
+        return
+    if expected.blocked:
+        bad = expected.bad_block(_flat_bytes(data), start)
+        if bad is not None:
+            b0 = group.info.offset + expected.data_off + bad * expected.block
+            raise CheckpointCorruptedError(
+                f"{what}: checksum mismatch in bytes {b0}-{b0 + expected.block} of "
+                f"{group.info.relative_path}: the stored data is damaged"
+            )
+    elif not _whole_matches(raw, layout, data, group.info.length, expected):
+        raise _mismatch(what, group.info)
+
+
+def _flat_bytes(t: torch.Tensor) -> Any:
+    import numpy as np
+
+    if t.numel() == 0:
+        return np.empty(0, dtype=np.uint8)
+    return t.reshape(-1).view(torch.uint8).numpy()
 
 
 def read_byte_items(
@@ -584,7 +518,7 @@ def read_byte_items(
             expected = checksums.expected_range(
                 str(info.relative_path), info.offset, info.length, what
             )
-            if expected is not None and checksum(data) != expected:
+            if expected is not None and not expected.matches_whole(data):
                 raise _mismatch(what, info)
         out.append(data)
     return out

@@ -13,6 +13,7 @@ reads each needed stored chunk once.
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import io
 import logging
@@ -40,7 +41,7 @@ from ..dict_utils import dict_list_map_inplace, nested_values
 from ..errors import CheckpointCorruptedError, CheckpointingException
 from ..integrity import Checksums, checksum, file_checksum, read_checksums, write_checksums
 from ..mapping import ShardedBase, ShardedObject, ShardedTensor, is_main_replica
-from . import _dcp_io
+from . import _dcp_io, _dcp_writer
 from ._dcp_plan import (
     TensorRequest,
     WriteEntry,
@@ -51,7 +52,6 @@ from ._dcp_plan import (
     split_into_files,
     tensor_write_item,
 )
-from ._staging import HostBufferPool
 from .async_utils import AsyncRequest
 from .base import (
     AsyncSaveShardedStrategy,
@@ -107,6 +107,8 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         background_thread_count: threads of an async save's background writer. One thread
             keeps the writer's CPU use (and its competition with training) lowest; the file
             layout is the same as a sync save's.
+        direct_io: write with O_DIRECT where the file system supports it (falls back to
+            buffered writes by itself, logged once per directory).
         checksums: record an xxh3-64 of every stored item, of `.metadata` and of
             `common.pt` in `checksums.json` (verified by default on load; other readers
             ignore the file).
@@ -123,6 +125,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         *,
         background_thread_count: int = 1,
         checksums: bool = True,
+        direct_io: bool = True,
     ) -> None:
         super().__init__(backend, version)
         if thread_count < 1:
@@ -133,7 +136,8 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         self.checksums = checksums
         self.cached_metadata = cached_metadata
         self.separation_hint = separation_hint
-        self._pool = HostBufferPool()
+        self._images = _dcp_writer.ImagePool()
+        self.direct_io = direct_io
         self._sent_fingerprint: Optional[str] = None
         self._items_cache: Dict[int, Tuple[str, List[WriteItem]]] = {}
         self._metadata_cache: Optional[Tuple[Tuple[str, ...], Metadata]] = None
@@ -183,8 +187,12 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         try:
             entries = self._local_entries(sharded_state_dict)
             items = [e.item for e in entries]
-            written = _dcp_io.write_files(
-                ckpt, self._plan_files(entries), self.thread_count, self.checksums
+            jobs = [
+                (_dcp_writer.plan_file(name, es), [e.data for e in es], None)
+                for name, es in self._plan_files(entries)
+            ]
+            written = _dcp_writer.write_files(
+                ckpt, jobs, self.thread_count, self.checksums, self.direct_io
             )
         except Exception as e:  # reported to rank 0 and re-raised on every rank
             error = e
@@ -208,26 +216,35 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         ckpt = Path(checkpoint_dir)
         start = time.perf_counter()
         entries = self._local_entries(sharded_state_dict)
-        tensor_entries = [e for e in entries if isinstance(e.data, torch.Tensor)]
-        buffer = self._pool.stage([e.data for e in tensor_entries])  # type: ignore[misc]
-        slot_of = {id(e): slot for e, slot in zip(tensor_entries, buffer.slots)}
-        plan = [
-            (name, [(e.item, slot_of.get(id(e), e.data)) for e in es])
-            for name, es in self._plan_files(entries)
-        ]
+        pin = any(isinstance(e.data, torch.Tensor) and e.data.is_cuda for e in entries)
+        staged: List[Tuple[Any, torch.Tensor]] = []
+        try:
+            for name, es in self._plan_files(entries):
+                plan = _dcp_writer.plan_file(name, es)
+                buf = self._images.acquire(plan, pin)
+                staged.append((plan, buf))
+                _dcp_writer.stage_image(plan, [e.data for e in es], buf)
+            if pin:
+                torch.cuda.synchronize()  # the caller may change its tensors once we return
+        except BaseException:
+            for plan, buf in staged:
+                self._images.release(plan, buf)
+            raise
+        jobs = [(plan, [None] * len(plan.items), buf) for plan, buf in staged]
         items = [e.item for e in entries]
         request = AsyncRequest(
-            _dcp_io.write_staged_files,
-            (ckpt, buffer.flat, plan, self.background_thread_count, self.checksums),
+            _dcp_writer.write_files,
+            (ckpt, jobs, self.background_thread_count, self.checksums, self.direct_io),
             [],
             description=f"torch_dist save to {ckpt}",
         )
         request.add_finalize_fn(lambda: self._finalize(ckpt, items, request.result, None, start))
-        request.cleanup_fns.append(lambda: self._pool.release(buffer))
+        for plan, buf in staged:
+            request.cleanup_fns.append(functools.partial(self._images.release, plan, buf))
         logger.debug(
             "rank %d staged %d bytes for %s in %.3f s",
             get_rank(),
-            buffer.nbytes,
+            sum(plan.size for plan, _ in staged),
             ckpt,
             time.perf_counter() - start,
         )

@@ -218,7 +218,7 @@ def test_sync_execute_sync_and_async_write_identical_bytes(world_factory, tmp_pa
 
 def repeated_saves(root: str) -> List[int]:
     q = _queue(True)
-    pool = get_default_save_sharded_strategy()._pool
+    pool = get_default_save_sharded_strategy()._images
     sizes = []
     for step in range(5):
         q.schedule_async_request(

@@ -15,7 +15,7 @@ import dist_checkpointing as dc
 from dist_checkpointing import ShardedObject, ShardedTensor
 from dist_checkpointing.local.basic_state_dict import BasicTensorAwareStateDict
 from dist_checkpointing.local.ckpt_managers.local_manager import LocalCheckpointManager
-from dist_checkpointing.strategies import _dcp_io
+from dist_checkpointing.strategies import _dcp_writer
 from dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
 
@@ -55,8 +55,8 @@ def _die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _partial_then_die(path: Any, entries: Any, checksums: bool) -> Any:
-    with open(path, "wb") as f:
+def _partial_then_die(directory: Any, plan: Any, *args: Any) -> Any:
+    with open(os.path.join(directory, plan.name), "wb") as f:
         f.write(b"\0" * 4096)
         f.flush()
     _die()
@@ -69,17 +69,17 @@ def crash_during_save(tmp: str, victim: int, is_async: bool) -> Tuple[str, str, 
     b = os.path.join(tmp, "B")
     if not is_async:
         if me == victim:
-            _dcp_io._write_one_file = _partial_then_die  # type: ignore[assignment]
+            _dcp_writer.write_streamed = _partial_then_die  # type: ignore[assignment]
         return outcome(dc.save, state(2), b)
     queue = AsyncCallsQueue()
     if me == victim:
-        real = _dcp_io.write_staged_files
+        real = _dcp_writer.write_files
 
         def slow(*args: Any) -> Any:
             time.sleep(3)
             return real(*args)
 
-        _dcp_io.write_staged_files = slow  # type: ignore[assignment]
+        _dcp_writer.write_files = slow  # type: ignore[assignment]
     req = dc.save(state(2), b, async_sharded_save=True)
     queue.schedule_async_request(req)
     if me == victim:
@@ -128,13 +128,13 @@ def stuck_rank_save(tmp: str, stuck: int, timeout_s: float) -> Tuple[str, str, f
     """`stuck` hangs (alive) in its write; the others must fail within the timeout."""
     dc.set_collective_timeout(timeout_s)
     if dist.get_rank() == stuck:
-        real = _dcp_io._write_one_file
+        real = _dcp_writer.write_streamed
 
         def hang(*args: Any) -> Any:
             time.sleep(timeout_s * 3)
             return real(*args)
 
-        _dcp_io._write_one_file = hang  # type: ignore[assignment]
+        _dcp_writer.write_streamed = hang  # type: ignore[assignment]
     return outcome(dc.save, state(1), os.path.join(tmp, "S"))
 
 
@@ -144,7 +144,7 @@ def enospc_on_rank(tmp: str, victim: int) -> Tuple[str, str, float]:
         def full(*args: Any) -> Any:
             raise OSError(errno.ENOSPC, "No space left on device")
 
-        _dcp_io._write_one_file = full  # type: ignore[assignment]
+        _dcp_writer.write_streamed = full  # type: ignore[assignment]
     return outcome(dc.save, state(1), os.path.join(tmp, "F"))
 
 

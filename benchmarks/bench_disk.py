@@ -1,0 +1,358 @@
+"""Save / load / resharded load against the disk's ceiling, every method in one run.
+
+For each world size in --world-sizes and each total size in --sizes-mib (fp32 state split
+on rows across ranks, same directory, page cache dropped before each load):
+
+- `ceiling`: raw O_DIRECT writes of each rank's bytes from aligned buffers (64 MiB
+  requests, two files per rank written in parallel, one fsync each), and O_DIRECT reads of
+  them back into aligned buffers: what the disk gives;
+- `torch.save`: each rank `torch.save`s its shards and fsyncs; loads read them back;
+- `dcp`: stock `torch.distributed.checkpoint` with DTensors;
+- `megatron`: megatron-core's `dist_checkpointing` (torch_dist), when importable;
+- `ours`: `dist_checkpointing` with the default ('torch_dist', 1) backend, checksums on.
+
+Two resharded loads: `reshard rows` asks every rank for a block of rows shifted by half a
+stored block (each request spans two stored chunks, half of each; DTensor and megatron
+cannot express it), `reshard cols` asks for column blocks (each rank needs a slice of
+every stored chunk). GB/s counts the state size once; ratios are against the ceiling of
+the same run (write for saves, read for loads).
+
+    python benchmarks/bench_disk.py --world-sizes 2 4 --sizes-mib 1024 4096 --repeats 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import mmap
+import os
+import shutil
+import sys
+import threading
+import time
+from typing import Any, Callable, Dict, List
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _common import drop_page_cache, free_port, median, print_table, write_json
+
+KINDS = ["save", "load", "reshard rows", "reshard cols"]
+
+
+def _timed(fn: Callable[[], Any]) -> float:
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    dist.barrier()
+    return time.perf_counter() - t0
+
+
+def _cold() -> None:
+    dist.barrier()
+    if dist.get_rank() == 0:
+        drop_page_cache()
+    dist.barrier()
+
+
+def _shapes(total: int, world: int) -> List[tuple]:
+    n = 16
+    cols = 1024
+    rows = max(world * 8, (total // n // 4 // cols) // (world * 8) * (world * 8))
+    return [(rows, cols)] * n
+
+
+def _piece(i: int, shape: tuple, r0: int, r1: int, c0: int, c1: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(i)
+    base = torch.randn(1, shape[1], generator=g)
+    rows = torch.arange(r0, r1, dtype=torch.float32).unsqueeze(1)
+    return (rows * 1e-3 + base[:, c0:c1]).contiguous()
+
+
+def _blocks(shape: tuple, rank: int, world: int, kind: str) -> tuple:
+    """(r0, r1, c0, c1) of this rank's piece for a layout kind."""
+    rows, cols = shape
+    b = rows // world
+    if kind == "rows":
+        return rank * b, (rank + 1) * b, 0, cols
+    if kind == "shifted":
+        start = rank * b + b // 2 if rank < world - 1 else b // 4
+        return start, start + b, 0, cols
+    c = cols // world
+    return 0, rows, rank * c, (rank + 1) * c
+
+
+def _ours_sd(shapes: List[tuple], kind: str, data: bool) -> Dict[str, Any]:
+    from dist_checkpointing import ShardedTensor
+
+    r, w = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for i, s in enumerate(shapes):
+        r0, r1, c0, c1 = _blocks(s, r, w, kind)
+        t = _piece(i, s, r0, r1, c0, c1) if data else torch.empty(r1 - r0, c1 - c0)
+        out[f"t{i}"] = ShardedTensor(f"t{i}", t, t.dtype, tuple(t.shape), s, (r0, c0), None)
+    return out
+
+
+def _dtensors(shapes: List[tuple], kind: str, data: bool) -> Dict[str, Any]:
+    from torch.distributed.tensor import DTensor, Shard, init_device_mesh
+
+    r, w = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (w,))
+    out = {}
+    for i, s in enumerate(shapes):
+        r0, r1, c0, c1 = _blocks(s, r, w, kind)
+        t = _piece(i, s, r0, r1, c0, c1) if data else torch.empty(r1 - r0, c1 - c0)
+        out[f"t{i}"] = DTensor.from_local(
+            t, mesh, [Shard(0 if kind == "rows" else 1)], run_check=False
+        )
+    return out
+
+
+def _mcore_sd(shapes: List[tuple], kind: str, data: bool) -> Dict[str, Any]:
+    from megatron.core.dist_checkpointing import ShardedTensor as MST
+
+    r, w = dist.get_rank(), dist.get_world_size()
+    axis = 0 if kind == "rows" else 1
+    out = {}
+    for i, s in enumerate(shapes):
+        r0, r1, c0, c1 = _blocks(s, r, w, kind)
+        t = _piece(i, s, r0, r1, c0, c1) if data else torch.empty(r1 - r0, c1 - c0)
+        out[f"t{i}"] = MST.from_rank_offsets(f"t{i}", t, (axis, r, w))
+    return out
+
+
+# ---- the ceiling: raw O_DIRECT I/O of the same bytes ---------------------------------------
+
+
+def _aligned(n: int) -> np.ndarray:
+    return np.frombuffer(mmap.mmap(-1, max(4096, -(-n // 4096) * 4096)), dtype=np.uint8)
+
+
+def _raw_write(path: str, buf: np.ndarray) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+    try:
+        for off in range(0, buf.size, 64 << 20):
+            os.pwrite(fd, memoryview(buf[off : off + (64 << 20)]), off)  # type: ignore[arg-type]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _raw_read(path: str, buf: np.ndarray) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    try:
+        for off in range(0, buf.size, 64 << 20):
+            os.preadv(fd, [memoryview(buf[off : off + (64 << 20)])], off)  # type: ignore[arg-type]
+    finally:
+        os.close(fd)
+
+
+def _parallel(fns: List[Callable[[], Any]]) -> None:
+    threads = [threading.Thread(target=f) for f in fns]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+def _run(method: str, shapes: List[tuple], root: str, repeats: int) -> Dict[str, List[float]]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    times: Dict[str, List[float]] = {k: [] for k in KINDS}
+    for rep in range(repeats):
+        path = os.path.join(root, f"{method.replace('.', '_')}_{rep}")
+        if rank == 0:
+            os.makedirs(path, exist_ok=True)
+        dist.barrier()
+        if method == "ceiling":
+            nbytes = sum(r * c * 4 for r, c in shapes) // world
+            bufs = [_aligned(nbytes // 2) for _ in range(2)]
+            for b in bufs:
+                b[:] = 7
+            files = [os.path.join(path, f"raw_{rank}_{i}") for i in range(2)]
+            times["save"].append(
+                _timed(
+                    lambda: _parallel(
+                        [lambda f=f, b=b: _raw_write(f, b) for f, b in zip(files, bufs)]
+                    )
+                )
+            )
+            _cold()
+            times["load"].append(
+                _timed(
+                    lambda: _parallel(
+                        [lambda f=f, b=b: _raw_read(f, b) for f, b in zip(files, bufs)]
+                    )
+                )
+            )
+        elif method == "ours":
+            import dist_checkpointing as dc
+
+            sd = _ours_sd(shapes, "rows", True)
+            times["save"].append(_timed(lambda: dc.save(sd, path)))
+            for kind, layout in (
+                ("load", "rows"),
+                ("reshard rows", "shifted"),
+                ("reshard cols", "cols"),
+            ):
+                req = _ours_sd(shapes, layout, False)
+                _cold()
+                times[kind].append(
+                    _timed(lambda: dc.load(req, path, validate_access_integrity=False))
+                )
+        elif method == "dcp":
+            import torch.distributed.checkpoint as dcp
+
+            sd = _dtensors(shapes, "rows", True)
+            times["save"].append(_timed(lambda: dcp.save(sd, checkpoint_id=path)))
+            for kind, layout in (("load", "rows"), ("reshard cols", "cols")):
+                dreq = _dtensors(shapes, layout, False)
+                _cold()
+                times[kind].append(_timed(lambda: dcp.load(dreq, checkpoint_id=path)))
+        elif method == "megatron":
+            from megatron.core import dist_checkpointing as mdc
+
+            sd = _mcore_sd(shapes, "rows", True)
+            times["save"].append(_timed(lambda: mdc.save(sd, path)))
+            for kind, layout in (("load", "rows"), ("reshard cols", "cols")):
+                mreq = _mcore_sd(shapes, layout, False)
+                _cold()
+                times[kind].append(_timed(lambda: mdc.load(mreq, path)))
+        else:  # torch.save
+            local = {
+                f"t{i}": _piece(i, s, *_blocks(s, rank, world, "rows"))
+                for i, s in enumerate(shapes)
+            }
+
+            def save_each() -> None:
+                with open(os.path.join(path, f"rank{rank}.pt"), "wb") as f:
+                    torch.save(local, f)
+                    f.flush()
+                    os.fsync(f.fileno())
+
+            times["save"].append(_timed(save_each))
+            _cold()
+            times["load"].append(
+                _timed(lambda: torch.load(os.path.join(path, f"rank{rank}.pt"), weights_only=True))
+            )
+
+            def gather_cols() -> None:
+                pieces = [
+                    torch.load(os.path.join(path, f"rank{r}.pt"), weights_only=True)
+                    for r in range(world)
+                ]
+                for i, s in enumerate(shapes):
+                    c = s[1] // world
+                    torch.cat([p[f"t{i}"][:, rank * c : (rank + 1) * c] for p in pieces], dim=0)
+
+            _cold()
+            times["reshard cols"].append(_timed(gather_cols))
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(path, ignore_errors=True)
+        dist.barrier()
+    return times
+
+
+def _worker(rank: int, world: int, args: argparse.Namespace, port: int, queue: Any) -> None:
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(minutes=60),
+    )
+    torch.set_num_threads(1)
+    torch.cuda.synchronize = lambda *a, **k: None  # megatron-core calls these on CPU too
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+    import importlib
+
+    importlib.import_module("torch.distributed.checkpoint")  # import cost kept out of the timings
+
+    import dist_checkpointing.serialization as ser
+
+    ser.get_default_save_sharded_strategy()
+    methods = list(args.methods)
+    try:
+        import megatron.core.dist_checkpointing  # noqa: F401
+    except Exception:
+        methods = [m for m in methods if m != "megatron"]
+    out = {}
+    for size in args.sizes_mib:
+        shapes = _shapes(size << 20, world)
+        out[size] = {
+            m: _run(m, shapes, os.path.join(args.dir, f"w{world}"), args.repeats) for m in methods
+        }
+        out[size]["_bytes"] = sum(r * c * 4 for r, c in shapes)  # type: ignore[assignment]
+    if rank == 0:
+        queue.put(out)
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--sizes-mib", type=int, nargs="+", default=[1024, 4096])
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument(
+        "--methods", nargs="+", default=["ceiling", "torch.save", "dcp", "megatron", "ours"]
+    )
+    parser.add_argument("--dir", default="/tmp/dist_ckpt_bench_disk")
+    parser.add_argument("--json", default="")
+    args = parser.parse_args()
+    shutil.rmtree(args.dir, ignore_errors=True)
+    os.makedirs(args.dir)
+    rows = []
+    raw: Dict[str, Any] = {}
+    for world in args.world_sizes:
+        queue = mp.get_context("spawn").SimpleQueue()
+        mp.start_processes(
+            _worker,
+            args=(world, args, free_port(), queue),
+            nprocs=world,
+            join=True,
+            start_method="spawn",
+        )
+        res = queue.get()
+        raw[str(world)] = res
+        for _size, per in res.items():
+            nbytes = per.pop("_bytes")
+            ceil = (
+                {k: median(per["ceiling"][k]) for k in ("save", "load")} if "ceiling" in per else {}
+            )
+            for method, t in per.items():
+                row: Dict[str, Any] = {
+                    "GiB": round(nbytes / 2**30, 2),
+                    "ranks": world,
+                    "method": method,
+                }
+                for kind in KINDS:
+                    if t[kind]:
+                        s = median(t[kind])
+                        row[f"{kind} GB/s"] = nbytes / s / 1e9
+                        ref = ceil.get("save" if kind == "save" else "load")
+                        if ref:
+                            row[f"{kind} x ceil"] = ref / s
+                rows.append(row)
+    cols = (
+        ["GiB", "ranks", "method"] + [f"{k} GB/s" for k in KINDS] + [f"{k} x ceil" for k in KINDS]
+    )
+    print_table(
+        f"medians of {args.repeats}; page cache dropped before loads; x ceil: ratio to the raw O_DIRECT ceiling of the same run",
+        rows,
+        cols,
+    )
+    print(json.dumps(rows, indent=1))
+    if args.json:
+        write_json(args.json, {"rows": rows, "raw": raw})
+    shutil.rmtree(args.dir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,121 @@
+"""Planning cost: 8 ranks, 1,000 small tensors each, first save against repeated saves.
+
+Each of the 1,000 global tensors (256 x 64 fp32) is split on rows over the ranks. Saves
+go to tmpfs (/dev/shm) so that the figures show coordination, not the disk. For each save:
+the whole `save` (max over ranks), the sharding validation exchange, and the finalization
+(rank 0 builds DCP's metadata and writes `.metadata` and `checksums.json`). Repeated saves
+of an unchanged structure skip the metadata exchange and reuse rank 0's metadata.
+
+    python benchmarks/bench_planning.py --world-size 8 --tensors 1000 --saves 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import shutil
+import sys
+import time
+from typing import Any, Dict, List
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _common import free_port, print_table
+
+
+def _max(x: float) -> float:
+    t = torch.tensor([x], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def _worker(rank: int, world: int, args: argparse.Namespace, port: int, queue: Any) -> None:
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(minutes=30),
+    )
+    torch.set_num_threads(1)
+    import dist_checkpointing as dc
+    import dist_checkpointing.serialization as ser
+    from dist_checkpointing import ShardedTensor
+    from dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    spent: Dict[str, float] = {}
+
+    def timed_method(owner: Any, name: str, label: str) -> None:
+        real = getattr(owner, name)
+
+        def wrapper(*a: Any, **k: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return real(*a, **k)
+            finally:
+                spent[label] = spent.get(label, 0.0) + time.perf_counter() - t0
+
+        setattr(owner, name, wrapper)
+
+    timed_method(ser, "_validate_save_sharding", "validation exchange")
+    timed_method(TorchDistSaveShardedStrategy, "_finalize", "finalize")
+    rows = 256 // world
+    sd = {
+        f"layer{i}.w": ShardedTensor.from_rank_offsets(
+            f"layer{i}.w", torch.randn(rows, 64), (0, rank, world)
+        )
+        for i in range(args.tensors)
+    }
+    out: List[Dict[str, Any]] = []
+    for step in range(args.saves):
+        spent.clear()
+        dist.barrier()
+        t0 = time.perf_counter()
+        dc.save(sd, os.path.join(args.dir, f"s{step}"))
+        total = _max(time.perf_counter() - t0)
+        out.append(
+            {
+                "save": "first" if step == 0 else f"repeat {step}",
+                "save s": total,
+                "validation exchange s": _max(spent.get("validation exchange", 0.0)),
+                "finalize s": _max(spent.get("finalize", 0.0)),
+            }
+        )
+    if rank == 0:
+        queue.put(out)
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--world-size", type=int, default=8)
+    parser.add_argument("--tensors", type=int, default=1000)
+    parser.add_argument("--saves", type=int, default=4)
+    parser.add_argument("--dir", default="/dev/shm/dist_ckpt_bench_planning")
+    args = parser.parse_args()
+    shutil.rmtree(args.dir, ignore_errors=True)
+    queue = mp.get_context("spawn").SimpleQueue()
+    mp.start_processes(
+        _worker,
+        args=(args.world_size, args, free_port(), queue),
+        nprocs=args.world_size,
+        join=True,
+        start_method="spawn",
+    )
+    rows = queue.get()
+    shutil.rmtree(args.dir, ignore_errors=True)
+    print_table(
+        f"{args.world_size} ranks x {args.tensors} tensors (256x64 fp32 each, split on rows), max over ranks",
+        rows,
+        list(rows[0]),
+    )
+
+
+if __name__ == "__main__":
+    main()
