@@ -75,7 +75,17 @@ def _worker(rank: int, world: int, args: argparse.Namespace, port: int, queue: A
         spent.clear()
         dist.barrier()
         t0 = time.perf_counter()
-        dc.save(sd, os.path.join(args.dir, f"s{step}"))
+        if os.environ.get("PROFILE_RANK0") and rank == 0 and step == 2:
+            import cProfile
+            import pstats
+
+            prof = cProfile.Profile()
+            prof.enable()
+            dc.save(sd, os.path.join(args.dir, f"s{step}"))
+            prof.disable()
+            pstats.Stats(prof).sort_stats("cumulative").print_stats(30)
+        else:
+            dc.save(sd, os.path.join(args.dir, f"s{step}"))
         total = _max(time.perf_counter() - t0)
         out.append(
             {

@@ -21,6 +21,7 @@ from __future__ import annotations
 import errno
 import functools
 import logging
+import math
 import mmap
 import os
 import threading
@@ -95,9 +96,16 @@ class FilePlan:
         return (self.size, tuple((p.offset, p.length, p.data_nbytes) for p in self.items))
 
 
+#: tensors at least this large get their data on a 4096-byte file offset (O_DIRECT reads
+#: straight into aligned destinations); smaller ones on 64 bytes, as torch.save does, so
+#: files of many small tensors do not fill up with padding
+DIRECT_MIN = 1 << 20
+
+
 @functools.lru_cache(maxsize=4096)
 def _layout(dtype: torch.dtype, shape: Tuple[int, ...], offset: int) -> Any:
-    return zip_item_layout(dtype, shape, offset)
+    nbytes = math.prod(shape) * dtype.itemsize
+    return zip_item_layout(dtype, shape, offset, ALIGN if nbytes >= DIRECT_MIN else 64)
 
 
 def _torch_save_bytes(t: torch.Tensor) -> bytes:

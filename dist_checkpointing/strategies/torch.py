@@ -322,7 +322,8 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
                     key,
                     build_metadata(all_items, dedup=not self.keep_only_main_replica),
                 )
-            metadata = copy.deepcopy(self._metadata_cache[1])
+            # write_metadata replaces top-level fields only: a shallow copy keeps the cache intact
+            metadata = copy.copy(self._metadata_cache[1])
             results = [r for g in gathered for r in g[2]]
             metadata_digest = _dcp_io.write_metadata(ckpt, metadata, results)
             if self.checksums:

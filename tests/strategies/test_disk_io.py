@@ -48,9 +48,9 @@ def test_generated_items_load_with_torch_load(dtype, shape, offset):
     assert back.dtype == dtype and back.shape == t.shape and torch.equal(back, t)
 
 
-def test_data_lands_on_4096_byte_offsets(tmp_path):
+def test_data_of_large_tensors_lands_on_4096_byte_offsets(tmp_path):
     sd = {
-        f"t{i}": ShardedTensor.from_rank_offsets(f"t{i}", torch.randn(33, 7 + i)) for i in range(5)
+        f"t{i}": ShardedTensor.from_rank_offsets(f"t{i}", torch.randn(1024, 256 + i)) for i in range(5)
     }
     dc.save(sd, tmp_path / "c")
     from dist_checkpointing.strategies._dcp_fastread import chunk_layout
