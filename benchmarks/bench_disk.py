@@ -240,14 +240,16 @@ def _run(method: str, shapes: List[tuple], root: str, repeats: int) -> Dict[str,
                 _timed(lambda: torch.load(os.path.join(path, f"rank{rank}.pt"), weights_only=True))
             )
 
-            def gather_cols() -> None:
-                pieces = [
-                    torch.load(os.path.join(path, f"rank{r}.pt"), weights_only=True)
-                    for r in range(world)
-                ]
-                for i, s in enumerate(shapes):
-                    c = s[1] // world
-                    torch.cat([p[f"t{i}"][:, rank * c : (rank + 1) * c] for p in pieces], dim=0)
+            def gather_cols() -> None:  # one rank file at a time: keep only this rank's columns
+                parts: Dict[int, List[torch.Tensor]] = {i: [] for i in range(len(shapes))}
+                for r in range(world):
+                    piece = torch.load(os.path.join(path, f"rank{r}.pt"), weights_only=True)
+                    for i, s in enumerate(shapes):
+                        c = s[1] // world
+                        parts[i].append(piece[f"t{i}"][:, rank * c : (rank + 1) * c].clone())
+                    del piece
+                for i in parts:
+                    torch.cat(parts[i], dim=0)
 
             _cold()
             times["reshard cols"].append(_timed(gather_cols))
