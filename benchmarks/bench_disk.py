@@ -42,6 +42,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _common import drop_page_cache, free_port, median, print_table, write_json
 
 KINDS = ["save", "load", "reshard rows", "reshard cols"]
+OURS_THREADS = int(os.environ.get("DIST_CKPT_BENCH_THREADS", "1"))
 
 
 def _timed(fn: Callable[[], Any]) -> float:
@@ -192,8 +193,11 @@ def _run(method: str, shapes: List[tuple], root: str, repeats: int) -> Dict[str,
         elif method == "ours":
             import dist_checkpointing as dc
 
+            from dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+            saver = TorchDistSaveShardedStrategy(thread_count=OURS_THREADS)
             sd = _ours_sd(shapes, "rows", True)
-            times["save"].append(_timed(lambda: dc.save(sd, path)))
+            times["save"].append(_timed(lambda: dc.save(sd, path, sharded_strategy=saver)))
             for kind, layout in (
                 ("load", "rows"),
                 ("reshard rows", "shifted"),

@@ -405,7 +405,8 @@ def _read_stored(
         `(rows, first_row)`: the rows `first_row...` of the chunk that the reads touch.
 
     The zip is parsed directly for a plain contiguous chunk (no `torch.load`) and its data
-    read with `read_region` (O_DIRECT, large requests): only the rows the reads touch,
+    read with `read_region` in large requests (O_DIRECT for a whole chunk going straight to
+    its destination; through the page cache otherwise): only the rows the reads touch,
     widened to whole checksum blocks when the item has per-block digests (then only those
     blocks and the item's zip records are verified). Items with one digest for the whole
     item are read whole to be verified. Other chunks go through `torch.load`.
@@ -446,12 +447,14 @@ def _read_stored(
             and dest.is_contiguous()
             and dest.device.type == "cpu"
         ):
-            read_region(path, data_file_off, _flat_bytes(dest))
+            read_region(path, data_file_off, _flat_bytes(dest), direct=True)
             _check_read(raw, layout, dest, 0, group, expected, what)
             return None, 0
+    # Reads that other ranks of the node likely repeat (several regions of one chunk, or part
+    # of it: resharding) go through the page cache, which the ranks share.
     if whole:
         target = torch.empty(shape, dtype=layout.dtype)
-        read_region(path, data_file_off, _flat_bytes(target))
+        read_region(path, data_file_off, _flat_bytes(target), direct=False)
         _check_read(raw, layout, target, 0, group, expected, what)
         return target, 0
     start, stop = row0 * row_bytes, row1 * row_bytes
@@ -459,7 +462,7 @@ def _read_stored(
         start = start - start % expected.block
         stop = min(layout.nbytes, -(-stop // expected.block) * expected.block)
     region = torch.empty(stop - start, dtype=torch.uint8)
-    read_region(path, data_file_off + start, region.numpy())
+    read_region(path, data_file_off + start, region.numpy(), direct=False)
     _check_read(raw, layout, region, start, group, expected, what)
     skip = row0 * row_bytes - start
     rows = region[skip : skip + (row1 - row0) * row_bytes].view(layout.dtype)

@@ -98,7 +98,9 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         version: recorded in metadata.json (1).
         keep_only_main_replica: write only main replicas (True), or every replica and keep
             one copy of each chunk in the metadata (False).
-        thread_count: files written in parallel by each rank (one thread per file).
+        thread_count: files per rank, written in parallel (one thread each). One file per
+            rank measured best here (2 cores, 2-4 ranks: 0.85x the O_DIRECT ceiling against
+            0.71x with two files at 4 ranks); raise it when ranks have cores to spare.
         cached_metadata: accepted for API compatibility. Plans are always cached: this
             strategy exchanges no plan before writing, and at finalization a rank whose
             write plan is unchanged since its previous save sends only its digest.
@@ -119,7 +121,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         backend: str = BACKEND,
         version: int = 1,
         keep_only_main_replica: bool = True,
-        thread_count: int = 2,
+        thread_count: int = 1,
         cached_metadata: bool = False,
         separation_hint: Optional[str] = None,
         *,
