@@ -192,7 +192,6 @@ def _run(method: str, shapes: List[tuple], root: str, repeats: int) -> Dict[str,
             )
         elif method == "ours":
             import dist_checkpointing as dc
-
             from dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
             saver = TorchDistSaveShardedStrategy(thread_count=OURS_THREADS)

@@ -17,6 +17,7 @@ import logging
 import math
 import os
 import pickle
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -347,7 +348,10 @@ def read_tensor_items(
 
     ordered = sorted(groups.values(), key=lambda g: (str(g.info.relative_path), g.info.offset))
     if thread_count <= 1 or len(ordered) <= 1:
-        return sum(load_group(g) for g in ordered)
+        try:
+            return sum(load_group(g) for g in ordered)
+        finally:
+            _scratch_local.buf = None  # do not keep a chunk-sized buffer after the load
     with ThreadPoolExecutor(max_workers=thread_count, thread_name_prefix="dc-read") as pool:
         return sum(pool.map(load_group, ordered))
 
@@ -453,7 +457,7 @@ def _read_stored(
     # Reads that other ranks of the node likely repeat (several regions of one chunk, or part
     # of it: resharding) go through the page cache, which the ranks share.
     if whole:
-        target = torch.empty(shape, dtype=layout.dtype)
+        target = _scratch(layout.nbytes).view(layout.dtype).view(shape)
         read_region(path, data_file_off, _flat_bytes(target), direct=False)
         _check_read(raw, layout, target, 0, group, expected, what)
         return target, 0
@@ -461,7 +465,7 @@ def _read_stored(
     if expected is not None:  # widen to whole checksum blocks
         start = start - start % expected.block
         stop = min(layout.nbytes, -(-stop // expected.block) * expected.block)
-    region = torch.empty(stop - start, dtype=torch.uint8)
+    region = _scratch(stop - start)
     read_region(path, data_file_off + start, region.numpy(), direct=False)
     _check_read(raw, layout, region, start, group, expected, what)
     skip = row0 * row_bytes - start
@@ -491,6 +495,21 @@ def _check_read(
             )
     elif not _whole_matches(raw, layout, data, group.info.length, expected):
         raise _mismatch(what, group.info)
+
+
+_scratch_local = threading.local()
+
+
+def _scratch(nbytes: int) -> torch.Tensor:
+    """A per-thread reusable byte buffer (fresh memory would page-fault on every chunk).
+
+    Valid until the same thread asks again: callers copy out of it before their next read.
+    """
+    buf = getattr(_scratch_local, "buf", None)
+    if buf is None or buf.numel() < nbytes:
+        buf = torch.empty(max(nbytes, 1 << 20), dtype=torch.uint8)
+        _scratch_local.buf = buf
+    return buf[:nbytes]
 
 
 def _flat_bytes(t: torch.Tensor) -> Any:

@@ -50,7 +50,8 @@ def test_generated_items_load_with_torch_load(dtype, shape, offset):
 
 def test_data_of_large_tensors_lands_on_4096_byte_offsets(tmp_path):
     sd = {
-        f"t{i}": ShardedTensor.from_rank_offsets(f"t{i}", torch.randn(1024, 256 + i)) for i in range(5)
+        f"t{i}": ShardedTensor.from_rank_offsets(f"t{i}", torch.randn(1024, 256 + i))
+        for i in range(5)
     }
     dc.save(sd, tmp_path / "c")
     from dist_checkpointing.strategies._dcp_fastread import chunk_layout
