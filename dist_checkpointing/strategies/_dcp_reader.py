@@ -54,6 +54,7 @@ def _disable(directory: str, e: BaseException) -> None:
 
 
 def _buffered(fd: int, offset: int, out: np.ndarray, path: str) -> None:
+    """Reads `out.size` bytes at `offset` straight into `out`, in `BOUNCE`-sized requests."""
     done, n = 0, out.size
     view = memoryview(out)  # type: ignore[arg-type]
     while done < n:
@@ -70,13 +71,8 @@ def _direct(fd: int, offset: int, out: np.ndarray, path: str) -> None:
     done = 0
     # an aligned destination takes the aligned middle part directly
     if offset % ALIGN == 0 and out.ctypes.data % ALIGN == 0 and n >= ALIGN:
-        direct_n = n - n % ALIGN
-        view = memoryview(out)  # type: ignore[arg-type]
-        while done < direct_n:
-            got = os.preadv(fd, [view[done : min(direct_n, done + BOUNCE)]], offset + done)
-            if got <= 0:
-                raise CheckpointCorruptedError(f"{path}: short read at offset {offset + done}")
-            done += got
+        done = n - n % ALIGN
+        _buffered(fd, offset, out[:done], path)  # aligned on both sides: same loop
         pos = offset + done
     if done == n:
         return
@@ -87,8 +83,10 @@ def _direct(fd: int, offset: int, out: np.ndarray, path: str) -> None:
             got = os.preadv(fd, [memoryview(bounce[:want])], pos)  # type: ignore[arg-type]
             start = offset + done
             stop = min(pos + got, end)
-            if stop <= start:
-                raise CheckpointCorruptedError(f"{path}: short read at offset {start}")
+            if stop <= start or (got < want and stop < end):  # end of file before the region's end
+                raise CheckpointCorruptedError(
+                    f"{path}: short read at offset {max(start, pos + got)}"
+                )
             out[done : done + stop - start] = bounce[start - pos : stop - pos]
             done += stop - start
             pos += want

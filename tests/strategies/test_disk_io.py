@@ -125,3 +125,28 @@ def test_damage_outside_the_rows_read_is_not_needed_inside_is_caught(tmp_path):
     assert torch.equal(got["w"], w[:100])
     with pytest.raises(CheckpointCorruptedError, match="checksum mismatch in bytes"):
         dc.load(request(3500), tmp_path / "c", validate_access_integrity=False)
+
+
+@pytest.mark.parametrize("direct", [True, False])
+@pytest.mark.parametrize(
+    "offset,size,aligned_dest",
+    [(4096, 8192, True), (123, 5000, False), (4096, 8292, True), (0, 1, False)],
+)
+def test_read_region_returns_exact_bytes(tmp_path, direct, offset, size, aligned_dest):
+    import mmap
+
+    import numpy as np
+
+    data = os.urandom(3 * 4096 + 100)
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    if aligned_dest:
+        out = np.frombuffer(mmap.mmap(-1, 3 * 4096), dtype=np.uint8)[:size]
+    else:
+        out = np.zeros(size, dtype=np.uint8)
+    _dcp_reader.read_region(str(path), offset, out, direct=direct)
+    assert out.tobytes() == data[offset : offset + size]
+    with pytest.raises(CheckpointCorruptedError, match="short read"):
+        _dcp_reader.read_region(
+            str(path), len(data) - 10, np.zeros(20, dtype=np.uint8), direct=direct
+        )
