@@ -87,3 +87,39 @@ def local_piece(i: int, shape: tuple, rank: int, world: int, axis: int) -> torch
         return torch.randn(rows, full_cols, generator=g) + rank
     cols = full_cols // world
     return torch.randn(full_rows, cols, generator=g) + rank
+
+
+def init_world(rank: int, world: int, port: int, minutes: int = 30) -> None:
+    """Joins a gloo world on localhost (benchmark workers)."""
+    import datetime
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(minutes=minutes),
+    )
+
+
+def max_over_ranks(x: float) -> float:
+    """Collective: the largest `x` over ranks (the slowest rank sets a step's time)."""
+    t = torch.tensor([x], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t[0])
+
+
+def run_world(worker: Callable[..., None], world: int, *args: Any) -> Any:
+    """Runs `worker(rank, world, *args, port, queue)` on `world` spawned ranks; returns what
+    rank 0 put on the queue."""
+    import torch.multiprocessing as mp
+
+    queue = mp.get_context("spawn").SimpleQueue()
+    mp.start_processes(
+        worker,
+        args=(world, *args, free_port(), queue),
+        nprocs=world,
+        join=True,
+        start_method="spawn",
+    )
+    return queue.get()

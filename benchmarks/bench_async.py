@@ -18,7 +18,6 @@ Times are the max over ranks of each save; medians over the 2nd and later saves.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import shutil
@@ -28,16 +27,18 @@ from typing import Any, Dict, List
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import free_port, local_piece, median, model_shapes, print_table, write_json
-
-
-def _max_over_ranks(x: float) -> float:
-    t = torch.tensor([x], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t[0])
+from _common import (
+    init_world,
+    local_piece,
+    max_over_ranks,
+    median,
+    model_shapes,
+    print_table,
+    run_world,
+    write_json,
+)
 
 
 def _state(shapes: List[tuple], rank: int, world: int, step: int) -> Dict[str, Any]:
@@ -80,13 +81,7 @@ def _train_steps(a: torch.Tensor, seconds: float, matmuls: int, poll: Any = None
 
 
 def _worker(rank: int, world: int, args: argparse.Namespace, port: int, queue: Any) -> None:
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(minutes=30),
-    )
+    init_world(rank, world, port)
     torch.set_num_threads(1)
     import dist_checkpointing as dc
     from dist_checkpointing.serialization import get_default_save_sharded_strategy
@@ -104,17 +99,17 @@ def _worker(rank: int, world: int, args: argparse.Namespace, port: int, queue: A
         t0 = time.perf_counter()
         for b, t in zip(bufs, tensors):
             b.copy_(t)
-        copies.append(_max_over_ranks(time.perf_counter() - t0))
+        copies.append(max_over_ranks(time.perf_counter() - t0))
     del bufs
     syncs = []
     for i in range(args.saves):
         dist.barrier()
         t0 = time.perf_counter()
         dc.save(_state(shapes, rank, world, i), os.path.join(root, f"sync_{i}"))
-        syncs.append(_max_over_ranks(time.perf_counter() - t0))
+        syncs.append(max_over_ranks(time.perf_counter() - t0))
     a = torch.randn(args.matmul, args.matmul) / args.matmul**0.5
     dist.barrier()
-    base_rate = _max_over_ranks(_train_steps(a, 3.0, args.matmuls))
+    base_rate = max_over_ranks(_train_steps(a, 3.0, args.matmuls))
     out: Dict[str, Any] = {
         "copy s": median(copies),
         "sync save s": median(syncs[1:] or syncs),
@@ -139,9 +134,9 @@ def _worker(rank: int, world: int, args: argparse.Namespace, port: int, queue: A
                     return True
                 return False
 
-            rates.append(-_max_over_ranks(-_train_steps(a, 0, args.matmuls, poll)))  # slowest rank
-            blocking.append(_max_over_ranks(blocked))
-            finalized.append(_max_over_ranks(done[0]))
+            rates.append(-max_over_ranks(-_train_steps(a, 0, args.matmuls, poll)))  # slowest rank
+            blocking.append(max_over_ranks(blocked))
+            finalized.append(max_over_ranks(done[0]))
         q.close()
         out[name] = {
             "blocking s": median(blocking[1:]),
@@ -173,16 +168,7 @@ def main() -> None:
     shutil.rmtree(args.dir, ignore_errors=True)
     rows, raw = [], {}
     for world in args.world_sizes:
-        ctx = mp.get_context("spawn")
-        queue = ctx.SimpleQueue()
-        mp.start_processes(
-            _worker,
-            args=(world, args, free_port(), queue),
-            nprocs=world,
-            join=True,
-            start_method="spawn",
-        )
-        res = queue.get()
+        res = run_world(_worker, world, args)
         raw[world] = res
         for caller in ("forked", "persistent"):
             r = res[caller]

@@ -23,34 +23,31 @@ the same run (write for saves, read for loads).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import mmap
 import os
 import shutil
 import sys
 import threading
-import time
 from typing import Any, Callable, Dict, List
 
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import drop_page_cache, free_port, median, print_table, write_json
+from _common import (
+    drop_page_cache,
+    init_world,
+    median,
+    print_table,
+    run_world,
+    timed,
+    write_json,
+)
 
 KINDS = ["save", "load", "reshard rows", "reshard cols"]
 OURS_THREADS = int(os.environ.get("DIST_CKPT_BENCH_THREADS", "1"))
-
-
-def _timed(fn: Callable[[], Any]) -> float:
-    dist.barrier()
-    t0 = time.perf_counter()
-    fn()
-    dist.barrier()
-    return time.perf_counter() - t0
 
 
 def _cold() -> None:
@@ -176,7 +173,7 @@ def _run(method: str, shapes: List[tuple], root: str, repeats: int) -> Dict[str,
                 b[:] = 7
             files = [os.path.join(path, f"raw_{rank}_{i}") for i in range(2)]
             times["save"].append(
-                _timed(
+                timed(
                     lambda: _parallel(
                         [lambda f=f, b=b: _raw_write(f, b) for f, b in zip(files, bufs)]
                     )
@@ -184,7 +181,7 @@ def _run(method: str, shapes: List[tuple], root: str, repeats: int) -> Dict[str,
             )
             _cold()
             times["load"].append(
-                _timed(
+                timed(
                     lambda: _parallel(
                         [lambda f=f, b=b: _raw_read(f, b) for f, b in zip(files, bufs)]
                     )
@@ -196,7 +193,7 @@ def _run(method: str, shapes: List[tuple], root: str, repeats: int) -> Dict[str,
 
             saver = TorchDistSaveShardedStrategy(thread_count=OURS_THREADS)
             sd = _ours_sd(shapes, "rows", True)
-            times["save"].append(_timed(lambda: dc.save(sd, path, sharded_strategy=saver)))
+            times["save"].append(timed(lambda: dc.save(sd, path, sharded_strategy=saver)))
             for kind, layout in (
                 ("load", "rows"),
                 ("reshard rows", "shifted"),
@@ -205,26 +202,26 @@ def _run(method: str, shapes: List[tuple], root: str, repeats: int) -> Dict[str,
                 req = _ours_sd(shapes, layout, False)
                 _cold()
                 times[kind].append(
-                    _timed(lambda: dc.load(req, path, validate_access_integrity=False))
+                    timed(lambda: dc.load(req, path, validate_access_integrity=False))
                 )
         elif method == "dcp":
             import torch.distributed.checkpoint as dcp
 
             sd = _dtensors(shapes, "rows", True)
-            times["save"].append(_timed(lambda: dcp.save(sd, checkpoint_id=path)))
+            times["save"].append(timed(lambda: dcp.save(sd, checkpoint_id=path)))
             for kind, layout in (("load", "rows"), ("reshard cols", "cols")):
                 dreq = _dtensors(shapes, layout, False)
                 _cold()
-                times[kind].append(_timed(lambda: dcp.load(dreq, checkpoint_id=path)))
+                times[kind].append(timed(lambda: dcp.load(dreq, checkpoint_id=path)))
         elif method == "megatron":
             from megatron.core import dist_checkpointing as mdc
 
             sd = _mcore_sd(shapes, "rows", True)
-            times["save"].append(_timed(lambda: mdc.save(sd, path)))
+            times["save"].append(timed(lambda: mdc.save(sd, path)))
             for kind, layout in (("load", "rows"), ("reshard cols", "cols")):
                 mreq = _mcore_sd(shapes, layout, False)
                 _cold()
-                times[kind].append(_timed(lambda: mdc.load(mreq, path)))
+                times[kind].append(timed(lambda: mdc.load(mreq, path)))
         else:  # torch.save
             local = {
                 f"t{i}": _piece(i, s, *_blocks(s, rank, world, "rows"))
@@ -237,10 +234,10 @@ def _run(method: str, shapes: List[tuple], root: str, repeats: int) -> Dict[str,
                     f.flush()
                     os.fsync(f.fileno())
 
-            times["save"].append(_timed(save_each))
+            times["save"].append(timed(save_each))
             _cold()
             times["load"].append(
-                _timed(lambda: torch.load(os.path.join(path, f"rank{rank}.pt"), weights_only=True))
+                timed(lambda: torch.load(os.path.join(path, f"rank{rank}.pt"), weights_only=True))
             )
 
             def gather_cols() -> None:  # one rank file at a time: keep only this rank's columns
@@ -255,7 +252,7 @@ def _run(method: str, shapes: List[tuple], root: str, repeats: int) -> Dict[str,
                     torch.cat(parts[i], dim=0)
 
             _cold()
-            times["reshard cols"].append(_timed(gather_cols))
+            times["reshard cols"].append(timed(gather_cols))
         dist.barrier()
         if rank == 0:
             shutil.rmtree(path, ignore_errors=True)
@@ -264,13 +261,7 @@ def _run(method: str, shapes: List[tuple], root: str, repeats: int) -> Dict[str,
 
 
 def _worker(rank: int, world: int, args: argparse.Namespace, port: int, queue: Any) -> None:
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(minutes=60),
-    )
+    init_world(rank, world, port, minutes=60)
     torch.set_num_threads(1)
     torch.cuda.synchronize = lambda *a, **k: None  # megatron-core calls these on CPU too
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
@@ -316,15 +307,7 @@ def main() -> None:
     rows = []
     raw: Dict[str, Any] = {}
     for world in args.world_sizes:
-        queue = mp.get_context("spawn").SimpleQueue()
-        mp.start_processes(
-            _worker,
-            args=(world, args, free_port(), queue),
-            nprocs=world,
-            join=True,
-            start_method="spawn",
-        )
-        res = queue.get()
+        res = run_world(_worker, world, args)
         raw[str(world)] = res
         for _size, per in res.items():
             nbytes = per.pop("_bytes")

@@ -15,7 +15,6 @@ directory. Per configuration, medians over `--repeats` saves (max over ranks):
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import shutil
@@ -25,26 +24,21 @@ from typing import Any, Dict, List
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks._common import drop_page_cache, free_port, median, print_table, write_json
-
-
-def _max(x: float) -> float:
-    t = torch.tensor([x], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
+from benchmarks._common import (
+    drop_page_cache,
+    init_world,
+    max_over_ranks,
+    median,
+    print_table,
+    run_world,
+    write_json,
+)
 
 
 def _worker(rank: int, world: int, args: argparse.Namespace, port: int, queue: Any) -> None:
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(minutes=30),
-    )
+    init_world(rank, world, port)
     torch.set_num_threads(1)
     from dist_checkpointing.local.basic_state_dict import BasicTensorAwareStateDict
     from dist_checkpointing.local.ckpt_managers.local_manager import LocalCheckpointManager
@@ -64,7 +58,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace, port: int, queue: A
         dist.barrier()
         t0 = time.perf_counter()
         fn()
-        return _max(time.perf_counter() - t0)
+        return max_over_ranks(time.perf_counter() - t0)
 
     def torch_save(i: int) -> None:
         path = os.path.join(node, f"torch_{i}.pt")
@@ -91,9 +85,9 @@ def _worker(rank: int, world: int, args: argparse.Namespace, port: int, queue: A
         q.schedule_async_request(
             m.save(BasicTensorAwareStateDict(dict(tensors)), i + 1, is_async=True)
         )
-        blocked.append(_max(time.perf_counter() - t0))
+        blocked.append(max_over_ranks(time.perf_counter() - t0))
         q.maybe_finalize_async_calls(blocking=True)
-        final.append(_max(time.perf_counter() - t0))
+        final.append(max_over_ranks(time.perf_counter() - t0))
     q.close()
     out["async blocks s"] = median(blocked)
     out["async final s"] = median(final)
@@ -134,44 +128,20 @@ def main() -> None:
     parser.add_argument("--json", default="")
     args = parser.parse_args()
     shutil.rmtree(args.dir, ignore_errors=True)
-    queue = mp.get_context("spawn").SimpleQueue()
-    mp.start_processes(
-        _worker,
-        args=(args.world_size, args, free_port(), queue),
-        nprocs=args.world_size,
-        join=True,
-        start_method="spawn",
-    )
-    res = queue.get()
+    res = run_world(_worker, args.world_size, args)
     shutil.rmtree(args.dir, ignore_errors=True)
     base = res["torch.save s"]
+    labels = {
+        "torch.save s": "torch.save + fsync per rank",
+        "local f1 s": "local, no replication",
+        "local f2 s": "local, replication_factor 2",
+        "async blocks s": "local async f2: save() blocks",
+        "async final s": "local async f2: final",
+        "recovery s": "recovery after losing a rank's dir",
+    }
     rows: List[Dict[str, Any]] = [
-        {"what": "torch.save + fsync per rank", "s": base, "x torch.save": 1.0},
-        {
-            "what": "local, no replication",
-            "s": res["local f1 s"],
-            "x torch.save": res["local f1 s"] / base,
-        },
-        {
-            "what": "local, replication_factor 2",
-            "s": res["local f2 s"],
-            "x torch.save": res["local f2 s"] / base,
-        },
-        {
-            "what": "local async f2: save() blocks",
-            "s": res["async blocks s"],
-            "x torch.save": res["async blocks s"] / base,
-        },
-        {
-            "what": "local async f2: final",
-            "s": res["async final s"],
-            "x torch.save": res["async final s"] / base,
-        },
-        {
-            "what": "recovery after losing a rank's dir",
-            "s": res["recovery s"],
-            "x torch.save": res["recovery s"] / base,
-        },
+        {"what": what, "s": res[key], "x torch.save": res[key] / base}
+        for key, what in labels.items()
     ]
     print_table(
         f"local checkpoints, {args.world_size} ranks, {args.total_mib} MiB fp32 in all, medians of {args.repeats}",

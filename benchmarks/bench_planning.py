@@ -12,7 +12,6 @@ of an unchanged structure skip the metadata exchange and reuse rank 0's metadata
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import shutil
 import sys
@@ -21,26 +20,13 @@ from typing import Any, Dict, List
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import free_port, print_table
-
-
-def _max(x: float) -> float:
-    t = torch.tensor([x], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
+from _common import init_world, max_over_ranks, print_table, run_world
 
 
 def _worker(rank: int, world: int, args: argparse.Namespace, port: int, queue: Any) -> None:
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(minutes=30),
-    )
+    init_world(rank, world, port)
     torch.set_num_threads(1)
     import dist_checkpointing as dc
     import dist_checkpointing.serialization as ser
@@ -75,24 +61,14 @@ def _worker(rank: int, world: int, args: argparse.Namespace, port: int, queue: A
         spent.clear()
         dist.barrier()
         t0 = time.perf_counter()
-        if os.environ.get("PROFILE_RANK0") and rank == 0 and step == 2:
-            import cProfile
-            import pstats
-
-            prof = cProfile.Profile()
-            prof.enable()
-            dc.save(sd, os.path.join(args.dir, f"s{step}"))
-            prof.disable()
-            pstats.Stats(prof).sort_stats("cumulative").print_stats(30)
-        else:
-            dc.save(sd, os.path.join(args.dir, f"s{step}"))
-        total = _max(time.perf_counter() - t0)
+        dc.save(sd, os.path.join(args.dir, f"s{step}"))
+        total = max_over_ranks(time.perf_counter() - t0)
         out.append(
             {
                 "save": "first" if step == 0 else f"repeat {step}",
                 "save s": total,
-                "validation exchange s": _max(spent.get("validation exchange", 0.0)),
-                "finalize s": _max(spent.get("finalize", 0.0)),
+                "validation exchange s": max_over_ranks(spent.get("validation exchange", 0.0)),
+                "finalize s": max_over_ranks(spent.get("finalize", 0.0)),
             }
         )
     if rank == 0:
@@ -110,15 +86,7 @@ def main() -> None:
     parser.add_argument("--dir", default="/dev/shm/dist_ckpt_bench_planning")
     args = parser.parse_args()
     shutil.rmtree(args.dir, ignore_errors=True)
-    queue = mp.get_context("spawn").SimpleQueue()
-    mp.start_processes(
-        _worker,
-        args=(args.world_size, args, free_port(), queue),
-        nprocs=args.world_size,
-        join=True,
-        start_method="spawn",
-    )
-    rows = queue.get()
+    rows = run_world(_worker, args.world_size, args)
     shutil.rmtree(args.dir, ignore_errors=True)
     print_table(
         f"{args.world_size} ranks x {args.tensors} tensors (256x64 fp32 each, split on rows), max over ranks",

@@ -11,10 +11,11 @@ so one rank's error never leaves the others waiting in the next collective.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
-from typing import Any, Callable, List, Optional, Tuple, TypeVar
+from typing import Any, Callable, Iterator, List, Optional, Tuple, TypeVar
 
 import torch.distributed as dist
 
@@ -95,11 +96,17 @@ def _group(group: Group) -> Group:
     return _coordination
 
 
-def _failed(op: str, e: BaseException) -> DistributedFailureError:
-    return DistributedFailureError(
-        f"Checkpoint collective {op} failed: another rank died or did not answer within "
-        f"{_timeout_s:.0f} s ({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''})"
-    )
+@contextlib.contextmanager
+def _collective(op: str) -> Iterator[None]:
+    """Turns a collective's failure (a dead or silent peer) into `DistributedFailureError`."""
+    try:
+        yield
+    except RuntimeError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise DistributedFailureError(
+            f"Checkpoint collective {op} failed: another rank died or did not answer within "
+            f"{_timeout_s:.0f} s ({type(e).__name__}: {first})"
+        ) from e
 
 
 def is_distributed() -> bool:
@@ -127,10 +134,8 @@ def all_gather_object(obj: T, group: Group = None) -> List[T]:
         return [obj]
     g = _group(group)
     out: List[Any] = [None] * dist.get_world_size(g)
-    try:
+    with _collective("all_gather_object"):
         dist.all_gather_object(out, obj, group=g)
-    except RuntimeError as e:
-        raise _failed("all_gather_object", e) from e
     return out
 
 
@@ -144,10 +149,8 @@ def gather_object(obj: T, dst: int = 0, group: Group = None) -> Optional[List[T]
         return [obj]
     g = _group(group)
     out: Optional[List[Any]] = [None] * dist.get_world_size(g) if dist.get_rank(g) == dst else None
-    try:
+    with _collective("gather_object"):
         dist.gather_object(obj, out, group_dst=dst, group=g)
-    except RuntimeError as e:
-        raise _failed("gather_object", e) from e
     return out
 
 
@@ -160,10 +163,8 @@ def broadcast_object(obj: T, src: int = 0, group: Group = None) -> T:
     if not is_distributed():
         return obj
     holder = [obj]
-    try:
+    with _collective("broadcast_object"):
         dist.broadcast_object_list(holder, group_src=src, group=_group(group))
-    except RuntimeError as e:
-        raise _failed("broadcast_object", e) from e
     return holder[0]
 
 
@@ -178,10 +179,8 @@ def all_reduce_max(values: List[int], group: Group = None) -> List[int]:
     import torch
 
     t = torch.tensor(values, dtype=torch.int64)
-    try:
+    with _collective("all_reduce"):
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_group(group))
-    except RuntimeError as e:
-        raise _failed("all_reduce", e) from e
     return [int(v) for v in t.tolist()]
 
 
@@ -192,10 +191,8 @@ def barrier(group: Group = None) -> None:
         DistributedFailureError: another rank died or timed out.
     """
     if is_distributed():
-        try:
+        with _collective("barrier"):
             dist.barrier(group=_group(group))
-        except RuntimeError as e:
-            raise _failed("barrier", e) from e
 
 
 def _describe(exc: BaseException) -> str:

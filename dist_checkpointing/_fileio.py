@@ -5,9 +5,11 @@ from __future__ import annotations
 import io
 import os
 from pathlib import Path
-from typing import Any, Callable, Union
+from typing import Any, Callable, Optional, Union
 
-__all__ = ["atomic_write", "fsync_dir"]
+from .errors import CheckpointCorruptedError
+
+__all__ = ["atomic_write", "fsync_dir", "read_capped"]
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -19,6 +21,27 @@ def fsync_dir(path: PathLike) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def read_capped(path: PathLike, limit: int) -> Optional[bytes]:
+    """Reads a whole (small) file, refusing to read more than `limit` bytes.
+
+    Returns:
+        The bytes, or None when the file (or its directory) does not exist.
+
+    Raises:
+        CheckpointCorruptedError: the file cannot be read or is larger than `limit`.
+    """
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(limit + 1)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as e:
+        raise CheckpointCorruptedError(f"{path}: cannot be read ({e})") from e
+    if len(raw) > limit:
+        raise CheckpointCorruptedError(f"{path} is larger than {limit} bytes")
+    return raw
 
 
 def atomic_write(path: PathLike, write_fn: Callable[[io.BufferedWriter], Any]) -> None:

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from ._fileio import atomic_write
+from ._fileio import atomic_write, read_capped
 from .errors import CheckpointCorruptedError, CheckpointingException
 
 __all__ = [
@@ -96,15 +96,9 @@ def maybe_load_config(
         CheckpointCorruptedError: if `metadata.json` exists but is not a valid config.
     """
     path = Path(checkpoint_dir) / CONFIG_FNAME
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(_MAX_CONFIG_BYTES + 1)
-    except (FileNotFoundError, NotADirectoryError):
+    raw = read_capped(path, _MAX_CONFIG_BYTES)
+    if raw is None:
         return None
-    except OSError as e:
-        raise CheckpointCorruptedError(f"Cannot read {path}: {e}") from e
-    if len(raw) > _MAX_CONFIG_BYTES:
-        raise CheckpointCorruptedError(f"{path} is larger than {_MAX_CONFIG_BYTES} bytes")
     try:
         data = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as e:

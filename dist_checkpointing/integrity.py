@@ -26,7 +26,7 @@ from typing import Any, Dict, Iterable, Optional, Tuple, Union
 
 import xxhash
 
-from ._fileio import atomic_write
+from ._fileio import atomic_write, read_capped
 from .errors import CheckpointCorruptedError
 
 __all__ = [
@@ -278,13 +278,5 @@ def read_checksums(checkpoint_dir: PathArg) -> Optional[Checksums]:
         CheckpointCorruptedError: the file exists but is damaged or unsupported.
     """
     path = Path(checkpoint_dir) / CHECKSUMS_FNAME
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(_MAX_BYTES + 1)
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-    except OSError as e:
-        raise CheckpointCorruptedError(f"{path}: cannot be read ({e})") from e
-    if len(raw) > _MAX_BYTES:
-        raise CheckpointCorruptedError(f"{path}: larger than {_MAX_BYTES} bytes")
-    return Checksums.from_json(raw, str(path))
+    raw = read_capped(path, _MAX_BYTES)
+    return None if raw is None else Checksums.from_json(raw, str(path))

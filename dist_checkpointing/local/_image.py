@@ -26,11 +26,12 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
-import xxhash
 
 from .._safe_load import torch_load
 from ..errors import CheckpointCorruptedError, CheckpointingException
+from ..integrity import checksum
 from .base_state_dict import TensorAwareStateDict
+from .basic_state_dict import BasicTensorAwareStateDict, TensorPlaceholder
 
 __all__ = ["LocalImage", "start_image", "finish_image", "decode_image", "read_image", "write_image"]
 
@@ -43,11 +44,6 @@ _IO_CHUNK = 64 << 20
 
 def _aligned(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
-
-
-def checksum(data: Any) -> int:
-    """xxh3_64 of a bytes-like object."""
-    return xxhash.xxh3_64_intdigest(data)
 
 
 @dataclass
@@ -203,9 +199,11 @@ def decode_image(
     table_bytes = flat[table_off : table_off + 8 * count]
     if checksum(table_bytes) != t_sum:
         raise CheckpointCorruptedError(f"{where}: checksum table mismatch")
-    header = torch_load(
-        io.BytesIO(flat[h_off:table_off].tobytes()), f"{where} (header)", weights_only
-    )
+    # our own classes are allowed here whatever the process-wide allowlist holds
+    with torch.serialization.safe_globals([BasicTensorAwareStateDict, TensorPlaceholder]):
+        header = torch_load(
+            io.BytesIO(flat[h_off:table_off].tobytes()), f"{where} (header)", weights_only
+        )
     if not isinstance(header, dict) or header.get("format") != FORMAT_VERSION:
         raise CheckpointCorruptedError(
             f"{where}: unsupported local checkpoint header (format "

@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.storage import WriteResult
 
-from .._fileio import atomic_write
+from .._fileio import atomic_write, read_capped
 from .._safe_load import torch_load
 from ..errors import CheckpointCorruptedError, UnsafeCheckpointError
 from ..integrity import Checksums, ItemSum, checksum, new_hasher
@@ -144,15 +144,9 @@ def read_metadata(checkpoint_dir: Path, checksums: Optional[Checksums] = None) -
     path = Path(checkpoint_dir) / DCP_METADATA_FNAME
     if not _MetadataUnpickler.allowed:
         _MetadataUnpickler.allowed = _allowed_globals()
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(_MAX_METADATA_BYTES + 1)
-    except FileNotFoundError as e:
-        raise CheckpointCorruptedError(f"{path}: DCP metadata file not found") from e
-    except OSError as e:
-        raise CheckpointCorruptedError(f"{path}: cannot be read ({e})") from e
-    if len(raw) > _MAX_METADATA_BYTES:
-        raise CheckpointCorruptedError(f"{path}: larger than {_MAX_METADATA_BYTES} bytes")
+    raw = read_capped(path, _MAX_METADATA_BYTES)
+    if raw is None:
+        raise CheckpointCorruptedError(f"{path}: DCP metadata file not found")
     if checksums is not None:
         checksums.verify_file(DCP_METADATA_FNAME, raw, str(path))
     try:
@@ -363,15 +357,21 @@ def _mismatch(what: str, info: _StorageInfo) -> CheckpointCorruptedError:
     )
 
 
+def _frame(raw: Any, layout: Any, length: int) -> Tuple[bytes, bytes]:
+    """The item's bytes before and after its data (its zip records)."""
+    raw.seek(0)
+    head = raw.read(layout.data_offset)
+    raw.seek(layout.data_offset + layout.nbytes)
+    return head, raw.read(length - layout.data_offset - layout.nbytes)
+
+
 def _frame_matches(raw: Any, layout: Any, length: int, expected: ItemSum) -> bool:
     """Whether the item's zip records (all bytes around the data) match their digest."""
     if layout.data_offset != expected.data_off or layout.nbytes != expected.data_len:
         return False
     h = new_hasher()
-    raw.seek(0)
-    h.update(raw.read(layout.data_offset))
-    raw.seek(layout.data_offset + layout.nbytes)
-    h.update(raw.read(length - layout.data_offset - layout.nbytes))
+    for part in _frame(raw, layout, length):
+        h.update(part)
     return h.intdigest() == expected.digest
 
 
@@ -384,13 +384,12 @@ def _whole_matches(
             _frame_matches(raw, layout, length, expected)
             and expected.bad_block(_flat_bytes(data), 0) is None
         )
+    head, tail = _frame(raw, layout, length)
     h = new_hasher()
-    raw.seek(0)
-    h.update(raw.read(layout.data_offset))
+    h.update(head)
     if layout.nbytes:
         h.update(_flat_bytes(data))
-    raw.seek(layout.data_offset + layout.nbytes)
-    h.update(raw.read(length - layout.data_offset - layout.nbytes))
+    h.update(tail)
     return h.intdigest() == expected.digest
 
 

@@ -208,33 +208,37 @@ class LocalLoadShardedStrategy(NodeLocalLoadShardedStrategy):
         common = stored["common"]
         return (common if isinstance(common, dict) else {}), result
 
-    def load_common_rank_state(self, checkpoint_dir: CheckpointDir) -> StateDict:
+    def _own_state(self, checkpoint_dir: CheckpointDir) -> Dict[str, Any]:
+        """This rank's own stored state, read from its own directory (not collective)."""
         manager = self._manager(checkpoint_dir)
-        state = manager._load((_ITERATION, _dist.get_rank(), ""))
-        common = self._checked(state, checkpoint_dir)["common"]
+        return self._checked(manager._load((_ITERATION, _dist.get_rank(), "")), checkpoint_dir)
+
+    def load_common_rank_state(self, checkpoint_dir: CheckpointDir) -> StateDict:
+        common = self._own_state(checkpoint_dir)["common"]
         return common if isinstance(common, dict) else {}
 
     def load_tensors_metadata(self, checkpoint_dir: CheckpointDir) -> ShardedStateDict:
         """The tensors of this rank's own part (whole-tensor metadata, no data)."""
-        manager = self._manager(checkpoint_dir)
-        sd = self._checked(manager._load((_ITERATION, _dist.get_rank(), "")), checkpoint_dir)
-        out: ShardedStateDict = {}
-        for slot, entry in sd["sharded"].items():
-            key = slot.rsplit(" (", 1)[0]
-            shape = tuple(entry["global_shape"])
-            out[key] = ShardedTensor(
-                key, None, entry["data"].dtype, shape, shape, (0,) * len(shape), None
-            )
-        return out
+        return _tensors_metadata(self._own_state(checkpoint_dir))
 
     def load_sharded_metadata(self, checkpoint_dir: CheckpointDir) -> ShardedStateDict:
-        out = self.load_tensors_metadata(checkpoint_dir)
-        manager = self._manager(checkpoint_dir)
-        sd = self._checked(manager._load((_ITERATION, _dist.get_rank(), "")), checkpoint_dir)
+        sd = self._own_state(checkpoint_dir)
+        out = _tensors_metadata(sd)
         for unique_key in sd["objects"]:
             obj = ShardedObject.empty_from_unique_key(unique_key)
             out[obj.unique_key] = obj
         return out
+
+
+def _tensors_metadata(sd: Dict[str, Any]) -> ShardedStateDict:
+    out: ShardedStateDict = {}
+    for slot, entry in sd["sharded"].items():
+        key = slot.rsplit(" (", 1)[0]
+        shape = tuple(entry["global_shape"])
+        out[key] = ShardedTensor(
+            key, None, entry["data"].dtype, shape, shape, (0,) * len(shape), None
+        )
+    return out
 
 
 def _fill_request(request: ShardedStateDict, stored: Dict[str, Any], where: str) -> StateDict:

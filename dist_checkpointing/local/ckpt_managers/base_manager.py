@@ -195,12 +195,8 @@ class BaseCheckpointManager(ABC):
         if not self.use_replicas:
             local = [i for i in local if i[1] == self.rank]
         self.globally_available_ids = _dist.all_gather_object(local)
-        world = _dist.get_world_size()
-        owners: Dict[int, set] = {}
-        for ids in self.globally_available_ids:
-            for iteration, owner, _ in ids:
-                owners.setdefault(iteration, set()).add(owner)
-        complete = [it for it, o in owners.items() if o >= set(range(world))]
+        world = set(range(_dist.get_world_size()))
+        complete = [it for it, o in self._owners_by_iteration().items() if o >= world]
         self.latest_iteration = max(complete, default=-1)
         return self.latest_iteration
 
@@ -346,13 +342,18 @@ class BaseCheckpointManager(ABC):
         self._cleanup(iteration)
         self.latest_iteration = -1
 
-    def _raise_nothing_complete(self) -> None:
-        """Raises (identically on every rank) why no iteration is complete."""
+    def _owners_by_iteration(self) -> Dict[int, set]:
+        """iteration -> the owners whose parts some rank holds (from the last `find_latest`)."""
         assert self.globally_available_ids is not None
         owners: Dict[int, set] = {}
         for ids in self.globally_available_ids:
             for iteration, owner, _ in ids:
                 owners.setdefault(iteration, set()).add(owner)
+        return owners
+
+    def _raise_nothing_complete(self) -> None:
+        """Raises (identically on every rank) why no iteration is complete."""
+        owners = self._owners_by_iteration()
         if not owners:
             raise CheckpointingException(
                 f"No local checkpoint found on any rank (session {self.session_id!r})"
@@ -388,10 +389,11 @@ class BaseCheckpointManager(ABC):
             r: [tuple(i) for i in ids if i[0] == iteration]
             for r, ids in enumerate(self.globally_available_ids)
         }
-        cache: Dict[CkptID, torch.Tensor] = {}
+        # every rank wants its own part of the same iteration: no need to ask
+        everyone = {r: [(iteration, r, self.session_id)] for r in range(_dist.get_world_size())}
+        cache: Dict[CkptID, torch.Tensor] = {}  # parts read here, already verified
         while True:
-            everyone = _dist.all_gather_object([wanted], host_group())
-            plan = plan_retrieval(available, dict(enumerate(everyone)))  # type: ignore[arg-type]
+            plan = plan_retrieval(available, everyone)  # type: ignore[arg-type]
             bad: List[CkptID] = []
             for ckpt_id in plan.required_ids(self.rank):
                 if ckpt_id in cache:
@@ -411,11 +413,15 @@ class BaseCheckpointManager(ABC):
             if not any(all_bad):
                 break
             for rank, ids in enumerate(all_bad):
-                available[rank] = [i for i in available[rank] if i not in set(map(tuple, ids))]  # type: ignore[arg-type]
+                gone = {tuple(i) for i in ids}
+                available[rank] = [i for i in available[rank] if i not in gone]
         received = execute_plan(plan, cache, host_group())
         image = received[wanted]
         _, state = decode_image(
-            image, f"local checkpoint part {describe_id(wanted)}", weights_only=self.weights_only
+            image,
+            f"local checkpoint part {describe_id(wanted)}",
+            verify=wanted not in cache,  # a part kept here was verified when read
+            weights_only=self.weights_only,
         )
         state.restore_tensor_device(non_blocking=False)
         elapsed = time.perf_counter() - start
