@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import struct
 from typing import Any, BinaryIO, Union
 
 import torch
@@ -50,6 +51,7 @@ def torch_load(
         raise CheckpointCorruptedError(f"{what}: malformed pickle: {e}") from e
     except (
         RuntimeError,
+        struct.error,  # legacy (non-zip) format: a few bytes that are not a header
         EOFError,
         ValueError,
         OSError,

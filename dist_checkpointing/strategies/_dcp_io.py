@@ -157,7 +157,12 @@ def read_metadata(checkpoint_dir: Path, checksums: Optional[Checksums] = None) -
         raise CheckpointCorruptedError(
             f"{path}: cannot read DCP metadata ({type(e).__name__}: {e})"
         ) from e
-    _check_metadata(metadata, path)
+    try:
+        _check_metadata(metadata, path)
+    except (AttributeError, TypeError, ValueError) as e:  # objects of the right class, damaged
+        raise CheckpointCorruptedError(
+            f"{path}: malformed DCP metadata ({type(e).__name__}: {e})"
+        ) from e
     return metadata
 
 
@@ -177,6 +182,8 @@ def _check_metadata(metadata: Any, path: Path) -> None:
         ):
             raise CheckpointCorruptedError(f"{path}: malformed entry for key {key!r}")
         if isinstance(value, TensorStorageMetadata):
+            if not isinstance(value.properties.dtype, torch.dtype):
+                raise CheckpointCorruptedError(f"{path}: entry {key!r} has no valid dtype")
             ndim = len(value.size)
             for chunk in value.chunks:
                 if len(chunk.offsets) != ndim or len(chunk.sizes) != ndim:

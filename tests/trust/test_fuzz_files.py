@@ -194,3 +194,26 @@ def test_each_data_item_flip_is_detected(pristine, tmp_path):
             dc.load(_state(fill=False), ckpt)
     data_file.write_bytes(raw)
     dc.load(_state(fill=False), ckpt)
+
+
+def test_regressions_found_by_the_fuzzer(pristine, tmp_path):
+    """A one-byte common.pt (struct.error in torch.load) and DCP metadata whose objects lost
+    an attribute (a flipped bit in a field name) are corruption, not crashes."""
+    import pickle
+
+    from dist_checkpointing.strategies._dcp_io import read_metadata
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(pristine, ckpt)
+    (ckpt / CHECKSUMS_FNAME).unlink()
+    (ckpt / "common.pt").write_bytes(b"J")
+    with pytest.raises(CheckpointingException):
+        dc.load_common_state_dict(ckpt)
+    shutil.copy(pristine / "common.pt", ckpt / "common.pt")
+    md = read_metadata(ckpt)
+    for value in md.state_dict_metadata.values():
+        if hasattr(value, "size"):
+            del value.size
+    (ckpt / ".metadata").write_bytes(pickle.dumps(md))
+    with pytest.raises(CheckpointingException, match="malformed DCP metadata"):
+        dc.load(_state(fill=False), ckpt)
