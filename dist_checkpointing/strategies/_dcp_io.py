@@ -290,6 +290,7 @@ def read_tensor_items(
     resolve: Callable[[ReadItem], torch.Tensor],
     thread_count: int = 2,
     checksums: Optional[Checksums] = None,
+    direct_io: bool = False,
 ) -> int:
     """Reads each needed stored chunk once and copies the requested regions out of it.
 
@@ -300,6 +301,8 @@ def read_tensor_items(
         resolve: returns the destination view for a read item.
         thread_count: chunks loaded in parallel.
         checksums: when given, every item read is verified against it.
+        direct_io: read whole chunks with O_DIRECT (through aligned bounce buffers) rather
+            than through the page cache.
 
     Returns:
         Bytes read from storage.
@@ -327,7 +330,9 @@ def read_tensor_items(
         )
         path = checkpoint_dir / info.relative_path
         with _open_range(path, info) as stream:
-            stored, row0 = _read_stored(stream, group, resolve, what, expected, str(path))
+            stored, row0 = _read_stored(
+                stream, group, resolve, what, expected, str(path), direct_io
+            )
         if stored is None:  # read straight into the destination
             return group.info.length
         for r in group.reads:
@@ -407,6 +412,7 @@ def _read_stored(
     what: str,
     expected: Optional[ItemSum],
     path: str,
+    direct_io: bool = False,
 ) -> Tuple[Optional[torch.Tensor], int]:
     """Reads what the group needs of one stored chunk.
 
@@ -415,8 +421,8 @@ def _read_stored(
         `(rows, first_row)`: the rows `first_row...` of the chunk that the reads touch.
 
     The zip is parsed directly for a plain contiguous chunk (no `torch.load`) and its data
-    read with `read_region` in large requests (O_DIRECT for a whole chunk going straight to
-    its destination; through the page cache otherwise): only the rows the reads touch,
+    read with `read_region` in large requests (a whole chunk straight into its destination,
+    with O_DIRECT if `direct_io`; through the page cache otherwise): only the rows the reads touch,
     widened to whole checksum blocks when the item has per-block digests (then only those
     blocks and the item's zip records are verified). Items with one digest for the whole
     item are read whole to be verified. Other chunks go through `torch.load`.
@@ -457,7 +463,7 @@ def _read_stored(
             and dest.is_contiguous()
             and dest.device.type == "cpu"
         ):
-            read_region(path, data_file_off, _flat_bytes(dest), direct=True)
+            read_region(path, data_file_off, _flat_bytes(dest), direct=direct_io)
             _check_read(raw, layout, dest, 0, group, expected, what)
             return None, 0
     # Reads that other ranks of the node likely repeat (several regions of one chunk, or part

@@ -150,3 +150,50 @@ def test_read_region_returns_exact_bytes(tmp_path, direct, offset, size, aligned
         _dcp_reader.read_region(
             str(path), len(data) - 10, np.zeros(20, dtype=np.uint8), direct=direct
         )
+
+
+@pytest.mark.parametrize("direct_io", [False, True])
+def test_whole_chunk_loads_read_buffered_by_default_and_o_direct_when_asked(
+    tmp_path, monkeypatch, caplog, direct_io
+):
+    from dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
+
+    w = _big()
+    dc.save({"w": ShardedTensor.from_rank_offsets("w", w)}, tmp_path / "c")
+    calls = []
+    real = _dcp_reader.read_region
+
+    def spy(path, offset, out, direct=True):
+        calls.append((out.size, direct))
+        return real(path, offset, out, direct)
+
+    monkeypatch.setattr(_dcp_io, "read_region", spy)
+    strategy = TorchDistLoadShardedStrategy(direct_io=direct_io)
+    req = {"w": ShardedTensor.from_rank_offsets("w", torch.zeros_like(w))}
+    got = dc.load(req, tmp_path / "c", sharded_strategy=strategy)
+    assert torch.equal(got["w"], w)
+    assert calls == [(w.numel() * 4, direct_io)]
+
+    # where O_DIRECT is refused, the O_DIRECT read falls back by itself and says so
+    real_open = os.open
+
+    def no_direct(path, flags, *args):
+        if flags & os.O_DIRECT:
+            raise OSError(22, "Invalid argument")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", no_direct)
+    monkeypatch.setattr(_dcp_reader, "_no_direct", {})
+    caplog.set_level(logging.INFO)
+    req = {"w": ShardedTensor.from_rank_offsets("w", torch.zeros_like(w))}
+    got = dc.load(req, tmp_path / "c", sharded_strategy=strategy)
+    assert torch.equal(got["w"], w)
+    assert ("O_DIRECT reads are not usable" in caplog.text) == direct_io
+
+
+def test_load_strategy_refuses_a_thread_count_below_one():
+    from dist_checkpointing.errors import CheckpointingException
+    from dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
+
+    with pytest.raises(CheckpointingException, match="thread_count"):
+        TorchDistLoadShardedStrategy(thread_count=0)
