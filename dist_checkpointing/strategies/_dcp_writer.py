@@ -25,6 +25,7 @@ import math
 import mmap
 import os
 import threading
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +39,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from .._fileio import fsync_dir
 from ..integrity import ItemSum, blocked_sum, checksum, new_hasher
+from . import _pinned
 from ._dcp_plan import WriteEntry
 from ._dcp_zip import zip_item_layout
 
@@ -349,41 +351,67 @@ def write_streamed(
 class ImagePool:
     """Shared, page-aligned host buffers holding whole file images, reused across saves.
 
+    Buffers that will receive copies from a GPU are page-locked (pinned) so those copies run
+    asynchronously; a buffer dropped from the pool is unpinned first. Free buffers are kept
+    for the `max_signatures` file layouts released most recently, so host memory stays
+    bounded when the saved structure keeps changing.
+
     Args:
         max_free: free buffers kept per file signature.
+        max_signatures: file signatures whose free buffers are kept.
     """
 
-    def __init__(self, max_free: int = 2) -> None:
-        self._free: Dict[Tuple[Any, ...], List[torch.Tensor]] = {}
+    def __init__(self, max_free: int = 2, max_signatures: int = 4) -> None:
+        self._free: OrderedDict[Tuple[Any, ...], List[torch.Tensor]] = OrderedDict()
+        self._pinned: Dict[int, torch.Tensor] = {}  # data_ptr -> buffer
         self._lock = threading.Lock()
         self.max_free = max_free
+        self.max_signatures = max_signatures
         #: bytes of the buffers alive (in use or kept free)
         self.allocated_bytes = 0
 
     def acquire(self, plan: FilePlan, pin: bool) -> torch.Tensor:
+        """A buffer of at least `plan.size` bytes (rounded up to `ALIGN`), pinned if `pin`.
+
+        A free buffer of the same signature is reused; otherwise a new one is allocated.
+        """
+        buf = None
         with self._lock:
             free = self._free.get(plan.signature)
             if free:
-                return free.pop()
-        n = max(ALIGN, -(-plan.size // ALIGN) * ALIGN)
-        buf = torch.empty(
-            n, dtype=torch.uint8
-        ).share_memory_()  # shm: page-aligned, visible to writers
-        if pin:
-            from ._staging import _pin
-
-            _pin(buf)
-        with self._lock:
-            self.allocated_bytes += n
+                buf = free.pop()
+        if buf is None:
+            n = max(ALIGN, -(-plan.size // ALIGN) * ALIGN)
+            buf = torch.empty(n, dtype=torch.uint8).share_memory_()  # page-aligned, shareable
+            with self._lock:
+                self.allocated_bytes += n
+        if pin and buf.data_ptr() not in self._pinned and _pinned.pin(buf):
+            with self._lock:
+                self._pinned[buf.data_ptr()] = buf
         return buf
 
+    def is_pinned(self, buf: torch.Tensor) -> bool:
+        """Whether `buf` (from `acquire`) is page-locked."""
+        return buf.data_ptr() in self._pinned
+
     def release(self, plan: FilePlan, buf: torch.Tensor) -> None:
+        """Returns `buf` for reuse by saves of the same signature, or frees it."""
+        dropped: List[torch.Tensor] = []
         with self._lock:
             free = self._free.setdefault(plan.signature, [])
+            self._free.move_to_end(plan.signature)
             if len(free) < self.max_free:
                 free.append(buf)
             else:
-                self.allocated_bytes -= buf.numel()
+                dropped.append(buf)
+            while len(self._free) > self.max_signatures:
+                dropped += self._free.popitem(last=False)[1]
+            for b in dropped:
+                self.allocated_bytes -= b.numel()
+            pinned = [self._pinned.pop(b.data_ptr(), None) for b in dropped]
+            unpin = [b for b in pinned if b is not None]
+        for b in unpin:
+            _pinned.unpin(b)
 
 
 def stage_image(plan: FilePlan, sources: Sequence[Any], buf: torch.Tensor) -> None:

@@ -218,7 +218,10 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         ckpt = Path(checkpoint_dir)
         start = time.perf_counter()
         entries = self._local_entries(sharded_state_dict)
-        pin = any(isinstance(e.data, torch.Tensor) and e.data.is_cuda for e in entries)
+        devices = {
+            e.data.device for e in entries if isinstance(e.data, torch.Tensor) and e.data.is_cuda
+        }
+        pin = bool(devices)
         staged: List[Tuple[Any, torch.Tensor]] = []
         try:
             for name, es in self._plan_files(entries):
@@ -226,8 +229,8 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
                 buf = self._images.acquire(plan, pin)
                 staged.append((plan, buf))
                 _dcp_writer.stage_image(plan, [e.data for e in es], buf)
-            if pin:
-                torch.cuda.synchronize()  # the caller may change its tensors once we return
+            for device in devices:  # the caller may change its tensors once we return
+                torch.cuda.synchronize(device)
         except BaseException:
             for plan, buf in staged:
                 self._images.release(plan, buf)

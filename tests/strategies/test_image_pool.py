@@ -1,0 +1,104 @@
+"""The async save's staging pool: reuse, bounds, and pinning (simulated on CPU, real on GPU)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from dist_checkpointing.strategies import _dcp_writer, _pinned
+from dist_checkpointing.strategies._dcp_writer import ALIGN, ImagePool
+
+
+def _plan(sig: str, size: int = 10_000) -> SimpleNamespace:
+    return SimpleNamespace(signature=(sig,), size=size)
+
+
+def test_buffers_are_reused_per_signature_aligned_and_bounded():
+    pool = ImagePool(max_free=1, max_signatures=2)
+    a = _plan("a")
+    first = pool.acquire(a, pin=False)
+    assert first.numel() % ALIGN == 0 and first.numel() >= a.size
+    assert first.data_ptr() % ALIGN == 0
+    allocated = pool.allocated_bytes
+    pool.release(a, first)
+    assert pool.acquire(a, pin=False) is first and pool.allocated_bytes == allocated
+    second = pool.acquire(a, pin=False)  # the first is in use: a new one
+    assert second is not first and pool.allocated_bytes == 2 * allocated
+    pool.release(a, first)
+    pool.release(a, second)  # beyond max_free: freed
+    assert pool.allocated_bytes == allocated
+    for sig in ("b", "c"):  # two newer signatures push "a" out
+        pool.release(_plan(sig), pool.acquire(_plan(sig), pin=False))
+    assert pool.allocated_bytes == 2 * allocated
+    assert pool.acquire(a, pin=False) is not first
+
+
+def test_pinning_is_done_once_and_undone_when_a_buffer_is_dropped(monkeypatch):
+    pinned, unpinned = [], []
+    monkeypatch.setattr(_pinned, "pin", lambda b: pinned.append(b.data_ptr()) or True)
+    monkeypatch.setattr(_pinned, "unpin", lambda b: unpinned.append(b.data_ptr()))
+    pool = ImagePool(max_free=1, max_signatures=1)
+    a = _plan("a")
+    cpu = pool.acquire(a, pin=False)
+    assert not pool.is_pinned(cpu) and pinned == []
+    pool.release(a, cpu)
+    buf = pool.acquire(a, pin=True)  # a CPU save's buffer reused by a GPU save: pinned now
+    assert buf is cpu and pool.is_pinned(buf) and pinned == [buf.data_ptr()]
+    pool.release(a, buf)
+    assert pool.acquire(a, pin=True) is buf and pinned == [buf.data_ptr()]  # not pinned twice
+    extra = pool.acquire(a, pin=True)
+    pool.release(a, buf)
+    pool.release(a, extra)  # beyond max_free: unpinned before it is freed
+    assert unpinned == [extra.data_ptr()]
+    pool.release(_plan("b"), pool.acquire(_plan("b"), pin=False))  # "a" is pushed out
+    assert sorted(unpinned) == sorted([extra.data_ptr(), buf.data_ptr()])
+
+
+def test_pin_is_a_no_op_without_cuda():
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present")
+    assert _pinned.pin(torch.empty(ALIGN, dtype=torch.uint8)) is False
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+            ],
+        ),
+    ],
+)
+def test_async_save_stages_before_returning_pinned_for_cuda_sources(tmp_path, monkeypatch, device):
+    import dist_checkpointing as dc
+    from dist_checkpointing import ShardedTensor
+    from dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    src = torch.randn(1024, 1024, device=device)
+    expected = src.cpu().clone()
+    strategy = TorchDistSaveShardedStrategy()
+    staged = []
+    real_stage = _dcp_writer.stage_image
+
+    def spy(plan, sources, buf):
+        staged.append(buf)
+        return real_stage(plan, sources, buf)
+
+    monkeypatch.setattr(_dcp_writer, "stage_image", spy)
+    req = dc.save(
+        {"w": ShardedTensor.from_rank_offsets("w", src)},
+        tmp_path / "c",
+        sharded_strategy=strategy,
+        async_sharded_save=True,
+    )
+    src.zero_()  # allowed as soon as save returns: the copy is complete
+    assert staged and all(strategy._images.is_pinned(b) == (device == "cuda") for b in staged)
+    req.execute_sync()
+    req = {"w": ShardedTensor.from_rank_offsets("w", torch.empty(1024, 1024))}
+    assert torch.equal(dc.load(req, tmp_path / "c")["w"], expected)
