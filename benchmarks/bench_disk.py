@@ -48,6 +48,7 @@ from _common import (
 
 KINDS = ["save", "load", "reshard rows", "reshard cols"]
 OURS_THREADS = int(os.environ.get("DIST_CKPT_BENCH_THREADS", "1"))
+OURS_LOAD_THREADS = int(os.environ.get("DIST_CKPT_BENCH_LOAD_THREADS", "2"))
 
 
 def _cold() -> None:
@@ -189,9 +190,13 @@ def _run(method: str, shapes: List[tuple], root: str, repeats: int) -> Dict[str,
             )
         elif method == "ours":
             import dist_checkpointing as dc
-            from dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+            from dist_checkpointing.strategies.torch import (
+                TorchDistLoadShardedStrategy,
+                TorchDistSaveShardedStrategy,
+            )
 
             saver = TorchDistSaveShardedStrategy(thread_count=OURS_THREADS)
+            loader = TorchDistLoadShardedStrategy(thread_count=OURS_LOAD_THREADS)
             sd = _ours_sd(shapes, "rows", True)
             times["save"].append(timed(lambda: dc.save(sd, path, sharded_strategy=saver)))
             for kind, layout in (
@@ -202,7 +207,11 @@ def _run(method: str, shapes: List[tuple], root: str, repeats: int) -> Dict[str,
                 req = _ours_sd(shapes, layout, False)
                 _cold()
                 times[kind].append(
-                    timed(lambda: dc.load(req, path, validate_access_integrity=False))
+                    timed(
+                        lambda: dc.load(
+                            req, path, sharded_strategy=loader, validate_access_integrity=False
+                        )
+                    )
                 )
         elif method == "dcp":
             import torch.distributed.checkpoint as dcp
