@@ -30,8 +30,8 @@ import torch
 from .._safe_load import torch_load
 from ..errors import CheckpointCorruptedError, CheckpointingException
 from ..integrity import checksum
-from .base_state_dict import TensorAwareStateDict
-from .basic_state_dict import BasicTensorAwareStateDict, TensorPlaceholder
+from .base_state_dict import TensorAwareStateDict, hollow_state_classes
+from .basic_state_dict import BasicTensorAwareStateDict  # noqa: F401  (registers its classes)
 
 __all__ = ["LocalImage", "start_image", "finish_image", "decode_image", "read_image", "write_image"]
 
@@ -200,7 +200,7 @@ def decode_image(
     if checksum(table_bytes) != t_sum:
         raise CheckpointCorruptedError(f"{where}: checksum table mismatch")
     # our own classes are allowed here whatever the process-wide allowlist holds
-    with torch.serialization.safe_globals([BasicTensorAwareStateDict, TensorPlaceholder]):
+    with torch.serialization.safe_globals(list(hollow_state_classes())):  # type: ignore[arg-type]
         header = torch_load(
             io.BytesIO(flat[h_off:table_off].tobytes()), f"{where} (header)", weights_only
         )

@@ -8,7 +8,8 @@ the hollow state is represented; the manager only uses the methods below.
 Hollow states are stored with `torch.save` and read back with `torch.load(weights_only=True)`,
 so an implementation class (and any non-tensor object it holds) must be allowlisted with
 `torch.serialization.add_safe_globals([...])`; the package's own classes are allowlisted
-when their module is imported.
+when their module is imported, and also registered with `allow_in_hollow_state`, which the
+manager honours whatever the process-wide allowlist holds.
 """
 
 from __future__ import annotations
@@ -18,7 +19,23 @@ from typing import Any, Iterable, List, ValuesView
 
 import torch
 
-__all__ = ["TensorAwareStateDict"]
+__all__ = ["TensorAwareStateDict", "allow_in_hollow_state", "hollow_state_classes"]
+
+_HOLLOW_CLASSES: List[type] = []
+
+
+def allow_in_hollow_state(*classes: type) -> None:
+    """Allowlists `classes` for reading hollow states, independently of the process-wide
+    `torch.serialization` allowlist (which user code may clear)."""
+    for c in classes:
+        if c not in _HOLLOW_CLASSES:
+            _HOLLOW_CLASSES.append(c)
+    torch.serialization.add_safe_globals(list(classes))
+
+
+def hollow_state_classes() -> List[type]:
+    """The classes registered with `allow_in_hollow_state`."""
+    return list(_HOLLOW_CLASSES)
 
 
 class TensorAwareStateDict(ABC):

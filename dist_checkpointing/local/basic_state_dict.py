@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterable, List, Optional, Tuple
 import torch
 
 from ..errors import CheckpointingException
-from .base_state_dict import TensorAwareStateDict
+from .base_state_dict import TensorAwareStateDict, allow_in_hollow_state
 
 __all__ = ["BasicTensorAwareStateDict", "TensorPlaceholder"]
 
@@ -196,4 +196,4 @@ class BasicTensorAwareStateDict(TensorAwareStateDict):
         return f"BasicTensorAwareStateDict(hollow={self._hollow})"
 
 
-torch.serialization.add_safe_globals([BasicTensorAwareStateDict, TensorPlaceholder])
+allow_in_hollow_state(BasicTensorAwareStateDict, TensorPlaceholder)

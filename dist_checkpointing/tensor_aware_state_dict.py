@@ -1,0 +1,489 @@
+"""`MCoreTensorAwareStateDict`: sharded state dicts saved by the local checkpoint manager.
+
+The bridge between the sharded state dicts of this package and `local/`'s
+`TensorAwareStateDict` interface, so a training loop hands its usual sharded state dict to
+`LocalCheckpointManager`:
+
+    tasd, cache = MCoreTensorAwareStateDict.from_state_dict(sharded_sd, algo="fully_parallel")
+    manager.save(tasd, iteration)
+    ...
+    tasd, _ = manager.load()
+    state_dict = tasd.to_state_dict(sharded_sd, algo="fully_parallel")
+
+The wrapped state keeps every ShardedTensor and ShardedObject with its metadata (the tensors
+travel as raw bytes, the rest in the hollow state); plain values form the common part.
+
+`algo="atomic"`: every rank stores every shard it holds, replicas included. With
+`"fully_parallel"` the replicas of a shard within `parallelization_group` are stored once:
+each shard goes to one of the ranks holding it, spreading bytes evenly (the assignment is
+returned for reuse as `cached_metadata` by later saves of the same structure), and
+`to_state_dict(algo="fully_parallel")` sends every rank the shards it asks for and did not
+store, from a rank that did.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass
+from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
+
+import torch
+import torch.distributed as dist
+
+from . import _dist
+from ._types import ShardedStateDict, StateDict
+from .dict_utils import dict_list_map_inplace, dict_list_map_outplace, merge, nested_values
+from .errors import CheckpointingException
+from .local.base_state_dict import TensorAwareStateDict, allow_in_hollow_state
+from .mapping import ShardedBase, ShardedObject, ShardedTensor, apply_factory_merges
+from .serialization import _load_preprocess, _save_preprocess
+from .validation import (
+    StrictHandling,
+    parse_strict_flag,
+    validate_integrity_and_strict_load,
+)
+
+__all__ = ["MCoreTensorAwareStateDict", "ShardDistribution"]
+
+logger = logging.getLogger(__name__)
+
+ALGOS = ("atomic", "fully_parallel")
+ShardId = Tuple[str, Tuple[int, ...]]
+
+
+def _shard_id(sh: ShardedTensor) -> ShardId:
+    return sh.key, tuple(int(o) for o in sh.global_offset)
+
+
+def _check_algo(algo: str) -> None:
+    if algo not in ALGOS:
+        raise CheckpointingException(f"Unknown algo {algo!r}; expected one of {ALGOS}")
+
+
+def _group_ranks(group: Optional[dist.ProcessGroup]) -> Tuple[int, ...]:
+    """Global ranks of `group` (the whole world for None)."""
+    if not _dist.is_distributed():
+        return (0,)
+    if group is None:
+        return tuple(range(dist.get_world_size()))
+    return tuple(dist.get_process_group_ranks(group))
+
+
+@dataclass(frozen=True)
+class ShardDistribution:
+    """Which global rank stores each ShardedTensor shard under `algo="fully_parallel"`.
+
+    Attributes:
+        saver: shard id `(key, global_offset)` -> global rank that stores it.
+        group: global ranks of the parallelization group it was computed for.
+    """
+
+    saver: Dict[ShardId, int]
+    group: Tuple[int, ...]
+
+
+def _distribute(holdings: List[Tuple[int, Dict[ShardId, int]]]) -> Dict[ShardId, int]:
+    """Assigns each shard to one of the ranks holding it, largest shards first, each to the
+    holder with the fewest bytes assigned so far (lowest rank on ties). Deterministic."""
+    holders: Dict[ShardId, List[int]] = {}
+    sizes: Dict[ShardId, int] = {}
+    for rank, shards in holdings:
+        for sid, nbytes in shards.items():
+            holders.setdefault(sid, []).append(rank)
+            sizes[sid] = max(sizes.get(sid, 0), nbytes)
+    load = {rank: 0 for rank, _ in holdings}
+    saver: Dict[ShardId, int] = {}
+    for sid in sorted(sizes, key=lambda s: (-sizes[s], s)):
+        rank = min(holders[sid], key=lambda r: (load[r], r))
+        saver[sid] = rank
+        load[rank] += sizes[sid]
+    return saver
+
+
+def _compute_distribution(
+    sharded: ShardedStateDict, group: Optional[dist.ProcessGroup]
+) -> ShardDistribution:
+    """Collective over all ranks: every rank calls it (each with its own group)."""
+    ranks = _group_ranks(group)
+    mine = {
+        _shard_id(sh): sh.data.numel() * sh.data.element_size()
+        for sh in nested_values(sharded)
+        if isinstance(sh, ShardedTensor) and sh.data is not None
+    }
+    everyone = _dist.all_gather_object((ranks, mine))
+    for r in ranks:
+        if everyone[r][0] != ranks:
+            raise CheckpointingException(
+                f"Rank {_dist.get_rank()} and rank {r} disagree on the parallelization group: "
+                f"{ranks} vs {everyone[r][0]}"
+            )
+    return ShardDistribution(_distribute([(r, everyone[r][1]) for r in ranks]), ranks)
+
+
+@dataclass
+class MCoreTensorAwareStateDict(TensorAwareStateDict):
+    """A sharded state dict split into its common part and its sharded part.
+
+    Attributes:
+        common: the plain (non-sharded) values.
+        sharded_state_dict: ShardedTensors and ShardedObjects, with their metadata; under
+            `fully_parallel` the ShardedTensors this rank does not store have no data.
+    """
+
+    common: StateDict
+    sharded_state_dict: ShardedStateDict
+    _is_hollow: bool = False
+    #: per stored tensor (in `tensors` order): the device it was taken from, once known
+    _devices: Optional[List[str]] = None
+    #: positions (among all ShardedTensors) of those with data, while hollow
+    _stored: Optional[List[int]] = None
+
+    @classmethod
+    def from_state_dict(
+        cls,
+        sharded_state_dict: ShardedStateDict,
+        algo: str = "fully_parallel",
+        parallelization_group: Optional[dist.ProcessGroup] = None,
+        cached_metadata: Optional[ShardDistribution] = None,
+    ) -> Tuple[MCoreTensorAwareStateDict, Optional[ShardDistribution]]:
+        """Wraps a sharded state dict for `LocalCheckpointManager.save`.
+
+        Collective with `algo="fully_parallel"` and no `cached_metadata` (every rank calls
+        it, each with its own `parallelization_group`).
+
+        Args:
+            sharded_state_dict: the state, as for `dist_checkpointing.save`. Not modified
+                (factories are applied to a copy; LocalNonpersistentObjects are left out).
+            algo: "atomic" (every rank stores all it holds) or "fully_parallel" (replicas
+                within `parallelization_group` stored once).
+            parallelization_group: the group whose replicas are deduplicated (default: all
+                ranks).
+            cached_metadata: the distribution returned by an earlier call with the same
+                structure; skips the exchange.
+
+        Returns:
+            `(state, distribution)`: distribution is None for "atomic".
+
+        Raises:
+            CheckpointingException: unknown `algo`; `cached_metadata` that does not cover
+                this rank's shards or was made for another group.
+        """
+        _check_algo(algo)
+        sharded, common = _save_preprocess(sharded_state_dict, None)
+        distribution = None
+        if algo == "fully_parallel":
+            if cached_metadata is None:
+                distribution = _dist.run_collectively(
+                    "fully parallel shard distribution",
+                    _compute_distribution,
+                    sharded,
+                    parallelization_group,
+                )
+            else:
+                distribution = cached_metadata
+                if distribution.group != _group_ranks(parallelization_group):
+                    raise CheckpointingException(
+                        f"cached_metadata was computed for group {distribution.group}, not "
+                        f"{_group_ranks(parallelization_group)}; pass cached_metadata=None"
+                    )
+        me = _dist.get_rank()
+
+        def own_leaf(x: Any) -> Any:
+            # a copy per leaf, so popping tensors never touches the caller's objects
+            if isinstance(x, ShardedTensor) and x.data is not None and distribution is not None:
+                sid = _shard_id(x)
+                if sid not in distribution.saver:
+                    raise CheckpointingException(
+                        f"cached_metadata does not cover shard {sid} of {x.key!r}: the "
+                        "structure changed since it was computed; pass cached_metadata=None"
+                    )
+                if distribution.saver[sid] != me:
+                    return _without_data(x)
+            return copy.copy(x) if isinstance(x, (ShardedTensor, ShardedObject)) else x
+
+        sharded = dict_list_map_outplace(own_leaf, sharded)
+        return cls(common=common, sharded_state_dict=sharded), distribution
+
+    # ---- the TensorAwareStateDict interface ----------------------------------------------
+
+    def _all_sharded_tensors(self) -> List[ShardedTensor]:
+        return [x for x in nested_values(self.sharded_state_dict) if isinstance(x, ShardedTensor)]
+
+    def _with_data(self) -> List[ShardedTensor]:
+        return [x for x in self._all_sharded_tensors() if x.data is not None]
+
+    def _require(self, hollow: bool, what: str) -> None:
+        if self._is_hollow != hollow:
+            state = "hollow" if self._is_hollow else "not hollow"
+            raise CheckpointingException(f"Cannot {what}: the state dict is {state}")
+
+    @property
+    def is_hollow(self) -> bool:
+        return self._is_hollow
+
+    @property
+    def common_state_dict(self) -> StateDict:
+        """The plain (non-sharded) values."""
+        return self.common
+
+    @property
+    def tensors(self) -> List[torch.Tensor]:
+        self._require(False, "list tensors")
+        return [sh.data for sh in self._with_data()]  # type: ignore[misc]
+
+    def tensor_names(self) -> List[str]:
+        """`key@offset` of each stored tensor, in `tensors` order (for error messages)."""
+        if self._is_hollow:
+            every = self._all_sharded_tensors()
+            return [f"{every[i].key}@{every[i].global_offset}" for i in self._stored or []]
+        return [f"{sh.key}@{sh.global_offset}" for sh in self._with_data()]
+
+    def pop_tensors(self) -> List[torch.Tensor]:
+        self._require(False, "pop tensors")
+        every = self._all_sharded_tensors()
+        stored = [i for i, sh in enumerate(every) if sh.data is not None]
+        popped = [every[i].data for i in stored]
+        if self._devices is None:
+            self._devices = [str(t.device) for t in popped]  # type: ignore[union-attr]
+        for i in stored:
+            every[i].data = None
+        self._stored, self._is_hollow = stored, True
+        return popped  # type: ignore[return-value]
+
+    def insert_tensors(self, tensor_data: Iterable[torch.Tensor]) -> None:
+        self._require(True, "insert tensors")
+        data = list(tensor_data)
+        every = self._all_sharded_tensors()
+        stored = self._stored or []
+        if len(data) != len(stored):
+            raise CheckpointingException(
+                f"insert_tensors got {len(data)} tensors for {len(stored)} stored shards"
+            )
+        for i, t in zip(stored, data):
+            sh = every[i]
+            if tuple(t.shape) != tuple(sh.local_shape) or t.dtype != sh.dtype:
+                raise CheckpointingException(
+                    f"insert_tensors: shard {sh.key!r} at {sh.global_offset} has shape "
+                    f"{tuple(sh.local_shape)} and dtype {sh.dtype}; got {tuple(t.shape)}, {t.dtype}"
+                )
+        for i, t in zip(stored, data):
+            every[i].data = t
+        self._stored, self._is_hollow = None, False
+
+    def init_tensors(self) -> None:
+        self._require(True, "init tensors")
+        every = self._all_sharded_tensors()
+        devices = self._devices or ["cpu"] * len(self._stored or [])
+        self.insert_tensors(
+            torch.empty(every[i].local_shape, dtype=every[i].dtype, device=_usable(d))
+            for i, d in zip(self._stored or [], devices)
+        )
+
+    def copy_tensors_to_cpu(self, non_blocking: bool = False) -> None:
+        self._require(False, "copy tensors to CPU")
+        shards = self._with_data()
+        if self._devices is None:
+            self._devices = [str(sh.data.device) for sh in shards]  # type: ignore[union-attr]
+        for sh in shards:
+            assert sh.data is not None
+            sh.data = (
+                sh.data.detach().to("cpu", non_blocking=non_blocking)
+                if sh.data.device.type != "cpu"
+                else sh.data.detach().clone()
+            )
+
+    def restore_tensor_device(self, non_blocking: bool = True) -> None:
+        self._require(False, "restore tensor devices")
+        if self._devices is None:
+            return
+        for sh, device in zip(self._with_data(), self._devices):
+            assert sh.data is not None
+            target = _usable(device)
+            if sh.data.device != target:
+                sh.data = sh.data.to(target, non_blocking=non_blocking)
+
+    # ---- back to a state dict -------------------------------------------------------------
+
+    def to_state_dict(
+        self,
+        sharded_state_dict: ShardedStateDict,
+        algo: str = "atomic",
+        exchange_algo: str = "broadcast",
+        validate_access_integrity: bool = True,
+        parallelization_group: Optional[dist.ProcessGroup] = None,
+        strict: Union[str, StrictHandling] = StrictHandling.ASSUME_OK_UNEXPECTED,
+        return_mismatch_keys: bool = False,
+    ) -> Any:
+        """Builds the state dict that `sharded_state_dict` asks for from this loaded state.
+
+        Collective when `validate_access_integrity`, a global `strict` mode or
+        `algo="fully_parallel"` asks for an exchange. The layout must be the saved one
+        (same shards per rank); local checkpoints do not reshard.
+
+        Args:
+            sharded_state_dict: the request, as for `dist_checkpointing.load`.
+            algo: "fully_parallel" fetches shards this rank did not store from a rank that
+                did (point to point); "atomic" expects every rank to hold all it asks for.
+            exchange_algo: accepted for compatibility; shards always move point to point.
+            validate_access_integrity: check the request's sharding across ranks.
+            parallelization_group: accepted for compatibility (any rank holding a shard
+                can send it).
+            strict: key mismatch handling, as for `dist_checkpointing.load`.
+            return_mismatch_keys: also return `(missing_keys, unexpected_keys)`.
+
+        Returns:
+            The state dict (common values, LocalNonpersistentObjects, loaded shards with
+            factory merges applied); with `return_mismatch_keys` a tuple
+            `(state_dict, missing_keys, unexpected_keys)`.
+
+        Raises:
+            CheckpointingException: the state is hollow, `algo` is unknown, or a requested
+                shard was stored by no rank or with another shape or dtype (naming it; on
+                every rank when the call is collective).
+        """
+        self._require(False, "build a state dict")
+        _check_algo(algo)
+        del exchange_algo, parallelization_group
+        result = dict_list_map_outplace(lambda x: x, self.common)
+        if not sharded_state_dict:
+            return (result, set(), set()) if return_mismatch_keys else result
+        strict = parse_strict_flag(strict)
+        request, nonpersistent, factories = _load_preprocess(sharded_state_dict)
+        merge(result, nonpersistent)
+        stored_md: Dict[str, ShardedBase] = {
+            (sh.key if isinstance(sh, ShardedTensor) else sh.unique_key): sh.without_data()
+            for sh in nested_values(self.sharded_state_dict)
+            if isinstance(sh, (ShardedTensor, ShardedObject))
+        }
+        local_md: Optional[List[ShardedBase]] = None
+        global_md: Optional[List[List[ShardedBase]]] = None
+        if validate_access_integrity or StrictHandling.requires_global_app_metadata(strict):
+            local_md = [
+                sh.without_data()
+                for sh in nested_values(request)
+                if isinstance(sh, (ShardedTensor, ShardedObject))
+            ]
+            global_md = _dist.all_gather_object(local_md)
+        request, missing, unexpected = validate_integrity_and_strict_load(
+            request,
+            strict,
+            validate_access_integrity,
+            local_md,
+            global_md,
+            stored_md if StrictHandling.requires_explicit_ckpt_mismatch_check(strict) else None,
+        )
+        tensors = {_shard_id(sh): sh.data for sh in self._with_data()}
+        objects = {
+            sh.unique_key: sh.data
+            for sh in nested_values(self.sharded_state_dict)
+            if isinstance(sh, ShardedObject)
+        }
+        wanted = [sh for sh in nested_values(request) if isinstance(sh, ShardedTensor)]
+        if algo == "fully_parallel" and _dist.is_distributed():
+            _dist.run_collectively(
+                "fully parallel exchange of local checkpoint shards",
+                _exchange,
+                tensors,
+                wanted,
+            )
+        where = f"rank {_dist.get_rank()}'s local checkpoint"
+
+        def fill(leaf: Any) -> Any:
+            if isinstance(leaf, ShardedTensor):
+                data = tensors.get(_shard_id(leaf))
+                if data is None:
+                    raise CheckpointingException(
+                        f"{where} has no shard of {leaf.key!r} at offset {leaf.global_offset}"
+                        + ("" if algo == "fully_parallel" else " (saved fully_parallel?)")
+                    )
+                if tuple(data.shape) != tuple(leaf.local_shape) or data.dtype != leaf.dtype:
+                    raise CheckpointingException(
+                        f"{where}: shard of {leaf.key!r} at {leaf.global_offset} was saved with "
+                        f"shape {tuple(data.shape)} and dtype {data.dtype}; requested "
+                        f"{tuple(leaf.local_shape)}, {leaf.dtype}"
+                    )
+                return data
+            if isinstance(leaf, ShardedObject):
+                if leaf.unique_key not in objects:
+                    raise CheckpointingException(
+                        f"{where} has no ShardedObject {leaf.unique_key!r}"
+                    )
+                return objects[leaf.unique_key]
+            return leaf
+
+        if _dist.is_distributed() and (algo == "fully_parallel" or validate_access_integrity):
+            # the call is collective anyway: fail on every rank, not only where a shard is off
+            _dist.run_collectively(
+                "local checkpoint shards into the request", dict_list_map_inplace, fill, request
+            )
+        else:
+            dict_list_map_inplace(fill, request)
+        request = apply_factory_merges(request, factories)
+        merge(result, request)
+        return (result, missing, unexpected) if return_mismatch_keys else result
+
+
+def _without_data(sh: ShardedTensor) -> ShardedTensor:
+    out = sh.without_data()
+    assert isinstance(out, ShardedTensor)
+    return out
+
+
+def _usable(device: str) -> torch.device:
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise CheckpointingException(
+            f"A tensor of this checkpoint was saved from {device}, but CUDA is not available here"
+        )
+    return dev
+
+
+def _exchange(tensors: Dict[ShardId, Optional[torch.Tensor]], wanted: List[ShardedTensor]) -> None:
+    """Collective: fetches into `tensors` the wanted shards this rank lacks.
+
+    Every rank learns who holds and who wants what; then shards move in one global order
+    (sorted by shard id, then receiver), each from the lowest rank holding it, over the
+    library's gloo group as host tensors. Processing the same order on every rank cannot
+    deadlock: the first unfinished transfer always has both of its ends waiting on it.
+    """
+    me = _dist.get_rank()
+    need = sorted({_shard_id(sh) for sh in wanted if tensors.get(_shard_id(sh)) is None})
+    devices = {
+        _shard_id(sh): sh.data.device if sh.data is not None else torch.device("cpu")
+        for sh in wanted
+    }
+    have = {sid: (tuple(t.shape), t.dtype) for sid, t in tensors.items() if t is not None}
+    everyone = _dist.all_gather_object((have, need))
+    source: Dict[ShardId, int] = {}
+    for rank, (held, _) in enumerate(everyone):
+        for sid in sorted(held):
+            source.setdefault(sid, rank)
+    lacking = sorted({sid for _, needed in everyone for sid in needed if sid not in source})
+    if lacking:
+        raise CheckpointingException(
+            f"No rank stored shard(s) {lacking[:8]} requested by "
+            f"rank(s) {sorted(r for r, (_, n) in enumerate(everyone) if set(n) & set(lacking))}"
+        )
+    transfers = sorted((sid, rank) for rank, (_, needed) in enumerate(everyone) for sid in needed)
+    group = _dist._group(None)
+    moved = 0
+    for sid, dst in transfers:
+        src = source[sid]
+        if me == src:
+            t = tensors[sid]
+            assert t is not None
+            with _dist._collective("send"):
+                dist.send(t.detach().to("cpu").contiguous(), dst=dst, group=group)
+            moved += t.numel() * t.element_size()
+        elif me == dst:
+            shape, dtype = everyone[src][0][sid]
+            buf = torch.empty(shape, dtype=dtype)
+            with _dist._collective("recv"):
+                dist.recv(buf, src=src, group=group)
+            tensors[sid] = buf.to(devices[sid])
+    if moved:
+        logger.debug("rank %d sent %d bytes of local checkpoint shards", me, moved)
+
+
+allow_in_hollow_state(MCoreTensorAwareStateDict, ShardedTensor, ShardedObject)
