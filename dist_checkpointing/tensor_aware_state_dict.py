@@ -36,6 +36,7 @@ from ._types import ShardedStateDict, StateDict
 from .dict_utils import dict_list_map_inplace, dict_list_map_outplace, merge, nested_values
 from .errors import CheckpointingException
 from .local.base_state_dict import TensorAwareStateDict, allow_in_hollow_state
+from .local.basic_state_dict import _usable_device
 from .mapping import ShardedBase, ShardedObject, ShardedTensor, apply_factory_merges
 from .serialization import _load_preprocess, _save_preprocess
 from .validation import (
@@ -276,7 +277,7 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
         every = self._all_sharded_tensors()
         devices = self._devices or ["cpu"] * len(self._stored or [])
         self.insert_tensors(
-            torch.empty(every[i].local_shape, dtype=every[i].dtype, device=_usable(d))
+            torch.empty(every[i].local_shape, dtype=every[i].dtype, device=_usable_device(d))
             for i, d in zip(self._stored or [], devices)
         )
 
@@ -299,7 +300,7 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
             return
         for sh, device in zip(self._with_data(), self._devices):
             assert sh.data is not None
-            target = _usable(device)
+            target = _usable_device(device)
             if sh.data.device != target:
                 sh.data = sh.data.to(target, non_blocking=non_blocking)
 
@@ -428,15 +429,6 @@ def _without_data(sh: ShardedTensor) -> ShardedTensor:
     out = sh.without_data()
     assert isinstance(out, ShardedTensor)
     return out
-
-
-def _usable(device: str) -> torch.device:
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise CheckpointingException(
-            f"A tensor of this checkpoint was saved from {device}, but CUDA is not available here"
-        )
-    return dev
 
 
 def _exchange(tensors: Dict[ShardId, Optional[torch.Tensor]], wanted: List[ShardedTensor]) -> None:

@@ -63,8 +63,8 @@ def test_data_of_large_tensors_lands_on_4096_byte_offsets(tmp_path):
         assert layout is not None and (info.offset + layout.data_offset) % 4096 == 0, index.fqn
 
 
-def test_buffered_fallback_where_o_direct_is_refused(tmp_path, monkeypatch, caplog):
-    """tmpfs refuses O_DIRECT; simulate it anywhere by failing O_DIRECT opens with EINVAL."""
+def _refuse_o_direct(monkeypatch) -> None:
+    """Makes every O_DIRECT open fail with EINVAL, as file systems without it do."""
     real_open = os.open
 
     def no_direct(path, flags, *args):
@@ -73,6 +73,11 @@ def test_buffered_fallback_where_o_direct_is_refused(tmp_path, monkeypatch, capl
         return real_open(path, flags, *args)
 
     monkeypatch.setattr(os, "open", no_direct)
+
+
+def test_buffered_fallback_where_o_direct_is_refused(tmp_path, monkeypatch, caplog):
+    """tmpfs refuses O_DIRECT; simulate it anywhere by failing O_DIRECT opens with EINVAL."""
+    _refuse_o_direct(monkeypatch)
     caplog.set_level(logging.INFO)
     w = torch.randn(300, 70)
     dc.save({"w": ShardedTensor.from_rank_offsets("w", w)}, tmp_path / "c")
@@ -175,14 +180,7 @@ def test_whole_chunk_loads_read_buffered_by_default_and_o_direct_when_asked(
     assert calls == [(w.numel() * 4, direct_io)]
 
     # where O_DIRECT is refused, the O_DIRECT read falls back by itself and says so
-    real_open = os.open
-
-    def no_direct(path, flags, *args):
-        if flags & os.O_DIRECT:
-            raise OSError(22, "Invalid argument")
-        return real_open(path, flags, *args)
-
-    monkeypatch.setattr(os, "open", no_direct)
+    _refuse_o_direct(monkeypatch)
     monkeypatch.setattr(_dcp_reader, "_no_direct", {})
     caplog.set_level(logging.INFO)
     req = {"w": ShardedTensor.from_rank_offsets("w", torch.zeros_like(w))}
