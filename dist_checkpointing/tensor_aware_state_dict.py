@@ -214,11 +214,6 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
     def _with_data(self) -> List[ShardedTensor]:
         return [x for x in self._all_sharded_tensors() if x.data is not None]
 
-    def _require(self, hollow: bool, what: str) -> None:
-        if self._is_hollow != hollow:
-            state = "hollow" if self._is_hollow else "not hollow"
-            raise CheckpointingException(f"Cannot {what}: the state dict is {state}")
-
     @property
     def is_hollow(self) -> bool:
         return self._is_hollow
@@ -352,11 +347,13 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
         strict = parse_strict_flag(strict)
         request, nonpersistent, factories = _load_preprocess(sharded_state_dict)
         merge(result, nonpersistent)
-        stored_md: Dict[str, ShardedBase] = {
-            (sh.key if isinstance(sh, ShardedTensor) else sh.unique_key): sh.without_data()
-            for sh in nested_values(self.sharded_state_dict)
-            if isinstance(sh, (ShardedTensor, ShardedObject))
-        }
+        stored_md: Optional[Dict[str, ShardedBase]] = None
+        if StrictHandling.requires_explicit_ckpt_mismatch_check(strict):
+            stored_md = {
+                (sh.key if isinstance(sh, ShardedTensor) else sh.unique_key): sh.without_data()
+                for sh in nested_values(self.sharded_state_dict)
+                if isinstance(sh, (ShardedTensor, ShardedObject))
+            }
         local_md: Optional[List[ShardedBase]] = None
         global_md: Optional[List[List[ShardedBase]]] = None
         if validate_access_integrity or StrictHandling.requires_global_app_metadata(strict):
@@ -372,7 +369,7 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
             validate_access_integrity,
             local_md,
             global_md,
-            stored_md if StrictHandling.requires_explicit_ckpt_mismatch_check(strict) else None,
+            stored_md,
         )
         tensors = {_shard_id(sh): sh.data for sh in self._with_data()}
         objects = {

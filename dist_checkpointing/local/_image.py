@@ -122,8 +122,8 @@ def start_image(
         if n:
             dst = buffer[off : off + n].view(t.dtype).view(t.shape)
             dst.copy_(t, non_blocking=t.is_cuda)
-    if any(t.is_cuda for t in tensors):
-        torch.cuda.synchronize()
+    for device in {t.device for t in tensors if t.is_cuda}:
+        torch.cuda.synchronize(device)
     flat = buffer.numpy()
     flat[header_offset : header_offset + len(header_bytes)] = np.frombuffer(
         header_bytes, dtype=np.uint8

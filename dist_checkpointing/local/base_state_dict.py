@@ -19,6 +19,8 @@ from typing import Any, Iterable, List, ValuesView
 
 import torch
 
+from ..errors import CheckpointingException
+
 __all__ = ["TensorAwareStateDict", "allow_in_hollow_state", "hollow_state_classes"]
 
 _HOLLOW_CLASSES: List[type] = []
@@ -86,6 +88,12 @@ class TensorAwareStateDict(ABC):
     @abstractmethod
     def restore_tensor_device(self, non_blocking: bool = True) -> None:
         """Moves every tensor back to the device it came from (no-op for host tensors)."""
+
+    def _require(self, hollow: bool, what: str) -> None:
+        """Raises `CheckpointingException` unless `is_hollow == hollow` (`what`: the action)."""
+        if self.is_hollow != hollow:
+            state = "hollow" if self.is_hollow else "not hollow"
+            raise CheckpointingException(f"Cannot {what}: the state dict is {state}")
 
     def values(self) -> ValuesView[Any]:
         """The object's attribute values (what a generic traversal sees)."""

@@ -96,11 +96,6 @@ class BasicTensorAwareStateDict(TensorAwareStateDict):
     def is_hollow(self) -> bool:
         return self._hollow
 
-    def _require(self, hollow: bool, what: str) -> None:
-        if self._hollow != hollow:
-            state = "hollow" if self._hollow else "not hollow"
-            raise CheckpointingException(f"Cannot {what}: the state dict is {state}")
-
     def pop_tensors(self) -> List[torch.Tensor]:
         self._require(False, "pop tensors")
         popped: List[torch.Tensor] = []
