@@ -6,6 +6,8 @@ triple), so a failure in a 1000-rank job can be traced without a debugger.
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = [
     "CheckpointingException",
     "StrategyNotFoundError",
@@ -18,6 +20,8 @@ __all__ = [
     "UnsafeCheckpointError",
     "DistributedFailureError",
     "AsyncSaveError",
+    "NoReplicasAvailableError",
+    "SameMachineReplicationException",
 ]
 
 
@@ -63,3 +67,35 @@ class DistributedFailureError(CheckpointingException):
 
 class AsyncSaveError(CheckpointingException):
     """A background checkpoint write failed, crashed or was killed on some rank."""
+
+
+class NoReplicasAvailableError(CheckpointingException):
+    """No rank holds a usable copy of a local checkpoint part that a rank needs."""
+
+
+class SameMachineReplicationException(CheckpointingException):
+    """A part of this local checkpoint iteration is already stored here (saved before).
+
+    Args:
+        ckpt_id: the part that exists, as `(iteration, owner rank, session id)`, or a message.
+    """
+
+    def __init__(self, ckpt_id: Any) -> None:
+        self.ckpt_id = ckpt_id
+        text = (
+            ckpt_id
+            if isinstance(ckpt_id, str)
+            else f"local checkpoint {describe_ckpt_id(ckpt_id)} already exists on this machine"
+        )
+        super().__init__(text)
+
+
+def describe_ckpt_id(ckpt_id: Any) -> str:
+    """'iteration I, rank R[, session S]' for a local checkpoint id (for messages)."""
+    try:
+        iteration, owner, session = ckpt_id
+        return f"iteration {iteration}, rank {owner}" + (
+            f", session {session!r}" if session else ""
+        )
+    except (TypeError, ValueError):
+        return repr(ckpt_id)

@@ -33,13 +33,16 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 import torch
 
 from ... import _dist
-from ...errors import CheckpointingException
+from ...errors import (
+    CheckpointingException,
+    NoReplicasAvailableError,
+    SameMachineReplicationException,
+)
 from ...strategies.async_utils import AsyncRequest
 from .._image import LocalImage, decode_image, finish_image, start_image
 from ..base_state_dict import TensorAwareStateDict
 from ..replication.strategies import (
     CkptID,
-    NoReplicasAvailableError,
     ReplicationStrategy,
     describe_id,
     execute_plan,
@@ -55,23 +58,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-
-class SameMachineReplicationException(CheckpointingException):
-    """A part of this iteration is already stored here (the iteration was saved before).
-
-    Args:
-        ckpt_id: the part that exists, or a message.
-    """
-
-    def __init__(self, ckpt_id: Any) -> None:
-        self.ckpt_id = ckpt_id
-        text = (
-            ckpt_id
-            if isinstance(ckpt_id, str)
-            else f"local checkpoint {describe_id(ckpt_id)} already exists on this machine"
-        )
-        super().__init__(text)
 
 
 _executor: Optional[concurrent.futures.ThreadPoolExecutor] = None
@@ -244,16 +230,7 @@ class BaseCheckpointManager(ABC):
             image = start_image(state_dict, ckpt_id, names_fn() if callable(names_fn) else None)
         except Exception as e:  # agreed on below
             error = e
-        reports = _dist.all_gather_object(_dist.error_report(error))
-        if any(r is not None and r[0] == "SameMachineReplicationException" for r in reports):
-            ranks = [i for i, r in enumerate(reports) if r is not None]
-            detail = "; ".join(f"rank {i}: {reports[i][1]}" for i in ranks)  # type: ignore[index]
-            raise SameMachineReplicationException(
-                f"Saving iteration {iteration} failed on rank(s) {ranks}: {detail}"
-            ) from error
-        _dist.raise_on_reported_errors(
-            reports, error, f"local checkpoint save of iteration {iteration}"
-        )
+        _dist.agree_on_errors(error, f"local checkpoint save of iteration {iteration}")
         assert image is not None
         self.latest_iteration = -1
         nbytes = image.nbytes

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ... import _dist
-from ...errors import CheckpointingException
+from ...errors import CheckpointingException, NoReplicasAvailableError, describe_ckpt_id
 from .._image import decode_image, finish_image, start_image
 from ..base_state_dict import TensorAwareStateDict
 
@@ -50,19 +50,9 @@ logger = logging.getLogger(__name__)
 CkptID = Tuple[int, int, str]
 
 
-class NoReplicasAvailableError(CheckpointingException):
-    """No rank holds a usable copy of a part that a rank needs."""
-
-
 def describe_id(ckpt_id: Any) -> str:
     """'iteration I, rank R' for a checkpoint id (for messages)."""
-    try:
-        iteration, owner, session = ckpt_id
-        return f"iteration {iteration}, rank {owner}" + (
-            f", session {session!r}" if session else ""
-        )
-    except (TypeError, ValueError):
-        return repr(ckpt_id)
+    return describe_ckpt_id(ckpt_id)
 
 
 def clique_ranks(
