@@ -18,6 +18,7 @@ from typing import Any, Callable, List, Optional, Set, Tuple, Union
 
 from . import _dist
 from ._types import CommonStateDict, ShardedStateDict, StateDict
+from .async_save import AsyncRequest
 from .core import (
     CheckpointingConfig,
     check_is_distributed_checkpoint,
@@ -34,7 +35,6 @@ from .mapping import (
     apply_factories,
     apply_factory_merges,
 )
-from .strategies.async_utils import AsyncRequest, call_in_sequence
 from .strategies.base import (
     AsyncSaveShardedStrategy,
     LoadCommonStrategy,
@@ -308,9 +308,8 @@ def save(
     if async_sharded_save:
         assert isinstance(sharded, AsyncSaveShardedStrategy)  # checked in _prepare_save
         request = sharded.async_save(to_save, ckpt)
-        if result.deferred_common:
-            calls = [*result.deferred_common, (request.async_fn, request.async_fn_args)]
-            request.async_fn, request.async_fn_args = call_in_sequence, (calls,)
+        for fn, args in reversed(result.deferred_common or []):
+            request.prepend_async_fn(fn, *args)
         request.add_finalize_fn(commit)
         return request
     sharded.save(to_save, ckpt)

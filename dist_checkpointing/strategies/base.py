@@ -21,12 +21,12 @@ from pathlib import Path
 from typing import Any, Callable, DefaultDict, Dict, List, Optional, Tuple, Type, Union
 
 from .._types import ShardedStateDict, StateDict
+from ..async_save import AsyncRequest
 from ..errors import (
     CheckpointingException,
     IncompatibleCheckpointError,
     StrategyNotFoundError,
 )
-from .async_utils import AsyncRequest
 
 __all__ = [
     "StrategyAction",

@@ -20,13 +20,13 @@ import torch
 
 from .. import _dist
 from .._types import ShardedStateDict, StateDict
+from ..async_save import AsyncRequest
 from ..dict_utils import dict_list_map_inplace, nested_values
 from ..errors import CheckpointingException, IncompatibleCheckpointError
 from ..local.basic_state_dict import BasicTensorAwareStateDict
 from ..local.ckpt_managers.local_manager import LocalCheckpointManager
 from ..local.replication.strategies import ReplicationStrategy
 from ..mapping import ShardedObject, ShardedTensor
-from .async_utils import AsyncRequest
 from .base import (
     CheckpointDir,
     NodeLocalLoadShardedStrategy,

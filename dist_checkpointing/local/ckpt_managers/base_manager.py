@@ -33,12 +33,12 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 import torch
 
 from ... import _dist
+from ...async_save import AsyncRequest
 from ...errors import (
     CheckpointingException,
     NoReplicasAvailableError,
     SameMachineReplicationException,
 )
-from ...strategies.async_utils import AsyncRequest
 from .._image import LocalImage, decode_image, finish_image, start_image
 from ..base_state_dict import TensorAwareStateDict
 from ..replication.strategies import (
@@ -75,10 +75,6 @@ def _background_thread() -> concurrent.futures.ThreadPoolExecutor:
             max_workers=1, thread_name_prefix="dc-local-ckpt"
         )
     return _executor
-
-
-def _wait(future: concurrent.futures.Future) -> Any:
-    return future.result()
 
 
 class BaseCheckpointManager(ABC):
@@ -249,12 +245,10 @@ class BaseCheckpointManager(ABC):
                 blocked,
             )
 
-        request = AsyncRequest(
-            _wait,
-            (future,),
+        request = AsyncRequest.from_future(
+            future,
             [finalize],
             cleanup_fns=[lambda: self._drop_dirty(iteration, future)],
-            run_in_thread=True,
             description=f"local checkpoint iteration {iteration}",
         )
         if is_async:

@@ -1,0 +1,211 @@
+"""Callers: run a request's `async_fn` in another process, away from the training loop.
+
+`TemporalAsyncCaller` forks a fresh process per request (no pickling: the child sees the
+host buffers); `PersistentAsyncCaller` keeps one spawned worker fed through a queue (no
+start-up cost per save; host buffers travel as shared memory). Each reports a call's
+outcome once, as a `CallStatus`.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import traceback
+from abc import ABC, abstractmethod
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from .request import AsyncRequest, CallState, CallStatus
+
+__all__ = ["AsyncCaller", "TemporalAsyncCaller", "PersistentAsyncCaller"]
+
+logger = logging.getLogger(__name__)
+
+
+def _run_and_report(fn: Callable[..., Any], args: Tuple[Any, ...]) -> CallStatus:
+    try:
+        return (CallState.OK, fn(*args))
+    except BaseException as e:  # reported to the parent, raised there on every rank
+        return (CallState.FAILED, f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=8)}")
+
+
+class AsyncCaller(ABC):
+    """Runs one request's `async_fn` away from the training loop."""
+
+    @abstractmethod
+    def schedule(self, call_idx: int, request: AsyncRequest) -> None:
+        """Starts running `request.async_fn` (does not wait)."""
+
+    @abstractmethod
+    def poll(self, call_idx: int, block: bool) -> CallStatus:
+        """Returns the call's status; with `block`, waits until it is not running."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Releases the caller's processes (waits for running calls)."""
+
+
+def _lower_priority(niceness: int) -> None:
+    """Makes this (writer) process yield the CPU to the training processes."""
+    if niceness > 0:
+        try:
+            os.nice(niceness)
+        except OSError as e:
+            logger.debug("could not lower writer priority: %s", e)
+
+
+def _temporal_child(
+    fn: Callable[..., Any], args: Tuple[Any, ...], conn: Any, niceness: int
+) -> None:
+    _lower_priority(niceness)
+    conn.send(_run_and_report(fn, args))
+    conn.close()
+
+
+class TemporalAsyncCaller(AsyncCaller):
+    """A fresh forked process per request; it inherits the host buffers without copying.
+
+    Args:
+        niceness: added to the writer's nice value so training keeps the CPU.
+    """
+
+    def __init__(self, niceness: int = 0) -> None:
+        self._calls: Dict[int, Tuple[Any, Any]] = {}
+        self.niceness = niceness
+
+    def schedule(self, call_idx: int, request: AsyncRequest) -> None:
+        ctx = mp.get_context("fork")
+        recv, send = ctx.Pipe(duplex=False)
+        proc = ctx.Process(
+            target=_temporal_child,
+            args=(request.async_fn, request.async_fn_args, send, self.niceness),
+            daemon=True,
+            name=f"dc-async-{call_idx}",
+        )
+        proc.start()
+        send.close()  # so that the child's death shows as EOF here
+        self._calls[call_idx] = (proc, recv)
+
+    def poll(self, call_idx: int, block: bool) -> CallStatus:
+        proc, recv = self._calls[call_idx]
+        if not block and not recv.poll(0):
+            if proc.is_alive():
+                return (CallState.RUNNING, None)
+            proc.join()
+            if not recv.poll(0):
+                return self._finish(
+                    call_idx,
+                    (
+                        CallState.FAILED,
+                        f"background writer (pid {proc.pid}) died with exit code {proc.exitcode}",
+                    ),
+                )
+        try:
+            status: CallStatus = recv.recv()
+        except EOFError:
+            proc.join()
+            status = (
+                CallState.FAILED,
+                f"background writer (pid {proc.pid}) died with exit code {proc.exitcode}",
+            )
+        return self._finish(call_idx, status)
+
+    def _finish(self, call_idx: int, status: CallStatus) -> CallStatus:
+        proc, recv = self._calls.pop(call_idx)
+        recv.close()
+        proc.join(timeout=30)
+        return status
+
+    def close(self) -> None:
+        for proc, recv in self._calls.values():
+            proc.join(timeout=60)
+            recv.close()
+        self._calls.clear()
+
+
+def _persistent_worker(tasks: Any, results: Any, niceness: int) -> None:
+    _lower_priority(niceness)
+    while True:
+        task = tasks.get()
+        if task is None:
+            return
+        call_idx, fn, args = task
+        status = _run_and_report(fn, args)
+        del fn, args, task  # drop shared-memory handles before the next request
+        results.put((call_idx, status))
+
+
+class PersistentAsyncCaller(AsyncCaller):
+    """One long-lived spawned worker process, fed through a queue; restarted if it dies.
+
+    Args:
+        niceness: added to the worker's nice value so training keeps the CPU.
+    """
+
+    def __init__(self, niceness: int = 0) -> None:
+        import torch.multiprocessing as tmp
+
+        self.niceness = niceness
+        self._ctx = tmp.get_context("spawn")
+        self._proc: Any = None
+        self._tasks: Any = None
+        self._results: Any = None
+        self._pending: List[int] = []
+        self._done: Dict[int, CallStatus] = {}
+
+    def _ensure_worker(self) -> None:
+        if self._proc is not None and self._proc.is_alive():
+            return
+        self._tasks, self._results = self._ctx.Queue(), self._ctx.Queue()
+        self._proc = self._ctx.Process(
+            target=_persistent_worker,
+            args=(self._tasks, self._results, self.niceness),
+            daemon=True,
+            name="dc-async-worker",
+        )
+        self._proc.start()
+        logger.debug("started persistent async worker pid %d", self._proc.pid)
+
+    def schedule(self, call_idx: int, request: AsyncRequest) -> None:
+        self._ensure_worker()
+        self._tasks.put((call_idx, request.async_fn, request.async_fn_args))
+        self._pending.append(call_idx)
+
+    def _drain(self, timeout: Optional[float]) -> None:
+        try:
+            call_idx, status = (
+                self._results.get(timeout=timeout) if timeout else self._results.get_nowait()
+            )
+        except Exception:  # queue.Empty
+            return
+        self._done[call_idx] = status
+        self._pending.remove(call_idx)
+
+    def poll(self, call_idx: int, block: bool) -> CallStatus:
+        while call_idx not in self._done:
+            self._drain(0.2 if block else None)
+            if call_idx in self._done:
+                break
+            if not self._proc.is_alive():
+                self._drain(None)  # a result may have arrived just before the exit
+                if call_idx in self._done:
+                    break
+                code = self._proc.exitcode
+                for idx in self._pending:
+                    self._done[idx] = (
+                        CallState.FAILED,
+                        f"persistent async worker (pid {self._proc.pid}) died with exit code {code}",
+                    )
+                self._pending.clear()
+                break
+            if not block:
+                return (CallState.RUNNING, None)
+        return self._done.pop(call_idx)
+
+    def close(self) -> None:
+        if self._proc is not None and self._proc.is_alive():
+            self._tasks.put(None)
+            self._proc.join(timeout=60)
+            if self._proc.is_alive():
+                self._proc.kill()
+        self._proc = None

@@ -1,0 +1,216 @@
+"""`AsyncCallsQueue`: schedules async requests and finalizes them once every rank is done.
+
+Protocol:
+1. Every rank builds an `AsyncRequest` and passes it to `schedule_async_request`; a caller
+   (see `.callers`) runs its `async_fn` in another process, or the queue watches its future.
+2. Every rank calls `maybe_finalize_async_calls` the same number of times. A call is
+   finalized only when it has finished on every rank (a collective check); then its
+   finalize functions run in order on every rank. A failure on any rank raises
+   `AsyncSaveError` on every rank, the call is dropped (nothing is committed), and the
+   queue keeps working.
+"""
+
+from __future__ import annotations
+
+import atexit
+import concurrent.futures
+import logging
+import time
+import traceback
+import weakref
+from collections import deque
+from dataclasses import dataclass
+from typing import Deque, List, Optional
+
+from .. import _dist
+from ..errors import AsyncSaveError
+from .callers import AsyncCaller, PersistentAsyncCaller, TemporalAsyncCaller
+from .request import AsyncRequest, CallState, CallStatus
+
+__all__ = ["AsyncCallsQueue"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Call:
+    """A scheduled request and how to learn its state on this rank."""
+
+    idx: int
+    request: AsyncRequest
+    caller: Optional[AsyncCaller]  # None: the request wraps a future, or has no work
+    scheduled_at: float
+    #: this rank's final status once known (callers report each outcome only once)
+    status: Optional[CallStatus] = None
+
+    def poll(self, block: bool) -> CallStatus:
+        """This rank's status of the call; with `block`, waits until it is not running."""
+        if self.status is not None:
+            return self.status
+        future = self.request.future
+        if self.caller is not None:
+            status = self.caller.poll(self.idx, block)
+        elif future is None:
+            status = (CallState.OK, None)
+        elif not block and not future.done():
+            return (CallState.RUNNING, None)
+        else:
+            status = _future_status(future)
+        if status[0] is not CallState.RUNNING:
+            self.status = status
+        return status
+
+
+def _future_status(future: concurrent.futures.Future) -> CallStatus:
+    """The finished outcome of `future` (waits for it)."""
+    try:
+        return (CallState.OK, future.result())
+    except BaseException as e:  # reported to every rank by the queue
+        text = "".join(traceback.format_exception(type(e), e, e.__traceback__, limit=8))
+        return (CallState.FAILED, f"{type(e).__name__}: {e}\n{text}")
+
+
+_live_queues: weakref.WeakSet[AsyncCallsQueue] = weakref.WeakSet()
+_atexit_registered = False
+
+
+def _warn_unfinalized_at_exit() -> None:
+    for q in list(_live_queues):
+        n = q.get_num_unfinalized_calls()
+        if n:
+            logger.warning(
+                "Process exiting with %d unfinalized async checkpoint save(s): their checkpoints are not "
+                "committed (no metadata.json). Call AsyncCallsQueue.close() (or "
+                "maybe_finalize_async_calls(blocking=True)) on every rank before exiting.",
+                n,
+            )
+        q._shutdown_callers()
+
+
+class AsyncCallsQueue:
+    """Schedules async requests and finalizes them, in order, once all ranks are done.
+
+    Args:
+        persistent: use one persistent worker process (True) or a fresh forked process per
+            request (False).
+        writer_niceness: how much lower than the training process the writers run (Unix
+            nice increment; 0 keeps the same priority). Writes mostly wait on the disk, so a
+            low priority costs them little and keeps the CPU for training.
+    """
+
+    def __init__(self, persistent: bool = False, *, writer_niceness: int = 19) -> None:
+        global _atexit_registered
+        self.persistent = persistent
+        self.writer_niceness = writer_niceness
+        self._calls: Deque[_Call] = deque()
+        self._next_idx = 0
+        self._persistent_caller: Optional[PersistentAsyncCaller] = None
+        self._temporal_caller: Optional[TemporalAsyncCaller] = None
+        _live_queues.add(self)
+        if not _atexit_registered:
+            atexit.register(_warn_unfinalized_at_exit)
+            _atexit_registered = True
+
+    def _caller(self, request: AsyncRequest) -> AsyncCaller:
+        if self.persistent:
+            if self._persistent_caller is None:
+                self._persistent_caller = PersistentAsyncCaller(self.writer_niceness)
+            return self._persistent_caller
+        if self._temporal_caller is None:
+            self._temporal_caller = TemporalAsyncCaller(self.writer_niceness)
+        return self._temporal_caller
+
+    def schedule_async_request(self, async_request: AsyncRequest) -> int:
+        """Starts a request's background work; returns its call index.
+
+        Raises:
+            CheckpointingException: if the preload function fails.
+        """
+        request = async_request.freeze()
+        if request.preload_fn is not None:
+            request.preload_fn()
+        idx = self._next_idx
+        self._next_idx += 1
+        caller: Optional[AsyncCaller] = None
+        if request.async_fn is not None:
+            caller = self._caller(request)
+            caller.schedule(idx, request)
+        self._calls.append(_Call(idx, request, caller, time.perf_counter()))
+        return idx
+
+    def maybe_finalize_async_calls(
+        self, blocking: bool = False, no_dist: bool = False
+    ) -> List[int]:
+        """Finalizes, in order, the calls that finished on every rank.
+
+        Collective unless `no_dist`: every rank must call it the same number of times.
+
+        Args:
+            blocking: wait for every scheduled call to finish, then finalize them all.
+            no_dist: decide from this rank alone (no collective), for single-rank use.
+
+        Returns:
+            The indices of the calls finalized by this invocation.
+
+        Raises:
+            AsyncSaveError: on every rank, if a call failed on any rank (that call is
+                dropped, nothing of it is committed; later calls stay queued).
+        """
+        finalized: List[int] = []
+        while self._calls:
+            call = self._calls[0]
+            state, payload = call.poll(blocking)
+            running, failed_here = state is CallState.RUNNING, state is CallState.FAILED
+            if no_dist:
+                any_running, any_failed = running, failed_here
+            else:  # one small all-reduce per poll; messages are exchanged only on failure
+                any_running, any_failed = (
+                    bool(v) for v in _dist.all_reduce_max([int(running), int(failed_here)])
+                )
+            if any_running:
+                break
+            self._calls.popleft()
+            if any_failed:
+                call.request.run_cleanup()
+                mine = str(payload).strip().splitlines()[0] if failed_here and payload else None
+                reports = [mine] if no_dist else _dist.all_gather_object(mine)
+                failed = [(r, m) for r, m in enumerate(reports) if m is not None]
+                detail = "; ".join(f"rank {r}: {m}" for r, m in failed)
+                if failed_here:
+                    logger.error("async save call %d failed on this rank:\n%s", call.idx, payload)
+                raise AsyncSaveError(
+                    f"Async save call {call.idx} ({call.request.description}) failed on rank(s) "
+                    f"{', '.join(str(r) for r, _ in failed)}: {detail}"
+                )
+            call.request.result = payload
+            try:
+                for fn in call.request.finalize_fns:
+                    fn()
+            finally:
+                call.request.run_cleanup()
+            logger.info(
+                "async save call %d (%s) finalized %.2f s after scheduling",
+                call.idx,
+                call.request.description,
+                time.perf_counter() - call.scheduled_at,
+            )
+            finalized.append(call.idx)
+        return finalized
+
+    def get_num_unfinalized_calls(self) -> int:
+        """Number of scheduled calls not finalized yet."""
+        return len(self._calls)
+
+    def close(self) -> None:
+        """Collective: waits for and finalizes every call, then stops the worker processes."""
+        try:
+            self.maybe_finalize_async_calls(blocking=True)
+        finally:
+            self._shutdown_callers()
+
+    def _shutdown_callers(self) -> None:
+        for caller in (self._persistent_caller, self._temporal_caller):
+            if caller is not None:
+                caller.close()
+        self._persistent_caller = None
+        self._temporal_caller = None
