@@ -82,14 +82,18 @@ def get_default_save_sharded_strategy(
     backend: str = "torch_dist", version: int = 1
 ) -> SaveShardedStrategy:
     """The registered SAVE_SHARDED strategy for `(backend, version)`."""
-    return get_default_strategy(StrategyAction.SAVE_SHARDED, backend, version)
+    strategy = get_default_strategy(StrategyAction.SAVE_SHARDED, backend, version)
+    assert isinstance(strategy, SaveShardedStrategy)  # register_default_strategy checks it
+    return strategy
 
 
 def get_default_save_common_strategy(
     backend: str = "torch", version: int = 1
 ) -> SaveCommonStrategy:
     """The registered SAVE_COMMON strategy for `(backend, version)`."""
-    return get_default_strategy(StrategyAction.SAVE_COMMON, backend, version)
+    strategy = get_default_strategy(StrategyAction.SAVE_COMMON, backend, version)
+    assert isinstance(strategy, SaveCommonStrategy)  # register_default_strategy checks it
+    return strategy
 
 
 def get_default_load_sharded_strategy(checkpoint_dir: PathArg) -> LoadShardedStrategy:

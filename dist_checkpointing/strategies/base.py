@@ -15,10 +15,10 @@ strategy's `(backend, version)` in `metadata.json`; `load` looks that pair up un
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections import defaultdict
 from enum import Enum
 from pathlib import Path
-from typing import Any, Callable, DefaultDict, Dict, List, Optional, Tuple, Type, Union
+from types import MappingProxyType
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple, Type, Union
 
 from .._types import ShardedStateDict, StateDict
 from ..async_save import AsyncRequest
@@ -57,10 +57,35 @@ class StrategyAction(Enum):
     SAVE_SHARDED = "save_sharded"
 
 
-#: Registered strategies: `default_strategies[action.value][(backend, version)]`.
-#: Read it freely; change it only through `register_default_strategy`.
-default_strategies: DefaultDict[str, Dict[Tuple[str, int], Any]] = defaultdict(dict)
+#: What the registry holds: a strategy instance of the base class its action requires.
+StrategyBase = Union["LoadStrategyBase", "SaveStrategyBase"]
+RegistryKey = Tuple[StrategyAction, str, int]
+
+#: The registry. Changed only by `register_default_strategy`.
+_registry: Dict[RegistryKey, StrategyBase] = {}
 _builtins_registered = False
+
+
+class _RegistryView(Mapping[str, Mapping[Tuple[str, int], StrategyBase]]):
+    """Read-only `view[action.value][(backend, version)]` of the registry.
+
+    The reference layout of `default_strategies`, kept for code that reads it; it reflects
+    registrations made later, and cannot be written (use `register_default_strategy`).
+    """
+
+    def __getitem__(self, action_value: str) -> Mapping[Tuple[str, int], StrategyBase]:
+        action = StrategyAction(action_value)
+        return MappingProxyType({(b, v): s for (a, b, v), s in _registry.items() if a is action})
+
+    def __iter__(self) -> Iterator[str]:
+        return iter([a.value for a in StrategyAction])
+
+    def __len__(self) -> int:
+        return len(StrategyAction)
+
+
+#: Registered strategies, read-only: `default_strategies[action.value][(backend, version)]`.
+default_strategies: Mapping[str, Mapping[Tuple[str, int], StrategyBase]] = _RegistryView()
 
 
 def _register_builtin_strategies() -> None:
@@ -80,15 +105,22 @@ def _register_builtin_strategies() -> None:
 
 def _registered_listing() -> str:
     entries = [
-        f"({action}, {backend!r}, {version})"
-        for action, table in sorted(default_strategies.items())
-        for backend, version in sorted(table)
+        f"({action.value}, {backend!r}, {version})"
+        for action, backend, version in sorted(_registry, key=lambda k: (k[0].value, k[1], k[2]))
     ]
     return ", ".join(entries) or "none"
 
 
-def get_default_strategy(action: StrategyAction, backend: str, version: int) -> Any:
+def get_default_strategy(action: StrategyAction, backend: str, version: int) -> StrategyBase:
     """Returns the strategy registered for `(action, backend, version)`.
+
+    Args:
+        action: what the strategy is for.
+        backend: the backend name.
+        version: the format version.
+
+    Returns:
+        The registered strategy instance (built-ins are registered on the first call).
 
     Raises:
         StrategyNotFoundError: naming the triple and listing what is registered.
@@ -97,7 +129,7 @@ def get_default_strategy(action: StrategyAction, backend: str, version: int) -> 
     if not isinstance(action, StrategyAction):
         raise StrategyNotFoundError(f"Unknown strategy action {action!r}")
     try:
-        return default_strategies[action.value][(backend, version)]
+        return _registry[(action, backend, version)]
     except (KeyError, TypeError) as e:
         raise StrategyNotFoundError(
             f"No strategy registered for action={action.value}, backend={backend!r}, "
@@ -105,18 +137,18 @@ def get_default_strategy(action: StrategyAction, backend: str, version: int) -> 
         ) from e
 
 
-_EXPECTED_BASE: Dict[StrategyAction, str] = {
-    StrategyAction.LOAD_COMMON: "LoadCommonStrategy",
-    StrategyAction.LOAD_SHARDED: "LoadShardedStrategy",
-    StrategyAction.SAVE_COMMON: "SaveCommonStrategy",
-    StrategyAction.SAVE_SHARDED: "SaveShardedStrategy",
-}
-
-
 def register_default_strategy(
-    action: StrategyAction, backend: str, version: int, strategy: Any
+    action: StrategyAction, backend: str, version: int, strategy: StrategyBase
 ) -> None:
     """Registers `strategy` for `(action, backend, version)`, replacing any earlier one.
+
+    Args:
+        action: what the strategy is for; `strategy` must be an instance of its base class
+            (`LoadCommonStrategy`, `LoadShardedStrategy`, `SaveCommonStrategy` or
+            `SaveShardedStrategy`).
+        backend: the backend name (non-empty).
+        version: the format version (a positive int).
+        strategy: the instance.
 
     Raises:
         CheckpointingException: on a malformed backend/version or a strategy of the wrong
@@ -128,12 +160,12 @@ def register_default_strategy(
         raise CheckpointingException(f"Backend must be a non-empty string, got {backend!r}")
     if isinstance(version, bool) or not isinstance(version, int) or version < 1:
         raise CheckpointingException(f"Version must be a positive int, got {version!r}")
-    base: Type[Any] = globals()[_EXPECTED_BASE[action]]
+    base = _base_for(action)
     if not isinstance(strategy, base):
         raise CheckpointingException(
             f"Strategy for {action.value} must be a {base.__name__}, got {type(strategy).__name__}"
         )
-    default_strategies[action.value][(backend, version)] = strategy
+    _registry[(action, backend, version)] = strategy
 
 
 def resolve_strategy(
@@ -147,13 +179,13 @@ def resolve_strategy(
         default: the `(backend, version)` used when `spec` is None.
 
     Returns:
-        The strategy instance.
+        The strategy instance (an instance of the base class of `action`).
 
     Raises:
         StrategyNotFoundError: if the tuple is not registered.
         CheckpointingException: if `spec` is of the wrong kind.
     """
-    base: Type[Any] = globals()[_EXPECTED_BASE[action]]
+    base = _base_for(action)
     if spec is None:
         if default is None:
             raise CheckpointingException(f"No strategy given for {action.value}")
@@ -402,3 +434,14 @@ class NodeLocalLoadShardedStrategy(LoadShardedStrategy):
         self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir
     ) -> StateDict:
         return self.load_rank_state(sharded_state_dict, checkpoint_dir)[1]
+
+
+def _base_for(action: StrategyAction) -> Type[StrategyBase]:
+    """The base class a strategy registered or resolved for `action` must derive from."""
+    bases: Dict[StrategyAction, Type[StrategyBase]] = {
+        StrategyAction.LOAD_COMMON: LoadCommonStrategy,
+        StrategyAction.LOAD_SHARDED: LoadShardedStrategy,
+        StrategyAction.SAVE_COMMON: SaveCommonStrategy,
+        StrategyAction.SAVE_SHARDED: SaveShardedStrategy,
+    }
+    return bases[action]

@@ -13,6 +13,7 @@ from dist_checkpointing.errors import CheckpointingException, StrategyNotFoundEr
 from dist_checkpointing.strategies.base import (
     LoadShardedStrategy,
     StrategyAction,
+    default_strategies,
     get_default_strategy,
     register_default_strategy,
     resolve_strategy,
@@ -89,6 +90,17 @@ def test_resolve_rejects_strategy_of_wrong_kind():
         resolve_strategy(StrategyAction.SAVE_SHARDED, _Loader())
     with pytest.raises(CheckpointingException, match=r"\(backend, version\)"):
         resolve_strategy(StrategyAction.SAVE_SHARDED, ("torch_dist",))
+
+
+def test_default_strategies_is_a_read_only_view_of_the_registry():
+    strategy = TorchDistLoadShardedStrategy()
+    register_default_strategy(StrategyAction.LOAD_SHARDED, "view_test", 3, strategy)
+    table = default_strategies[StrategyAction.LOAD_SHARDED.value]
+    assert table[("view_test", 3)] is strategy
+    assert ("view_test", 3) not in default_strategies[StrategyAction.SAVE_SHARDED.value]
+    assert set(default_strategies) == {a.value for a in StrategyAction}
+    with pytest.raises(TypeError):
+        table[("view_test", 4)] = strategy  # type: ignore[index]
 
 
 def test_importing_the_package_registers_nothing_and_starts_nothing():
