@@ -15,7 +15,7 @@ manager honours whatever the process-wide allowlist holds.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Iterable, List, ValuesView
+from typing import Any, Iterable, List, Optional, ValuesView
 
 import torch
 
@@ -88,6 +88,13 @@ class TensorAwareStateDict(ABC):
     @abstractmethod
     def restore_tensor_device(self, non_blocking: bool = True) -> None:
         """Moves every tensor back to the device it came from (no-op for host tensors)."""
+
+    def tensor_names(self) -> Optional[List[str]]:
+        """Names of the tensors, in `pop_tensors` order, for messages; None when unnamed.
+
+        The manager records them in the checkpoint so a corrupted tensor is reported by name.
+        """
+        return None
 
     def _require(self, hollow: bool, what: str) -> None:
         """Raises `CheckpointingException` unless `is_hollow == hollow` (`what`: the action)."""

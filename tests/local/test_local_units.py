@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import threading
 
 import pytest
 import torch
@@ -17,8 +18,10 @@ from dist_checkpointing.errors import (
 )
 from dist_checkpointing.local._image import decode_image, finish_image, start_image
 from dist_checkpointing.local.basic_state_dict import BasicTensorAwareStateDict
+from dist_checkpointing.local.ckpt_managers.local_manager import LocalCheckpointManager
 from dist_checkpointing.local.replication.strategies import (
     NoReplicasAvailableError,
+    ReplicationStrategy,
     clique_ranks,
     plan_retrieval,
 )
@@ -151,3 +154,35 @@ def test_basic_state_dict_pop_insert_and_errors():
     assert [t.shape for t in hollow.tensors] == [t.shape for t in tensors]
     with pytest.raises(CheckpointingException, match="dict or list"):
         BasicTensorAwareStateDict(torch.zeros(1))
+
+
+class _RecordingReplication(ReplicationStrategy):
+    """Keeps a fake copy of a part 'from rank 9', and records what the manager calls."""
+
+    def __init__(self) -> None:
+        self.calls: list = []
+
+    def prepare(self) -> None:
+        self.calls.append(("prepare", threading.current_thread().name))
+
+    def replicate_images(self, image, id_):
+        self.calls.append(("replicate_images", threading.current_thread().name))
+        return [((id_[0], 9, id_[2]), image.clone())]
+
+
+def test_replication_strategy_must_implement_replicate_images():
+    class Incomplete(ReplicationStrategy):
+        pass
+
+    with pytest.raises(TypeError, match="replicate_images"):
+        Incomplete()  # type: ignore[abstract]
+
+
+def test_manager_calls_prepare_in_caller_then_replicate_images_in_background(tmp_path):
+    repl = _RecordingReplication()
+    manager = LocalCheckpointManager(tmp_path, "s", repl)
+    manager.save(_state(), 3)
+    caller = threading.current_thread().name
+    assert [name for name, _ in repl.calls] == ["prepare", "replicate_images"]
+    assert repl.calls[0][1] == caller and repl.calls[1][1] != caller
+    assert sorted(i[1] for i in manager._my_ckpt_ids()) == [0, 9]

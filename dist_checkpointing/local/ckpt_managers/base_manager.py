@@ -28,7 +28,7 @@ import concurrent.futures
 import logging
 import time
 from abc import ABC, abstractmethod
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 
@@ -206,7 +206,6 @@ class BaseCheckpointManager(ABC):
         start = time.perf_counter()
         ckpt_id = self._ckpt_id(iteration)
         image: Optional[LocalImage] = None
-        extra: List[LocalImage] = []
         error: Optional[BaseException] = None
         try:
             if iteration <= self._newest_committed:
@@ -218,19 +217,14 @@ class BaseCheckpointManager(ABC):
                 raise SameMachineReplicationException(clash[0])
             if self.repl_strategy is not None:
                 self.repl_strategy.prepare()
-            if self.repl_strategy is not None and not hasattr(
-                self.repl_strategy, "replicate_images"
-            ):
-                extra = self._foreground_replicate(state_dict, ckpt_id)
-            names_fn = getattr(state_dict, "tensor_names", None)
-            image = start_image(state_dict, ckpt_id, names_fn() if callable(names_fn) else None)
+            image = start_image(state_dict, ckpt_id, state_dict.tensor_names())
         except Exception as e:  # agreed on below
             error = e
         _dist.agree_on_errors(error, f"local checkpoint save of iteration {iteration}")
         assert image is not None
         self.latest_iteration = -1
         nbytes = image.nbytes
-        future = self._background().submit(self._write_parts, image, extra)
+        future = self._background().submit(self._write_parts, image)
         blocked = time.perf_counter() - start
 
         def finalize() -> None:
@@ -266,29 +260,16 @@ class BaseCheckpointManager(ABC):
         finalize()
         return None
 
-    def _foreground_replicate(
-        self, state_dict: TensorAwareStateDict, ckpt_id: CkptID
-    ) -> List[LocalImage]:
-        """For strategies without a byte-image exchange: their `replicate`, in the caller."""
-        assert self.repl_strategy is not None
-        states, ids = self.repl_strategy.replicate(state_dict, ckpt_id)
-        return [start_image(sd, i) for sd, i in zip(states, ids) if tuple(i) != tuple(ckpt_id)]
-
-    def _write_parts(self, image: LocalImage, extra: List[LocalImage]) -> int:
+    def _write_parts(self, image: LocalImage) -> int:
         """Background: checksums, replication exchange, durable writes of every part kept here."""
         finish_image(image)
-        parts: List[Tuple[CkptID, Any]] = [(image.ckpt_id, image)]  # type: ignore[list-item]
-        if self.repl_strategy is not None and hasattr(self.repl_strategy, "replicate_images"):
+        parts: List[LocalImage] = [image]
+        if self.repl_strategy is not None:
             for other_id, buf in self.repl_strategy.replicate_images(image.buffer, image.ckpt_id):
-                parts.append((other_id, buf))
-        parts.extend((e.ckpt_id, finish_image(e)) for e in extra)  # type: ignore[misc]
-        written = 0
-        for ckpt_id, part in parts:
-            if isinstance(part, torch.Tensor):
-                part = LocalImage(ckpt_id, part, [], 0, 0, finished=True)
-            self._save_image(part, ckpt_id)
-            written += part.nbytes
-        return written
+                parts.append(LocalImage(other_id, buf, [], 0, 0, finished=True))
+        for part in parts:
+            self._save_image(part, part.ckpt_id)
+        return sum(part.nbytes for part in parts)
 
     def _drop_dirty(self, iteration: int, future: concurrent.futures.Future) -> None:
         """Removes this iteration's uncommitted files once its background work ended."""

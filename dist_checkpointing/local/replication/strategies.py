@@ -29,8 +29,6 @@ import torch.distributed as dist
 
 from ... import _dist
 from ...errors import CheckpointingException, NoReplicasAvailableError, describe_ckpt_id
-from .._image import decode_image, finish_image, start_image
-from ..base_state_dict import TensorAwareStateDict
 
 __all__ = [
     "CkptID",
@@ -204,35 +202,44 @@ def execute_plan(
 
 
 class ReplicationStrategy(ABC):
-    """Decides where copies of local checkpoint parts go, and how they come back."""
+    """Decides where copies of each rank's local checkpoint part go (the manager's contract).
+
+    What `BaseCheckpointManager.save` calls, in this order, for every save:
+    1. `prepare()`: on every rank, in the caller's thread, before any background work;
+       collective over all ranks (it may create process groups).
+    2. `replicate_images(image, id_)`: on every rank, in the manager's one background
+       thread, after this rank's part is serialized and checksummed; collective over the
+       ranks this rank exchanges with (and only those, as other ranks may be at another
+       point of their background work).
+
+    The manager writes every returned part next to its own. Loading does not call the
+    strategy: retrieval is planned from what every rank holds (`plan_retrieval`,
+    `execute_plan`), so parts stay reachable after the replication parameters change.
+
+    Invariant: the returned images are byte-identical to what their owners passed in
+    (checksums included), so each copy verifies on its own.
+    """
 
     def prepare(self) -> None:
         """Collective: builds what the strategy needs (process groups) in the caller thread.
 
-        The manager calls it before handing work to its background thread; strategies that
-        build lazily must do it here.
+        Strategies that build lazily must do it here, not in the background thread.
         """
         return None
 
     @abstractmethod
-    def replicate(
-        self, local_ckpt: TensorAwareStateDict, id_: CkptID
-    ) -> Tuple[List[TensorAwareStateDict], List[CkptID]]:
-        """Collective: exchanges parts; returns the parts this rank keeps, with their ids."""
+    def replicate_images(
+        self, image: torch.Tensor, id_: CkptID
+    ) -> List[Tuple[CkptID, torch.Tensor]]:
+        """Collective over this rank's exchange group: sends this rank's part, receives copies.
 
-    @abstractmethod
-    def retrieve_plan(
-        self, globally_available_ids: Mapping[int, List[CkptID]], wanted: Sequence[CkptID]
-    ) -> ExchangePlan:
-        """Collective: plans how every rank gets the parts it wants.
+        Args:
+            image: this rank's finished part (a 1-D uint8 tensor in host memory).
+            id_: its id, `(iteration, owner rank, session id)`.
 
-        Raises:
-            NoReplicasAvailableError: on every rank, when a wanted part has no holder.
+        Returns:
+            The `(id, image)` pairs this rank keeps a copy of, its own part excluded.
         """
-
-    @abstractmethod
-    def retrieve_execute(self, *args: Any, **kwargs: Any) -> Any:
-        """Collective: executes a retrieval plan."""
 
 
 class CliqueReplicationStrategy(ReplicationStrategy):
@@ -332,32 +339,6 @@ class CliqueReplicationStrategy(ReplicationStrategy):
         )
         return out  # type: ignore[return-value]
 
-    def replicate(
-        self, local_ckpt: TensorAwareStateDict, id_: CkptID
-    ) -> Tuple[List[TensorAwareStateDict], List[CkptID]]:
-        """Collective over the clique: returns every member's part (this rank's included)."""
-        image = finish_image(start_image(local_ckpt, id_))
-        others = {i: buf for i, buf in self.replicate_images(image.buffer, id_)}
-        states, ids = [], []
-        for other_id, buf in others.items():
-            _, sd = decode_image(buf, f"replica of {describe_id(other_id)}")
-            states.append(sd)
-            ids.append(other_id)
-        return [local_ckpt, *states], [tuple(id_), *ids]  # type: ignore[list-item]
-
-    def retrieve_plan(
-        self, globally_available_ids: Mapping[int, List[CkptID]], wanted: Sequence[CkptID]
-    ) -> ExchangePlan:
-        """Collective over all ranks: see `plan_retrieval`."""
-        everyone = _dist.all_gather_object([tuple(w) for w in wanted], host_group())
-        return plan_retrieval(globally_available_ids, dict(enumerate(everyone)))  # type: ignore[arg-type]
-
-    def retrieve_execute(  # type: ignore[override]
-        self, plan: ExchangePlan, my_data: Mapping[CkptID, torch.Tensor]
-    ) -> Dict[CkptID, torch.Tensor]:
-        """Collective over all ranks: see `execute_plan` (images in, images out)."""
-        return execute_plan(plan, my_data, host_group())
-
 
 class LazyCliqueReplicationStrategy(CliqueReplicationStrategy):
     """A `CliqueReplicationStrategy` whose groups are created on first use (in `prepare`).
@@ -391,12 +372,6 @@ class LazyCliqueReplicationStrategy(CliqueReplicationStrategy):
     ) -> List[Tuple[CkptID, torch.Tensor]]:
         self._require_built()
         return super().replicate_images(image, id_)
-
-    def replicate(
-        self, local_ckpt: TensorAwareStateDict, id_: CkptID
-    ) -> Tuple[List[TensorAwareStateDict], List[CkptID]]:
-        self.prepare()
-        return super().replicate(local_ckpt, id_)
 
     def _require_built(self) -> None:
         if self._built is None:
