@@ -32,17 +32,16 @@ import torch
 import torch.distributed as dist
 
 from . import _dist
+from ._prepare import prepare_load_request, save_preprocess
 from ._types import ShardedStateDict, StateDict
 from .dict_utils import dict_list_map_inplace, dict_list_map_outplace, merge, nested_values
 from .errors import CheckpointingException
 from .local.base_state_dict import TensorAwareStateDict, allow_in_hollow_state
 from .local.basic_state_dict import _usable_device
 from .mapping import ShardedBase, ShardedObject, ShardedTensor, apply_factory_merges
-from .serialization import _load_preprocess, _save_preprocess
 from .validation import (
     StrictHandling,
     parse_strict_flag,
-    validate_integrity_and_strict_load,
 )
 
 __all__ = ["MCoreTensorAwareStateDict", "ShardDistribution"]
@@ -171,7 +170,7 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
                 this rank's shards or was made for another group.
         """
         _check_algo(algo)
-        sharded, common = _save_preprocess(sharded_state_dict, None)
+        sharded, common = save_preprocess(sharded_state_dict, None)
         distribution = None
         if algo == "fully_parallel":
             if cached_metadata is None:
@@ -345,32 +344,20 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
         if not sharded_state_dict:
             return (result, set(), set()) if return_mismatch_keys else result
         strict = parse_strict_flag(strict)
-        request, nonpersistent, factories = _load_preprocess(sharded_state_dict)
-        merge(result, nonpersistent)
-        stored_md: Optional[Dict[str, ShardedBase]] = None
-        if StrictHandling.requires_explicit_ckpt_mismatch_check(strict):
-            stored_md = {
+
+        def stored_metadata() -> Dict[str, ShardedBase]:
+            return {
                 (sh.key if isinstance(sh, ShardedTensor) else sh.unique_key): sh.without_data()
                 for sh in nested_values(self.sharded_state_dict)
                 if isinstance(sh, (ShardedTensor, ShardedObject))
             }
-        local_md: Optional[List[ShardedBase]] = None
-        global_md: Optional[List[List[ShardedBase]]] = None
-        if validate_access_integrity or StrictHandling.requires_global_app_metadata(strict):
-            local_md = [
-                sh.without_data()
-                for sh in nested_values(request)
-                if isinstance(sh, (ShardedTensor, ShardedObject))
-            ]
-            global_md = _dist.all_gather_object(local_md)
-        request, missing, unexpected = validate_integrity_and_strict_load(
-            request,
-            strict,
-            validate_access_integrity,
-            local_md,
-            global_md,
-            stored_md,
+
+        prepared = prepare_load_request(
+            sharded_state_dict, strict, validate_access_integrity, stored_metadata
         )
+        merge(result, prepared.nonpersistent)
+        request, factories = prepared.sharded, prepared.factories
+        missing, unexpected = prepared.missing_keys, prepared.unexpected_keys
         tensors = {_shard_id(sh): sh.data for sh in self._with_data()}
         objects = {
             sh.unique_key: sh.data

@@ -205,10 +205,6 @@ def resolve_strategy(
 class LoadStrategyBase(ABC):
     """Base of load strategies: declares which checkpoints it can read."""
 
-    #: True for backends that keep each rank's files on that rank's node only (see
-    #: `NodeLocalLoadShardedStrategy`).
-    node_local = False
-
     @abstractmethod
     def check_backend_compatibility(self, loaded_backend: str) -> None:
         """Raises `IncompatibleCheckpointError` if checkpoints of `loaded_backend` are unreadable."""
@@ -233,10 +229,6 @@ class SaveStrategyBase(ABC):  # noqa: B024 (abstract methods live in the subclas
         backend: backend name recorded in `metadata.json`.
         version: format version recorded in `metadata.json`.
     """
-
-    #: True for backends that keep each rank's files on that rank's node only (see
-    #: `NodeLocalSaveShardedStrategy`).
-    node_local = False
 
     def __init__(self, backend: str, version: int) -> None:
         self.backend = backend
@@ -378,8 +370,6 @@ class NodeLocalSaveShardedStrategy(AsyncSaveShardedStrategy):
     complete checkpoint from its own directory.
     """
 
-    node_local = True
-
     @property
     def can_handle_sharded_objects(self) -> bool:
         return True
@@ -413,8 +403,6 @@ class NodeLocalSaveShardedStrategy(AsyncSaveShardedStrategy):
 
 class NodeLocalLoadShardedStrategy(LoadShardedStrategy):
     """Loads checkpoints of a `NodeLocalSaveShardedStrategy` backend."""
-
-    node_local = True
 
     @property
     def can_handle_sharded_objects(self) -> bool:

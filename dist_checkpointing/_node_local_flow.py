@@ -1,0 +1,92 @@
+"""The node-local flow of `save` and `load` (backends such as `('local', 1)`).
+
+A `NodeLocalSaveShardedStrategy` keeps each rank's whole state (sharded and common) on that
+rank's node: the checkpoint directory need not be shared, every rank writes its own
+`metadata.json`, and the common state travels with the rank's part instead of `common.pt`.
+`serialization.save`/`load` choose this flow once, from the strategy's class, and hand over
+here; everything specific to node-local checkpoints is in this module.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Callable, Optional, Set, Tuple, Union
+
+from . import _dist
+from ._prepare import prepare_load_request
+from ._save_pipeline import SavePlan
+from ._types import ShardedStateDict, StateDict
+from .async_save import AsyncRequest
+from .dict_utils import merge
+from .mapping import apply_factory_merges
+from .strategies.base import NodeLocalLoadShardedStrategy, NodeLocalSaveShardedStrategy
+from .validation import StrictHandling
+
+__all__ = ["save", "load", "load_common_state_dict"]
+
+logger = logging.getLogger(__name__)
+
+LoadResult = Union[StateDict, Tuple[StateDict, Set[str], Set[str]]]
+
+
+def save(
+    plan: SavePlan, ckpt: Path, async_sharded_save: bool, commit: Callable[[], None]
+) -> Optional[AsyncRequest]:
+    """Collective: writes every rank's state on its node, then commits on every rank.
+
+    Args:
+        plan: the agreed preparation (`plan.node_local` is True).
+        ckpt: the checkpoint directory (this rank's).
+        async_sharded_save: return the request instead of writing now.
+        commit: the collective commit step (every rank writes its `metadata.json`).
+
+    Returns:
+        None, or the request (with `commit` as its last finalize function).
+    """
+    sharded = plan.sharded
+    assert isinstance(sharded, NodeLocalSaveShardedStrategy)
+    if async_sharded_save:
+        request = sharded.async_save_rank_state(plan.sharded_part, plan.common_part, ckpt)
+        request.add_finalize_fn(commit)
+        return request
+    sharded.save_rank_state(plan.sharded_part, plan.common_part, ckpt)
+    commit()
+    return None
+
+
+def load(
+    sharded: NodeLocalLoadShardedStrategy,
+    ckpt: Path,
+    sharded_state_dict: ShardedStateDict,
+    strict: StrictHandling,
+    validate_access_integrity: bool,
+    stored_metadata: Callable[[], Optional[ShardedStateDict]],
+    start: float,
+) -> LoadResult:
+    """Collective: the node-local part of `serialization.load` (after strategy selection).
+
+    Each rank's common state comes with its part (no `common.pt` collective).
+
+    Returns:
+        As `serialization.load`.
+    """
+    prepared = prepare_load_request(
+        sharded_state_dict, strict, validate_access_integrity, stored_metadata
+    )
+    common_state_dict, loaded = sharded.load_rank_state(prepared.sharded, ckpt)
+    merge(common_state_dict, prepared.nonpersistent)
+    merge(common_state_dict, loaded)
+    apply_factory_merges(common_state_dict, prepared.factories)
+    _dist.log_rank0(
+        logger, logging.INFO, "Loaded checkpoint %s in %.2f s", ckpt, time.perf_counter() - start
+    )
+    if StrictHandling.requires_returning_mismatch_keys(strict):
+        return common_state_dict, prepared.missing_keys, prepared.unexpected_keys
+    return common_state_dict
+
+
+def load_common_state_dict(sharded: NodeLocalLoadShardedStrategy, ckpt: Path) -> StateDict:
+    """This rank's common state, from its own directory (not collective)."""
+    return sharded.load_common_rank_state(ckpt)

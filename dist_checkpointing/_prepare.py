@@ -1,0 +1,141 @@
+"""From a user's sharded state dict to what save and load work on; the shared load preamble.
+
+Used by `serialization` (checkpoint directories) and `tensor_aware_state_dict` (local
+checkpoints), so both treat factories, LocalNonpersistentObjects, strict modes and sharding
+validation the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, List, Optional, Set, Tuple
+
+from . import _dist
+from ._types import CommonStateDict, ShardedStateDict, StateDict
+from .dict_utils import dict_list_map_inplace, extract_matching_values, nested_values
+from .mapping import (
+    LocalNonpersistentObject,
+    ShardedBase,
+    ShardedTensorFactory,
+    apply_factories,
+)
+from .validation import StrictHandling, validate_integrity_and_strict_load
+
+__all__ = [
+    "CONTENT_METADATA_KEY",
+    "LoadRequest",
+    "nested_sharded",
+    "prepare_load_request",
+    "save_preprocess",
+]
+
+#: Key of `save(content_metadata=...)` in the common state.
+CONTENT_METADATA_KEY = "content_metadata"
+
+
+def _shallow_copy(tree: Any) -> Any:
+    """Copies the dict/list containers (not the leaves) so preprocessing never edits the caller's."""
+    return (
+        extract_matching_values(tree, lambda _: True)[0] if isinstance(tree, (dict, list)) else tree
+    )
+
+
+def _is_nonpersistent(x: Any) -> bool:
+    return isinstance(x, LocalNonpersistentObject)
+
+
+def nested_sharded(tree: Any) -> List[ShardedBase]:
+    """The sharded leaves of `tree`, in traversal order."""
+    return (
+        [v for v in nested_values(tree) if isinstance(v, ShardedBase)]
+        if isinstance(tree, (dict, list))
+        else []
+    )
+
+
+def save_preprocess(
+    sharded_state_dict: ShardedStateDict, content_metadata: Optional[dict]
+) -> Tuple[ShardedStateDict, CommonStateDict]:
+    """Splits a state to save into `(sharded leaves, common state)`.
+
+    Factories are applied and LocalNonpersistentObjects dropped, on a copy of the
+    containers (the caller's dict is not modified).
+
+    Args:
+        sharded_state_dict: the state.
+        content_metadata: stored under `CONTENT_METADATA_KEY` in the common state if given.
+
+    Returns:
+        The sharded part and the common part.
+    """
+    sd = _shallow_copy(sharded_state_dict)
+    if content_metadata is not None:
+        sd[CONTENT_METADATA_KEY] = content_metadata
+    apply_factories(sd)
+    _, sd = extract_matching_values(sd, _is_nonpersistent)
+    return extract_matching_values(sd, lambda x: isinstance(x, ShardedBase))
+
+
+@dataclass
+class LoadRequest:
+    """A load request after the preamble (see `prepare_load_request`).
+
+    Attributes:
+        sharded: the sharded leaves to load (factories applied, strict mode applied).
+        nonpersistent: the LocalNonpersistentObjects' local values, to merge into the result.
+        factories: the factories, for `apply_factory_merges` on the loaded result.
+        missing_keys: requested keys absent from the checkpoint (when the mode computes them).
+        unexpected_keys: stored keys not requested (when the mode computes them).
+    """
+
+    sharded: ShardedStateDict
+    nonpersistent: StateDict
+    factories: Any
+    missing_keys: Set[str]
+    unexpected_keys: Set[str]
+
+
+def prepare_load_request(
+    sharded_state_dict: ShardedStateDict,
+    strict: StrictHandling,
+    validate_access_integrity: bool,
+    stored_metadata: Callable[[], Optional[ShardedStateDict]],
+) -> LoadRequest:
+    """The load preamble: factories, non-persistent values, strict handling, validation.
+
+    Collective when `validate_access_integrity` or `strict` needs every rank's request
+    (and whatever `stored_metadata` does); every rank calls it with the same flags.
+
+    Args:
+        sharded_state_dict: what the caller asks to load (not modified).
+        strict: key mismatch handling.
+        validate_access_integrity: check the request's sharding across ranks.
+        stored_metadata: returns the checkpoint's `{key: sharded metadata}`; called only
+            when `strict` compares requested and stored keys.
+
+    Returns:
+        The prepared request.
+
+    Raises:
+        KeyMismatchError: under a raising strict mode.
+        ShardingIntegrityError: the request's sharding is invalid (on every rank).
+    """
+    sd = _shallow_copy(sharded_state_dict)
+    factories, _ = extract_matching_values(
+        sd, lambda x: isinstance(x, ShardedTensorFactory), return_lists_as_dicts=True
+    )
+    apply_factories(sd)
+    nonpersistent, sd = extract_matching_values(sd, _is_nonpersistent)
+    dict_list_map_inplace(lambda o: o.unwrap(), nonpersistent)
+    request, _ = extract_matching_values(sd, lambda x: isinstance(x, ShardedBase))
+    ckpt_metadata = None
+    if StrictHandling.requires_explicit_ckpt_mismatch_check(strict):
+        ckpt_metadata = stored_metadata()
+    local_md, global_md = None, None
+    if validate_access_integrity or StrictHandling.requires_global_app_metadata(strict):
+        local_md = [sh.without_data() for sh in nested_sharded(request)]
+        global_md = _dist.all_gather_object(local_md)
+    request, missing, unexpected = validate_integrity_and_strict_load(
+        request, strict, validate_access_integrity, local_md, global_md, ckpt_metadata
+    )
+    return LoadRequest(request, nonpersistent, factories, missing, unexpected)

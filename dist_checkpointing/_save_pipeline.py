@@ -1,0 +1,226 @@
+"""The steps of `serialization.save` shared by every backend: preparation, validation, commit.
+
+`save` runs them in order (see its docstring); the shared-directory write lives in
+`serialization`, the node-local one in `_node_local_flow`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import pickle
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, List, Optional, Tuple, Union
+
+from . import _dist
+from ._prepare import nested_sharded, save_preprocess
+from ._types import CommonStateDict, ShardedStateDict, StateDict
+from .core import CheckpointingConfig, check_is_distributed_checkpoint, save_config
+from .dict_utils import diff, extract_matching_values
+from .errors import CheckpointExistsError, CheckpointingException
+from .mapping import ShardedObject
+from .strategies.base import (
+    AsyncSaveShardedStrategy,
+    NodeLocalSaveShardedStrategy,
+    SaveCommonStrategy,
+    SaveShardedStrategy,
+    StrategyAction,
+    resolve_strategy,
+)
+from .validation import metadata_fingerprint, validate_sharding_integrity
+
+__all__ = ["SavePlan", "prepare_save", "agree_on_preparation", "save_common", "make_commit"]
+
+logger = logging.getLogger(__name__)
+
+#: `(function, args)` calls run in an async save's background writer
+DeferredCalls = List[Tuple[Callable[..., Any], Tuple[Any, ...]]]
+
+
+@dataclass
+class SavePlan:
+    """What `prepare_save` worked out on one rank.
+
+    Attributes:
+        node_local: whether the sharded strategy keeps each rank's whole state on its node
+            (the one place the flow is chosen; see `_node_local_flow`).
+    """
+
+    sharded: SaveShardedStrategy
+    common: SaveCommonStrategy
+    node_local: bool
+    sharded_part: ShardedStateDict
+    common_part: CommonStateDict
+    local_metadata: list
+    structure: str
+    common_digest: str
+    deferred_common: Optional[DeferredCalls]
+
+
+def prepare_save(
+    sharded_state_dict: ShardedStateDict,
+    ckpt: Path,
+    sharded_strategy: Any,
+    common_strategy: Any,
+    async_sharded_save: bool,
+    content_metadata: Optional[dict],
+    preprocess_common: Union[Callable[[CommonStateDict], StateDict], bool, None],
+) -> SavePlan:
+    """The local part of a save's preparation (no collectives; may raise).
+
+    `preprocess_common` is None when the common state is not compared across ranks, True
+    to compare it as is, or the caller's preprocessing function.
+    """
+    sharded = resolve_strategy(StrategyAction.SAVE_SHARDED, sharded_strategy, ("torch_dist", 1))
+    common = resolve_strategy(StrategyAction.SAVE_COMMON, common_strategy, ("torch", 1))
+    node_local = isinstance(sharded, NodeLocalSaveShardedStrategy)
+    if async_sharded_save and not isinstance(sharded, AsyncSaveShardedStrategy):
+        raise CheckpointingException(f"{sharded} does not support async save")
+    # node-local: every rank has its own directory to check
+    if (node_local or _dist.get_rank() == 0) and check_is_distributed_checkpoint(ckpt):
+        raise CheckpointExistsError(
+            f"{ckpt} already holds a complete checkpoint; refusing to overwrite it"
+        )
+    ckpt.mkdir(parents=True, exist_ok=True)
+    sharded_part, common_part = save_preprocess(sharded_state_dict, content_metadata)
+    for sh in nested_sharded(sharded_part):
+        sh.validate_metadata_integrity()
+    local_md = [sh.without_data() for sh in nested_sharded(sharded_part)]
+    deferred = None
+    if async_sharded_save and sharded.can_handle_sharded_objects and not node_local:
+        deferred = common.deferred_save_common(common_part, ckpt)
+    return SavePlan(
+        sharded,
+        common,
+        node_local,
+        sharded_part,
+        common_part,
+        local_md,
+        metadata_fingerprint(local_md),
+        _common_digest(common_part, preprocess_common),
+        deferred,
+    )
+
+
+def _common_digest(common: CommonStateDict, preprocess: Any) -> str:
+    """A digest of the common state as compared across ranks ('' when not compared)."""
+    if preprocess is None:
+        return ""
+    view = preprocess(common) if callable(preprocess) else common
+    try:
+        return hashlib.blake2b(pickle.dumps(view, protocol=4), digest_size=16).hexdigest()
+    except Exception:  # unpicklable values: compare in full instead
+        return f"unhashable:{_dist.get_rank()}"
+
+
+# Digest of the last global sharding that passed validation (identical on every rank).
+_last_validated_structure: Optional[str] = None
+
+
+def agree_on_preparation(
+    plan: Optional[SavePlan],
+    error: Optional[BaseException],
+    ckpt: Path,
+    validate_access_integrity: bool,
+    preprocess_common: Optional[Callable[[CommonStateDict], StateDict]],
+) -> SavePlan:
+    """Collective: agrees on preparation failures, then validates the global sharding.
+
+    One exchange carries every rank's failure, sharding digest and common-state digest.
+    The exchange of every rank's shard metadata is skipped when every rank reports the same
+    structure digest as the last validated save (decided from the exchanged reports, so all
+    ranks skip or exchange together). Rank 0 logs where other ranks' common state differs.
+
+    Returns:
+        `plan` (the same on every rank in kind).
+
+    Raises:
+        CheckpointingException: on every rank, if preparation failed on any rank.
+        ShardingIntegrityError: the shards do not form valid global tensors.
+    """
+    global _last_validated_structure
+    reports = _dist.all_gather_object(
+        (
+            plan.structure if plan else "",
+            _last_validated_structure,
+            plan.common_digest if plan else "",
+            _dist.error_report(error),
+        )
+    )
+    _dist.raise_on_reported_errors([r[3] for r in reports], error, f"save to {ckpt} (preparation)")
+    assert plan is not None
+    if validate_access_integrity:
+        structure = "|".join(r[0] for r in reports)
+        if not all(r[1] == structure for r in reports):
+            validate_sharding_integrity(_dist.all_gather_object(plan.local_metadata))
+            _last_validated_structure = structure
+        if len({r[2] for r in reports}) > 1:
+            _log_common_differences(plan.common_part, preprocess_common)
+    return plan
+
+
+def _log_common_differences(
+    common: CommonStateDict, preprocess: Optional[Callable[[CommonStateDict], StateDict]]
+) -> None:
+    """Collective: logs (rank 0) where ranks' common state differs from rank 0's."""
+    view = preprocess(common) if preprocess is not None else common
+    gathered = _dist.gather_object(view)
+    if gathered is None or len(gathered) == 1:
+        return
+    for rank, other in enumerate(gathered[1:], start=1):
+        only_0, only_r, mismatch = diff(gathered[0], other)
+        if only_0 or only_r or mismatch:
+            logger.warning(
+                "Common state differs between rank 0 and rank %d (rank 0's is saved): only on rank 0: %s, "
+                "only on rank %d: %s, different values: %s",
+                rank,
+                only_0[:10],
+                rank,
+                only_r[:10],
+                [m[0] for m in mismatch[:10]],
+            )
+
+
+def save_common(plan: SavePlan, ckpt: Path) -> ShardedStateDict:
+    """Writes the common state (and ShardedObjects the sharded strategy cannot store).
+
+    Returns:
+        What is left for the sharded strategy.
+    """
+    plan.common.save_common(plan.common_part, ckpt)
+    if plan.sharded.can_handle_sharded_objects:
+        return plan.sharded_part
+    objects, rest = extract_matching_values(
+        plan.sharded_part, lambda v: isinstance(v, ShardedObject)
+    )
+    plan.common.save_sharded_objects(objects, ckpt)
+    return rest
+
+
+def make_commit(plan: SavePlan, ckpt: Path, start: float) -> Callable[[], None]:
+    """The commit step: `metadata.json`, by rank 0 (or by every rank for node-local saves).
+
+    The returned function is collective: it runs after every rank's data is durable.
+    """
+
+    def commit() -> None:
+        def write_config() -> None:
+            if plan.node_local or _dist.get_rank() == 0:
+                save_config(
+                    CheckpointingConfig(
+                        plan.sharded.backend,
+                        plan.sharded.version,
+                        plan.common.backend,
+                        plan.common.version,
+                    ),
+                    ckpt,
+                )
+
+        _dist.run_collectively(f"commit of {ckpt}", write_config)
+        _dist.log_rank0(
+            logger, logging.INFO, "Saved checkpoint %s in %.2f s", ckpt, time.perf_counter() - start
+        )
+
+    return commit
