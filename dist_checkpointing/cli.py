@@ -1,55 +1,192 @@
-"""The `dist-ckpt` command: `demo` and `inspect`."""
+"""The `dist-ckpt` command: `ls`, `inspect`, `verify`, `convert`, `diff` and `demo`.
+
+Exit codes: 0 success (or clean / equal), 1 a problem found in a checkpoint (incomplete,
+damaged, different), 2 bad usage or input (a missing path, an unreadable checkpoint), 130
+interrupted. Every error is one line on stderr, never a traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
-import math
 import sys
-from typing import List, Optional
+from dataclasses import asdict
+from typing import Any, Callable, Dict, List, Optional
 
 __all__ = ["main"]
 
+EXIT_OK, EXIT_PROBLEM, EXIT_ERROR = 0, 1, 2
 
-def _inspect(path: str) -> int:
-    from .core import maybe_load_config
-    from .errors import CheckpointingException
-    from .mapping import ShardedObject, ShardedTensor
-    from .serialization import load_common_state_dict, load_sharded_metadata
 
-    try:
-        config = maybe_load_config(path)
-        if config is None:
-            print(f"{path}: not a complete checkpoint (no metadata.json)", file=sys.stderr)
-            return 2
-        metadata = load_sharded_metadata(path)
-        common = load_common_state_dict(path)
-    except CheckpointingException as e:
-        print(f"{path}: {type(e).__name__}: {e}", file=sys.stderr)
-        return 2
-    print(
-        f"{path}: sharded {config.sharded_backend} v{config.sharded_backend_version}, common {config.common_backend} v{config.common_backend_version}"
-    )
-    total = 0
-    for key, sh in sorted(metadata.items()):
-        if isinstance(sh, ShardedTensor):
-            nbytes = math.prod(sh.global_shape) * sh.dtype.itemsize
-            total += nbytes
+def _size(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if value < 1000 or unit == "TB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1000
+    return f"{n} B"
+
+
+def _print_json(data: Any) -> None:
+    print(json.dumps(data, indent=2, sort_keys=True, default=str))
+
+
+def _ls(args: argparse.Namespace) -> int:
+    from .tools.inspect import list_checkpoints
+
+    found = list_checkpoints(args.root)
+    if args.json:
+        _print_json([{**asdict(i), "tensor_bytes": i.tensor_bytes} for i in found])
+    else:
+        if not found:
+            print(f"{args.root}: no checkpoints")
+        for i in found:
+            mark = "*" if i.latest else " "
+            state = "complete" if i.complete else "INCOMPLETE"
+            step = "-" if i.step is None else str(i.step)
+            tensors = str(len(i.tensors)) if i.complete and i.kind != "local" else "-"
             print(
-                f"  tensor  {key:<40} {str(tuple(sh.global_shape)):<20} {str(sh.dtype):<16} {nbytes:>14,} B"
+                f"{mark} {step:>8}  {state:<10}  {i.backend or '-':<15} {_size(i.size):>10}  "
+                f"{tensors:>7} tensors  {i.date:<25}  {i.path}"
             )
-        elif isinstance(sh, ShardedObject):
-            print(f"  object  {key}")
-    print(f"  common keys: {sorted(map(str, common))}")
-    print(f"  tensor bytes: {total:,}")
-    return 0
+        if any(i.latest for i in found):
+            print("(* = latest)")
+    return EXIT_OK  # incomplete entries are listed, not an error: a save may be running
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    """Entry point of `dist-ckpt` / `python -m dist_checkpointing`."""
-    parser = argparse.ArgumentParser(prog="dist-ckpt", description="dist_checkpointing tools")
+def _inspect(args: argparse.Namespace) -> int:
+    from .tools.inspect import describe
+
+    info = describe(args.path)
+    if args.json:
+        _print_json({**asdict(info), "tensor_bytes": info.tensor_bytes})
+        return EXIT_OK if info.complete else EXIT_PROBLEM
+    if not info.complete:
+        print(f"{info.path}: incomplete checkpoint: {info.problem}", file=sys.stderr)
+        return EXIT_PROBLEM
+    where = f" (world size {info.world_size})" if info.world_size else ""
+    print(f"{info.path}: {info.backend}{where}, {_size(info.size)} on disk, written {info.date}")
+    if info.tensors:
+        print(f"  {'tensor':<40} {'shape':<20} {'dtype':<15} {'bytes':>14} {'shards':>6}")
+    for t in info.tensors:
+        print(
+            f"  {t.key:<40} {str(tuple(t.shape)):<20} {t.dtype:<15} {t.nbytes:>14,} {t.shards:>6}"
+        )
+    for key, value in info.objects.items():
+        print(f"  value   {key:<40} {value}")
+    print(f"  tensor bytes: {info.tensor_bytes:,}")
+    c = info.checksums
+    if c is None or not c.present:
+        print("  checksums: none (written by another tool; loads are not verified)")
+    elif info.kind == "local":
+        print(f"  checksums: every tensor of all {c.items} rank parts (local image checksums)")
+    else:
+        print(
+            f"  checksums: {c.items_covered}/{c.items} items, {c.bytes_covered:,}/{c.bytes:,} bytes, "
+            f"files {', '.join(c.files_covered) or '-'}"
+        )
+    return EXIT_OK
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from .tools.verify import summarize, verify_checkpoint
+
+    report = verify_checkpoint(args.path)
+    if args.json:
+        _print_json({**asdict(report), "ok": report.ok})
+    else:
+        head, lines = summarize(report)
+        print(head)
+        for line in lines:
+            print(f"  {line}")
+    return EXIT_OK if report.ok else EXIT_PROBLEM
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from .tools.convert import convert_checkpoint
+
+    result = convert_checkpoint(args.path, args.out, args.to, max_shard_size=args.max_shard_size)
+    print(f"wrote {result.tensors} tensors ({_size(result.bytes)}) to {len(result.files)} file(s):")
+    for f in result.files:
+        print(f"  {f}")
+    return EXIT_OK
+
+
+def _diff(args: argparse.Namespace) -> int:
+    from .tools.diff import diff_checkpoints
+
+    report = diff_checkpoints(args.a, args.b, rtol=args.rtol, atol=args.atol)
+    if args.json:
+        _print_json({**asdict(report), "equal": report.equal})
+        return EXIT_OK if report.equal else EXIT_PROBLEM
+    for key in report.only_in_a:
+        print(f"only in A: {key}")
+    for key in report.only_in_b:
+        print(f"only in B: {key}")
+    for key, what in report.mismatched:
+        print(f"shape/dtype: {key}: {what}")
+    for key, worst in report.differing:
+        print(f"values differ: {key} (max abs difference {worst:.6g})")
+    for key in report.differing_values:
+        print(f"value differs: {key}")
+    print(
+        "equal" if report.equal else "different",
+        f"({report.tensors_compared} tensors compared, rtol={args.rtol}, atol={args.atol})",
+    )
+    return EXIT_OK if report.equal else EXIT_PROBLEM
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from .demo import DemoConfig, run_demo
+
+    run_demo(DemoConfig(args.world_size, args.hidden, args.layers, args.vocab, args.dir))
+    return EXIT_OK
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dist-ckpt",
+        description="Look inside, check, convert and compare dist_checkpointing checkpoints.",
+        epilog="Exit codes: 0 ok/clean/equal, 1 problem found, 2 error.",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    ls = sub.add_parser("ls", help="list the checkpoints under a root, newest first")
+    ls.add_argument("root", help="directory holding checkpoint directories (iter_NNNNNNN)")
+    ls.add_argument("--json", action="store_true", help="machine-readable output")
+    ls.set_defaults(fn=_ls)
+
+    insp = sub.add_parser("inspect", help="backend, tensors, shards, values and checksums")
+    insp.add_argument("path", help="checkpoint directory")
+    insp.add_argument("--json", action="store_true", help="machine-readable output")
+    insp.set_defaults(fn=_inspect)
+
+    ver = sub.add_parser("verify", help="read every byte and check every checksum")
+    ver.add_argument("path", help="checkpoint directory")
+    ver.add_argument("--json", action="store_true", help="machine-readable output")
+    ver.set_defaults(fn=_verify)
+
+    conv = sub.add_parser(
+        "convert", help="write the full tensors as safetensors shards or one torch file"
+    )
+    conv.add_argument("path", help="torch_dist or PyTorch DCP checkpoint directory")
+    conv.add_argument("out", help="output directory (safetensors) or file (torch)")
+    conv.add_argument("--to", choices=("safetensors", "torch"), required=True)
+    conv.add_argument(
+        "--max-shard-size", default="5GB", help="bytes per safetensors file (default 5GB)"
+    )
+    conv.set_defaults(fn=_convert)
+
+    diff = sub.add_parser("diff", help="compare two checkpoints (exit 0 only when equal)")
+    diff.add_argument("a")
+    diff.add_argument("b")
+    diff.add_argument("--rtol", type=float, default=0.0, help="relative tolerance (default 0)")
+    diff.add_argument("--atol", type=float, default=0.0, help="absolute tolerance (default 0)")
+    diff.add_argument("--json", action="store_true", help="machine-readable output")
+    diff.set_defaults(fn=_diff)
+
     demo = sub.add_parser("demo", help="save, reshard and load a multi-rank checkpoint on CPU")
     demo.add_argument("--world-size", type=int, default=4)
     demo.add_argument("--hidden", type=int, default=512)
@@ -58,16 +195,40 @@ def main(argv: Optional[List[str]] = None) -> int:
     demo.add_argument(
         "--dir", default="", help="parent directory of the checkpoint (default: a temp dir)"
     )
-    insp = sub.add_parser("inspect", help="list a checkpoint's backend, tensors and objects")
-    insp.add_argument("path")
-    args = parser.parse_args(argv)
+    demo.set_defaults(fn=_demo)
+    return parser
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return text if len(text) <= 2000 else text[:1997] + "..."
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Entry point of `dist-ckpt` / `python -m dist_checkpointing`.
+
+    Returns:
+        The exit code (see the module docstring).
+    """
+    args = _parser().parse_args(argv)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
     )
-    if args.command == "demo":
-        from .demo import DemoConfig, run_demo
+    fn: Callable[[argparse.Namespace], int] = args.fn
+    handled: Dict[type, int] = {}
+    try:
+        from .errors import CheckpointingException
 
-        run_demo(DemoConfig(args.world_size, args.hidden, args.layers, args.vocab, args.dir))
-        return 0
-    return _inspect(args.path)
+        handled = {CheckpointingException: EXIT_ERROR, ValueError: EXIT_ERROR, OSError: EXIT_ERROR}
+        return fn(args)
+    except KeyboardInterrupt:
+        print("dist-ckpt: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # output piped into `head`
+        return EXIT_OK
+    except Exception as e:  # one line per error, never a traceback
+        known = any(isinstance(e, t) for t in handled)
+        kind = "error" if known else f"internal error ({type(e).__name__})"
+        print(f"dist-ckpt {args.command}: {kind}: {_one_line(e)}", file=sys.stderr)
+        return EXIT_ERROR

@@ -9,6 +9,7 @@ checks every byte, and prints a table.
 from __future__ import annotations
 
 import datetime
+import logging
 import math
 import os
 import tempfile
@@ -94,9 +95,12 @@ def _state(cfg: DemoConfig, swap_axes: bool, with_data: bool) -> Dict[str, Any]:
     return sd
 
 
-def _worker(rank: int, cfg: DemoConfig, rendezvous: str, ckpt: str) -> None:
+def _worker(rank: int, cfg: DemoConfig, rendezvous: str, ckpt: str, log_level: int) -> None:
     from . import serialization
     from .mapping import ShardedTensor
+
+    # spawned processes start with logging unconfigured: use the launcher's level
+    logging.basicConfig(level=log_level, format=f"%(levelname)s rank {rank} %(name)s: %(message)s")
 
     dist.init_process_group(
         "gloo",
@@ -195,5 +199,8 @@ def run_demo(cfg: DemoConfig) -> None:
     # a file rendezvous: no free-port race with other processes on the machine
     with tempfile.TemporaryDirectory(prefix="dist_ckpt_demo_rdzv_") as rdzv:
         mp.spawn(
-            _worker, args=(cfg, os.path.join(rdzv, "store"), ckpt), nprocs=cfg.world_size, join=True
+            _worker,
+            args=(cfg, os.path.join(rdzv, "store"), ckpt, logging.getLogger().getEffectiveLevel()),
+            nprocs=cfg.world_size,
+            join=True,
         )

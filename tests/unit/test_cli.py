@@ -54,7 +54,7 @@ def test_inspect_lists_tensors_objects_and_common_keys(tmp_path, capsys):
         "torch_dist v1" in text
         and "(2, 3)" in text
         and "rng/shard_0_1" in text
-        and "'step'" in text
+        and "value   step" in text
     )
     assert main(["inspect", str(tmp_path)]) == 2
-    assert "not a complete checkpoint" in capsys.readouterr().err
+    assert "not a checkpoint but a directory of 1 checkpoint(s)" in capsys.readouterr().err

@@ -1,0 +1,220 @@
+"""The one place where the tools read checkpoint files below the public API.
+
+Everything the `dist-ckpt` verbs need from the backends' private modules (DCP metadata,
+raw item reads, local checkpoint images) goes through the functions here, so that a change
+of those modules touches this file only.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
+
+from .._safe_load import torch_load
+from ..errors import CheckpointCorruptedError, CheckpointingException
+from ..integrity import Checksums, read_checksums
+from ..strategies import _dcp_io
+from ..strategies._dcp_plan import TensorRequest, plan_tensor_reads
+
+__all__ = [
+    "DCP_METADATA_FNAME",
+    "DATA_SUFFIX",
+    "COMMON_FNAME",
+    "StoredItem",
+    "is_stock_dcp",
+    "read_dcp_metadata",
+    "maybe_checksums",
+    "tensor_entries",
+    "object_keys",
+    "stored_items",
+    "read_full_tensor",
+    "read_object",
+    "LocalPart",
+    "local_parts",
+    "read_local_part",
+]
+
+DCP_METADATA_FNAME = _dcp_io.DCP_METADATA_FNAME
+DATA_SUFFIX = _dcp_io.DATA_SUFFIX
+COMMON_FNAME = "common.pt"
+
+
+@dataclass(frozen=True)
+class StoredItem:
+    """Where one stored chunk or object lives: key, file, byte range."""
+
+    key: str
+    offsets: Tuple[int, ...]
+    file: str
+    offset: int
+    length: int
+
+
+def is_stock_dcp(ckpt: Path) -> bool:
+    """A PyTorch DCP checkpoint not written by us: `.metadata`, no `metadata.json`, and none
+    of the files our saves write before their commit (`common.pt`, `checksums.json`)."""
+    from ..core import CONFIG_FNAME
+    from ..integrity import CHECKSUMS_FNAME
+
+    return (ckpt / DCP_METADATA_FNAME).is_file() and not any(
+        (ckpt / n).exists() for n in (CONFIG_FNAME, COMMON_FNAME, CHECKSUMS_FNAME)
+    )
+
+
+def read_dcp_metadata(ckpt: Path, checksums: Optional[Checksums] = None) -> Metadata:
+    """DCP's `.metadata` of `ckpt`, read safely (verified when `checksums` list it).
+
+    Raises:
+        CheckpointCorruptedError: missing, damaged or not DCP metadata.
+        UnsafeCheckpointError: it references classes outside DCP's metadata types.
+    """
+    return _dcp_io.read_metadata(ckpt, checksums)
+
+
+def maybe_checksums(ckpt: Path) -> Optional[Checksums]:
+    """`checksums.json` of `ckpt`, or None (megatron-core and stock DCP write none).
+
+    Raises:
+        CheckpointCorruptedError: the file exists but is damaged.
+    """
+    return read_checksums(ckpt)
+
+
+def tensor_entries(metadata: Metadata) -> Dict[str, TensorStorageMetadata]:
+    """`{key: metadata}` of the stored tensors."""
+    return {
+        k: v
+        for k, v in metadata.state_dict_metadata.items()
+        if isinstance(v, TensorStorageMetadata)
+    }
+
+
+def object_keys(metadata: Metadata) -> List[str]:
+    """Keys of the stored byte entries (ShardedObjects, megatron's common state)."""
+    return sorted(
+        k for k, v in metadata.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata)
+    )
+
+
+def stored_items(metadata: Metadata) -> Iterator[StoredItem]:
+    """Every stored item (tensor chunk or object) with its file and byte range."""
+    for index, info in metadata.storage_data.items():
+        yield StoredItem(
+            index.fqn,
+            tuple(index.offset) if index.offset is not None else (),
+            str(info.relative_path),
+            int(info.offset),
+            int(info.length),
+        )
+
+
+def read_full_tensor(
+    ckpt: Path,
+    metadata: Metadata,
+    key: str,
+    checksums: Optional[Checksums] = None,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Reads one whole (unsharded) tensor, chunk by chunk, verified against `checksums`.
+
+    Memory: the tensor itself, plus (for chunks that are not a contiguous block of it, e.g.
+    column shards) one stored chunk at a time in a reusable buffer.
+
+    Raises:
+        CheckpointingException: unknown key, or a chunk missing from the metadata.
+        CheckpointCorruptedError: a missing, truncated or damaged chunk (file, key, bytes).
+    """
+    stored = metadata.state_dict_metadata.get(key)
+    if not isinstance(stored, TensorStorageMetadata):
+        raise CheckpointingException(f"{ckpt}: no tensor {key!r}")
+    shape = tuple(stored.size)
+    if out is None:
+        out = torch.empty(shape, dtype=stored.properties.dtype)
+    reads = plan_tensor_reads(TensorRequest(key, 0, (0,) * len(shape), shape), stored)
+
+    def resolve(r: Any) -> torch.Tensor:
+        view = out
+        for dim, (o, n) in enumerate(zip(r.dest_offsets, r.lengths)):
+            view = view.narrow(dim, o, n)
+        return view
+
+    _dcp_io.read_tensor_items(ckpt, metadata, reads, resolve, 1, checksums)
+    return out
+
+
+def read_object(
+    ckpt: Path, metadata: Metadata, key: str, checksums: Optional[Checksums] = None
+) -> Any:
+    """Reads one stored byte entry and unpickles it safely (`weights_only`).
+
+    Returns the stored value (ShardedObjects are stored as one-element lists: unwrapped).
+
+    Raises:
+        CheckpointCorruptedError: missing or damaged bytes.
+        UnsafeCheckpointError: the bytes hold objects outside the safe allowlist.
+    """
+    (raw,) = _dcp_io.read_byte_items(ckpt, metadata, [MetadataIndex(key)], checksums)
+    value = torch_load(io.BytesIO(raw), f"{key!r} in {ckpt}")
+    if _SHARDED_OBJECT.search(key) and isinstance(value, list) and len(value) == 1:
+        return value[0]  # ShardedObjects are stored as one-element lists
+    return value
+
+
+_SHARDED_OBJECT = re.compile(r"/shard_\d+(_\d+)*$")
+_LOCAL_PART = re.compile(r"iter_(\d{7,})_(\d+)_local\.pt")
+
+
+@dataclass(frozen=True)
+class LocalPart:
+    """One committed part of a local checkpoint, as found on this machine."""
+
+    holder: int
+    owner: int
+    iteration: int
+    path: Path
+
+
+def local_parts(ckpt: Path) -> List[LocalPart]:
+    """The committed local checkpoint parts under `<ckpt>/<rank>/`, by holder and owner."""
+    out = []
+    for sub in sorted(ckpt.iterdir()) if ckpt.is_dir() else []:
+        if not (sub.is_dir() and sub.name.isdigit()):
+            continue
+        for f in sorted(sub.iterdir()):
+            m = _LOCAL_PART.fullmatch(f.name)
+            if m:
+                out.append(LocalPart(int(sub.name), int(m.group(2)), int(m.group(1)), f))
+    return out
+
+
+def read_local_part(part: LocalPart) -> Dict[str, Any]:
+    """Reads and verifies one ('local', 1) part; returns its stored rank state.
+
+    The state holds `world_size`, `common`, `sharded` (`"<key> (<offset>)"` ->
+    `{global_shape, local_shape, data}`) and `objects`.
+
+    Raises:
+        CheckpointCorruptedError: unreadable, damaged, or not a ('local', 1) rank state.
+    """
+    from ..local._image import decode_image, read_image
+
+    try:
+        image = read_image(str(part.path))
+    except OSError as e:
+        raise CheckpointCorruptedError(f"{part.path}: cannot be read: {e}") from e
+    _, state = decode_image(image, str(part.path))
+    sd = getattr(state, "state_dict", None)
+    if not isinstance(sd, dict) or not isinstance(sd.get("sharded"), dict):
+        raise CheckpointCorruptedError(f"{part.path}: not a ('local', 1) rank state")
+    return sd

@@ -1,0 +1,298 @@
+"""`describe` one checkpoint directory and `list_checkpoints` under a root (no process group).
+
+Recognised kinds:
+- `torch_dist` (ours or megatron-core's): `metadata.json` + DCP's `.metadata` and data files;
+- `dcp`: a stock PyTorch DCP checkpoint (`.metadata`, no `metadata.json`);
+- `local`: a ('local', 1) checkpoint (`<dir>/<rank>/iter_..._local.pt` parts);
+- `incomplete`: a directory with checkpoint files but no commit record (a crashed save).
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+import reprlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Union
+
+from ..core import CONFIG_FNAME, maybe_load_config
+from ..errors import CheckpointingException, NotACheckpointError
+from ..integrity import CHECKSUMS_FNAME
+from ..manager.layout import parse_step, read_latest
+from . import _storage
+
+__all__ = ["TensorInfo", "ChecksumCoverage", "CheckpointInfo", "describe", "list_checkpoints"]
+
+PathArg = Union[str, "os.PathLike[str]"]
+_SMALL_OBJECT = 64 << 10  # bytes entries up to this size are read to show their value
+_repr = reprlib.Repr()
+_repr.maxstring = 40
+_repr.maxother = 40
+_repr.maxdict = _repr.maxlist = _repr.maxtuple = 4
+
+
+@dataclass
+class TensorInfo:
+    """One stored tensor: global shape, dtype, bytes and number of stored shards."""
+
+    key: str
+    shape: List[int]
+    dtype: str
+    nbytes: int
+    shards: int
+
+
+@dataclass
+class ChecksumCoverage:
+    """How much of a checkpoint `checksums.json` covers (items and bytes)."""
+
+    present: bool
+    items: int = 0
+    items_covered: int = 0
+    bytes: int = 0
+    bytes_covered: int = 0
+    files_covered: List[str] = field(default_factory=list)
+
+
+@dataclass
+class CheckpointInfo:
+    """What `describe` found in a checkpoint directory.
+
+    Attributes:
+        path: the directory.
+        kind: 'torch_dist' (or another backend named by `metadata.json`), 'dcp', 'local'
+            or 'incomplete'.
+        complete: whether it is committed (loadable).
+        step: from a `iter_NNNNNNN` directory name, else None.
+        backend: `sharded_backend v<version>` (or 'dcp' / None).
+        size: bytes on disk (all files below the directory).
+        date: modification time of the commit record (or of the directory), ISO 8601 UTC.
+        tensors: stored tensors (empty when `deep` was False).
+        objects: stored objects and common values: key -> short repr ('' when not read).
+        checksums: coverage by `checksums.json` (local parts: by their own checksums).
+        world_size: ranks that wrote it, when known.
+        problem: why it is incomplete or unreadable, else ''.
+        latest: whether the root's `latest` record names it.
+    """
+
+    path: str
+    kind: str
+    complete: bool
+    step: Optional[int]
+    backend: Optional[str]
+    size: int
+    date: str
+    tensors: List[TensorInfo] = field(default_factory=list)
+    objects: Dict[str, str] = field(default_factory=dict)
+    checksums: Optional[ChecksumCoverage] = None
+    world_size: Optional[int] = None
+    problem: str = ""
+    latest: bool = False
+
+    @property
+    def tensor_bytes(self) -> int:
+        """Bytes of all stored tensors (global shapes)."""
+        return sum(t.nbytes for t in self.tensors)
+
+
+def short_repr(value: Any) -> str:
+    """A one-line repr of at most ~60 characters; tensors as `tensor(shape, dtype)`."""
+    shape = getattr(value, "shape", None)
+    if shape is not None and hasattr(value, "dtype"):
+        return f"tensor({tuple(shape)}, {value.dtype})"
+    return _repr.repr(value)
+
+
+def _disk_size(path: Path) -> int:
+    total = 0
+    for dirpath, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(dirpath, name)).st_size
+            except OSError:  # removed while we walk
+                pass
+    return total
+
+
+def _date(path: Path) -> str:
+    try:
+        stamp = path.stat().st_mtime
+    except OSError:
+        return ""
+    return datetime.datetime.fromtimestamp(stamp, datetime.timezone.utc).isoformat(
+        timespec="seconds"
+    )
+
+
+def describe(path: PathArg, deep: bool = True) -> CheckpointInfo:
+    """Describes a checkpoint directory. Not collective; reads metadata only (no tensor data).
+
+    Args:
+        path: the checkpoint directory.
+        deep: also read common values and small objects (short reprs) and local parts;
+            False reads only the commit record and the tensor metadata (for listings).
+
+    Returns:
+        A `CheckpointInfo`; an incomplete or damaged checkpoint is described with
+        `complete=False` and its `problem`, not raised.
+
+    Raises:
+        NotACheckpointError: `path` does not exist or is not a directory.
+    """
+    ckpt = Path(path)
+    if not ckpt.exists():
+        raise NotACheckpointError(f"{ckpt}: no such file or directory")
+    if not ckpt.is_dir():
+        raise NotACheckpointError(f"{ckpt}: not a directory (a checkpoint is a directory)")
+    has_dcp = (ckpt / _storage.DCP_METADATA_FNAME).is_file()
+    ours = any((ckpt / n).exists() for n in (_storage.COMMON_FNAME, CHECKSUMS_FNAME))
+    info = CheckpointInfo(
+        str(ckpt), "incomplete", False, parse_step(ckpt.name), None, _disk_size(ckpt), ""
+    )
+    try:
+        config = maybe_load_config(ckpt)
+    except CheckpointingException as e:
+        info.problem = f"damaged {CONFIG_FNAME}: {e}"
+        info.date = _date(ckpt)
+        return info
+    if config is None:
+        info.date = _date(ckpt / _storage.DCP_METADATA_FNAME if has_dcp else ckpt)
+        if not has_dcp or ours:  # stock DCP writes neither common.pt nor checksums.json
+            children = [
+                p for p in sorted(ckpt.iterdir()) if p.is_dir() and _looks_like_checkpoint(p)
+            ]
+            if children:
+                raise NotACheckpointError(
+                    f"{ckpt}: not a checkpoint but a directory of {len(children)} checkpoint(s) "
+                    f"(e.g. {children[-1].name}); list them with `dist-ckpt ls {ckpt}`"
+                )
+            files = sum(1 for _ in ckpt.iterdir())
+            info.problem = f"no {CONFIG_FNAME} (the commit record): a save that did not finish" + (
+                f" ({files} file(s) present)" if files else " (empty directory)"
+            )
+            return info
+        info.kind, info.backend = "dcp", "dcp"
+    else:
+        info.kind = config.sharded_backend
+        info.backend = f"{config.sharded_backend} v{config.sharded_backend_version}"
+        info.date = _date(ckpt / CONFIG_FNAME)
+    try:
+        if info.kind == "local":
+            _describe_local(ckpt, info, deep)
+        elif has_dcp:
+            _describe_dcp(ckpt, info, deep)
+        else:
+            info.problem = f"backend {info.backend} has no {_storage.DCP_METADATA_FNAME}"
+            return info
+    except CheckpointingException as e:
+        info.problem = str(e)
+        return info
+    info.complete = True
+    return info
+
+
+def _describe_dcp(ckpt: Path, info: CheckpointInfo, deep: bool) -> None:
+    checksums = _storage.maybe_checksums(ckpt)
+    metadata = _storage.read_dcp_metadata(ckpt, checksums)
+    shards: Dict[str, int] = {}
+    coverage = ChecksumCoverage(present=checksums is not None)
+    for item in _storage.stored_items(metadata):
+        shards[item.key] = shards.get(item.key, 0) + 1
+        coverage.items += 1
+        coverage.bytes += item.length
+        if checksums is not None and item.offset in checksums.ranges.get(item.file, {}):
+            coverage.items_covered += 1
+            coverage.bytes_covered += item.length
+    if checksums is not None:
+        coverage.files_covered = sorted(checksums.files)
+    info.checksums = coverage
+    for key, md in sorted(_storage.tensor_entries(metadata).items()):
+        shape = [int(s) for s in md.size]
+        dtype = md.properties.dtype
+        info.tensors.append(
+            TensorInfo(
+                key, shape, str(dtype), math.prod(shape) * dtype.itemsize, shards.get(key, 0)
+            )
+        )
+    sizes = {i.key: i.length for i in _storage.stored_items(metadata)}
+    for key in _storage.object_keys(metadata):
+        value = ""
+        if deep and sizes.get(key, 0) <= _SMALL_OBJECT:
+            try:
+                value = short_repr(_storage.read_object(ckpt, metadata, key, checksums))
+            except CheckpointingException as e:
+                value = f"<unreadable: {e}>"
+        info.objects[key] = value
+    if deep and (ckpt / _storage.COMMON_FNAME).is_file():
+        from ..serialization import load_common_state_dict
+
+        for key, value in sorted(load_common_state_dict(ckpt).items(), key=lambda kv: str(kv[0])):
+            info.objects[str(key)] = short_repr(value)
+
+
+def _describe_local(ckpt: Path, info: CheckpointInfo, deep: bool) -> None:
+    parts = _storage.local_parts(ckpt)
+    if not parts:
+        raise NotACheckpointError(f"{ckpt}: a ('local', 1) checkpoint without any part")
+    owners = sorted({p.owner for p in parts})
+    info.checksums = ChecksumCoverage(
+        present=True, items=len(owners), items_covered=len(owners), files_covered=[]
+    )
+    if not deep:
+        info.world_size = len(owners)
+        return
+    tensors: Dict[str, TensorInfo] = {}
+    for owner in owners:
+        # the owner's own copy when this machine has it, else a replica
+        part = min((p for p in parts if p.owner == owner), key=lambda p: p.holder != owner)
+        sd = _storage.read_local_part(part)
+        info.world_size = sd.get("world_size")
+        for slot, entry in sd["sharded"].items():
+            key = slot.rsplit(" (", 1)[0]
+            data = entry["data"]
+            shape = [int(s) for s in entry["global_shape"]]
+            t = tensors.setdefault(
+                key,
+                TensorInfo(key, shape, str(data.dtype), math.prod(shape) * data.element_size(), 0),
+            )
+            t.shards += 1
+        for key in sd.get("objects", {}):
+            info.objects[key] = short_repr(sd["objects"][key])
+        if owner == owners[0]:
+            for key, value in (sd.get("common") or {}).items():
+                info.objects[str(key)] = short_repr(value)
+    info.tensors = [tensors[k] for k in sorted(tensors)]
+
+
+def _looks_like_checkpoint(path: Path) -> bool:
+    if parse_step(path.name) is not None:
+        return True
+    return any((path / name).exists() for name in (CONFIG_FNAME, _storage.DCP_METADATA_FNAME))
+
+
+def list_checkpoints(root: PathArg) -> List[CheckpointInfo]:
+    """The checkpoints directly under `root` (complete or not), newest first.
+
+    Newest: highest step (from `iter_NNNNNNN` names), then latest date. The one named by
+    the root's `latest` record has `latest=True`.
+
+    Raises:
+        NotACheckpointError: `root` does not exist or is not a directory.
+    """
+    base = Path(root)
+    if not base.is_dir():
+        raise NotACheckpointError(
+            f"{base}: " + ("not a directory" if base.exists() else "no such file or directory")
+        )
+    latest = read_latest(base)
+    found = [
+        describe(p, deep=False)
+        for p in sorted(base.iterdir())
+        if p.is_dir() and _looks_like_checkpoint(p)
+    ]
+    for info in found:
+        info.latest = latest is not None and info.step == latest
+    found.sort(key=lambda i: (i.step if i.step is not None else -1, i.date), reverse=True)
+    return found

@@ -1,0 +1,319 @@
+"""`verify_checkpoint`: read every byte of a checkpoint and check every checksum.
+
+For `torch_dist` checkpoints with `checksums.json` (ours), each stored item is streamed
+from its file and compared with its recorded digests (per 4 MiB block for tensor data, so
+a damaged block is located to its byte range); whole files (`.metadata`, `common.pt`) are
+compared too. Checkpoints without checksums (megatron-core, stock DCP) are checked for
+structure only: every file is there and long enough, and every item decodes to what the
+metadata says. ('local', 1) parts are verified against the checksums in their images.
+Memory: one 16 MiB read buffer (one stored item when it must be decoded without checksums).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, List, Optional, Tuple, Union
+
+from .._safe_load import torch_load
+from ..core import CONFIG_FNAME, maybe_load_config
+from ..errors import CheckpointingException, NotACheckpointError
+from ..integrity import ALGORITHM, CHECKSUMS_FNAME, Checksums, ItemSum, checksum, new_hasher
+from . import _storage
+
+__all__ = ["Problem", "VerifyReport", "verify_checkpoint"]
+
+PathArg = Union[str, "os.PathLike[str]"]
+_READ = 16 << 20
+
+
+@dataclass
+class Problem:
+    """One damaged or missing piece: file, key (if any), byte range (if known), what is wrong."""
+
+    file: str
+    message: str
+    key: str = ""
+    start: Optional[int] = None
+    end: Optional[int] = None
+
+    def __str__(self) -> str:
+        where = self.file
+        if self.key:
+            where += f" [{self.key}]"
+        if self.start is not None:
+            where += f" bytes {self.start}-{self.end}"
+        return f"{where}: {self.message}"
+
+
+@dataclass
+class VerifyReport:
+    """The outcome of `verify_checkpoint`.
+
+    Attributes:
+        path: the checkpoint.
+        kind: as in `describe` ('torch_dist', 'dcp', 'local', ...).
+        checksummed: whether checksums were available (else structure only).
+        items: stored items checked.
+        bytes: bytes read.
+        problems: everything found wrong (empty when clean).
+    """
+
+    path: str
+    kind: str
+    checksummed: bool
+    items: int = 0
+    bytes: int = 0
+    problems: List[Problem] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """No problem found."""
+        return not self.problems
+
+
+def verify_checkpoint(path: PathArg) -> VerifyReport:
+    """Reads every byte of a checkpoint and checks every checksum. Not collective.
+
+    Args:
+        path: a `torch_dist`, stock DCP or ('local', 1) checkpoint directory.
+
+    Returns:
+        A report; damage is reported in `problems` (file, key, byte range), not raised.
+
+    Raises:
+        NotACheckpointError: `path` does not exist, or holds no checkpoint files at all.
+    """
+    ckpt = Path(path)
+    if not ckpt.is_dir():
+        raise NotACheckpointError(
+            f"{ckpt}: " + ("not a directory" if ckpt.exists() else "no such file or directory")
+        )
+    report = VerifyReport(str(ckpt), "incomplete", False)
+    config = None
+    try:
+        config = maybe_load_config(ckpt)
+    except CheckpointingException as e:
+        report.problems.append(Problem(CONFIG_FNAME, str(e)))
+    has_dcp = (ckpt / _storage.DCP_METADATA_FNAME).exists()
+    if config is None and has_dcp and not _storage.is_stock_dcp(ckpt) and not report.problems:
+        report.problems.append(
+            Problem(CONFIG_FNAME, "missing: the save did not commit (incomplete checkpoint)")
+        )
+    if config is not None and config.sharded_backend == "local":
+        report.kind, report.checksummed = "local", True
+        _verify_local(ckpt, report)
+        return report
+    if config is None and not has_dcp:
+        if not report.problems:
+            raise NotACheckpointError(
+                f"{ckpt}: no {CONFIG_FNAME} and no {_storage.DCP_METADATA_FNAME}: not a "
+                f"checkpoint, or a save that did not finish"
+            )
+        return report
+    report.kind = (
+        config.sharded_backend
+        if config is not None
+        else ("dcp" if _storage.is_stock_dcp(ckpt) else "incomplete")
+    )
+    if config is not None:
+        try:
+            from ..serialization import verify_checkpoint_and_load_strategy
+
+            verify_checkpoint_and_load_strategy(ckpt)
+        except CheckpointingException as e:
+            report.problems.append(Problem(CONFIG_FNAME, str(e)))
+    _verify_dcp(ckpt, report)
+    return report
+
+
+def _verify_dcp(ckpt: Path, report: VerifyReport) -> None:
+    checksums: Optional[Checksums] = None
+    if (ckpt / CHECKSUMS_FNAME).exists():
+        try:
+            checksums = _storage.maybe_checksums(ckpt)
+        except CheckpointingException as e:
+            report.problems.append(Problem(CHECKSUMS_FNAME, str(e)))
+    report.checksummed = checksums is not None
+    if checksums is not None:
+        for name, digest in sorted(checksums.files.items()):
+            _verify_whole_file(ckpt / name, name, digest, report)
+    try:
+        metadata = _storage.read_dcp_metadata(ckpt)
+    except CheckpointingException as e:
+        if not any(p.file == _storage.DCP_METADATA_FNAME for p in report.problems):
+            report.problems.append(Problem(_storage.DCP_METADATA_FNAME, str(e)))
+        return
+    common = ckpt / _storage.COMMON_FNAME
+    if common.exists() and not any(p.file == _storage.COMMON_FNAME for p in report.problems):
+        try:
+            torch_load(io.BytesIO(common.read_bytes()), str(common))
+        except CheckpointingException as e:
+            report.problems.append(Problem(_storage.COMMON_FNAME, str(e)))
+    tensors = _storage.tensor_entries(metadata)
+    for item in sorted(_storage.stored_items(metadata), key=lambda i: (i.file, i.offset)):
+        report.items += 1
+        expected = None
+        if checksums is not None:
+            try:
+                expected = checksums.expected_range(
+                    item.file, item.offset, item.length, f"{item.file}@{item.offset}"
+                )
+            except CheckpointingException as e:
+                report.problems.append(
+                    Problem(item.file, str(e), item.key, item.offset, item.offset + item.length)
+                )
+                continue
+        _verify_item(ckpt, item, expected, item.key in tensors, report)
+
+
+def _verify_whole_file(path: Path, name: str, digest: int, report: VerifyReport) -> None:
+    try:
+        with open(path, "rb") as f:
+            h = new_hasher()
+            while block := f.read(_READ):
+                h.update(block)
+                report.bytes += len(block)
+    except OSError as e:
+        report.problems.append(Problem(name, f"cannot be read ({e.strerror or e})"))
+        return
+    if h.intdigest() != digest:
+        size = path.stat().st_size
+        report.problems.append(
+            Problem(name, f"checksum mismatch ({ALGORITHM}): file damaged", "", 0, size)
+        )
+
+
+def _verify_item(
+    ckpt: Path,
+    item: _storage.StoredItem,
+    expected: Optional[ItemSum],
+    is_tensor: bool,
+    report: VerifyReport,
+) -> None:
+    end = item.offset + item.length
+    try:
+        f = open(ckpt / item.file, "rb")
+    except OSError as e:
+        report.problems.append(
+            Problem(item.file, f"cannot be read ({e.strerror or e})", item.key, item.offset, end)
+        )
+        return
+    with f:
+        size = os.fstat(f.fileno()).st_size
+        if size < end:
+            report.problems.append(
+                Problem(
+                    item.file, f"truncated: the file has {size} bytes", item.key, item.offset, end
+                )
+            )
+            return
+        f.seek(item.offset)
+        if expected is None:
+            payload = f.read(item.length)
+            report.bytes += len(payload)
+            if is_tensor:
+                _decode_tensor(payload, item, report)
+            return
+        if not expected.blocked:
+            h = new_hasher()
+            for piece in _pieces(f, item.length):
+                h.update(piece)
+                report.bytes += len(piece)
+            if h.intdigest() != expected.digest:
+                report.problems.append(
+                    Problem(
+                        item.file, f"checksum mismatch ({ALGORITHM})", item.key, item.offset, end
+                    )
+                )
+            return
+        _verify_blocked(f, item, expected, report)
+
+
+def _verify_blocked(
+    f: Any, item: _storage.StoredItem, expected: ItemSum, report: VerifyReport
+) -> None:
+    head = f.read(expected.data_off)
+    data_start = item.offset + expected.data_off
+    for k in range(len(expected.blocks)):
+        n = min(expected.block, expected.data_len - k * expected.block)
+        block = f.read(n)
+        report.bytes += len(block)
+        if checksum(block) != expected.blocks[k]:
+            b0 = data_start + k * expected.block
+            report.problems.append(
+                Problem(
+                    item.file,
+                    f"checksum mismatch ({ALGORITHM}) in tensor data block {k}",
+                    item.key,
+                    b0,
+                    b0 + n,
+                )
+            )
+    tail = f.read(item.length - expected.data_off - expected.data_len)
+    report.bytes += len(head) + len(tail)
+    h = new_hasher()
+    h.update(head)
+    h.update(tail)
+    if h.intdigest() != expected.digest:
+        report.problems.append(
+            Problem(
+                item.file,
+                f"checksum mismatch ({ALGORITHM}) in the item's records around its data "
+                f"(bytes {item.offset}-{data_start} or after {data_start + expected.data_len})",
+                item.key,
+                item.offset,
+                item.offset + item.length,
+            )
+        )
+
+
+def _pieces(f: Any, length: int) -> Any:
+    left = length
+    while left > 0:
+        piece = f.read(min(_READ, left))
+        if not piece:
+            return
+        left -= len(piece)
+        yield piece
+
+
+def _decode_tensor(payload: bytes, item: _storage.StoredItem, report: VerifyReport) -> None:
+    """Without checksums: the item must decode to a tensor."""
+    import torch
+
+    try:
+        value = torch_load(io.BytesIO(payload), f"{item.file}@{item.offset} ({item.key!r})")
+        if not isinstance(value, torch.Tensor):
+            raise CheckpointingException(f"expected a tensor, got {type(value).__name__}")
+    except CheckpointingException as e:
+        report.problems.append(
+            Problem(item.file, str(e), item.key, item.offset, item.offset + item.length)
+        )
+
+
+def _verify_local(ckpt: Path, report: VerifyReport) -> None:
+    parts = _storage.local_parts(ckpt)
+    if not parts:
+        report.problems.append(Problem(str(ckpt), "a ('local', 1) checkpoint without any part"))
+        return
+    for part in parts:
+        report.items += 1
+        rel = str(part.path.relative_to(ckpt))
+        try:
+            report.bytes += part.path.stat().st_size
+            _storage.read_local_part(part)
+        except (CheckpointingException, OSError) as e:
+            report.problems.append(Problem(rel, str(e)))
+
+
+def summarize(report: VerifyReport) -> Tuple[str, List[str]]:
+    """A one-line verdict and one line per problem, for the command line."""
+    how = "checksums" if report.checksummed else "structure only (no checksums recorded)"
+    if report.ok:
+        head = f"{report.path}: OK: {report.items} items, {report.bytes:,} bytes read, {how}"
+    else:
+        head = f"{report.path}: DAMAGED: {len(report.problems)} problem(s); {report.items} items, {how}"
+    return head, [str(p) for p in report.problems]

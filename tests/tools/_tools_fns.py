@@ -1,0 +1,68 @@
+"""Rank functions and checkpoint builders for the tools tests (importable by worker ranks)."""
+
+from __future__ import annotations
+
+from typing import Dict
+
+import torch
+import torch.distributed as dist
+
+import dist_checkpointing as dc
+from dist_checkpointing import ShardedObject, ShardedTensor
+
+
+def full_tensors() -> Dict[str, torch.Tensor]:
+    """The global tensors every multi-rank checkpoint of these tests holds."""
+    g = torch.Generator().manual_seed(0)
+    return {
+        "rows": torch.randn(8, 6, generator=g),
+        "cols": torch.randn(4, 10, generator=g).to(torch.bfloat16),
+        "layers": torch.arange(2 * 3 * 4, dtype=torch.float32).reshape(2, 3, 4),
+        "norm": torch.randn(6, generator=g).to(torch.float16),
+        "ids": torch.arange(6, dtype=torch.int64),
+        "flag": torch.tensor([True, False, True]),
+    }
+
+
+def save_sharded(ckpt: str, backend: str = "torch_dist") -> None:
+    """2 ranks: row and column splits, a prepended axis, replicated tensors, objects, common."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    full = full_tensors()
+    sd = {
+        "rows": ShardedTensor.from_rank_offsets(
+            "rows", full["rows"].chunk(world, 0)[rank].clone(), (0, rank, world)
+        ),
+        "cols": ShardedTensor.from_rank_offsets(
+            "cols", full["cols"].chunk(world, 1)[rank].clone(), (1, rank, world)
+        ),
+        "layers": ShardedTensor.from_rank_offsets(
+            "layers", full["layers"][rank].clone(), (0, rank, world), prepend_axis_num=1
+        ),
+        "norm": ShardedTensor.from_rank_offsets("norm", full["norm"].clone(), replica_id=rank),
+        "ids": ShardedTensor.from_rank_offsets("ids", full["ids"].clone(), replica_id=rank),
+        "flag": ShardedTensor.from_rank_offsets("flag", full["flag"].clone(), replica_id=rank),
+        "rng": ShardedObject("rng", {"seed": rank}, (world,), (rank,)),
+        "iteration": 7,
+        "args": {"lr": 0.5, "name": "run" * 40},
+    }
+    dc.save(sd, ckpt, sharded_strategy=(backend, 1))
+
+
+def save_stock_dcp(ckpt: str) -> None:
+    """Stock PyTorch DCP (no metadata.json): the full tensors, as DCP's own planner shards them."""
+    import torch.distributed.checkpoint as dcp
+
+    full = full_tensors()
+    dcp.save({**full, "step": 3}, checkpoint_id=ckpt)
+
+
+def save_big(ckpt: str, n: int, rows: int, cols: int) -> None:
+    """2 ranks: n float32 tensors of rows x cols, split by columns (non-contiguous pieces)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    sd = {}
+    for i in range(n):
+        full = torch.full((rows, cols), float(i)) + torch.arange(cols, dtype=torch.float32)
+        sd[f"t{i:02d}"] = ShardedTensor.from_rank_offsets(
+            f"t{i:02d}", full.chunk(world, 1)[rank].clone(), (1, rank, world)
+        )
+    dc.save(sd, ckpt)

@@ -1,0 +1,50 @@
+"""Checkpoints written once per session for the tools tests: by us, stock DCP, megatron-core."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests._world import get_world
+from tests.tools import _tools_fns
+
+
+@pytest.fixture(scope="session")
+def ours(tmp_path_factory) -> Path:
+    """A torch_dist checkpoint saved by 2 ranks (row/column splits, objects, common state)."""
+    ckpt = tmp_path_factory.mktemp("ours") / "iter_0000007"
+    get_world(2).run_ok(_tools_fns.save_sharded, str(ckpt), timeout=120)
+    return ckpt
+
+
+@pytest.fixture(scope="session")
+def local_ckpt(tmp_path_factory) -> Path:
+    """A ('local', 1) checkpoint saved by 2 ranks."""
+    ckpt = tmp_path_factory.mktemp("local") / "ckpt"
+    get_world(2).run_ok(_tools_fns.save_sharded, str(ckpt), "local", timeout=120)
+    return ckpt
+
+
+@pytest.fixture(scope="session")
+def stock(tmp_path_factory) -> Path:
+    """A stock PyTorch DCP checkpoint saved by 2 ranks."""
+    ckpt = tmp_path_factory.mktemp("stock") / "dcp"
+    get_world(2).run_ok(_tools_fns.save_stock_dcp, str(ckpt), timeout=120)
+    return ckpt
+
+
+@pytest.fixture(scope="session")
+def mcore(tmp_path_factory) -> Path:
+    """A torch_dist checkpoint saved by megatron-core 0.16.1 (skips when it is absent)."""
+    from tests.interop.test_megatron_core import MCORE_PYTHON, _run_mcore
+
+    if MCORE_PYTHON is None:
+        pytest.skip(
+            "megatron-core is not installed: set DIST_CKPT_MCORE_PYTHON to a python with "
+            "megatron-core==0.16.1 and psutil (.ci/run does)"
+        )
+    base = tmp_path_factory.mktemp("mcore")
+    ckpt = base / "ckpt"
+    _run_mcore("save", str(ckpt), str(base / "result.json"))
+    return ckpt

@@ -1,0 +1,122 @@
+"""`dist-ckpt ls` and `dist-ckpt inspect` (and their functions) on every kind of checkpoint."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+
+import pytest
+
+from dist_checkpointing.cli import main
+from dist_checkpointing.errors import NotACheckpointError
+from dist_checkpointing.manager.layout import write_latest
+from dist_checkpointing.tools import describe, list_checkpoints
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_inspect_shows_shards_values_size_and_checksum_coverage(ours, capsys):
+    start = time.perf_counter()
+    info = describe(ours)
+    assert time.perf_counter() - start < 1.0  # small checkpoint: metadata only
+    assert info.complete and info.kind == "torch_dist" and info.step == 7
+    shards = {t.key: t.shards for t in info.tensors}
+    assert shards == {"rows": 2, "cols": 2, "layers": 2, "norm": 1, "ids": 1, "flag": 1}
+    assert {t.key: t.shape for t in info.tensors}["layers"] == [2, 3, 4]
+    assert info.objects["iteration"] == "7" and info.objects["rng/shard_1_2"] == "{'seed': 1}"
+    assert len(info.objects["args"]) < 80  # short repr of a long value
+    assert info.size == sum(p.stat().st_size for p in ours.iterdir())
+    c = info.checksums
+    assert c is not None and c.present and c.items_covered == c.items > 0
+    assert c.bytes_covered == c.bytes and ".metadata" in c.files_covered
+    assert main(["inspect", str(ours)]) == 0
+    out = capsys.readouterr().out
+    assert "torch_dist v1" in out and "shards" in out and "checksums: 11/11 items" in out
+
+
+def test_inspect_json_is_machine_readable(ours, capsys):
+    assert main(["inspect", "--json", str(ours)]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["complete"] and data["backend"] == "torch_dist v1"
+    assert {t["key"] for t in data["tensors"]} >= {"rows", "cols"}
+
+
+def test_inspect_tells_a_missing_path_from_an_incomplete_checkpoint(ours, tmp_path, capsys):
+    assert main(["inspect", str(tmp_path / "nope")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no such file or directory" in err
+    partial = tmp_path / "iter_0000009"
+    shutil.copytree(ours, partial)
+    (partial / "metadata.json").unlink()
+    assert main(["inspect", str(partial)]) == 1
+    assert "incomplete checkpoint: no metadata.json" in capsys.readouterr().err
+    with pytest.raises(NotACheckpointError, match="no such file"):
+        describe(tmp_path / "nope")
+
+
+def test_inspect_on_a_root_points_to_ls(ours, capsys):
+    assert main(["inspect", str(ours.parent)]) == 2
+    assert "dist-ckpt ls" in capsys.readouterr().err
+
+
+def test_inspect_reads_local_backend_checkpoints(local_ckpt, capsys):
+    info = describe(local_ckpt)
+    assert info.complete and info.kind == "local" and info.world_size == 2
+    shards = {t.key: t.shards for t in info.tensors}
+    assert shards["rows"] == 2 and shards["norm"] == 2  # replicas are kept by every rank
+    assert info.objects["iteration"] == "7"
+    assert main(["inspect", str(local_ckpt)]) == 0
+    assert "local v1 (world size 2)" in capsys.readouterr().out
+
+
+def test_inspect_reads_stock_dcp_checkpoints(stock):
+    info = describe(stock)
+    assert info.complete and info.kind == "dcp" and info.backend == "dcp"
+    assert {t.key for t in info.tensors} >= {"rows", "cols", "flag"}
+    assert info.objects["step"] == "3"
+    assert info.checksums is not None and not info.checksums.present
+
+
+@pytest.mark.interop
+def test_inspect_reads_megatron_core_checkpoints(mcore):
+    info = describe(mcore)
+    assert info.complete and info.kind == "torch_dist"
+    assert {t.key: t.shape for t in info.tensors} == {"w": [8, 6], "layers": [2, 3, 4]}
+    assert info.objects["iteration"] == "5"
+
+
+def test_ls_lists_newest_first_with_state_and_latest_marked(ours, tmp_path, capsys):
+    root = tmp_path / "root"
+    root.mkdir()
+    for step in (3, 7):
+        shutil.copytree(ours, root / f"iter_{step:07d}")
+    crashed = root / "iter_0000011"
+    crashed.mkdir()
+    (crashed / "__0_0.distcp").write_bytes(b"partial")
+    (root / "unrelated").mkdir()
+    write_latest(root, 7)
+    found = list_checkpoints(root)
+    assert [(i.step, i.complete, i.latest) for i in found] == [
+        (11, False, False),
+        (7, True, True),
+        (3, True, False),
+    ]
+    assert found[1].backend == "torch_dist v1" and len(found[1].tensors) == 6
+    assert found[1].size > 0 and found[1].date
+    assert main(["ls", str(root)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].split()[:2] == ["11", "INCOMPLETE"] and out[1].startswith("*")
+    assert main(["ls", "--json", str(root)]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [d["step"] for d in data] == [11, 7, 3] and data[1]["latest"]
+    assert main(["ls", str(tmp_path / "nope")]) == 2
+
+
+def test_ls_reads_stock_and_megatron_layouts(stock, ours, tmp_path):
+    root = tmp_path / "mixed"
+    root.mkdir()
+    shutil.copytree(stock, root / "iter_0000001")
+    shutil.copytree(ours, root / "iter_0000002")
+    kinds = [(i.step, i.kind, i.complete) for i in list_checkpoints(root)]
+    assert kinds == [(2, "torch_dist", True), (1, "dcp", True)]
