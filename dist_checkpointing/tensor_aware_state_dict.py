@@ -33,6 +33,14 @@ import torch.distributed as dist
 
 from . import _dist
 from ._prepare import prepare_load_request, save_preprocess
+from ._shard_distribution import (
+    ShardDistribution,
+    compute_distribution,
+    exchange,
+    group_ranks,
+    shard_id,
+    without_data,
+)
 from ._types import ShardedStateDict, StateDict
 from .dict_utils import dict_list_map_inplace, dict_list_map_outplace, merge, nested_values
 from .errors import CheckpointingException
@@ -49,76 +57,11 @@ __all__ = ["MCoreTensorAwareStateDict", "ShardDistribution"]
 logger = logging.getLogger(__name__)
 
 ALGOS = ("atomic", "fully_parallel")
-ShardId = Tuple[str, Tuple[int, ...]]
-
-
-def _shard_id(sh: ShardedTensor) -> ShardId:
-    return sh.key, tuple(int(o) for o in sh.global_offset)
 
 
 def _check_algo(algo: str) -> None:
     if algo not in ALGOS:
         raise CheckpointingException(f"Unknown algo {algo!r}; expected one of {ALGOS}")
-
-
-def _group_ranks(group: Optional[dist.ProcessGroup]) -> Tuple[int, ...]:
-    """Global ranks of `group` (the whole world for None)."""
-    if not _dist.is_distributed():
-        return (0,)
-    if group is None:
-        return tuple(range(dist.get_world_size()))
-    return tuple(dist.get_process_group_ranks(group))
-
-
-@dataclass(frozen=True)
-class ShardDistribution:
-    """Which global rank stores each ShardedTensor shard under `algo="fully_parallel"`.
-
-    Attributes:
-        saver: shard id `(key, global_offset)` -> global rank that stores it.
-        group: global ranks of the parallelization group it was computed for.
-    """
-
-    saver: Dict[ShardId, int]
-    group: Tuple[int, ...]
-
-
-def _distribute(holdings: List[Tuple[int, Dict[ShardId, int]]]) -> Dict[ShardId, int]:
-    """Assigns each shard to one of the ranks holding it, largest shards first, each to the
-    holder with the fewest bytes assigned so far (lowest rank on ties). Deterministic."""
-    holders: Dict[ShardId, List[int]] = {}
-    sizes: Dict[ShardId, int] = {}
-    for rank, shards in holdings:
-        for sid, nbytes in shards.items():
-            holders.setdefault(sid, []).append(rank)
-            sizes[sid] = max(sizes.get(sid, 0), nbytes)
-    load = {rank: 0 for rank, _ in holdings}
-    saver: Dict[ShardId, int] = {}
-    for sid in sorted(sizes, key=lambda s: (-sizes[s], s)):
-        rank = min(holders[sid], key=lambda r: (load[r], r))
-        saver[sid] = rank
-        load[rank] += sizes[sid]
-    return saver
-
-
-def _compute_distribution(
-    sharded: ShardedStateDict, group: Optional[dist.ProcessGroup]
-) -> ShardDistribution:
-    """Collective over all ranks: every rank calls it (each with its own group)."""
-    ranks = _group_ranks(group)
-    mine = {
-        _shard_id(sh): sh.data.numel() * sh.data.element_size()
-        for sh in nested_values(sharded)
-        if isinstance(sh, ShardedTensor) and sh.data is not None
-    }
-    everyone = _dist.all_gather_object((ranks, mine))
-    for r in ranks:
-        if everyone[r][0] != ranks:
-            raise CheckpointingException(
-                f"Rank {_dist.get_rank()} and rank {r} disagree on the parallelization group: "
-                f"{ranks} vs {everyone[r][0]}"
-            )
-    return ShardDistribution(_distribute([(r, everyone[r][1]) for r in ranks]), ranks)
 
 
 @dataclass
@@ -176,30 +119,30 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
             if cached_metadata is None:
                 distribution = _dist.run_collectively(
                     "fully parallel shard distribution",
-                    _compute_distribution,
+                    compute_distribution,
                     sharded,
                     parallelization_group,
                 )
             else:
                 distribution = cached_metadata
-                if distribution.group != _group_ranks(parallelization_group):
+                if distribution.group != group_ranks(parallelization_group):
                     raise CheckpointingException(
                         f"cached_metadata was computed for group {distribution.group}, not "
-                        f"{_group_ranks(parallelization_group)}; pass cached_metadata=None"
+                        f"{group_ranks(parallelization_group)}; pass cached_metadata=None"
                     )
         me = _dist.get_rank()
 
         def own_leaf(x: Any) -> Any:
             # a copy per leaf, so popping tensors never touches the caller's objects
             if isinstance(x, ShardedTensor) and x.data is not None and distribution is not None:
-                sid = _shard_id(x)
+                sid = shard_id(x)
                 if sid not in distribution.saver:
                     raise CheckpointingException(
                         f"cached_metadata does not cover shard {sid} of {x.key!r}: the "
                         "structure changed since it was computed; pass cached_metadata=None"
                     )
                 if distribution.saver[sid] != me:
-                    return _without_data(x)
+                    return without_data(x)
             return copy.copy(x) if isinstance(x, (ShardedTensor, ShardedObject)) else x
 
         sharded = dict_list_map_outplace(own_leaf, sharded)
@@ -358,7 +301,7 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
         merge(result, prepared.nonpersistent)
         request, factories = prepared.sharded, prepared.factories
         missing, unexpected = prepared.missing_keys, prepared.unexpected_keys
-        tensors = {_shard_id(sh): sh.data for sh in self._with_data()}
+        tensors = {shard_id(sh): sh.data for sh in self._with_data()}
         objects = {
             sh.unique_key: sh.data
             for sh in nested_values(self.sharded_state_dict)
@@ -368,7 +311,7 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
         if algo == "fully_parallel" and _dist.is_distributed():
             _dist.run_collectively(
                 "fully parallel exchange of local checkpoint shards",
-                _exchange,
+                exchange,
                 tensors,
                 wanted,
             )
@@ -376,7 +319,7 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
 
         def fill(leaf: Any) -> Any:
             if isinstance(leaf, ShardedTensor):
-                data = tensors.get(_shard_id(leaf))
+                data = tensors.get(shard_id(leaf))
                 if data is None:
                     raise CheckpointingException(
                         f"{where} has no shard of {leaf.key!r} at offset {leaf.global_offset}"
@@ -407,59 +350,6 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
         request = apply_factory_merges(request, factories)
         merge(result, request)
         return (result, missing, unexpected) if return_mismatch_keys else result
-
-
-def _without_data(sh: ShardedTensor) -> ShardedTensor:
-    out = sh.without_data()
-    assert isinstance(out, ShardedTensor)
-    return out
-
-
-def _exchange(tensors: Dict[ShardId, Optional[torch.Tensor]], wanted: List[ShardedTensor]) -> None:
-    """Collective: fetches into `tensors` the wanted shards this rank lacks.
-
-    Every rank learns who holds and who wants what; then shards move in one global order
-    (sorted by shard id, then receiver), each from the lowest rank holding it, over the
-    library's gloo group as host tensors. Processing the same order on every rank cannot
-    deadlock: the first unfinished transfer always has both of its ends waiting on it.
-    """
-    me = _dist.get_rank()
-    need = sorted({_shard_id(sh) for sh in wanted if tensors.get(_shard_id(sh)) is None})
-    devices = {
-        _shard_id(sh): sh.data.device if sh.data is not None else torch.device("cpu")
-        for sh in wanted
-    }
-    have = {sid: (tuple(t.shape), t.dtype) for sid, t in tensors.items() if t is not None}
-    everyone = _dist.all_gather_object((have, need))
-    source: Dict[ShardId, int] = {}
-    for rank, (held, _) in enumerate(everyone):
-        for sid in sorted(held):
-            source.setdefault(sid, rank)
-    lacking = sorted({sid for _, needed in everyone for sid in needed if sid not in source})
-    if lacking:
-        raise CheckpointingException(
-            f"No rank stored shard(s) {lacking[:8]} requested by "
-            f"rank(s) {sorted(r for r, (_, n) in enumerate(everyone) if set(n) & set(lacking))}"
-        )
-    transfers = sorted((sid, rank) for rank, (_, needed) in enumerate(everyone) for sid in needed)
-    group = _dist._group(None)
-    moved = 0
-    for sid, dst in transfers:
-        src = source[sid]
-        if me == src:
-            t = tensors[sid]
-            assert t is not None
-            with _dist._collective("send"):
-                dist.send(t.detach().to("cpu").contiguous(), dst=dst, group=group)
-            moved += t.numel() * t.element_size()
-        elif me == dst:
-            shape, dtype = everyone[src][0][sid]
-            buf = torch.empty(shape, dtype=dtype)
-            with _dist._collective("recv"):
-                dist.recv(buf, src=src, group=group)
-            tensors[sid] = buf.to(devices[sid])
-    if moved:
-        logger.debug("rank %d sent %d bytes of local checkpoint shards", me, moved)
 
 
 allow_in_hollow_state(MCoreTensorAwareStateDict, ShardedTensor, ShardedObject)
