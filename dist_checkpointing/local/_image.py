@@ -122,6 +122,9 @@ def start_image(
         if n:
             dst = buffer[off : off + n].view(t.dtype).view(t.shape)
             dst.copy_(t, non_blocking=t.is_cuda)
+        # alignment padding: without this, leftover heap bytes would be written to the file
+        # (and equal states would not give equal files)
+        buffer[off + n : _aligned(off + n)].zero_()
     for device in {t.device for t in tensors if t.is_cuda}:
         torch.cuda.synchronize(device)
     flat = buffer.numpy()
