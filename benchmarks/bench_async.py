@@ -12,7 +12,7 @@ For each world size (one run of this script covers all of them) and each async c
   equally small collective).
 Times are the max over ranks of each save; medians over the 2nd and later saves.
 
-    python benchmarks/bench_async.py --world-sizes 2 4 --total-mib 1024
+    python -m benchmarks.bench_async --world-sizes 2 4 --total-mib 1024
 """
 
 from __future__ import annotations
@@ -21,15 +21,13 @@ import argparse
 import json
 import os
 import shutil
-import sys
 import time
 from typing import Any, Dict, List
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(__file__))
-from _common import (
+from benchmarks._common import (
     init_world,
     local_piece,
     max_over_ranks,

@@ -1,6 +1,6 @@
 """Checksum throughput on one core: the candidates for `checksums.json`.
 
-python benchmarks/bench_checksums.py --mib 256 --repeats 5
+python -m benchmarks.bench_checksums --mib 256 --repeats 5
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ cannot express it), `reshard cols` asks for column blocks (each rank needs a sli
 every stored chunk). GB/s counts the state size once; ratios are against the ceiling of
 the same run (write for saves, read for loads).
 
-    python benchmarks/bench_disk.py --world-sizes 2 4 --sizes-mib 1024 4096 --repeats 2
+    python -m benchmarks.bench_disk --world-sizes 2 4 --sizes-mib 1024 4096 --repeats 2
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ import json
 import mmap
 import os
 import shutil
-import sys
 import threading
 from typing import Any, Callable, Dict, List
 
@@ -35,8 +34,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(__file__))
-from _common import (
+from benchmarks._common import (
     drop_page_cache,
     init_world,
     median,

@@ -9,7 +9,7 @@ directory. Per configuration, medians over `--repeats` saves (max over ranks):
 - recovery: one rank's directory is deleted; time for a fresh manager's find_latest + load
   on every rank (the lost part comes from its replica holder).
 
-    python benchmarks/bench_local.py --world-size 4 --total-mib 1024
+    python -m benchmarks.bench_local --world-size 4 --total-mib 1024
 """
 
 from __future__ import annotations
@@ -18,14 +18,12 @@ import argparse
 import json
 import os
 import shutil
-import sys
 import time
 from typing import Any, Dict, List
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks._common import (
     drop_page_cache,
     init_world,

@@ -6,7 +6,7 @@ the whole `save` (max over ranks), the sharding validation exchange, and the fin
 (rank 0 builds DCP's metadata and writes `.metadata` and `checksums.json`). Repeated saves
 of an unchanged structure skip the metadata exchange and reuse rank 0's metadata.
 
-    python benchmarks/bench_planning.py --world-size 8 --tensors 1000 --saves 4
+    python -m benchmarks.bench_planning --world-size 8 --tensors 1000 --saves 4
 """
 
 from __future__ import annotations
@@ -14,15 +14,13 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import sys
 import time
 from typing import Any, Dict, List
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(__file__))
-from _common import init_world, max_over_ranks, print_table, run_world
+from benchmarks._common import init_world, max_over_ranks, print_table, run_world
 
 
 def _worker(rank: int, world: int, args: argparse.Namespace, port: int, queue: Any) -> None:

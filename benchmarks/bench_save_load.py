@@ -12,7 +12,7 @@ The state is fp32, split on axis 0 across ranks; the resharded load asks for axi
 Figures are medians over --repeats; GB/s counts the global state size. The page cache is
 dropped before each load when possible (root). Prints a table and writes JSON.
 
-    python benchmarks/bench_save_load.py --world-size 2 --total-mib 1024 --repeats 3
+    python -m benchmarks.bench_save_load --world-size 2 --total-mib 1024 --repeats 3
 """
 
 from __future__ import annotations
@@ -22,15 +22,13 @@ import datetime
 import json
 import os
 import shutil
-import sys
 from typing import Any, Dict, List
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.dirname(__file__))
-from _common import (
+from benchmarks._common import (
     drop_page_cache,
     free_port,
     fsync_tree,

@@ -1,0 +1,1 @@
+"""Benchmarks, run from the repository root as `python -m benchmarks.<name> [--help]`."""
