@@ -24,8 +24,6 @@ import torch
 
 import dist_checkpointing as dc
 from dist_checkpointing import errors
-from dist_checkpointing.local.ckpt_managers import base_manager as local_base_manager
-from dist_checkpointing.local.replication import strategies as local_replication
 from dist_checkpointing.validation import StrictHandling
 from tests._sharding import bitwise_equal
 from tests._world import get_world
@@ -55,16 +53,11 @@ def run_once(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Any]:
     return run
 
 
-# where exception classes live (the local ones are also re-exported at their NVRx paths)
-_ERROR_MODULES = [errors, local_replication, local_base_manager]
-
-
 def _error_class(outcome: Tuple[str, Any]) -> type:
     """The exception class of an ("err", "Type: message") outcome (fails on success)."""
     status, detail = outcome
     assert status == "err", f"expected an error, got {detail!r}"
-    name = detail.split(":", 1)[0]
-    cls = next((getattr(m, name) for m in _ERROR_MODULES if hasattr(m, name)), None)
+    cls = getattr(errors, detail.split(":", 1)[0], None)
     assert isinstance(cls, type) and issubclass(cls, errors.CheckpointingException), detail
     return cls
 
