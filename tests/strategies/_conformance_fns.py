@@ -177,9 +177,10 @@ def reshard(backend: str, root: str) -> Dict[str, Outcome]:
     }
 
 
-# Saved: 'a' and 'b' split, the object 'o' replicated; requested: 'a' on every rank and
-# 'extra' on rank 1 only. So 'extra' is unexpected (on rank 1), 'b' and 'o' are missing.
-STRICT_MISSING = {"b", "o/shard_0_1"}
+# Saved: 'a' and 'b' split, the object 'o' replicated, the object 'p' one piece per rank;
+# requested: 'a' on every rank and 'extra' on rank 1 only. So 'extra' is unexpected (on
+# rank 1); 'b', 'o' and both pieces of 'p' are missing (in the checkpoint, asked by no rank).
+STRICT_MISSING = {"b", "o/shard_0_1", "p/shard_0_2", "p/shard_1_2"}
 STRICT_UNEXPECTED = {"extra"}
 
 
@@ -189,6 +190,7 @@ def _strict_state(zero: bool, with_extra: bool) -> Dict[str, Any]:
     if not zero:
         sd["b"] = _split("b", _global("b", (4, 2), torch.float32, 0), 0, False)
         sd["o"] = ShardedObject("o", {"v": 1}, (1,), (0,), replica_id=r)
+        sd["p"] = ShardedObject("p", {"rank": r}, (dist.get_world_size(),), (r,))
     if with_extra and r == 1:
         sd["extra"] = ShardedTensor.from_rank_offsets("extra", torch.zeros(3))
     return sd

@@ -135,8 +135,20 @@ def _check_strict(mode: str, rank: int, res: Dict[str, Any]) -> None:
         assert "Checkpoint key mismatch" not in logged, logged
 
 
-@pytest.mark.parametrize("mode", [m.name for m in StrictHandling])
-@pytest.mark.parametrize("backend", BACKENDS)
+def _strict_params() -> List[Any]:
+    known = pytest.mark.xfail(
+        strict=True,
+        reason="known defect: ('local', 1) computes missing keys from each rank's own part, "
+        "so RETURN_ALL misses the other ranks' pieces of per-rank ShardedObjects",
+    )
+    return [
+        pytest.param(b, m.name, marks=[known] if (b, m.name) == ("local", "RETURN_ALL") else [])
+        for b in BACKENDS
+        for m in StrictHandling
+    ]
+
+
+@pytest.mark.parametrize(("backend", "mode"), _strict_params())
 def test_strict_mode_handles_missing_and_unexpected_keys(run_once, backend, mode):
     for rank, res in enumerate(run_once(fns.strict_modes, backend)[0]):
         _check_strict(mode, rank, res[mode])
