@@ -8,6 +8,7 @@ rank. Loading may use a different sharding than saving.
 from ._dist import get_collective_timeout, set_collective_timeout
 from .core import check_is_distributed_checkpoint
 from .errors import CheckpointingException
+from .manager import CheckpointManager, CheckpointManagerOptions
 from .mapping import LocalNonpersistentObject, ShardedObject, ShardedTensor, ShardedTensorFactory
 from .serialization import (
     load,
@@ -39,6 +40,8 @@ __all__ = [
     "LocalNonpersistentObject",
     "StrictHandling",
     "CheckpointingException",
+    "CheckpointManager",
+    "CheckpointManagerOptions",
     "set_collective_timeout",
     "get_collective_timeout",
 ]

@@ -22,6 +22,7 @@ __all__ = [
     "AsyncSaveError",
     "NoReplicasAvailableError",
     "SameMachineReplicationException",
+    "NoUsableCheckpointError",
 ]
 
 
@@ -88,6 +89,10 @@ class SameMachineReplicationException(CheckpointingException):
             else f"local checkpoint {describe_ckpt_id(ckpt_id)} already exists on this machine"
         )
         super().__init__(text)
+
+
+class NoUsableCheckpointError(CheckpointingException):
+    """A checkpoint manager found no checkpoint it could load (each candidate and why)."""
 
 
 def describe_ckpt_id(ckpt_id: Any) -> str:

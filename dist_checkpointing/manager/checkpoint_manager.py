@@ -1,0 +1,423 @@
+"""`CheckpointManager`: when to save, how many to keep, which checkpoint to load.
+
+One manager per training job, created and called on every rank, in the style of Orbax's
+`CheckpointManager`: the training loop calls `save(step, state)` every step and
+`load(state)` once at start; the manager decides whether a save is due, runs it (async by
+default), commits it, moves the `latest` record, applies retention, and on load falls back
+from a damaged or missing checkpoint to the next usable one.
+
+Two tiers:
+- persistent: `torch_dist` checkpoints under `<root>/iter_<step, 7 digits>` every
+  `save_interval` steps (shared storage; reshardable);
+- local (optional): node-local checkpoints every `local_save_interval` steps through
+  `LocalCheckpointManager` (with replication when a strategy is given), for fast recovery
+  from a lost node; same layout required at load.
+
+Every public method is collective (call it on every rank, in the same order) except
+`latest_step`, `all_steps` and `should_save`.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Callable, List, Optional, Tuple, TypeVar, Union
+
+from .. import _dist
+from .._types import ShardedStateDict, StateDict
+from ..async_save import AsyncCallsQueue
+from ..core import check_is_distributed_checkpoint
+from ..dict_utils import dict_list_map_outplace
+from ..errors import CheckpointingException, NoUsableCheckpointError
+from ..mapping import ShardedBase
+from ._retention import steps_to_delete
+from .layout import LATEST_FNAME, parse_step, read_latest, step_dir_name, write_latest
+from .options import CheckpointManagerOptions, RestoreInfo
+
+__all__ = ["CheckpointManagerOptions", "CheckpointManager", "RestoreInfo"]
+
+logger = logging.getLogger(__name__)
+PathArg = Union[str, "os.PathLike[str]"]
+T = TypeVar("T")
+
+
+def _fresh(sharded_state_dict: ShardedStateDict) -> ShardedStateDict:
+    """A copy whose containers and sharded leaves a load attempt may change (tensors shared)."""
+    return dict_list_map_outplace(
+        lambda x: copy.copy(x) if isinstance(x, ShardedBase) else x, sharded_state_dict
+    )
+
+
+class CheckpointManager:
+    """Saves on a schedule, keeps the newest checkpoints, loads the newest usable one.
+
+    Example (every rank)::
+
+        manager = CheckpointManager("/ckpts/run1", CheckpointManagerOptions(save_interval=100))
+        state, start = manager.load(model_sharded_state_dict()) if manager.latest_step() is not None else (None, 0)
+        for step in range(start + 1, steps + 1):
+            train_step()
+            manager.save(step, model_sharded_state_dict())
+        manager.close()
+
+    Args:
+        root: the persistent tier's directory (shared by all ranks; created if missing).
+        options: the policy (defaults: every 1000 steps, keep 2, async, no local tier).
+
+    Raises:
+        CheckpointingException: invalid options, or `root` cannot be created (every rank).
+    """
+
+    def __init__(self, root: PathArg, options: Optional[CheckpointManagerOptions] = None) -> None:
+        self.root = Path(root)
+        self.options = options or CheckpointManagerOptions()
+        self.failed_saves: List[Tuple[int, str]] = []
+        self.last_restore: Optional[RestoreInfo] = None
+        self._queue = AsyncCallsQueue()
+        self._last_saved = -1
+        self._closed = False
+        self._local: Any = None
+        complete = self._on_rank0(f"startup scan of {self.root}", self._startup)
+        self._persistent_latest = max(complete, default=-1)
+        self._local_latest = -1
+        if self.options.local_root is not None:
+            from ..local.ckpt_managers.local_manager import LocalCheckpointManager
+
+            self._local = LocalCheckpointManager(
+                Path(self.options.local_root), self.options.session_id, self.options.replication
+            )
+            self._local_latest = self._local.find_latest()
+
+    # ---- queries (not collective) -------------------------------------------------------
+    def latest_step(self) -> Optional[int]:
+        """The newest committed step across both tiers known to this manager, or None."""
+        newest = max(self._persistent_latest, self._local_latest)
+        return None if newest < 0 else newest
+
+    def all_steps(self) -> List[int]:
+        """Steps of the complete persistent checkpoints under the root, ascending."""
+        return sorted(self._scan()[0])
+
+    def should_save(self, step: int) -> Tuple[bool, bool]:
+        """Whether `step` is due for `(persistent, local)` saves."""
+        o = self.options
+        persistent = step % o.save_interval == 0
+        local = self._local is not None and step % int(o.local_save_interval or 1) == 0
+        return persistent, local
+
+    # ---- saving -------------------------------------------------------------------------
+    def save(self, step: int, sharded_state_dict: ShardedStateDict, *, force: bool = False) -> bool:
+        """Collective: saves `sharded_state_dict` as `step` if a tier is due (or `force`).
+
+        Cheap when nothing is due: it only finalizes finished background saves (one small
+        all-reduce while a save is in flight, nothing otherwise).
+
+        Args:
+            step: the training step (increasing across calls).
+            sharded_state_dict: the state, as for `dist_checkpointing.save`; free to change
+                once `save` returns.
+            force: save to the persistent tier even if not due.
+
+        Returns:
+            Whether a save was started.
+
+        Raises:
+            CheckpointingException: a failed save, on every rank (with `on_error='raise'`).
+        """
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise CheckpointingException(f"step must be a non-negative int, got {step!r}")
+        self._check_open()
+        self._finalize(blocking=False)
+        persistent, local = self.should_save(step)
+        persistent = persistent or force
+        if not (persistent or local) or step <= self._last_saved:
+            return False
+        self._last_saved = step
+        try:
+            if local:
+                self._save_local(step, sharded_state_dict)
+            if persistent:
+                self._save_persistent(step, sharded_state_dict)
+        except CheckpointingException as e:
+            self._failed(step, e)
+        return True
+
+    def _save_local(self, step: int, sharded_state_dict: ShardedStateDict) -> None:
+        from ..tensor_aware_state_dict import MCoreTensorAwareStateDict
+
+        state, _ = MCoreTensorAwareStateDict.from_state_dict(sharded_state_dict, algo="atomic")
+        request = self._local.save(state, step, is_async=self.options.async_save)
+        if request is None:
+            self._local_committed(step)
+            return
+        request.add_finalize_fn(lambda: self._local_committed(step))
+        self._queue.schedule_async_request(request)
+
+    def _local_committed(self, step: int) -> None:
+        self._local_latest = max(self._local_latest, step)
+        logger.info("local checkpoint of step %d committed", step)
+
+    def _save_persistent(self, step: int, sharded_state_dict: ShardedStateDict) -> None:
+        from ..serialization import save
+
+        path = self.root / step_dir_name(step)
+        self._on_rank0(f"preparing {path}", self._clear_target, path)
+        request = save(
+            sharded_state_dict,
+            path,
+            sharded_strategy=self.options.sharded_strategy,
+            async_sharded_save=self.options.async_save,
+        )
+        if request is None:
+            self._persistent_committed(step)
+            return
+        request.add_finalize_fn(lambda: self._persistent_committed(step))
+        self._queue.schedule_async_request(request)
+
+    def _clear_target(self, path: Path) -> None:
+        """Rank 0: moves aside what a previous run left at a step this run saves again."""
+        if not path.exists():
+            return
+        if not check_is_distributed_checkpoint(path):
+            shutil.rmtree(path)
+            return
+        aside = path.with_name(f"{path.name}.superseded-{int(time.time())}")
+        logger.warning("%s exists from an earlier run; moved to %s", path, aside)
+        os.replace(path, aside)
+
+    def _persistent_committed(self, step: int) -> None:
+        """Collective (in finalization): `latest` record, then retention, on rank 0."""
+        deleted = self._on_rank0(
+            f"latest record and retention after step {step}", self._retain, step
+        )
+        self._persistent_latest = max(self._persistent_latest, step)
+        _dist.log_rank0(
+            logger,
+            logging.INFO,
+            "checkpoint of step %d committed; latest = %d; removed %s",
+            step,
+            step,
+            deleted or "nothing",
+        )
+
+    def _retain(self, step: int) -> List[int]:
+        write_latest(self.root, step)
+        complete, incomplete = self._scan()
+        doomed = steps_to_delete(
+            complete, incomplete, step, self.options.keep_last, self.options.keep_period
+        )
+        for s in doomed:
+            shutil.rmtree(self.root / step_dir_name(s), ignore_errors=True)
+        return doomed
+
+    def _failed(self, step: int, error: CheckpointingException) -> None:
+        if self.options.on_error == "raise":
+            raise error
+        self.failed_saves.append((step, str(error)))
+        _dist.log_rank0(
+            logger,
+            logging.ERROR,
+            "checkpoint save of step %d failed (on_error='continue': training goes on, the next "
+            "due save runs normally): %s",
+            step,
+            error,
+        )
+
+    def _finalize(self, blocking: bool) -> None:
+        while self._queue.get_num_unfinalized_calls():
+            try:
+                self._queue.maybe_finalize_async_calls(blocking=blocking)
+                return
+            except CheckpointingException as e:
+                self._failed(-1, e)  # that call is dropped; later calls stay queued
+
+    def wait_until_finished(self) -> None:
+        """Collective: waits for and finalizes every save in flight."""
+        self._finalize(blocking=True)
+
+    def close(self) -> None:
+        """Collective: waits for the saves in flight, then releases the background workers."""
+        if self._closed:
+            return
+        try:
+            self.wait_until_finished()
+        finally:
+            self._closed = True
+            self._queue.close()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointingException(f"CheckpointManager({self.root}) is closed")
+
+    # ---- loading ------------------------------------------------------------------------
+    def load(
+        self, sharded_state_dict: ShardedStateDict, **load_kwargs: Any
+    ) -> Tuple[StateDict, int]:
+        """Collective: loads the newest usable checkpoint of either tier.
+
+        Candidates, tried in order until one loads on every rank: newest first; at equal
+        steps the local tier first. A candidate is skipped (and the reason logged) when it
+        is missing on some rank, incomplete, or fails its checksums. Newer candidates that
+        failed are moved aside (persistent: renamed `iter_X.unusable-<time>`; local:
+        removed) so that later saves and retention see one timeline.
+
+        Args:
+            sharded_state_dict: what to load, as for `dist_checkpointing.load` (the local
+                tier needs the saved layout; the persistent tier reshards).
+            **load_kwargs: passed to `dist_checkpointing.load` (e.g. `strict`).
+
+        Returns:
+            `(state_dict, step)`; details in `last_restore`.
+
+        Raises:
+            NoUsableCheckpointError: no candidate loads (on every rank, listing each and why).
+        """
+        self._check_open()
+        self._finalize(blocking=True)
+        candidates = self._candidates()
+        skipped: List[Tuple[str, str]] = []
+        for step, tier, path in candidates:
+            try:
+                state = self._try_load(tier, path, sharded_state_dict, load_kwargs)
+            except CheckpointingException as e:
+                skipped.append((f"{tier} step {step} ({path})", str(e)))
+                _dist.log_rank0(
+                    logger, logging.WARNING, "skipping %s checkpoint of step %d: %s", tier, step, e
+                )
+                continue
+            self.last_restore = RestoreInfo(step, tier, path, skipped)
+            self._after_restore(step)
+            _dist.log_rank0(
+                logger,
+                logging.INFO,
+                "loaded the %s checkpoint of step %d (%s)%s",
+                tier,
+                step,
+                path,
+                f"; skipped {len(skipped)} newer: " + "; ".join(s for s, _ in skipped)
+                if skipped
+                else "",
+            )
+            return state, step
+        skipped = _dist.broadcast_object(skipped)  # one message, the same on every rank
+        what = "; ".join(f"{c}: {why}" for c, why in skipped) or "none found"
+        raise NoUsableCheckpointError(
+            f"No usable checkpoint under {self.root}"
+            + (f" or local root {self.options.local_root}" if self._local is not None else "")
+            + f" ({len(candidates)} tried): {what}"
+        )
+
+    def _candidates(self) -> List[Tuple[int, str, str]]:
+        out: List[Tuple[int, str, str]] = []
+        if self._local is not None:
+            self._local.latest_iteration = -1  # rescan: files may have changed since startup
+            newest = self._local.find_latest()
+            if newest >= 0:
+                out.append((newest, "local", str(self._local.local_ckpt_dir)))
+        complete = self._on_rank0(f"scan of {self.root}", lambda: sorted(self._scan()[0]))
+        out += [(s, "persistent", str(self.root / step_dir_name(s))) for s in complete]
+        out.sort(key=lambda c: (c[0], c[1] == "local"), reverse=True)
+        return out
+
+    def _try_load(
+        self, tier: str, path: str, sharded_state_dict: ShardedStateDict, load_kwargs: Any
+    ) -> StateDict:
+        """Collective: one candidate; any rank's failure raises on every rank."""
+        result: Any = None
+        error: Optional[BaseException] = None
+        try:
+            if tier == "local":
+                state, _ = self._local.load()
+                result = state.to_state_dict(_fresh(sharded_state_dict), algo="atomic")
+            else:
+                from ..serialization import load
+
+                result = load(_fresh(sharded_state_dict), path, **load_kwargs)
+        except Exception as e:  # agreed on below, so every rank skips alike
+            error = e
+        _dist.agree_on_errors(error, f"load of the {tier} checkpoint {path}")
+        return result
+
+    def _after_restore(self, step: int) -> None:
+        """Collective: newer checkpoints that failed to load leave the timeline."""
+
+        def quarantine() -> int:
+            complete, _ = self._scan()
+            for s in complete:
+                if s > step:
+                    path = self.root / step_dir_name(s)
+                    aside = path.with_name(f"{path.name}.unusable-{int(time.time())}")
+                    logger.warning("moving the unusable checkpoint %s to %s", path, aside)
+                    os.replace(path, aside)
+            newest = max((s for s in complete if s <= step), default=-1)
+            if newest >= 0 and read_latest(self.root) != newest:
+                write_latest(self.root, newest)
+            return newest
+
+        self._persistent_latest = self._on_rank0("quarantine after load", quarantine)
+        if self._local is not None:
+            for iteration in sorted({i[0] for i in self._local._my_ckpt_ids() if i[0] > step}):
+                self._local._cleanup_failed_save(iteration)
+            self._local.latest_iteration = -1
+            self._local_latest = (
+                step if self.last_restore and self.last_restore.tier == "local" else -1
+            )
+        self._last_saved = step
+
+    # ---- helpers ------------------------------------------------------------------------
+    def _scan(self) -> Tuple[List[int], List[int]]:
+        """`(complete, incomplete)` steps of the `iter_*` directories under the root."""
+        complete: List[int] = []
+        incomplete: List[int] = []
+        try:
+            entries = list(self.root.iterdir())
+        except FileNotFoundError:
+            return [], []
+        for p in entries:
+            step = parse_step(p.name)
+            if step is None or not p.is_dir():
+                continue
+            (complete if check_is_distributed_checkpoint(p) else incomplete).append(step)
+        return complete, incomplete
+
+    def _startup(self) -> List[int]:
+        """Rank 0: creates the root, removes incomplete directories (no save of this job runs
+        yet, so they are crash leftovers), repairs the `latest` record, returns complete steps."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        complete, incomplete = self._scan()
+        for s in incomplete:
+            logger.warning(
+                "removing the incomplete checkpoint %s (a crashed save)", step_dir_name(s)
+            )
+            shutil.rmtree(self.root / step_dir_name(s), ignore_errors=True)
+        newest = max(complete, default=None)
+        if newest is not None and read_latest(self.root) != newest:
+            # a crash between the commit and the record update (or a record naming a
+            # checkpoint that is gone): the record follows the newest committed checkpoint
+            write_latest(self.root, newest)
+        elif newest is None:
+            (self.root / LATEST_FNAME).unlink(missing_ok=True)
+        return complete
+
+    def _on_rank0(self, what: str, fn: Callable[..., T], *args: Any) -> T:
+        """Collective: runs `fn` on rank 0 only; its failure raises on every rank; every rank
+        gets its result."""
+        result: Any = None
+        error: Optional[BaseException] = None
+        if _dist.get_rank() == 0:
+            try:
+                result = fn(*args)
+            except Exception as e:  # agreed on below
+                error = e
+        _dist.agree_on_errors(error, what)
+        return _dist.broadcast_object(result)

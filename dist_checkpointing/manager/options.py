@@ -1,0 +1,80 @@
+"""Options of `CheckpointManager` and what its `load` reports."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, List, Optional, Tuple, Union
+
+from ..errors import CheckpointingException
+
+__all__ = ["CheckpointManagerOptions", "RestoreInfo"]
+
+PathArg = Union[str, "os.PathLike[str]"]
+_ON_ERROR = ("raise", "continue")
+
+
+@dataclass
+class CheckpointManagerOptions:
+    """What the manager saves, when, and how many it keeps.
+
+    Attributes:
+        save_interval: a persistent checkpoint every this many steps (step % N == 0).
+        keep_last: persistent checkpoints kept (the newest K complete ones; >= 1).
+        keep_period: also keep every step divisible by this for ever (None: off).
+        async_save: persistent and local saves run in the background; the manager
+            finalizes them (in later `save` calls, `wait_until_finished` or `close`).
+        local_root: node-local directory of the local tier (None: no local tier).
+        local_save_interval: a local checkpoint every this many steps (needs `local_root`).
+        replication: a `ReplicationStrategy` for the local tier (None: no copies).
+        session_id: names this job's local checkpoints under `local_root`.
+        on_error: 'raise' (default): a failed save raises on every rank; 'continue': it
+            is logged (and recorded in `failed_saves`), training goes on, the next due
+            save runs normally.
+        sharded_strategy: persistent backend, as for `dist_checkpointing.save` (default
+            `('torch_dist', 1)`).
+
+    Raises:
+        CheckpointingException: an invalid value.
+    """
+
+    save_interval: int = 1000
+    keep_last: int = 2
+    keep_period: Optional[int] = None
+    async_save: bool = True
+    local_root: Optional[PathArg] = None
+    local_save_interval: Optional[int] = None
+    replication: Any = None
+    session_id: str = "dist_ckpt"
+    on_error: str = "raise"
+    sharded_strategy: Any = None
+
+    def __post_init__(self) -> None:
+        for name in ("save_interval", "keep_last"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise CheckpointingException(f"{name} must be an int >= 1, got {value!r}")
+        for name in ("keep_period", "local_save_interval"):
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 1
+            ):
+                raise CheckpointingException(f"{name} must be None or an int >= 1, got {value!r}")
+        if self.on_error not in _ON_ERROR:
+            raise CheckpointingException(
+                f"on_error must be one of {_ON_ERROR}, got {self.on_error!r}"
+            )
+        if (self.local_root is None) != (self.local_save_interval is None):
+            raise CheckpointingException(
+                "local_root and local_save_interval go together (both set for a local tier)"
+            )
+
+
+@dataclass
+class RestoreInfo:
+    """What the last `load` did: the step and tier loaded, and each skipped candidate."""
+
+    step: int
+    tier: str
+    path: str
+    skipped: List[Tuple[str, str]] = field(default_factory=list)

@@ -1,0 +1,117 @@
+"""Rank functions for the multi-rank manager tests (importable by worker ranks)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Dict, Tuple
+
+import torch
+import torch.distributed as dist
+
+from dist_checkpointing import CheckpointManager, CheckpointManagerOptions, ShardedTensor
+from dist_checkpointing.errors import NoUsableCheckpointError
+
+ROWS = 2
+
+
+def _state(step: int) -> Dict[str, Any]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rows = torch.arange(rank * ROWS, (rank + 1) * ROWS, dtype=torch.float32)
+    w = rows[:, None] + torch.full((ROWS, 3), float(step) * 100)
+    return {
+        "w": ShardedTensor.from_rank_offsets("w", w, (0, rank, world)),
+        "bias": ShardedTensor.from_rank_offsets(
+            "bias", torch.full((3,), float(step)), replica_id=rank
+        ),
+        "step": step,
+    }
+
+
+def _options(local_root: str) -> CheckpointManagerOptions:
+    return CheckpointManagerOptions(
+        save_interval=2, keep_last=3, local_root=local_root, local_save_interval=1
+    )
+
+
+def _flip(path: Path, pos: int) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[pos] ^= 0xFF
+    path.write_bytes(bytes(raw))
+
+
+def _damage(root: Path, local_root: Path, kind: str) -> None:
+    rank = dist.get_rank()
+    mine = local_root / "dist_ckpt" / str(rank)
+    if kind in ("local_lost", "persistent_incomplete") and rank == 1:
+        for p in mine.iterdir():
+            p.unlink()
+    if kind == "local_damaged" and rank == 1:
+        part = next(mine.iterdir())
+        _flip(part, part.stat().st_size // 2)
+    if kind == "persistent_incomplete" and rank == 0:
+        (root / "iter_0000006" / "metadata.json").unlink()
+    if kind == "persistent_damaged_on_one_rank":
+        for p in mine.iterdir():
+            p.unlink()  # no local tier anywhere
+        if rank == 1:  # the rows rank 1 loads are stored in its own data file
+            from dist_checkpointing.tools._storage import read_dcp_metadata, stored_items
+
+            ckpt = root / "iter_0000006"
+            item = next(
+                i
+                for i in stored_items(read_dcp_metadata(ckpt))
+                if i.key == "w" and i.offsets[0] == ROWS
+            )
+            _flip(ckpt / item.file, item.offset + item.length - 8)
+
+
+def train_damage_and_resume(base: str, kind: str) -> Tuple[int, str, bool, int]:
+    """Saves steps 1..7 (persistent 2, 4, 6; local 7), damages per `kind`, loads anew.
+
+    Returns `(step, tier, values_ok, skipped)` as seen by this rank.
+    """
+    root, local_root = Path(base) / "p", Path(base) / "l"
+    manager = CheckpointManager(root, _options(str(local_root)))
+    for step in range(1, 8):
+        manager.save(step, _state(step))
+    manager.close()
+    dist.barrier()
+    _damage(root, local_root, kind)
+    dist.barrier()
+    manager = CheckpointManager(root, _options(str(local_root)))
+    request = _state(0)
+    for v in request.values():
+        if isinstance(v, ShardedTensor):
+            v.data.zero_()
+    state, step = manager.load(request)
+    want = _state(step)
+    ok = torch.equal(state["w"], want["w"].data) and torch.equal(state["bias"], want["bias"].data)
+    info = manager.last_restore
+    manager.close()
+    assert info is not None
+    return step, info.tier, bool(ok and state["step"] == step), len(info.skipped)
+
+
+def nothing_usable(base: str) -> str:
+    """Every candidate damaged: the error every rank gets."""
+    root, local_root = Path(base) / "p", Path(base) / "l"
+    manager = CheckpointManager(root, _options(str(local_root)))
+    for step in range(1, 3):
+        manager.save(step, _state(step))
+    manager.close()
+    dist.barrier()
+    if dist.get_rank() == 0:
+        for p in (root / "iter_0000002").glob("*.distcp"):
+            os.truncate(p, 10)
+    part = next((local_root / "dist_ckpt" / str(dist.get_rank())).iterdir())
+    _flip(part, 64)
+    dist.barrier()
+    manager = CheckpointManager(root, _options(str(local_root)))
+    try:
+        manager.load(_state(0))
+    except NoUsableCheckpointError as e:
+        return str(e)
+    finally:
+        manager.close()
+    return "loaded"

@@ -1,0 +1,32 @@
+"""CheckpointManager on 2 and 4 gloo ranks: fallback in every order, all ranks agreeing."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.manager import _manager_fns
+
+pytestmark = pytest.mark.timeout(600)
+
+CASES = [
+    ("intact", (7, "local", 0)),
+    ("local_lost", (6, "persistent", 0)),  # a rank lost its part: local 7 is not a candidate
+    ("local_damaged", (6, "persistent", 1)),  # checksum failure on one rank
+    ("persistent_incomplete", (4, "persistent", 0)),  # newest persistent never committed
+    ("persistent_damaged_on_one_rank", (4, "persistent", 1)),
+]
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_load_falls_back_in_every_order_on_every_rank(world_factory, tmp_path, world_size):
+    world = world_factory(world_size)
+    for kind, (step, tier, skipped) in CASES:
+        base = tmp_path / kind
+        results = world.run_ok(_manager_fns.train_damage_and_resume, str(base), kind, timeout=240)
+        assert results == [(step, tier, True, skipped)] * world_size, (kind, results)
+
+
+def test_nothing_usable_raises_on_every_rank(world_factory, tmp_path):
+    messages = world_factory(2).run_ok(_manager_fns.nothing_usable, str(tmp_path), timeout=240)
+    assert len(set(messages)) == 1 and messages[0].startswith("No usable checkpoint under")
+    assert "local step 2" in messages[0] and "persistent step 2" in messages[0]
