@@ -10,6 +10,10 @@ collective-safe (all ranks call it, all succeed or all raise). The checkpoint re
 strategy's `(backend, version)` in `metadata.json`; `load` looks that pair up under
 `LOAD_SHARDED`/`LOAD_COMMON` and then asks the strategy `check_backend_compatibility` and
 `check_version_compatibility`, which raise on mismatch.
+
+Why one module of about 430 lines: the registry checks every strategy against the base class
+of its action, and these bases are the extension points users subclass; keeping both here
+keeps the public path `strategies.base` for every name without an import cycle.
 """
 
 from __future__ import annotations
