@@ -24,8 +24,9 @@ from torch.distributed.checkpoint.metadata import (
 from .._safe_load import torch_load
 from ..errors import CheckpointCorruptedError, CheckpointingException
 from ..integrity import Checksums, read_checksums
-from ..strategies import _dcp_io
-from ..strategies._dcp_plan import TensorRequest, plan_tensor_reads
+from ..strategies.torch_dist.metadata_file import DCP_METADATA_FNAME, read_metadata
+from ..strategies.torch_dist.plan import DATA_SUFFIX, TensorRequest, plan_tensor_reads
+from ..strategies.torch_dist.reader import read_byte_items, read_tensor_items
 
 __all__ = [
     "DCP_METADATA_FNAME",
@@ -45,8 +46,6 @@ __all__ = [
     "read_local_part",
 ]
 
-DCP_METADATA_FNAME = _dcp_io.DCP_METADATA_FNAME
-DATA_SUFFIX = _dcp_io.DATA_SUFFIX
 COMMON_FNAME = "common.pt"
 
 
@@ -79,7 +78,7 @@ def read_dcp_metadata(ckpt: Path, checksums: Optional[Checksums] = None) -> Meta
         CheckpointCorruptedError: missing, damaged or not DCP metadata.
         UnsafeCheckpointError: it references classes outside DCP's metadata types.
     """
-    return _dcp_io.read_metadata(ckpt, checksums)
+    return read_metadata(ckpt, checksums)
 
 
 def maybe_checksums(ckpt: Path) -> Optional[Checksums]:
@@ -149,7 +148,7 @@ def read_full_tensor(
             view = view.narrow(dim, o, n)
         return view
 
-    _dcp_io.read_tensor_items(ckpt, metadata, reads, resolve, 1, checksums)
+    read_tensor_items(ckpt, metadata, reads, resolve, 1, checksums)
     return out
 
 
@@ -164,7 +163,7 @@ def read_object(
         CheckpointCorruptedError: missing or damaged bytes.
         UnsafeCheckpointError: the bytes hold objects outside the safe allowlist.
     """
-    (raw,) = _dcp_io.read_byte_items(ckpt, metadata, [MetadataIndex(key)], checksums)
+    (raw,) = read_byte_items(ckpt, metadata, [MetadataIndex(key)], checksums)
     value = torch_load(io.BytesIO(raw), f"{key!r} in {ckpt}")
     if _SHARDED_OBJECT.search(key) and isinstance(value, list) and len(value) == 1:
         return value[0]  # ShardedObjects are stored as one-element lists

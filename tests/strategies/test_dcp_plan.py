@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from dist_checkpointing.errors import CheckpointingException, ShardingIntegrityError
 from dist_checkpointing.mapping import ShardedTensor
-from dist_checkpointing.strategies._dcp_plan import (
+from dist_checkpointing.strategies.torch_dist.plan import (
     TensorRequest,
     WriteEntry,
     build_metadata,

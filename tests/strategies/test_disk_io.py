@@ -15,8 +15,10 @@ import dist_checkpointing as dc
 from dist_checkpointing import ShardedTensor
 from dist_checkpointing.errors import CheckpointCorruptedError
 from dist_checkpointing.integrity import BLOCK
-from dist_checkpointing.strategies import _dcp_io, _dcp_reader
-from dist_checkpointing.strategies._dcp_zip import zip_item_layout
+from dist_checkpointing.storage import direct, faults
+from dist_checkpointing.strategies.torch_dist.metadata_file import read_metadata
+from dist_checkpointing.strategies.torch_dist.reader import open_range
+from dist_checkpointing.strategies.torch_dist.zipformat import chunk_layout, zip_item_layout
 
 DTYPES = [
     torch.float32,
@@ -54,11 +56,9 @@ def test_data_of_large_tensors_lands_on_4096_byte_offsets(tmp_path):
         for i in range(5)
     }
     dc.save(sd, tmp_path / "c")
-    from dist_checkpointing.strategies._dcp_fastread import chunk_layout
-
-    md = _dcp_io.read_metadata(tmp_path / "c")
+    md = read_metadata(tmp_path / "c")
     for index, info in md.storage_data.items():
-        with _dcp_io._open_range(tmp_path / "c" / info.relative_path, info) as stream:
+        with open_range(tmp_path / "c" / info.relative_path, info) as stream:
             layout = chunk_layout(stream.raw)
         assert layout is not None and (info.offset + layout.data_offset) % 4096 == 0, index.fqn
 
@@ -93,21 +93,14 @@ def _big(rows: int = 4096, cols: int = 1024) -> torch.Tensor:
 def test_row_slice_reads_only_the_blocks_it_needs(tmp_path, monkeypatch):
     w = _big()
     dc.save({"w": ShardedTensor.from_rank_offsets("w", w)}, tmp_path / "c")
-    sizes = []
-    real = _dcp_reader.read_region
-
-    def spy(path, offset, out, direct=True):
-        sizes.append(out.size)
-        return real(path, offset, out, direct)
-
-    monkeypatch.setattr(_dcp_io, "read_region", spy)
     rows = slice(1500, 1700)  # 800 KiB, inside the second 4 MiB block
     req = ShardedTensor(
         "w", torch.zeros(200, 1024), torch.float32, (200, 1024), (4096, 1024), (1500, 0), None
     )
-    got = dc.load({"w": req}, tmp_path / "c", validate_access_integrity=False)
+    with faults.injected(faults.Fault("*.distcp", ops=("read",))) as (spy,):
+        got = dc.load({"w": req}, tmp_path / "c", validate_access_integrity=False)
     assert torch.equal(got["w"], w[rows])
-    assert sizes == [BLOCK]  # one verified block, not the 16 MiB chunk
+    assert [c.nbytes for c in spy.calls] == [BLOCK]  # one verified block, not the 16 MiB chunk
 
 
 def test_damage_outside_the_rows_read_is_not_needed_inside_is_caught(tmp_path):
@@ -132,12 +125,12 @@ def test_damage_outside_the_rows_read_is_not_needed_inside_is_caught(tmp_path):
         dc.load(request(3500), tmp_path / "c", validate_access_integrity=False)
 
 
-@pytest.mark.parametrize("direct", [True, False])
+@pytest.mark.parametrize("direct_io", [True, False])
 @pytest.mark.parametrize(
     "offset,size,aligned_dest",
     [(4096, 8192, True), (123, 5000, False), (4096, 8292, True), (0, 1, False)],
 )
-def test_read_region_returns_exact_bytes(tmp_path, direct, offset, size, aligned_dest):
+def test_read_region_returns_exact_bytes(tmp_path, direct_io, offset, size, aligned_dest):
     import mmap
 
     import numpy as np
@@ -149,11 +142,11 @@ def test_read_region_returns_exact_bytes(tmp_path, direct, offset, size, aligned
         out = np.frombuffer(mmap.mmap(-1, 3 * 4096), dtype=np.uint8)[:size]
     else:
         out = np.zeros(size, dtype=np.uint8)
-    _dcp_reader.read_region(str(path), offset, out, direct=direct)
+    direct.read_region(str(path), offset, out, direct=direct_io)
     assert out.tobytes() == data[offset : offset + size]
     with pytest.raises(CheckpointCorruptedError, match="short read"):
-        _dcp_reader.read_region(
-            str(path), len(data) - 10, np.zeros(20, dtype=np.uint8), direct=direct
+        direct.read_region(
+            str(path), len(data) - 10, np.zeros(20, dtype=np.uint8), direct=direct_io
         )
 
 
@@ -165,23 +158,16 @@ def test_whole_chunk_loads_read_buffered_by_default_and_o_direct_when_asked(
 
     w = _big()
     dc.save({"w": ShardedTensor.from_rank_offsets("w", w)}, tmp_path / "c")
-    calls = []
-    real = _dcp_reader.read_region
-
-    def spy(path, offset, out, direct=True):
-        calls.append((out.size, direct))
-        return real(path, offset, out, direct)
-
-    monkeypatch.setattr(_dcp_io, "read_region", spy)
     strategy = TorchDistLoadShardedStrategy(direct_io=direct_io)
     req = {"w": ShardedTensor.from_rank_offsets("w", torch.zeros_like(w))}
-    got = dc.load(req, tmp_path / "c", sharded_strategy=strategy)
+    with faults.injected(faults.Fault("*.distcp", ops=("read",))) as (spy,):
+        got = dc.load(req, tmp_path / "c", sharded_strategy=strategy)
     assert torch.equal(got["w"], w)
-    assert calls == [(w.numel() * 4, direct_io)]
+    assert [(c.nbytes, c.direct) for c in spy.calls] == [(w.numel() * 4, direct_io)]
 
     # where O_DIRECT is refused, the O_DIRECT read falls back by itself and says so
     _refuse_o_direct(monkeypatch)
-    monkeypatch.setattr(_dcp_reader, "_no_direct", {})
+    direct.reset_direct_fallbacks()
     caplog.set_level(logging.INFO)
     req = {"w": ShardedTensor.from_rank_offsets("w", torch.zeros_like(w))}
     got = dc.load(req, tmp_path / "c", sharded_strategy=strategy)
@@ -201,13 +187,13 @@ def test_huge_page_advice_covers_only_whole_huge_pages_inside_the_destination(mo
     import numpy as np
 
     calls = []
-    monkeypatch.setattr(_dcp_reader, "_madvise", lambda: lambda a, n, adv: calls.append((a, n)))
+    monkeypatch.setattr(direct, "_madvise", lambda: lambda a, n, adv: calls.append((a, n)))
     mib = 1 << 20
     small = np.empty(3 * mib, dtype=np.uint8)
-    _dcp_reader.advise_huge_pages(small)  # under two huge pages: not worth a call
+    direct.advise_huge_pages(small)  # under two huge pages: not worth a call
     assert calls == []
     big = np.empty(37 * mib + 123, dtype=np.uint8)[5:]
-    _dcp_reader.advise_huge_pages(big)
+    direct.advise_huge_pages(big)
     [(start, n)] = calls
     lo, hi = big.ctypes.data, big.ctypes.data + big.size
     assert start % (2 * mib) == 0 and n % (2 * mib) == 0

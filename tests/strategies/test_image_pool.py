@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dist_checkpointing.strategies import _dcp_writer, _pinned
-from dist_checkpointing.strategies._dcp_writer import ALIGN, ImagePool
+from dist_checkpointing.storage import pinned as _pinned
+from dist_checkpointing.storage.buffers import ALIGN, ImagePool
 
 
 def _plan(sig: str, size: int = 10_000) -> SimpleNamespace:
@@ -84,13 +84,14 @@ def test_async_save_stages_before_returning_pinned_for_cuda_sources(tmp_path, mo
     expected = src.cpu().clone()
     strategy = TorchDistSaveShardedStrategy()
     staged = []
-    real_stage = _dcp_writer.stage_image
+    real_acquire = strategy._images.acquire
 
-    def spy(plan, sources, buf):
+    def spy(plan, pin):
+        buf = real_acquire(plan, pin)
         staged.append(buf)
-        return real_stage(plan, sources, buf)
+        return buf
 
-    monkeypatch.setattr(_dcp_writer, "stage_image", spy)
+    monkeypatch.setattr(strategy._images, "acquire", spy)
     req = dc.save(
         {"w": ShardedTensor.from_rank_offsets("w", src)},
         tmp_path / "c",

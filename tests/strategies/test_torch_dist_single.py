@@ -245,8 +245,8 @@ def test_finalize_recovers_when_coordinator_lost_its_plan_cache(tmp_path):
         return {"w": ShardedTensor.from_rank_offsets("w", torch.arange(4.0))}
 
     dc.save(sd(), tmp_path / "a", sharded_strategy=strategy)
-    strategy._items_cache.clear()  # e.g. rank 0 replaced its strategy object, others did not
-    strategy._metadata_cache = None
+    strategy._finalizer.items_cache.clear()  # e.g. rank 0 replaced its strategy object, others did not
+    strategy._finalizer.metadata_cache = None
     dc.save(sd(), tmp_path / "b", sharded_strategy=strategy)
     assert torch.equal(dc.load_plain_tensors(tmp_path / "b")["w"], torch.arange(4.0))
 
@@ -268,8 +268,9 @@ def test_non_contiguous_chunks_from_other_writers_still_load(tmp_path):
 
 def test_our_chunks_take_the_direct_read_path(tmp_path):
     """Every tensor item we write is parsed without torch.load (a regression here costs 2x on loads)."""
-    from dist_checkpointing.strategies import _dcp_fastread
-    from dist_checkpointing.strategies._dcp_io import _open_range, read_metadata
+    from dist_checkpointing.strategies.torch_dist.metadata_file import read_metadata
+    from dist_checkpointing.strategies.torch_dist.reader import open_range
+    from dist_checkpointing.strategies.torch_dist.zipformat import chunk_layout
 
     sd = {
         f"t{i}": ShardedTensor.from_rank_offsets(f"t{i}", torch.ones(7, 5, dtype=dtype))
@@ -278,6 +279,6 @@ def test_our_chunks_take_the_direct_read_path(tmp_path):
     dc.save(sd, tmp_path / "c")
     md = read_metadata(tmp_path / "c")
     for index, info in md.storage_data.items():
-        with _open_range(tmp_path / "c" / info.relative_path, info) as stream:
-            layout = _dcp_fastread.chunk_layout(stream.raw)
+        with open_range(tmp_path / "c" / info.relative_path, info) as stream:
+            layout = chunk_layout(stream.raw)
         assert layout is not None and layout.shape == (7, 5), index.fqn

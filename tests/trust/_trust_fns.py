@@ -15,7 +15,7 @@ import dist_checkpointing as dc
 from dist_checkpointing import ShardedObject, ShardedTensor
 from dist_checkpointing.local.basic_state_dict import BasicTensorAwareStateDict
 from dist_checkpointing.local.ckpt_managers.local_manager import LocalCheckpointManager
-from dist_checkpointing.strategies import _dcp_writer
+from dist_checkpointing.storage import faults
 from dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
 
@@ -55,31 +55,18 @@ def _die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _partial_then_die(directory: Any, plan: Any, *args: Any) -> Any:
-    with open(os.path.join(directory, plan.name), "wb") as f:
-        f.write(b"\0" * 4096)
-        f.flush()
-    _die()
-
-
 def crash_during_save(tmp: str, victim: int, is_async: bool) -> Tuple[str, str, float]:
     """Saves A completely, then B while `victim` is SIGKILLed in the middle of it."""
     dc.save(state(1), os.path.join(tmp, "A"))
     me = dist.get_rank()
     b = os.path.join(tmp, "B")
     if not is_async:
-        if me == victim:
-            _dcp_writer.write_streamed = _partial_then_die  # type: ignore[assignment]
+        if me == victim:  # its data file is cut off after 4096 bytes by its death
+            faults.inject(faults.Fault("*.distcp", die_after_bytes=4096))
         return outcome(dc.save, state(2), b)
     queue = AsyncCallsQueue()
-    if me == victim:
-        real = _dcp_writer.write_files
-
-        def slow(*args: Any) -> Any:
-            time.sleep(3)
-            return real(*args)
-
-        _dcp_writer.write_files = slow  # type: ignore[assignment]
+    if me == victim:  # the forked writer inherits the fault: a slow disk
+        faults.inject(faults.Fault("*.distcp", delay_s=3))
     req = dc.save(state(2), b, async_sharded_save=True)
     queue.schedule_async_request(req)
     if me == victim:
@@ -127,24 +114,16 @@ def local_after_crash(tmp: str) -> Tuple[int, bool, int]:
 def stuck_rank_save(tmp: str, stuck: int, timeout_s: float) -> Tuple[str, str, float]:
     """`stuck` hangs (alive) in its write; the others must fail within the timeout."""
     dc.set_collective_timeout(timeout_s)
-    if dist.get_rank() == stuck:
-        real = _dcp_writer.write_streamed
-
-        def hang(*args: Any) -> Any:
-            time.sleep(timeout_s * 3)
-            return real(*args)
-
-        _dcp_writer.write_streamed = hang  # type: ignore[assignment]
+    if dist.get_rank() == stuck:  # a hung disk: the write starts only after 3 timeouts
+        faults.inject(faults.Fault("*.distcp", delay_s=timeout_s * 3))
     return outcome(dc.save, state(1), os.path.join(tmp, "S"))
 
 
 def enospc_on_rank(tmp: str, victim: int) -> Tuple[str, str, float]:
     if dist.get_rank() == victim:
-
-        def full(*args: Any) -> Any:
-            raise OSError(errno.ENOSPC, "No space left on device")
-
-        _dcp_writer.write_streamed = full  # type: ignore[assignment]
+        faults.inject(
+            faults.Fault("*.distcp", error=OSError(errno.ENOSPC, "No space left on device"))
+        )
     return outcome(dc.save, state(1), os.path.join(tmp, "F"))
 
 

@@ -201,7 +201,7 @@ def test_regressions_found_by_the_fuzzer(pristine, tmp_path):
     an attribute (a flipped bit in a field name) are corruption, not crashes."""
     import pickle
 
-    from dist_checkpointing.strategies._dcp_io import read_metadata
+    from dist_checkpointing.strategies.torch_dist.metadata_file import read_metadata
 
     ckpt = tmp_path / "ckpt"
     shutil.copytree(pristine, ckpt)

@@ -1,13 +1,16 @@
-"""`torch.save`-compatible zip bytes for one tensor, generated without pickling the data.
+"""The torch.save-compatible zip layout of one tensor item: written and parsed here only.
 
-A DCP tensor item is a `torch.save` archive. We build its small records (the tensor-rebuild
-pickle, version records, zip directory) ourselves, so the tensor bytes can be written raw
-from aligned staging buffers, with the data record placed at a chosen file alignment (4096
-for O_DIRECT). The records mirror what `torch.save` writes (stored, CRC-less records with
-data descriptors, zip64 end records), so `torch.load`, DCP and megatron-core read them.
+Each tensor item of a torch_dist data file is a `torch.save` zip archive (stored,
+uncompressed). Writing (`zip_item_layout`): the records around a tensor's raw bytes are
+built ahead of time, so the data can be streamed or staged from aligned buffers with the
+data record placed at a chosen file alignment (4096 bytes for O_DIRECT). Reading
+(`chunk_layout`): the archive's `data.pkl` is read with an unpickler that knows only the
+tensor-rebuild recipe (nothing is executed) to locate a C-contiguous chunk's bytes, so the
+reader can fill a destination without `torch.load`; anything unexpected returns None and
+the reader falls back to `torch.load`.
 
-Items are limited to 4 GiB per record (no zip64 record sizes); larger tensors, and dtypes
-without a storage class, are left to `torch.save`.
+The record layout (local header struct, storage class names per dtype) is defined once
+below and used by both directions.
 """
 
 from __future__ import annotations
@@ -17,12 +20,13 @@ import io
 import math
 import pickle
 import struct
+import zipfile
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
 
-__all__ = ["ZipItemLayout", "zip_item_layout", "supports"]
+__all__ = ["ZipItemLayout", "zip_item_layout", "supports", "ChunkLayout", "chunk_layout"]
 
 _PREFIX = "archive/"
 _FLAGS = 0x0808  # data descriptor follows, UTF-8 names
@@ -198,3 +202,120 @@ def zip_item_layout(
     b.record(".data/serialization_id", b"0" * 40)
     b.directory()
     return ZipItemLayout(head, nbytes, b"".join(b.parts))
+
+
+# ---- reading: locating a chunk's bytes inside an item -------------------------------
+
+#: storage class name -> dtype (the inverse of `_STORAGE_CLASS`)
+_STORAGE_DTYPES = {name: dtype for dtype, name in _STORAGE_CLASS.items()}
+
+
+@dataclass(frozen=True)
+class ChunkLayout:
+    """Where a stored chunk's C-contiguous bytes are, relative to the item's start."""
+
+    data_offset: int
+    dtype: torch.dtype
+    shape: Tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class _Storage:
+    key: str
+    dtype: torch.dtype
+    numel: int
+
+
+@dataclass(frozen=True)
+class _Recipe:
+    storage: _Storage
+    offset: int
+    shape: Tuple[int, ...]
+    stride: Tuple[int, ...]
+
+
+def _recipe(storage: Any, offset: int, size: Any, stride: Any, *_: Any) -> _Recipe:
+    return _Recipe(storage, int(offset), tuple(size), tuple(stride))
+
+
+class _RecipeUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return _recipe
+        if (module, name) == ("collections", "OrderedDict"):
+            return collections.OrderedDict
+        if (
+            module == "torch"
+            and name.endswith("Storage")
+            and isinstance(getattr(torch, name, None), type)
+        ):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"unexpected global {module}.{name}")
+
+    def persistent_load(self, pid: Any) -> Any:
+        tag, storage_type, key, _location, numel = pid
+        if tag != "storage":
+            raise pickle.UnpicklingError(f"unexpected persistent id {tag!r}")
+        name = storage_type.__name__ if isinstance(storage_type, type) else str(storage_type)
+        return _Storage(str(key), _STORAGE_DTYPES[name], int(numel))
+
+
+def _record_start(item: io.RawIOBase, info: zipfile.ZipInfo) -> Optional[int]:
+    """Offset of a stored record's data (read from its local header), or None."""
+    if info.compress_type != zipfile.ZIP_STORED:
+        return None
+    item.seek(info.header_offset)
+    header = _LOCAL.unpack(item.read(_LOCAL.size))
+    if header[0] != b"PK\x03\x04":
+        return None
+    return info.header_offset + _LOCAL.size + header[9] + header[10]
+
+
+def chunk_layout(item: io.RawIOBase) -> Optional[ChunkLayout]:
+    """Locates the contiguous data of a `torch.save`d tensor item, or None if it cannot.
+
+    Args:
+        item: a seekable binary view of exactly one item.
+    """
+    try:
+        # the directory only: zipfile would check CRCs, which our writer leaves out
+        zf = zipfile.ZipFile(item)  # type: ignore[arg-type]
+        pkl = next(n for n in zf.namelist() if n.endswith("/data.pkl"))
+        pkl_info = zf.getinfo(pkl)
+        pkl_start = _record_start(item, pkl_info)
+        if pkl_start is None:
+            return None
+        item.seek(pkl_start)
+        recipe = _RecipeUnpickler(io.BytesIO(item.read(pkl_info.file_size))).load()
+        if not isinstance(recipe, _Recipe):
+            return None
+        if recipe.stride != _strides(recipe.shape) and math.prod(recipe.shape) > 1:
+            return None
+        info = zf.getinfo(f"{pkl[: -len('data.pkl')]}data/{recipe.storage.key}")
+        start = _record_start(item, info)
+        if start is None:
+            return None
+        layout = ChunkLayout(
+            start + recipe.offset * recipe.storage.dtype.itemsize,
+            recipe.storage.dtype,
+            recipe.shape,
+        )
+        if recipe.offset * recipe.storage.dtype.itemsize + layout.nbytes > info.file_size:
+            return None
+        return layout
+    except (
+        pickle.UnpicklingError,
+        zipfile.BadZipFile,
+        StopIteration,
+        KeyError,
+        ValueError,
+        TypeError,
+        AttributeError,
+        struct.error,
+        EOFError,
+    ):
+        return None

@@ -1,22 +1,17 @@
-"""File I/O of the torch_dist backend, in PyTorch DCP's on-disk format.
+"""Reading torch_dist data files: each needed stored chunk once, straight into its destination.
 
-Layout: `.metadata` (a pickled `torch.distributed.checkpoint.metadata.Metadata` whose
-`storage_data` maps each item to a byte range of a data file) and data files
-`[<hint>]__<rank>_<n>.distcp` holding, back to back, a `torch.save` payload per tensor
-chunk and raw bytes per object.
-
-Reading `.metadata` never runs arbitrary code: it is unpickled with an allowlist of DCP's
-metadata classes (stock DCP uses plain `pickle.load`).
+Data files `[<hint>]__<rank>_<n>.distcp` hold, back to back, a `torch.save` zip per tensor
+chunk (see `zipformat`) and raw bytes per object; `.metadata` (see `metadata_file`) says
+where each item lies. Regions are read through the shared I/O layer (`storage`) in large
+requests and verified against `checksums.json` when given.
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
-import logging
 import math
 import os
-import pickle
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -27,188 +22,14 @@ import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import ReadItem
-from torch.distributed.checkpoint.storage import WriteResult
 
-from .._fileio import atomic_write, read_capped
-from .._safe_load import torch_load
-from ..errors import CheckpointCorruptedError, UnsafeCheckpointError
-from ..integrity import Checksums, ItemSum, checksum, new_hasher
-from ._dcp_fastread import chunk_layout
-from ._dcp_reader import read_region
+from ..._safe_load import torch_load
+from ...errors import CheckpointCorruptedError
+from ...integrity import Checksums, ItemSum, new_hasher
+from ...storage import read_region
+from .zipformat import chunk_layout
 
-__all__ = [
-    "DCP_METADATA_FNAME",
-    "DATA_SUFFIX",
-    "data_file_name",
-    "write_metadata",
-    "read_metadata",
-    "read_tensor_items",
-    "read_byte_items",
-]
-
-logger = logging.getLogger(__name__)
-
-DCP_METADATA_FNAME = ".metadata"
-DATA_SUFFIX = ".distcp"
-_MAX_METADATA_BYTES = 1 << 31
-
-
-def data_file_name(group: str, rank: int, index: int) -> str:
-    """Name of a rank's n-th data file; `group` is '' or the separation hint."""
-    return f"{group}__{rank}_{index}{DATA_SUFFIX}"
-
-
-def write_metadata(checkpoint_dir: Path, metadata: Metadata, results: Sequence[WriteResult]) -> int:
-    """Attaches storage locations to `metadata` and writes `.metadata` atomically.
-
-    Returns:
-        The xxh3-64 of the written file.
-    """
-    metadata.storage_data = {r.index: r.storage_data for r in results}
-    metadata.version = metadata.version or "1.0.0"
-    payload = pickle.dumps(metadata)
-    atomic_write(checkpoint_dir / DCP_METADATA_FNAME, lambda f: f.write(payload))
-    return checksum(payload)
-
-
-def _allowed_globals() -> Dict[Tuple[str, str], Any]:
-    import pathlib
-
-    import torch.distributed.checkpoint.metadata as md
-    import torch.distributed.checkpoint.planner as planner
-
-    safe_names = {
-        md: (
-            "Metadata",
-            "TensorStorageMetadata",
-            "BytesStorageMetadata",
-            "ChunkStorageMetadata",
-            "TensorProperties",
-            "MetadataIndex",
-            "StorageMeta",
-            "_MEM_FORMAT_ENCODING",
-        ),
-        # megatron-core pickles its global save plan (plain dataclasses and enums) beside it
-        planner: (
-            "SavePlan",
-            "WriteItem",
-            "TensorWriteData",
-            "BytesIOWriteData",
-            "WriteItemType",
-            "LoadPlan",
-            "ReadItem",
-            "LoadItemType",
-        ),
-    }
-    allowed: Dict[Tuple[str, str], Any] = {
-        (module.__name__, name): getattr(module, name)
-        for module, names in safe_names.items()
-        for name in names
-        if hasattr(module, name)
-    }
-    allowed[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = _StorageInfo
-    allowed[("torch", "Size")] = torch.Size
-    for name in dir(torch):
-        value = getattr(torch, name, None)
-        if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
-            allowed[("torch", name)] = value
-    allowed[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
-    allowed[("collections", "OrderedDict")] = __import__("collections").OrderedDict
-    allowed[("pathlib", "PosixPath")] = pathlib.PosixPath
-    allowed[("pathlib", "PurePosixPath")] = pathlib.PurePosixPath
-    allowed[("builtins", "set")] = set
-    allowed[("builtins", "frozenset")] = frozenset
-    return allowed
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    allowed: Dict[Tuple[str, str], Any] = {}
-
-    def find_class(self, module: str, name: str) -> Any:
-        try:
-            return self.allowed[(module, name)]
-        except KeyError:
-            raise UnsafeCheckpointError(
-                f"refusing to unpickle {module}.{name}: not a DCP metadata type"
-            ) from None
-
-
-def read_metadata(checkpoint_dir: Path, checksums: Optional[Checksums] = None) -> Metadata:
-    """Reads `.metadata` with an allowlisting unpickler, verified when `checksums` list it.
-
-    Raises:
-        CheckpointCorruptedError: if it is missing, truncated, fails verification or is not
-            DCP metadata.
-        UnsafeCheckpointError: if it references any class outside DCP's metadata types.
-    """
-    path = Path(checkpoint_dir) / DCP_METADATA_FNAME
-    if not _MetadataUnpickler.allowed:
-        _MetadataUnpickler.allowed = _allowed_globals()
-    raw = read_capped(path, _MAX_METADATA_BYTES)
-    if raw is None:
-        raise CheckpointCorruptedError(f"{path}: DCP metadata file not found")
-    if checksums is not None:
-        checksums.verify_file(DCP_METADATA_FNAME, raw, str(path))
-    try:
-        metadata = _MetadataUnpickler(io.BytesIO(raw)).load()
-    except UnsafeCheckpointError as e:
-        raise UnsafeCheckpointError(f"{path}: {e}") from e
-    except Exception as e:  # any unpickling failure means a damaged file
-        raise CheckpointCorruptedError(
-            f"{path}: cannot read DCP metadata ({type(e).__name__}: {e})"
-        ) from e
-    try:
-        _check_metadata(metadata, path)
-    except (AttributeError, TypeError, ValueError) as e:  # objects of the right class, damaged
-        raise CheckpointCorruptedError(
-            f"{path}: malformed DCP metadata ({type(e).__name__}: {e})"
-        ) from e
-    return metadata
-
-
-def _check_metadata(metadata: Any, path: Path) -> None:
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
-
-    if not isinstance(metadata, Metadata):
-        raise CheckpointCorruptedError(
-            f"{path}: expected DCP Metadata, got {type(metadata).__name__}"
-        )
-    sdm = metadata.state_dict_metadata
-    if not isinstance(sdm, dict) or not isinstance(metadata.storage_data, dict):
-        raise CheckpointCorruptedError(f"{path}: state_dict_metadata/storage_data are not dicts")
-    for key, value in sdm.items():
-        if not isinstance(key, str) or not isinstance(
-            value, (TensorStorageMetadata, BytesStorageMetadata)
-        ):
-            raise CheckpointCorruptedError(f"{path}: malformed entry for key {key!r}")
-        if isinstance(value, TensorStorageMetadata):
-            if not isinstance(value.properties.dtype, torch.dtype):
-                raise CheckpointCorruptedError(f"{path}: entry {key!r} has no valid dtype")
-            ndim = len(value.size)
-            for chunk in value.chunks:
-                if len(chunk.offsets) != ndim or len(chunk.sizes) != ndim:
-                    raise CheckpointCorruptedError(f"{path}: chunk of {key!r} has wrong rank")
-                if any(
-                    o < 0 or s < 0 or o + s > g
-                    for o, s, g in zip(chunk.offsets, chunk.sizes, value.size)
-                ):
-                    raise CheckpointCorruptedError(
-                        f"{path}: chunk of {key!r} lies outside {tuple(value.size)}"
-                    )
-    for index, info in metadata.storage_data.items():
-        if not isinstance(index, MetadataIndex) or not isinstance(info, _StorageInfo):
-            raise CheckpointCorruptedError(f"{path}: malformed storage entry {index!r}")
-        rel = str(info.relative_path)
-        if (
-            "/" in rel
-            or "\\" in rel
-            or rel in ("", ".", "..")
-            or info.offset < 0
-            or info.length < 0
-        ):
-            raise CheckpointCorruptedError(
-                f"{path}: invalid storage location {info!r} for {index.fqn!r}"
-            )
+__all__ = ["read_tensor_items", "read_byte_items", "open_range"]
 
 
 def _storage_info(metadata: Metadata, index: MetadataIndex) -> _StorageInfo:
@@ -222,7 +43,7 @@ def _storage_info(metadata: Metadata, index: MetadataIndex) -> _StorageInfo:
 
 def _read_range(checkpoint_dir: Path, info: _StorageInfo) -> bytes:
     path = checkpoint_dir / info.relative_path
-    with _open_range(path, info) as f:
+    with open_range(path, info) as f:
         data = f.read(info.length)
     if len(data) != info.length:
         raise CheckpointCorruptedError(f"{path}: short read at offset {info.offset}")
@@ -261,7 +82,7 @@ class _FileRange(io.RawIOBase):
 
 
 @contextlib.contextmanager
-def _open_range(path: Path, info: _StorageInfo) -> Iterator[io.BufferedReader]:
+def open_range(path: Path, info: _StorageInfo) -> Iterator[io.BufferedReader]:
     """Opens the byte range of one stored item, checking the file is long enough."""
     try:
         f = open(path, "rb")
@@ -329,7 +150,7 @@ def read_tensor_items(
             else None
         )
         path = checkpoint_dir / info.relative_path
-        with _open_range(path, info) as stream:
+        with open_range(path, info) as stream:
             stored, row0 = _read_stored(
                 stream, group, resolve, what, expected, str(path), direct_io
             )

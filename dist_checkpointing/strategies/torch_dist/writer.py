@@ -1,14 +1,13 @@
 """The torch_dist writer: DCP-format data files written at the disk's speed.
 
 Each data file is laid out ahead of time (`plan_file`): per tensor item, the small zip
-records that make it a `torch.save` archive (`_dcp_zip`) and the raw tensor bytes, placed
+records that make it a `torch.save` archive (`zipformat`) and the raw tensor bytes, placed
 at 4096-byte file offsets; per object item, its serialized bytes. The file is then written
 as one image in large sequential requests:
 
-- with O_DIRECT where the file system supports it (aligned buffers, aligned requests, the
-  last one padded and the file truncated back), falling back to buffered writes
-  automatically (logged once per directory);
-- preallocated (`posix_fallocate`), fsync'd once;
+- through the shared I/O layer's `storage.FileWriter`: O_DIRECT where the file system
+  supports it (aligned requests, the last one padded and the file truncated back), else
+  buffered (logged once per directory); preallocated, fsync'd once;
 - from a staged image (async save: the caller copied its tensors into a shared, aligned,
   reusable host buffer) or streamed through two reusable aligned chunk buffers filled from
   the tensors themselves (sync save).
@@ -18,18 +17,13 @@ Each item's xxh3-64 is computed from the bytes as they are written.
 
 from __future__ import annotations
 
-import errno
 import functools
 import logging
 import math
-import mmap
-import os
-import threading
-from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -37,11 +31,11 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
-from .._fileio import fsync_dir
-from ..integrity import ItemSum, blocked_sum, checksum, new_hasher
-from . import _pinned
-from ._dcp_plan import WriteEntry
-from ._dcp_zip import zip_item_layout
+from ...integrity import ItemSum, blocked_sum, checksum, new_hasher
+from ...storage import ALIGN, ChunkBuffers, FileWriter, ImagePool, fsync_dir
+from ...storage.buffers import CHUNK
+from .plan import WriteEntry
+from .zipformat import zip_item_layout
 
 __all__ = [
     "PlannedItem",
@@ -49,14 +43,14 @@ __all__ = [
     "plan_file",
     "write_streamed",
     "write_image",
+    "write_files",
     "ImagePool",
     "stage_image",
+    "ALIGN",
 ]
 
 logger = logging.getLogger(__name__)
 
-ALIGN = 4096
-CHUNK = 64 << 20
 #: `(file name, item offset, digests)` of one written item
 ItemChecksum = Tuple[str, int, ItemSum]
 
@@ -154,81 +148,6 @@ def _byte_view(t: torch.Tensor) -> np.ndarray:
     return t.reshape(-1).view(torch.uint8).numpy()
 
 
-# ---- opening files: O_DIRECT with an automatic, logged fallback ----------------------------
-
-_direct_off: Dict[str, str] = {}
-_direct_lock = threading.Lock()
-
-
-def _open_for_write(path: Path, size: int, direct: bool) -> Tuple[int, bool]:
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
-    key = str(path.parent)
-    if direct and hasattr(os, "O_DIRECT") and key not in _direct_off:
-        try:
-            fd = os.open(path, flags | os.O_DIRECT, 0o644)
-            _preallocate(fd, size)
-            return fd, True
-        except OSError as e:
-            _disable_direct(key, e)
-    fd = os.open(path, flags, 0o644)
-    _preallocate(fd, size)
-    return fd, False
-
-
-def _disable_direct(key: str, e: BaseException) -> None:
-    with _direct_lock:
-        if key not in _direct_off:
-            _direct_off[key] = str(e)
-            logger.info("O_DIRECT is not usable in %s (%s): using buffered writes", key, e)
-
-
-def _preallocate(fd: int, size: int) -> None:
-    if size and hasattr(os, "posix_fallocate"):
-        try:
-            os.posix_fallocate(fd, 0, -(-size // ALIGN) * ALIGN)
-        except OSError:  # not supported here; the writes allocate as they go
-            pass
-
-
-def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
-    while len(view):
-        n = os.pwrite(fd, view, offset)
-        view, offset = view[n:], offset + n
-
-
-class _Output:
-    """Writes aligned chunks of one file; switches to buffered I/O if O_DIRECT fails."""
-
-    def __init__(self, path: Path, size: int, direct: bool) -> None:
-        self.path, self.size = path, size
-        self.fd, self.direct = _open_for_write(path, size, direct)
-
-    def write(self, view: memoryview, offset: int) -> None:
-        """Writes `view` at `offset` (both aligned when direct; `view` may be padded past EOF)."""
-        if self.direct:
-            try:
-                _pwrite_all(self.fd, view, offset)
-                return
-            except OSError as e:
-                if e.errno != errno.EINVAL:
-                    raise
-                _disable_direct(str(self.path.parent), e)
-                os.close(self.fd)
-                self.fd = os.open(self.path, os.O_WRONLY, 0o644)
-                self.direct = False
-        _pwrite_all(self.fd, view, offset)
-
-    def finish(self) -> None:
-        try:
-            os.ftruncate(self.fd, self.size)  # drops the padding of the last aligned request
-            os.fsync(self.fd)
-        finally:
-            os.close(self.fd)
-
-    def abort(self) -> None:
-        os.close(self.fd)
-
-
 def _results(plan: FilePlan) -> List[WriteResult]:
     return [
         WriteResult(
@@ -241,26 +160,6 @@ def _results(plan: FilePlan) -> List[WriteResult]:
 
 
 # ---- sync save: streaming through two aligned chunk buffers ----------------------------
-
-
-class _ChunkBuffers:
-    """Pairs of page-aligned chunk buffers, reused across saves (one pair per file in flight)."""
-
-    _free: List[List[np.ndarray]] = []
-    _lock = threading.Lock()
-
-    @classmethod
-    def acquire(cls) -> List[np.ndarray]:
-        with cls._lock:
-            if cls._free:
-                return cls._free.pop()
-        return [np.frombuffer(mmap.mmap(-1, CHUNK), dtype=np.uint8) for _ in range(2)]
-
-    @classmethod
-    def release(cls, bufs: List[np.ndarray]) -> None:
-        with cls._lock:
-            if len(cls._free) < 4:
-                cls._free.append(bufs)
 
 
 def write_streamed(
@@ -285,8 +184,8 @@ def write_streamed(
     Returns:
         Write results and item checksums.
     """
-    out = _Output(directory / plan.name, plan.size, direct)
-    bufs = _ChunkBuffers.acquire()
+    out = FileWriter(directory / plan.name, plan.size, direct)
+    bufs = ChunkBuffers.acquire()
     sums: List[ItemChecksum] = []
     pending: Optional[Any] = None
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dc-write-io")
@@ -341,77 +240,11 @@ def write_streamed(
         raise
     finally:
         pool.shutdown(wait=True)
-        _ChunkBuffers.release(bufs)
+        ChunkBuffers.release(bufs)
     return _results(plan), sums
 
 
 # ---- async save: staged images ----------------------------------------------------------
-
-
-class ImagePool:
-    """Shared, page-aligned host buffers holding whole file images, reused across saves.
-
-    Buffers that will receive copies from a GPU are page-locked (pinned) so those copies run
-    asynchronously; a buffer dropped from the pool is unpinned first. Free buffers are kept
-    for the `max_signatures` file layouts released most recently, so host memory stays
-    bounded when the saved structure keeps changing.
-
-    Args:
-        max_free: free buffers kept per file signature.
-        max_signatures: file signatures whose free buffers are kept.
-    """
-
-    def __init__(self, max_free: int = 2, max_signatures: int = 4) -> None:
-        self._free: OrderedDict[Tuple[Any, ...], List[torch.Tensor]] = OrderedDict()
-        self._pinned: Dict[int, torch.Tensor] = {}  # data_ptr -> buffer
-        self._lock = threading.Lock()
-        self.max_free = max_free
-        self.max_signatures = max_signatures
-        #: bytes of the buffers alive (in use or kept free)
-        self.allocated_bytes = 0
-
-    def acquire(self, plan: FilePlan, pin: bool) -> torch.Tensor:
-        """A buffer of at least `plan.size` bytes (rounded up to `ALIGN`), pinned if `pin`.
-
-        A free buffer of the same signature is reused; otherwise a new one is allocated.
-        """
-        buf = None
-        with self._lock:
-            free = self._free.get(plan.signature)
-            if free:
-                buf = free.pop()
-        if buf is None:
-            n = max(ALIGN, -(-plan.size // ALIGN) * ALIGN)
-            buf = torch.empty(n, dtype=torch.uint8).share_memory_()  # page-aligned, shareable
-            with self._lock:
-                self.allocated_bytes += n
-        if pin and buf.data_ptr() not in self._pinned and _pinned.pin(buf):
-            with self._lock:
-                self._pinned[buf.data_ptr()] = buf
-        return buf
-
-    def is_pinned(self, buf: torch.Tensor) -> bool:
-        """Whether `buf` (from `acquire`) is page-locked."""
-        return buf.data_ptr() in self._pinned
-
-    def release(self, plan: FilePlan, buf: torch.Tensor) -> None:
-        """Returns `buf` for reuse by saves of the same signature, or frees it."""
-        dropped: List[torch.Tensor] = []
-        with self._lock:
-            free = self._free.setdefault(plan.signature, [])
-            self._free.move_to_end(plan.signature)
-            if len(free) < self.max_free:
-                free.append(buf)
-            else:
-                dropped.append(buf)
-            while len(self._free) > self.max_signatures:
-                dropped += self._free.popitem(last=False)[1]
-            for b in dropped:
-                self.allocated_bytes -= b.numel()
-            pinned = [self._pinned.pop(b.data_ptr(), None) for b in dropped]
-            unpin = [b for b in pinned if b is not None]
-        for b in unpin:
-            _pinned.unpin(b)
 
 
 def stage_image(plan: FilePlan, sources: Sequence[Any], buf: torch.Tensor) -> None:
@@ -465,7 +298,7 @@ def write_image(
                 _item_sum(p, flat[p.offset : d0], flat[d0:d1], flat[d1 : p.offset + p.length]),
             )
         )
-    out = _Output(directory / plan.name, plan.size, direct)
+    out = FileWriter(directory / plan.name, plan.size, direct)
     try:
         padded = -(-plan.size // ALIGN) * ALIGN
         view = memoryview(flat)  # type: ignore[arg-type]

@@ -1,6 +1,7 @@
 """Pure planning for the torch_dist backend: what to write, what to read, and the metadata.
 
 Nothing here touches files or process groups, so every function is testable on plain data.
+Also here: the backend's name and versions, and how data files are named.
 The vocabulary is PyTorch DCP's (WriteItem, ReadItem, Metadata, ...), which keeps the
 on-disk format readable by `torch.distributed.checkpoint` and megatron-core.
 """
@@ -29,10 +30,14 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 
-from ..errors import CheckpointingException, ShardingIntegrityError
-from ..mapping import ShardedObject, ShardedTensor
+from ...errors import CheckpointingException, ShardingIntegrityError
+from ...mapping import ShardedObject, ShardedTensor
 
 __all__ = [
+    "BACKEND",
+    "SUPPORTED_VERSIONS",
+    "DATA_SUFFIX",
+    "data_file_name",
     "WriteEntry",
     "tensor_write_item",
     "object_write_item",
@@ -42,6 +47,15 @@ __all__ = [
     "TensorRequest",
     "plan_tensor_reads",
 ]
+
+BACKEND = "torch_dist"
+SUPPORTED_VERSIONS = (1,)
+DATA_SUFFIX = ".distcp"
+
+
+def data_file_name(group: str, rank: int, index: int) -> str:
+    """Name of a rank's n-th data file; `group` is '' or the separation hint."""
+    return f"{group}__{rank}_{index}{DATA_SUFFIX}"
 
 
 @dataclass

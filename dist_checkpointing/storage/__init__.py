@@ -1,0 +1,47 @@
+"""The I/O layer shared by the torch_dist backend and local checkpoints.
+
+Core-level infrastructure: it knows files, bytes and host buffers, nothing of sharded state
+dicts or strategies (it never imports `mapping`, `serialization` or `strategies`).
+
+Modules:
+    direct: O_DIRECT with buffered fallback (one registry of refusing directories),
+        positional reads (`read_region`, `read_file`) and writes (`FileWriter`).
+    buffers: aligned, pooled host buffers (bounce buffers, chunk pairs, `ImagePool`;
+        pinned for CUDA sources).
+    pinned: page-locking host buffers in place.
+    fileio: atomic replace and fsync helpers.
+    faults: the documented, test-facing fault seam consulted by every read and write.
+"""
+
+from . import faults
+from .buffers import ALIGN, ChunkBuffers, ImagePool, host_buffer
+from .direct import (
+    FileWriter,
+    advise_huge_pages,
+    direct_allowed,
+    pwrite_all,
+    read_file,
+    read_region,
+    refuse_direct,
+    reset_direct_fallbacks,
+)
+from .fileio import atomic_write, fsync_dir, read_capped
+
+__all__ = [
+    "ALIGN",
+    "ChunkBuffers",
+    "FileWriter",
+    "ImagePool",
+    "advise_huge_pages",
+    "atomic_write",
+    "direct_allowed",
+    "faults",
+    "fsync_dir",
+    "host_buffer",
+    "pwrite_all",
+    "read_capped",
+    "read_file",
+    "read_region",
+    "refuse_direct",
+    "reset_direct_fallbacks",
+]

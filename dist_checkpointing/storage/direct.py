@@ -1,0 +1,336 @@
+"""Direct I/O (O_DIRECT) with a buffered fallback: positional reads and writes of whole files.
+
+The I/O layer shared by the torch_dist backend and local checkpoints:
+
+- `read_region` fills a destination with the bytes of a file region in large requests: with
+  O_DIRECT (aligned requests into reusable aligned bounce buffers, or straight into the
+  destination when it is aligned), else with plain `preadv` straight into the destination.
+  Memory used beyond the destination: one bounce buffer per reading thread.
+- `FileWriter` writes a file in large positional requests, preallocated, with O_DIRECT where
+  the file system supports it (aligned requests, the last padded and the file truncated
+  back), fsync'd once when finished.
+- `read_file` reads a whole (small or large) file into a new host tensor.
+
+Where a file system refuses O_DIRECT, the directory is remembered in ONE registry
+(`direct_allowed` / `refuse_direct`, logged once per directory and direction) and buffered
+I/O is used from then on. Every request goes through `faults.check` (the test seam).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import logging
+import mmap
+import os
+import sys
+import threading
+from typing import Any, Dict, Optional, Set, Tuple, Union
+
+import numpy as np
+import torch
+
+from ..errors import CheckpointCorruptedError
+from . import buffers, faults
+from .buffers import ALIGN
+
+__all__ = [
+    "ALIGN",
+    "CHUNK_READ",
+    "read_region",
+    "read_file",
+    "advise_huge_pages",
+    "direct_allowed",
+    "refuse_direct",
+    "reset_direct_fallbacks",
+    "pwrite_all",
+    "FileWriter",
+]
+
+logger = logging.getLogger(__name__)
+
+#: largest single buffered read request
+CHUNK_READ = 32 << 20
+PathLike = Union[str, "os.PathLike[str]"]
+
+# ---- the O_DIRECT fallback registry ----------------------------------------------------
+
+_refused: Dict[str, str] = {}  # directory -> why O_DIRECT is not used there
+_logged: Set[Tuple[str, str]] = set()  # (directory, "reads"/"writes") already logged
+_lock = threading.Lock()
+
+
+def direct_allowed(directory: str) -> bool:
+    """Whether O_DIRECT should be tried in `directory` (not refused there before)."""
+    return hasattr(os, "O_DIRECT") and directory not in _refused
+
+
+def refuse_direct(directory: str, e: BaseException, what: str) -> None:
+    """Records that O_DIRECT failed in `directory`; later I/O there is buffered (logged once).
+
+    Args:
+        directory: the directory (its file system refused O_DIRECT).
+        e: the error O_DIRECT gave.
+        what: "reads" or "writes", for the log line.
+    """
+    with _lock:
+        _refused.setdefault(directory, str(e))
+        if (directory, what) in _logged:
+            return
+        _logged.add((directory, what))
+    if what == "reads":
+        logger.info("O_DIRECT reads are not usable in %s (%s): using buffered reads", directory, e)
+    else:
+        logger.info("O_DIRECT is not usable in %s (%s): using buffered writes", directory, e)
+
+
+def reset_direct_fallbacks() -> None:
+    """Forgets every refusal (tests; a remounted file system)."""
+    with _lock:
+        _refused.clear()
+        _logged.clear()
+
+
+# ---- reads -------------------------------------------------------------------------------
+
+_HUGE = 2 << 20
+_libc: Optional[Any] = None
+
+
+def _madvise() -> Optional[Any]:
+    global _libc
+    if _libc is None and sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            _libc = libc
+        except (OSError, AttributeError):
+            _libc = False
+    return _libc.madvise if _libc else None
+
+
+def advise_huge_pages(out: np.ndarray) -> None:
+    """Asks for transparent huge pages on the 2 MiB pages lying wholly inside `out`.
+
+    A read into fresh memory (a destination allocated for the load) otherwise takes one page
+    fault per 4 KiB page, which on the VMs we measured cost more CPU than the copy itself;
+    with huge pages it takes one per 2 MiB. Memory already populated is left as it is. Only
+    for memory that is about to be overwritten whole; best effort (ignored where unsupported).
+    """
+    madvise = _madvise()
+    if madvise is None or out.size < 2 * _HUGE:
+        return
+    start = -(-out.ctypes.data // _HUGE) * _HUGE
+    end = (out.ctypes.data + out.size) // _HUGE * _HUGE
+    if end > start:
+        madvise(start, end - start, getattr(mmap, "MADV_HUGEPAGE", 14))
+
+
+def _buffered(fd: int, offset: int, out: np.ndarray, path: str) -> None:
+    """Reads `out.size` bytes at `offset` straight into `out`, in `CHUNK_READ`-sized requests."""
+    done, n = 0, out.size
+    view = memoryview(out)  # type: ignore[arg-type]
+    while done < n:
+        got = os.preadv(fd, [view[done : min(n, done + CHUNK_READ)]], offset + done)
+        if got <= 0:
+            raise CheckpointCorruptedError(f"{path}: short read at offset {offset + done}")
+        done += got
+
+
+def _direct(fd: int, offset: int, out: np.ndarray, path: str) -> None:
+    n = out.size
+    end = offset + n
+    pos = offset - offset % ALIGN
+    done = 0
+    # an aligned destination takes the aligned middle part directly
+    if offset % ALIGN == 0 and out.ctypes.data % ALIGN == 0 and n >= ALIGN:
+        done = n - n % ALIGN
+        _buffered(fd, offset, out[:done], path)  # aligned on both sides: same loop
+        pos = offset + done
+    if done == n:
+        return
+    bounce = buffers.bounce()
+    try:
+        while done < n:
+            want = min(buffers.BOUNCE, -(-(end - pos) // ALIGN) * ALIGN)
+            got = os.preadv(fd, [memoryview(bounce[:want])], pos)  # type: ignore[arg-type]
+            start = offset + done
+            stop = min(pos + got, end)
+            if stop <= start or (got < want and stop < end):  # end of file before the region's end
+                raise CheckpointCorruptedError(
+                    f"{path}: short read at offset {max(start, pos + got)}"
+                )
+            out[done : done + stop - start] = bounce[start - pos : stop - pos]
+            done += stop - start
+            pos += want
+    finally:
+        buffers.give_back(bounce)
+
+
+def read_region(path: str, offset: int, out: np.ndarray, direct: bool = True) -> None:
+    """Reads `out.size` bytes of `path` from `offset` into `out` (flat uint8, C-contiguous).
+
+    Raises:
+        CheckpointCorruptedError: the file is shorter than the region, or cannot be read.
+    """
+    if out.size == 0:
+        return
+    faults.check("read", path, offset, out.size, direct)
+    advise_huge_pages(out)
+    directory = os.path.dirname(path)
+    use_direct = direct and direct_allowed(directory)
+    try:
+        fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if use_direct else 0))
+    except OSError as e:
+        if not use_direct or e.errno != errno.EINVAL:
+            raise CheckpointCorruptedError(f"{path}: cannot be opened ({e})") from e
+        refuse_direct(directory, e, "reads")
+        use_direct = False
+        fd = os.open(path, os.O_RDONLY)
+    try:
+        if use_direct:
+            try:
+                _direct(fd, offset, out, path)
+                return
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                refuse_direct(directory, e, "reads")
+                os.close(fd)
+                fd = os.open(path, os.O_RDONLY)
+        _buffered(fd, offset, out, path)
+    except OSError as e:
+        raise CheckpointCorruptedError(f"{path}: read failed at offset {offset} ({e})") from e
+    finally:
+        os.close(fd)
+
+
+def read_file(path: PathLike) -> torch.Tensor:
+    """Reads a whole file into a new uint8 tensor (buffered, in large requests).
+
+    Raises:
+        OSError: the file cannot be opened (FileNotFoundError when missing) or read.
+        CheckpointCorruptedError: the file shrank while it was being read.
+    """
+    path = os.fspath(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        faults.check("read", path, 0, size, False)
+        buffer = torch.empty(size, dtype=torch.uint8)
+        view = memoryview(buffer.numpy())  # type: ignore[arg-type]
+        got = 0
+        while got < size:
+            n = os.preadv(fd, [view[got : min(size, got + CHUNK_READ)]], got)
+            if not n:
+                raise CheckpointCorruptedError(f"{path}: file shrank while reading")
+            got += n
+    finally:
+        os.close(fd)
+    return buffer
+
+
+# ---- writes ------------------------------------------------------------------------------
+
+
+def pwrite_all(
+    fd: int, view: memoryview, offset: int, path: str = "", direct: bool = False
+) -> None:
+    """Writes all of `view` at `offset` of `fd` (the fault seam sees `path`)."""
+    limit = faults.check("write", path, offset, len(view), direct)
+    if limit is not None:  # an injected crash part-way through this request
+        view = view[:limit]
+    while len(view):
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+    if limit is not None:
+        faults.die()
+
+
+def _preallocate(fd: int, size: int) -> None:
+    if size and hasattr(os, "posix_fallocate"):
+        try:
+            os.posix_fallocate(fd, 0, -(-size // ALIGN) * ALIGN)
+        except OSError:  # not supported here; the writes allocate as they go
+            pass
+
+
+class FileWriter:
+    """Writes one file in positional requests; switches to buffered I/O if O_DIRECT fails.
+
+    Args:
+        path: the file.
+        size: its final size (preallocated; `finish` truncates to it).
+        direct: try O_DIRECT (requests must then be aligned: offsets and lengths multiples
+            of `ALIGN`, from aligned memory; the last may be padded past `size`).
+        exclusive: create the file, failing with FileExistsError if it exists (otherwise an
+            existing file is truncated).
+        preallocate: reserve `size` bytes up front.
+    """
+
+    def __init__(
+        self,
+        path: PathLike,
+        size: int,
+        direct: bool,
+        exclusive: bool = False,
+        preallocate: bool = True,
+    ) -> None:
+        self.path, self.size = os.fspath(path), size
+        self._directory = os.path.dirname(self.path)
+        flags = os.O_WRONLY | os.O_CREAT | (os.O_EXCL if exclusive else os.O_TRUNC)
+        self.direct = False
+        self.fd = -1
+        if direct and direct_allowed(self._directory):
+            try:
+                self.fd = os.open(self.path, flags | os.O_DIRECT, 0o644)
+                self.direct = True
+            except OSError as e:
+                if exclusive and isinstance(e, FileExistsError):
+                    raise
+                refuse_direct(self._directory, e, "writes")
+        if self.fd < 0:
+            self.fd = os.open(self.path, flags, 0o644)
+        if preallocate:
+            try:
+                _preallocate(self.fd, size)
+            except BaseException:
+                os.close(self.fd)
+                raise
+
+    def write(self, view: memoryview, offset: int) -> None:
+        """Writes `view` at `offset` (both aligned when direct; `view` may be padded past EOF)."""
+        if self.direct:
+            try:
+                pwrite_all(self.fd, view, offset, self.path, True)
+                return
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                refuse_direct(self._directory, e, "writes")
+                os.close(self.fd)
+                self.fd = os.open(self.path, os.O_WRONLY, 0o644)
+                self.direct = False
+        pwrite_all(self.fd, view, offset, self.path, False)
+
+    def finish(self) -> None:
+        """Truncates the padding of the last aligned request, fsyncs and closes the file."""
+        try:
+            os.ftruncate(self.fd, self.size)
+            os.fsync(self.fd)
+        finally:
+            self._close()
+
+    def abort(self, remove: bool = False) -> None:
+        """Closes the file after a failure (if still open); `remove` also deletes it."""
+        self._close()
+        if remove:
+            try:
+                os.unlink(self.path)
+            except OSError:
+                pass
+
+    def _close(self) -> None:
+        if self.fd >= 0:
+            fd, self.fd = self.fd, -1
+            os.close(fd)

@@ -1,0 +1,141 @@
+"""Test-facing fault injection for the I/O layer: errors, delays and crashes on chosen files.
+
+Tests (and chaos drills) install `Fault`s; every write and read of this package
+(`direct.pwrite_all`, `direct.read_region`, `direct.read_file`) consults them, so a test
+can make "the data file of rank 1" fail, hang or die half-written without knowing which
+orchestration function writes it. With no fault installed the check is one list test.
+
+A `Fault` applies to paths matching its `pattern` (`fnmatch`, against the full path and
+the file name) and to its `ops` ("write", "read"). Its actions, in order: record the call
+in `calls` (a fault with no action is a spy), sleep `delay_s`, raise `error`, and for writes
+let the process die (SIGKILL) once `die_after_bytes` bytes of the file were written (the
+bytes before that point reach the file, the rest never do).
+
+Faults live in the process that installs them and in processes forked from it later (the
+async writer forks); a spawned process starts with none.
+
+Example:
+    with faults.injected(faults.Fault("*.distcp", error=OSError(errno.ENOSPC, "full"))):
+        save(...)  # raises on this rank, like a full disk would
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, List, Optional, Tuple
+
+__all__ = ["Fault", "IOCall", "inject", "remove", "clear", "injected", "check"]
+
+
+@dataclass(frozen=True)
+class IOCall:
+    """One I/O request seen by a fault: the operation, file, byte range and mode."""
+
+    op: str
+    path: str
+    offset: int
+    nbytes: int
+    direct: bool
+
+
+@dataclass(eq=False)
+class Fault:
+    """What to do to the I/O requests on matching files (see the module docstring).
+
+    Args:
+        pattern: `fnmatch` pattern matched against the full path and against the file name.
+        ops: operations affected: "write", "read".
+        error: raised instead of performing the request.
+        delay_s: slept before performing the request (a slow or hung disk).
+        die_after_bytes: writes only: SIGKILL the process once this many bytes (counted
+            from the start of the file) were written.
+    """
+
+    pattern: str
+    ops: Tuple[str, ...] = ("write",)
+    error: Optional[BaseException] = None
+    delay_s: float = 0.0
+    die_after_bytes: Optional[int] = None
+    #: every matching request, in order
+    calls: List[IOCall] = field(default_factory=list)
+
+    def matches(self, op: str, path: str) -> bool:
+        """Whether the fault applies to `op` on `path`."""
+        return op in self.ops and (
+            fnmatch.fnmatch(path, self.pattern)
+            or fnmatch.fnmatch(os.path.basename(path), self.pattern)
+        )
+
+
+_active: List[Fault] = []
+_lock = threading.Lock()
+
+
+def inject(fault: Fault) -> Fault:
+    """Installs `fault` (process-wide) and returns it."""
+    with _lock:
+        _active.append(fault)
+    return fault
+
+
+def remove(fault: Fault) -> None:
+    """Uninstalls `fault` (no-op if it is not installed)."""
+    with _lock:
+        if fault in _active:
+            _active.remove(fault)
+
+
+def clear() -> None:
+    """Uninstalls every fault."""
+    with _lock:
+        _active.clear()
+
+
+@contextlib.contextmanager
+def injected(*faults: Fault) -> Iterator[Tuple[Fault, ...]]:
+    """Installs `faults` for the duration of a `with` block."""
+    for f in faults:
+        inject(f)
+    try:
+        yield faults
+    finally:
+        for f in faults:
+            remove(f)
+
+
+def die() -> None:
+    """Ends this process at once, as a crash would (no cleanup, no exit handlers)."""
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def check(op: str, path: str, offset: int, nbytes: int, direct: bool) -> Optional[int]:
+    """Called by the I/O functions before a request; applies the matching faults.
+
+    Returns:
+        For writes, how many bytes of the request may be written before the process must
+        `die()` (None: all of them, and live on).
+
+    Raises:
+        BaseException: a matching fault's `error`.
+    """
+    if not _active:
+        return None
+    with _lock:
+        matching = [f for f in _active if f.matches(op, str(path))]
+    limit: Optional[int] = None
+    for f in matching:
+        f.calls.append(IOCall(op, str(path), offset, nbytes, direct))
+        if f.delay_s:
+            time.sleep(f.delay_s)
+        if f.error is not None:
+            raise f.error
+        if f.die_after_bytes is not None and offset + nbytes > f.die_after_bytes:
+            allowed = max(0, f.die_after_bytes - offset)
+            limit = allowed if limit is None else min(limit, allowed)
+    return limit

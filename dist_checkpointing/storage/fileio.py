@@ -1,0 +1,68 @@
+"""Durable file writes: atomic replace through a temp file, fsync of data and directory."""
+
+from __future__ import annotations
+
+import io
+import os
+from pathlib import Path
+from typing import Any, Callable, Optional, Union
+
+from ..errors import CheckpointCorruptedError
+
+__all__ = ["atomic_write", "fsync_dir", "read_capped"]
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+
+def fsync_dir(path: PathLike) -> None:
+    """Makes a directory's entries (created/renamed files) durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_capped(path: PathLike, limit: int) -> Optional[bytes]:
+    """Reads a whole (small) file, refusing to read more than `limit` bytes.
+
+    Returns:
+        The bytes, or None when the file (or its directory) does not exist.
+
+    Raises:
+        CheckpointCorruptedError: the file cannot be read or is larger than `limit`.
+    """
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(limit + 1)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as e:
+        raise CheckpointCorruptedError(f"{path}: cannot be read ({e})") from e
+    if len(raw) > limit:
+        raise CheckpointCorruptedError(f"{path} is larger than {limit} bytes")
+    return raw
+
+
+def atomic_write(path: PathLike, write_fn: Callable[[io.BufferedWriter], Any]) -> None:
+    """Writes a file so that readers see either the old content or the complete new one.
+
+    Steps: write to `<path>.tmp.<pid>`, fsync it, rename over `path`, fsync the directory.
+    On failure the temp file is removed and `path` is left untouched.
+
+    Args:
+        path: destination file.
+        write_fn: called with the open binary temp file; writes the content.
+    """
+    path = Path(path)
+    tmp = path.with_name(f"{path.name}.tmp.{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            write_fn(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)

@@ -1,0 +1,75 @@
+"""Maintenance of saved torch_dist checkpoints: removing the keys of a separated group.
+
+Not collective: these run on one process against a checkpoint nobody is writing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+from ...errors import CheckpointingException
+from ...integrity import read_checksums, write_checksums
+from .metadata_file import DCP_METADATA_FNAME, read_metadata, replace_metadata
+from .plan import DATA_SUFFIX
+
+__all__ = ["remove_sharded_tensors"]
+
+logger = logging.getLogger(__name__)
+
+
+def remove_sharded_tensors(ckpt: Path, key_prefix: str) -> None:
+    """Drops every key starting with `key_prefix`, and the data files named with it.
+
+    Works on checkpoints saved with `separation_hint=key_prefix`. The new `.metadata` is
+    written atomically (through `metadata_file`) before files go; `checksums.json` is
+    updated when present.
+
+    Args:
+        ckpt: the checkpoint directory.
+        key_prefix: the separation hint the keys were saved with (non-empty).
+
+    Raises:
+        CheckpointingException: if no data file starts with the prefix, or kept keys live
+            in those files (removing them would lose data).
+    """
+    ckpt = Path(ckpt)
+    if not key_prefix:
+        raise CheckpointingException("key_prefix must be non-empty")
+    doomed = sorted(
+        p.name
+        for p in ckpt.iterdir()
+        if p.name.endswith(DATA_SUFFIX) and p.name.startswith(key_prefix)
+    )
+    if not doomed:
+        raise CheckpointingException(
+            f"No data file in {ckpt} starts with {key_prefix!r}; was it saved with separation_hint?"
+        )
+    metadata = read_metadata(ckpt)
+    doomed_set = set(doomed)
+    for index, info in metadata.storage_data.items():
+        if not index.fqn.startswith(key_prefix) and str(info.relative_path) in doomed_set:
+            raise CheckpointingException(
+                f"Key {index.fqn!r} is stored in {info.relative_path}, which would be removed"
+            )
+    metadata.state_dict_metadata = {
+        k: v for k, v in metadata.state_dict_metadata.items() if not k.startswith(key_prefix)
+    }
+    metadata.storage_data = {
+        i: s for i, s in metadata.storage_data.items() if not i.fqn.startswith(key_prefix)
+    }
+    if isinstance(metadata.planner_data, dict):
+        metadata.planner_data = {
+            k: v for k, v in metadata.planner_data.items() if not str(k).startswith(key_prefix)
+        }
+    sums = read_checksums(ckpt)
+    digest = replace_metadata(ckpt, metadata)
+    if sums is not None:
+        sums.files[DCP_METADATA_FNAME] = digest
+        for name in doomed:
+            sums.ranges.pop(name, None)
+        write_checksums(ckpt, sums)
+    for name in doomed:
+        os.remove(ckpt / name)
+    logger.info("Removed keys with prefix %r and %d file(s) from %s", key_prefix, len(doomed), ckpt)

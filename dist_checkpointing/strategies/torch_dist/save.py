@@ -1,0 +1,227 @@
+"""Saving with the torch_dist backend: the save strategy, sync writes and async staging.
+
+Each rank writes its main-replica shards to its own `.distcp` files (`writer`), in
+parallel; then `finalize` has rank 0 write DCP's `.metadata`. No planning exchange is
+needed before the write: file names and chunk placement follow from each rank's own shards.
+An async save copies the shards into pooled host images (pinned for CUDA sources) and
+returns a request whose background function writes them.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from pathlib import Path
+from typing import Any, List, Optional, Tuple
+
+import torch
+from torch.distributed.checkpoint.planner import WriteItem
+from torch.distributed.checkpoint.storage import WriteResult
+
+from ..._dist import get_rank
+from ..._types import ShardedStateDict
+from ...async_save import AsyncRequest
+from ...dict_utils import nested_values
+from ...errors import CheckpointingException
+from ...mapping import ShardedBase, ShardedObject, ShardedTensor, is_main_replica
+from ...storage import ImagePool
+from ..base import AsyncSaveShardedStrategy, CheckpointDir
+from . import writer
+from .finalize import SaveFinalizer
+from .plan import (
+    BACKEND,
+    WriteEntry,
+    data_file_name,
+    object_write_item,
+    serialize_object,
+    split_into_files,
+    tensor_write_item,
+)
+
+__all__ = ["TorchDistSaveShardedStrategy"]
+
+logger = logging.getLogger(__name__)
+
+
+class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
+    """Saves ShardedTensors and ShardedObjects in PyTorch DCP's format.
+
+    Args:
+        backend: recorded in metadata.json ('torch_dist').
+        version: recorded in metadata.json (1).
+        keep_only_main_replica: write only main replicas (True), or every replica and keep
+            one copy of each chunk in the metadata (False).
+        thread_count: files per rank, written in parallel (one thread each). One file per
+            rank measured best here (2 cores, 2-4 ranks: 0.85x the O_DIRECT ceiling against
+            0.71x with two files at 4 ranks); raise it when ranks have cores to spare.
+        cached_metadata: accepted for API compatibility. Plans are always cached: this
+            strategy exchanges no plan before writing, and at finalization a rank whose
+            write plan is unchanged since its previous save sends only its digest.
+        separation_hint: keys starting with this prefix go to separate files named with it,
+            so `remove_sharded_tensors(dir, prefix)` can drop them.
+        background_thread_count: threads of an async save's background writer. One thread
+            keeps the writer's CPU use (and its competition with training) lowest; the file
+            layout is the same as a sync save's.
+        direct_io: write with O_DIRECT where the file system supports it (falls back to
+            buffered writes by itself, logged once per directory).
+        checksums: record an xxh3-64 of every stored item, of `.metadata` and of
+            `common.pt` in `checksums.json` (verified by default on load; other readers
+            ignore the file).
+    """
+
+    def __init__(
+        self,
+        backend: str = BACKEND,
+        version: int = 1,
+        keep_only_main_replica: bool = True,
+        thread_count: int = 1,
+        cached_metadata: bool = False,
+        separation_hint: Optional[str] = None,
+        *,
+        background_thread_count: int = 1,
+        checksums: bool = True,
+        direct_io: bool = True,
+    ) -> None:
+        super().__init__(backend, version)
+        if thread_count < 1:
+            raise CheckpointingException(f"thread_count must be >= 1, got {thread_count}")
+        self.keep_only_main_replica = keep_only_main_replica
+        self.thread_count = thread_count
+        self.background_thread_count = max(1, background_thread_count)
+        self.checksums = checksums
+        self.cached_metadata = cached_metadata
+        self.separation_hint = separation_hint
+        self._images = ImagePool()
+        self.direct_io = direct_io
+        self._finalizer = SaveFinalizer()
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        return True
+
+    def _local_entries(self, sharded_state_dict: ShardedStateDict) -> List[WriteEntry]:
+        entries = []
+        for sh in nested_values(sharded_state_dict):
+            if not isinstance(sh, ShardedBase):
+                continue
+            if self.keep_only_main_replica and not is_main_replica(sh.replica_id):
+                continue
+            if isinstance(sh, ShardedTensor):
+                if sh.data is None:
+                    raise CheckpointingException(f"Cannot save {sh.key!r}: data is None")
+                view = sh.data
+                for _ in range(sh.prepend_axis_num):
+                    view = view.unsqueeze(0)
+                entries.append(WriteEntry(tensor_write_item(sh), view))
+            elif isinstance(sh, ShardedObject):
+                entries.append(WriteEntry(object_write_item(sh), serialize_object(sh.data)))
+            else:
+                raise CheckpointingException(
+                    f"{self} cannot save {type(sh).__name__} {sh.key!r}; apply factories first"
+                )
+        return entries
+
+    def _plan_files(self, entries: List[WriteEntry]) -> List[Tuple[str, List[WriteEntry]]]:
+        rank = get_rank()
+        files = split_into_files(entries, self.thread_count, self.separation_hint)
+        return [(data_file_name(group, rank, i), es) for i, (group, es) in enumerate(files)]
+
+    def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir) -> None:
+        """Collective: writes this rank's shards from the tensors themselves, then finalizes.
+
+        Raises:
+            CheckpointingException: on every rank, if any rank's write or the metadata failed.
+        """
+        ckpt = Path(checkpoint_dir)
+        start = time.perf_counter()
+        items: List[WriteItem] = []
+        written: Tuple[List[WriteResult], List[Any]] = ([], [])
+        error: Optional[BaseException] = None
+        try:
+            entries = self._local_entries(sharded_state_dict)
+            items = [e.item for e in entries]
+            jobs = [
+                (writer.plan_file(name, es), [e.data for e in es], None)
+                for name, es in self._plan_files(entries)
+            ]
+            written = writer.write_files(
+                ckpt, jobs, self.thread_count, self.checksums, self.direct_io
+            )
+        except Exception as e:  # reported to rank 0 and re-raised on every rank
+            error = e
+        self._finalize(ckpt, items, written, error, start)
+
+    def async_save(
+        self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir
+    ) -> AsyncRequest:
+        """Copies this rank's shards to host staging buffers and returns the write request.
+
+        The caller blocks only for the copy (and the serialization of ShardedObjects). The
+        request's `async_fn` writes the staged bytes (in a background process when
+        scheduled on an `AsyncCallsQueue`); its finalize function (collective) writes DCP's
+        `.metadata`. Staging buffers return to a pool, reused by later saves of the same
+        structure, when the request is finalized or fails.
+
+        Raises:
+            CheckpointingException: on invalid input (e.g. a ShardedTensor without data);
+                raised locally, before anything is scheduled.
+        """
+        ckpt = Path(checkpoint_dir)
+        start = time.perf_counter()
+        entries = self._local_entries(sharded_state_dict)
+        devices = {
+            e.data.device for e in entries if isinstance(e.data, torch.Tensor) and e.data.is_cuda
+        }
+        pin = bool(devices)
+        staged: List[Tuple[Any, torch.Tensor]] = []
+        try:
+            for name, es in self._plan_files(entries):
+                plan = writer.plan_file(name, es)
+                buf = self._images.acquire(plan, pin)
+                staged.append((plan, buf))
+                writer.stage_image(plan, [e.data for e in es], buf)
+            for device in devices:  # the caller may change its tensors once we return
+                torch.cuda.synchronize(device)
+        except BaseException:
+            for plan, buf in staged:
+                self._images.release(plan, buf)
+            raise
+        jobs = [(plan, [None] * len(plan.items), buf) for plan, buf in staged]
+        items = [e.item for e in entries]
+        request = AsyncRequest(
+            writer.write_files,
+            (ckpt, jobs, self.background_thread_count, self.checksums, self.direct_io),
+            [],
+            description=f"torch_dist save to {ckpt}",
+        )
+        request.add_finalize_fn(lambda: self._finalize(ckpt, items, request.result, None, start))
+        for plan, buf in staged:
+            request.cleanup_fns.append(functools.partial(self._images.release, plan, buf))
+        logger.debug(
+            "rank %d staged %d bytes for %s in %.3f s",
+            get_rank(),
+            sum(plan.size for plan, _ in staged),
+            ckpt,
+            time.perf_counter() - start,
+        )
+        return request
+
+    def _finalize(
+        self,
+        ckpt: Path,
+        items: List[WriteItem],
+        written: Tuple[List[WriteResult], List[Any]],
+        error: Optional[BaseException],
+        start: float,
+    ) -> None:
+        """Collective: see `SaveFinalizer.finalize`."""
+        self._finalizer.finalize(
+            ckpt,
+            items,
+            written,
+            error,
+            start,
+            dedup=not self.keep_only_main_replica,
+            checksums=self.checksums,
+        )
