@@ -19,10 +19,9 @@ host memory: `start_image` (caller) copies the tensors and the header into one b
 from __future__ import annotations
 
 import io
-import os
 import struct
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -30,6 +29,7 @@ import torch
 from .._safe_load import torch_load
 from ..errors import CheckpointCorruptedError, CheckpointingException
 from ..integrity import checksum
+from ..storage import FileWriter, host_buffer, read_file
 from .base_state_dict import TensorAwareStateDict, hollow_state_classes
 from .basic_state_dict import BasicTensorAwareStateDict  # noqa: F401  (registers its classes)
 
@@ -60,12 +60,6 @@ class LocalImage:
     @property
     def nbytes(self) -> int:
         return int(self.buffer.numel())
-
-
-def _pin_if_cuda(buffer: torch.Tensor, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    if any(t.is_cuda for t in tensors) and torch.cuda.is_available():
-        return buffer.pin_memory()
-    return buffer
 
 
 def start_image(
@@ -117,7 +111,7 @@ def start_image(
     header_bytes = raw.getbuffer()
     header_offset = offset
     total = header_offset + len(header_bytes) + 8 * len(tensors) + _FOOTER.size
-    buffer = _pin_if_cuda(torch.empty(total, dtype=torch.uint8), tensors)
+    buffer = host_buffer(total, pin=any(t.is_cuda for t in tensors))
     for (off, n), t in zip(slots, tensors):
         if n:
             dst = buffer[off : off + n].view(t.dtype).view(t.shape)
@@ -257,43 +251,30 @@ def decode_image(
 def write_image(image: LocalImage, path: str) -> None:
     """Writes a finished image to `path` (created, must not exist) and fsyncs it.
 
+    Goes through the shared I/O layer (`storage.FileWriter`, buffered: the image buffer is
+    not padded for O_DIRECT).
+
     Raises:
         FileExistsError: `path` exists.
         OSError: the write failed (the partial file is removed).
     """
     assert image.finished, "finish_image must run before write_image"
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    view = memoryview(image.buffer.numpy())  # type: ignore[arg-type]
+    out = FileWriter(path, len(view), direct=False, exclusive=True, preallocate=False)
     try:
-        view = memoryview(image.buffer.numpy())  # type: ignore[arg-type]
         for start in range(0, len(view), _IO_CHUNK):
-            chunk = view[start : start + _IO_CHUNK]
-            while len(chunk):
-                chunk = chunk[os.write(fd, chunk) :]
-        os.fsync(fd)
+            out.write(view[start : start + _IO_CHUNK], start)
+        out.finish()
     except BaseException:
-        os.close(fd)
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
+        out.abort(remove=True)
         raise
-    os.close(fd)
 
 
 def read_image(path: str) -> torch.Tensor:
-    """Reads a whole file into a new uint8 tensor.
+    """Reads a whole file into a new uint8 tensor (through `storage.read_file`).
 
     Raises:
         OSError: the file cannot be read (FileNotFoundError when missing).
+        CheckpointCorruptedError: the file shrank while it was read.
     """
-    with open(path, "rb", buffering=0) as f:
-        size = os.fstat(f.fileno()).st_size
-        buffer = torch.empty(size, dtype=torch.uint8)
-        view = memoryview(buffer.numpy())  # type: ignore[arg-type]
-        got = 0
-        while got < size:
-            n = f.readinto(view[got : min(size, got + _IO_CHUNK)])
-            if not n:
-                raise CheckpointCorruptedError(f"{path}: file shrank while reading")
-            got += n
-    return buffer
+    return read_file(path)
