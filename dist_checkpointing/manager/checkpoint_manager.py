@@ -87,6 +87,10 @@ class CheckpointManager:
         if self.options.local_root is not None:
             from ..local.ckpt_managers.local_manager import LocalCheckpointManager
 
+            # importing the bridge allowlists its classes for reading local parts, which a
+            # fresh process (a restarted job) must do before its first save
+            from ..tensor_aware_state_dict import MCoreTensorAwareStateDict  # noqa: F401
+
             self._local = LocalCheckpointManager(
                 Path(self.options.local_root), self.options.session_id, self.options.replication
             )
