@@ -1,32 +1,39 @@
-"""The ('local', 1) backend: each rank's whole state on node-local storage, replicated.
+"""The ('local', 2) backend: each rank's whole state on node-local storage, replicated.
 
-`dc.save(sharded_sd, ckpt_dir, sharded_strategy=('local', 1))` stores each rank's sharded
-leaves (replicas included: no deduplication) and its common state as one local checkpoint
-part, `<ckpt_dir>/<rank>/iter_0000000_<rank>_local.pt`, through `LocalCheckpointManager`,
-with copies on other ranks when the strategy is built with a replication strategy.
-`ckpt_dir` need not be shared between ranks: every rank writes its own `metadata.json`.
+`dc.save(sharded_sd, ckpt_dir, sharded_strategy=('local', 2))` hands each rank's sharded
+leaves and common state to `LocalCheckpointManager` as one `MCoreTensorAwareStateDict` (the
+bridge megatron-style loops use with the manager directly), stored as the part
+`<ckpt_dir>/<rank>/iter_0000000_<rank>_local.pt`, with copies on other ranks when the
+strategy has a replication strategy. `algo="atomic"` (default) stores every shard a rank
+holds; `algo="fully_parallel"` stores each shard replicated within `parallelization_group`
+once, and the load sends every rank the shards it did not store. `ckpt_dir` need not be
+shared between ranks: every rank writes its own `metadata.json`.
 
 `dc.load(sharded_sd, ckpt_dir)` gives every rank back its own part, fetching it from a
 replica holder when its node lost it. The layout must be the saved one (same world size,
 same shards): the backend does not reshard; save with ('torch_dist', 1) for that.
+
+Version 1 (a `BasicTensorAwareStateDict` of string-keyed slots, see `_local_v1`) is still
+read; nothing writes it any more.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Optional, Tuple
 
-import torch
+import torch.distributed as dist
 
 from .. import _dist
 from .._types import ShardedStateDict, StateDict
 from ..async_save import AsyncRequest
-from ..dict_utils import dict_list_map_inplace, nested_values
+from ..dict_utils import nested_values
 from ..errors import CheckpointingException, IncompatibleCheckpointError
-from ..local.basic_state_dict import BasicTensorAwareStateDict
 from ..local.ckpt_managers.local_manager import LocalCheckpointManager
 from ..local.replication.strategies import ReplicationStrategy
 from ..mapping import ShardedObject, ShardedTensor
+from ..tensor_aware_state_dict import MCoreTensorAwareStateDict
+from ._local_v1 import is_v1_state, v1_common, v1_fill_request, v1_sharded_metadata
 from .base import (
     CheckpointDir,
     NodeLocalLoadShardedStrategy,
@@ -46,9 +53,9 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 BACKEND = "local"
-SUPPORTED_VERSIONS = (1,)
+VERSION = 2
+SUPPORTED_VERSIONS = (1, 2)
 _ITERATION = 0
-_FORMAT = 1
 _RESHARD_HINT = (
     "The 'local' backend restores exactly the layout it saved; to change world size or "
     "sharding, save with the ('torch_dist', 1) backend, which reshards on load"
@@ -56,15 +63,14 @@ _RESHARD_HINT = (
 
 
 def register_default_local_strategies() -> None:
-    """Registers ('local', 1) for SAVE_SHARDED and LOAD_SHARDED (no replication by default)."""
-    register_default_strategy(StrategyAction.LOAD_SHARDED, BACKEND, 1, LocalLoadShardedStrategy())
+    """Registers ('local', 2) for SAVE_SHARDED and ('local', 1) and ('local', 2) for LOAD_SHARDED."""
+    for version in SUPPORTED_VERSIONS:
+        register_default_strategy(
+            StrategyAction.LOAD_SHARDED, BACKEND, version, LocalLoadShardedStrategy()
+        )
     register_default_strategy(
-        StrategyAction.SAVE_SHARDED, BACKEND, 1, LocalSaveShardedStrategy(BACKEND, 1)
+        StrategyAction.SAVE_SHARDED, BACKEND, VERSION, LocalSaveShardedStrategy(BACKEND, VERSION)
     )
-
-
-def _tensor_slot(key: str, global_offset: Tuple[int, ...]) -> str:
-    return f"{key} {tuple(global_offset)}"
 
 
 class LocalSaveShardedStrategy(NodeLocalSaveShardedStrategy):
@@ -72,55 +78,58 @@ class LocalSaveShardedStrategy(NodeLocalSaveShardedStrategy):
 
     Args:
         backend: recorded in `metadata.json` ('local').
-        version: recorded in `metadata.json` (1).
+        version: recorded in `metadata.json`; only 2 is written (version 1 is read only).
         repl_strategy: where copies go, e.g.
             `CliqueReplicationStrategy.from_replication_params(replication_jump=8)`;
             None keeps each part on its own node only.
+        algo: "atomic" (every rank stores every shard it holds) or "fully_parallel"
+            (replicas within `parallelization_group` stored once).
+        parallelization_group: the group deduplicated by "fully_parallel" (default: all
+            ranks).
+
+    Raises:
+        CheckpointingException: another backend or version, or an unknown `algo`.
     """
 
     def __init__(
         self,
         backend: str = BACKEND,
-        version: int = 1,
+        version: int = VERSION,
         repl_strategy: Optional[ReplicationStrategy] = None,
+        *,
+        algo: str = "atomic",
+        parallelization_group: Optional[dist.ProcessGroup] = None,
     ) -> None:
+        if backend != BACKEND or version != VERSION:
+            raise CheckpointingException(
+                f"LocalSaveShardedStrategy writes ({BACKEND!r}, {VERSION}), not "
+                f"({backend!r}, {version}); version 1 checkpoints are still loaded"
+            )
+        if algo not in ("atomic", "fully_parallel"):
+            raise CheckpointingException(
+                f"Unknown algo {algo!r} for the local backend; expected 'atomic' or 'fully_parallel'"
+            )
         super().__init__(backend, version)
         self.repl_strategy = repl_strategy
+        self.algo = algo
+        self.parallelization_group = parallelization_group
+        self._distribution: Any = None
 
     def _rank_state(
         self, sharded_state_dict: ShardedStateDict, common_state_dict: StateDict
-    ) -> BasicTensorAwareStateDict:
-        tensors: Dict[str, Any] = {}
-        objects: Dict[str, Any] = {}
-        for sh in (
-            nested_values(sharded_state_dict)
-            if isinstance(sharded_state_dict, (dict, list))
-            else []
-        ):
-            if isinstance(sh, ShardedTensor):
-                if sh.data is None:
-                    raise CheckpointingException(f"ShardedTensor {sh.key!r} has no data to save")
-                slot = _tensor_slot(sh.key, sh.global_offset)
-                if slot in tensors:
-                    raise CheckpointingException(
-                        f"ShardedTensor {sh.key!r} at offset {sh.global_offset} appears twice on rank {_dist.get_rank()}"
-                    )
-                tensors[slot] = {
-                    "global_shape": tuple(sh.global_shape),
-                    "local_shape": tuple(sh.local_shape),
-                    "data": sh.data,
-                }
-            elif isinstance(sh, ShardedObject):
-                objects[sh.unique_key] = sh.data
-        return BasicTensorAwareStateDict(
-            {
-                "format": _FORMAT,
-                "world_size": _dist.get_world_size(),
-                "common": common_state_dict,
-                "sharded": tensors,
-                "objects": objects,
-            }
+    ) -> MCoreTensorAwareStateDict:
+        for sh in nested_values(sharded_state_dict):
+            if isinstance(sh, ShardedTensor) and sh.data is None:
+                raise CheckpointingException(f"ShardedTensor {sh.key!r} has no data to save")
+        state, distribution = MCoreTensorAwareStateDict.from_state_dict(
+            sharded_state_dict,
+            algo=self.algo,
+            parallelization_group=self.parallelization_group,
+            cached_metadata=None,
         )
+        state.common = common_state_dict
+        self._distribution = distribution
+        return state
 
     def _manager(self, checkpoint_dir: CheckpointDir) -> LocalCheckpointManager:
         manager = LocalCheckpointManager(checkpoint_dir, "", self.repl_strategy)
@@ -150,7 +159,8 @@ class LocalSaveShardedStrategy(NodeLocalSaveShardedStrategy):
 
 
 class LocalLoadShardedStrategy(NodeLocalLoadShardedStrategy):
-    """Loads ('local', 1) checkpoints; a rank whose node lost its part gets it from a holder.
+    """Loads ('local', 1) and ('local', 2) checkpoints; a rank whose node lost its part gets
+    it from a holder.
 
     Args:
         weights_only: keep True to refuse arbitrary pickled objects in the non-tensor state;
@@ -171,111 +181,101 @@ class LocalLoadShardedStrategy(NodeLocalLoadShardedStrategy):
         manager.weights_only = self.weights_only
         return manager
 
-    def _read_state(self, checkpoint_dir: CheckpointDir) -> Dict[str, Any]:
+    def _read_state(self, checkpoint_dir: CheckpointDir) -> Any:
         """Collective: this rank's stored state (fetched from a holder if needed)."""
         manager = self._manager(checkpoint_dir)
-        if manager.find_latest() != _ITERATION:
+        world = _dist.get_world_size()
+        found = manager.find_latest()
+        owners = manager._owners_by_iteration().get(_ITERATION, set())
+        if found != _ITERATION or any(o >= world for o in owners):
             raise IncompatibleCheckpointError(
-                f"{checkpoint_dir}: the local parts found do not cover all {_dist.get_world_size()} "
-                f"ranks of this job (lost without a replica, or saved with another world size). "
-                f"{_RESHARD_HINT}"
+                f"{checkpoint_dir}: the local parts found (of ranks {sorted(owners)}) do not match "
+                f"the {world} ranks of this job (lost without a replica, or saved with another "
+                f"world size). {_RESHARD_HINT}"
             )
         state, _ = manager.load()
         return self._checked(state, checkpoint_dir)
 
-    def _checked(self, state: Any, where: Any) -> Dict[str, Any]:
-        sd = getattr(state, "state_dict", None)
-        if not isinstance(sd, dict) or sd.get("format") != _FORMAT:
-            raise CheckpointingException(f"{where}: not a ('local', 1) rank state")
-        world = _dist.get_world_size()
-        if sd.get("world_size") != world:
-            raise IncompatibleCheckpointError(
-                f"{where} was saved by {sd.get('world_size')} ranks, loading with {world}. {_RESHARD_HINT}"
+    def _checked(self, state: Any, where: Any) -> Any:
+        if not isinstance(state, MCoreTensorAwareStateDict) and not is_v1_state(state):
+            raise CheckpointingException(
+                f"{where}: not a ('local', 1) or ('local', 2) rank state ({type(state).__name__})"
             )
-        return sd
+        return state
 
     def load_rank_state(
         self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir
     ) -> Tuple[StateDict, StateDict]:
-        stored = self._read_state(checkpoint_dir)
-        result = _dist.run_collectively(
-            f"local checkpoint load from {checkpoint_dir}",
-            _fill_request,
-            sharded_state_dict,
-            stored,
-            str(checkpoint_dir),
+        state = self._read_state(checkpoint_dir)
+        where = str(checkpoint_dir)
+        if is_v1_state(state):
+            result = _dist.run_collectively(
+                f"local checkpoint load from {where}",
+                v1_fill_request,
+                sharded_state_dict,
+                state,
+                where,
+                _RESHARD_HINT,
+            )
+            return v1_common(state), result
+        common = state.common
+        state.common = {}  # the request alone comes back, mirroring its structure
+        try:
+            loaded = state.to_state_dict(
+                sharded_state_dict,
+                algo="fully_parallel" if _dist.is_distributed() else "atomic",
+                validate_access_integrity=False,
+            )
+        except CheckpointingException as e:
+            raise type(e)(f"{where}: {e}. {_RESHARD_HINT}") from e
+        return (common if isinstance(common, dict) else {}), _into_given_tensors(
+            sharded_state_dict, loaded
         )
-        common = stored["common"]
-        return (common if isinstance(common, dict) else {}), result
 
-    def _own_state(self, checkpoint_dir: CheckpointDir) -> Dict[str, Any]:
+    def _own_state(self, checkpoint_dir: CheckpointDir) -> Any:
         """This rank's own stored state, read from its own directory (not collective)."""
         manager = self._manager(checkpoint_dir)
         return self._checked(manager._load((_ITERATION, _dist.get_rank(), "")), checkpoint_dir)
 
     def load_common_rank_state(self, checkpoint_dir: CheckpointDir) -> StateDict:
-        common = self._own_state(checkpoint_dir)["common"]
-        return common if isinstance(common, dict) else {}
+        state = self._own_state(checkpoint_dir)
+        if is_v1_state(state):
+            return v1_common(state)
+        return state.common if isinstance(state.common, dict) else {}
 
     def load_tensors_metadata(self, checkpoint_dir: CheckpointDir) -> ShardedStateDict:
         """The tensors of this rank's own part (whole-tensor metadata, no data)."""
-        return _tensors_metadata(self._own_state(checkpoint_dir))
+        return _metadata(self._own_state(checkpoint_dir), with_objects=False)
 
     def load_sharded_metadata(self, checkpoint_dir: CheckpointDir) -> ShardedStateDict:
-        sd = self._own_state(checkpoint_dir)
-        out = _tensors_metadata(sd)
-        for unique_key in sd["objects"]:
-            obj = ShardedObject.empty_from_unique_key(unique_key)
-            out[obj.unique_key] = obj
-        return out
+        return _metadata(self._own_state(checkpoint_dir), with_objects=True)
 
 
-def _tensors_metadata(sd: Dict[str, Any]) -> ShardedStateDict:
+def _metadata(state: Any, with_objects: bool) -> ShardedStateDict:
+    if is_v1_state(state):
+        return v1_sharded_metadata(state, with_objects)
     out: ShardedStateDict = {}
-    for slot, entry in sd["sharded"].items():
-        key = slot.rsplit(" (", 1)[0]
-        shape = tuple(entry["global_shape"])
-        out[key] = ShardedTensor(
-            key, None, entry["data"].dtype, shape, shape, (0,) * len(shape), None
-        )
+    for sh in nested_values(state.sharded_state_dict):
+        if isinstance(sh, ShardedTensor):
+            shape = tuple(sh.global_shape)
+            out[sh.key] = ShardedTensor(
+                sh.key, None, sh.dtype, shape, shape, (0,) * len(shape), None
+            )
+        elif with_objects and isinstance(sh, ShardedObject):
+            obj = ShardedObject.empty_from_unique_key(sh.unique_key)
+            out[obj.unique_key] = obj
     return out
 
 
-def _fill_request(request: ShardedStateDict, stored: Dict[str, Any], where: str) -> StateDict:
-    """Replaces each requested leaf with its stored value (copied into `data` when given)."""
-    tensors: Dict[str, Any] = stored["sharded"]
-    objects: Dict[str, Any] = stored["objects"]
-
-    def fill(leaf: Any) -> Any:
-        if isinstance(leaf, ShardedTensor):
-            entry = tensors.get(_tensor_slot(leaf.key, leaf.global_offset))
-            if entry is None:
-                raise CheckpointingException(
-                    f"{where}: rank {_dist.get_rank()} saved no shard of {leaf.key!r} at offset "
-                    f"{leaf.global_offset}. {_RESHARD_HINT}"
-                )
-            data: torch.Tensor = entry["data"]
-            if (
-                tuple(entry["global_shape"]) != tuple(leaf.global_shape)
-                or tuple(entry["local_shape"]) != tuple(leaf.local_shape)
-                or data.dtype != leaf.dtype
-            ):
-                raise CheckpointingException(
-                    f"{where}: shard of {leaf.key!r} at {leaf.global_offset} was saved with global shape "
-                    f"{tuple(entry['global_shape'])}, local shape {tuple(entry['local_shape'])}, dtype "
-                    f"{data.dtype}; requested {tuple(leaf.global_shape)}, {tuple(leaf.local_shape)}, "
-                    f"{leaf.dtype}. {_RESHARD_HINT}"
-                )
-            if leaf.data is not None:
-                leaf.data.copy_(data.view(leaf.data.shape))
-                return leaf.data
-            return data.clone().view(leaf.local_shape)
-        if isinstance(leaf, ShardedObject):
-            if leaf.unique_key not in objects:
-                raise CheckpointingException(
-                    f"{where}: rank {_dist.get_rank()} saved no ShardedObject {leaf.unique_key!r}. {_RESHARD_HINT}"
-                )
-            return objects[leaf.unique_key]
-        return leaf
-
-    return dict_list_map_inplace(fill, request)
+def _into_given_tensors(request: Any, loaded: Any) -> Any:
+    """`loaded`, with each tensor copied into the request's own tensor where one was given
+    (a load fills the caller's tensors in place, as the other backends do)."""
+    if isinstance(request, dict) and isinstance(loaded, dict):
+        return {k: _into_given_tensors(request.get(k), v) for k, v in loaded.items()}
+    if isinstance(request, list) and isinstance(loaded, list) and len(request) == len(loaded):
+        return [_into_given_tensors(r, v) for r, v in zip(request, loaded)]
+    if isinstance(request, ShardedTensor) and request.data is not None:
+        if loaded is not request.data:
+            request.data.copy_(loaded)
+        return request.data
+    return loaded

@@ -198,22 +198,41 @@ def local_parts(ckpt: Path) -> List[LocalPart]:
 
 
 def read_local_part(part: LocalPart) -> Dict[str, Any]:
-    """Reads and verifies one ('local', 1) part; returns its stored rank state.
+    """Reads and verifies one ('local', 1) or ('local', 2) part; returns its rank state.
 
-    The state holds `world_size`, `common`, `sharded` (`"<key> (<offset>)"` ->
-    `{global_shape, local_shape, data}`) and `objects`.
+    The state holds `world_size` (None for version 2, which does not record it), `common`,
+    `sharded` (`"<key> (<offset>)"` -> `{global_shape, local_shape, data}`) and `objects`;
+    a version-2 part (an `MCoreTensorAwareStateDict`) is presented in the same shape.
 
     Raises:
-        CheckpointCorruptedError: unreadable, damaged, or not a ('local', 1) rank state.
+        CheckpointCorruptedError: unreadable, damaged, or not a local rank state.
     """
+    from ..dict_utils import nested_values
     from ..local._image import decode_image, read_image
+    from ..mapping import ShardedObject, ShardedTensor
+    from ..tensor_aware_state_dict import MCoreTensorAwareStateDict
 
     try:
         image = read_image(str(part.path))
     except OSError as e:
         raise CheckpointCorruptedError(f"{part.path}: cannot be read: {e}") from e
     _, state = decode_image(image, str(part.path))
+    if isinstance(state, MCoreTensorAwareStateDict):
+        sharded: Dict[str, Any] = {}
+        objects: Dict[str, Any] = {}
+        for sh in nested_values(state.sharded_state_dict):
+            if isinstance(sh, ShardedTensor) and sh.data is not None:
+                sharded[f"{sh.key} {tuple(sh.global_offset)}"] = {
+                    "global_shape": tuple(sh.global_shape),
+                    "local_shape": tuple(sh.local_shape),
+                    "data": sh.data,
+                }
+            elif isinstance(sh, ShardedObject):
+                objects[sh.unique_key] = sh.data
+        return {"world_size": None, "common": state.common, "sharded": sharded, "objects": objects}
     sd = getattr(state, "state_dict", None)
     if not isinstance(sd, dict) or not isinstance(sd.get("sharded"), dict):
-        raise CheckpointCorruptedError(f"{part.path}: not a ('local', 1) rank state")
+        raise CheckpointCorruptedError(
+            f"{part.path}: not a ('local', 1) or ('local', 2) rank state"
+        )
     return sd

@@ -235,7 +235,7 @@ def _describe_dcp(ckpt: Path, info: CheckpointInfo, deep: bool) -> None:
 def _describe_local(ckpt: Path, info: CheckpointInfo, deep: bool) -> None:
     parts = _storage.local_parts(ckpt)
     if not parts:
-        raise NotACheckpointError(f"{ckpt}: a ('local', 1) checkpoint without any part")
+        raise NotACheckpointError(f"{ckpt}: a local checkpoint without any part")
     owners = sorted({p.owner for p in parts})
     info.checksums = ChecksumCoverage(
         present=True, items=len(owners), items_covered=len(owners), files_covered=[]
@@ -248,7 +248,7 @@ def _describe_local(ckpt: Path, info: CheckpointInfo, deep: bool) -> None:
         # the owner's own copy when this machine has it, else a replica
         part = min((p for p in parts if p.owner == owner), key=lambda p: p.holder != owner)
         sd = _storage.read_local_part(part)
-        info.world_size = sd.get("world_size")
+        info.world_size = sd.get("world_size") or len(owners)
         for slot, entry in sd["sharded"].items():
             key = slot.rsplit(" (", 1)[0]
             data = entry["data"]

@@ -5,7 +5,7 @@ from its file and compared with its recorded digests (per 4 MiB block for tensor
 a damaged block is located to its byte range); whole files (`.metadata`, `common.pt`) are
 compared too. Checkpoints without checksums (megatron-core, stock DCP) are checked for
 structure only: every file is there and long enough, and every item decodes to what the
-metadata says. ('local', 1) parts are verified against the checksums in their images.
+metadata says. ('local', 1) and ('local', 2) parts are verified against the checksums in their images.
 Memory: one 16 MiB read buffer (one stored item when it must be decoded without checksums).
 """
 
@@ -78,7 +78,7 @@ def verify_checkpoint(path: PathArg) -> VerifyReport:
     """Reads every byte of a checkpoint and checks every checksum. Not collective.
 
     Args:
-        path: a `torch_dist`, stock DCP or ('local', 1) checkpoint directory.
+        path: a `torch_dist`, stock DCP or local checkpoint directory.
 
     Returns:
         A report; damage is reported in `problems` (file, key, byte range), not raised.
@@ -297,7 +297,7 @@ def _decode_tensor(payload: bytes, item: _storage.StoredItem, report: VerifyRepo
 def _verify_local(ckpt: Path, report: VerifyReport) -> None:
     parts = _storage.local_parts(ckpt)
     if not parts:
-        report.problems.append(Problem(str(ckpt), "a ('local', 1) checkpoint without any part"))
+        report.problems.append(Problem(str(ckpt), "a local checkpoint without any part"))
         return
     for part in parts:
         report.items += 1

@@ -204,7 +204,7 @@ def planted_pickle_load(tmp: str, payload: bytes) -> Tuple[str, str]:
     return error_of(lambda: manager(tmp).load())
 
 
-# ---- the ('local', 1) backend through dc.save / dc.load ----------------------------------
+# ---- the local backend through dc.save / dc.load ----------------------------------
 
 
 def sharded_state(fill: bool = True, axis: int = 1) -> Dict[str, Any]:
@@ -228,7 +228,7 @@ def local_dir(tmp: str) -> str:
 
 
 def dc_save(tmp: str, jump: int, factor: int, is_async: bool) -> List[str]:
-    strategy = LocalSaveShardedStrategy("local", 1, repl(jump, factor))
+    strategy = LocalSaveShardedStrategy("local", 2, repl(jump, factor))
     ckpt = local_dir(tmp)
     if is_async:
         queue = AsyncCallsQueue()
@@ -280,3 +280,38 @@ def load_after_losing_both_copies(tmp: str) -> None:
             os.remove(os.path.join(m.local_ckpt_dir, name))
     dist.barrier()
     m.load()
+
+
+def load_v1_fixture(tmp: str) -> bool:
+    """Loads the committed version-1 checkpoint (copied under `tmp`); whether it matches."""
+    src = os.path.join(os.path.dirname(__file__), "data", "local_v1", f"node{dist.get_rank()}")
+    shutil.copytree(src, node_root(tmp))
+    dist.barrier()
+    assert dc.load_tensors_metadata(local_dir(tmp))["w"].global_shape == (16, 16)
+    return dc_load(tmp)
+
+
+def dc_save_fully_parallel(tmp: str, factor: int) -> Dict[str, int]:
+    """('local', 2) with algo='fully_parallel': the replicated 'bias' is stored by one rank.
+
+    Returns the stored bytes per key of this rank's part."""
+    strategy = LocalSaveShardedStrategy("local", 2, repl(1, factor), algo="fully_parallel")
+    dc.save(sharded_state(), local_dir(tmp), sharded_strategy=strategy)
+    from dist_checkpointing.local._image import decode_image, read_image
+
+    m = LocalCheckpointManager(local_dir(tmp), "")
+    path = str(m._path((0, dist.get_rank(), "")))
+    _, state = decode_image(read_image(path), path)
+    return {
+        sh.key: sh.data.numel()
+        for sh in state.sharded_state_dict.values()
+        if isinstance(sh, ShardedTensor) and sh.data is not None
+    }
+
+
+def dc_load_in_place(tmp: str) -> bool:
+    """Whether a load fills the request's own tensors (and returns them)."""
+    request = sharded_state(fill=False)
+    given = request["w"].data
+    got = dc.load(request, local_dir(tmp))
+    return got["w"] is given and torch.equal(given, sharded_state()["w"].data)

@@ -28,7 +28,7 @@ from tests.strategies import _per_rank_backend
 
 BACKENDS: Dict[str, Tuple[str, int]] = {
     "torch_dist": ("torch_dist", 1),
-    "local": ("local", 1),
+    "local": ("local", 2),
     "per_rank": (_per_rank_backend.BACKEND, 1),
 }
 #: Backends whose load accepts a sharding other than the saved one.

@@ -1,6 +1,6 @@
 """One conformance suite that every sharded save/load backend passes.
 
-Backends: 'torch_dist', ('local', 1) with each rank its own directory, and ('per_rank', 1),
+Backends: 'torch_dist', ('local', 2) with each rank its own directory, and ('per_rank', 1),
 a backend this test registers through the public registry (`_per_rank_backend.py`).
 Cases: bit-exact round trips (every dtype, nested containers, ShardedObjects, common
 state), resharding (or a clear error naming the cause where a backend does not reshard),
@@ -138,7 +138,7 @@ def _check_strict(mode: str, rank: int, res: Dict[str, Any]) -> None:
 def _strict_params() -> List[Any]:
     known = pytest.mark.xfail(
         strict=True,
-        reason="known defect: ('local', 1) computes missing keys from each rank's own part, "
+        reason="known defect: ('local', 2) computes missing keys from each rank's own part, "
         "so RETURN_ALL misses the other ranks' pieces of per-rank ShardedObjects",
     )
     return [

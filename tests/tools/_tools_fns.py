@@ -45,7 +45,7 @@ def save_sharded(ckpt: str, backend: str = "torch_dist") -> None:
         "iteration": 7,
         "args": {"lr": 0.5, "name": "run" * 40},
     }
-    dc.save(sd, ckpt, sharded_strategy=(backend, 1))
+    dc.save(sd, ckpt, sharded_strategy=(backend, 2 if backend == "local" else 1))
 
 
 def save_stock_dcp(ckpt: str) -> None:

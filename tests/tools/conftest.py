@@ -20,7 +20,7 @@ def ours(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def local_ckpt(tmp_path_factory) -> Path:
-    """A ('local', 1) checkpoint saved by 2 ranks."""
+    """A ('local', 2) checkpoint saved by 2 ranks."""
     ckpt = tmp_path_factory.mktemp("local") / "ckpt"
     get_world(2).run_ok(_tools_fns.save_sharded, str(ckpt), "local", timeout=120)
     return ckpt

@@ -67,7 +67,7 @@ def test_inspect_reads_local_backend_checkpoints(local_ckpt, capsys):
     assert shards["rows"] == 2 and shards["norm"] == 2  # replicas are kept by every rank
     assert info.objects["iteration"] == "7"
     assert main(["inspect", str(local_ckpt)]) == 0
-    assert "local v1 (world size 2)" in capsys.readouterr().out
+    assert "local v2 (world size 2)" in capsys.readouterr().out
 
 
 def test_inspect_reads_stock_dcp_checkpoints(stock):
