@@ -1,15 +1,23 @@
-"""Local checkpoints: save time with and without replication, caller blocking, recovery time.
+"""Local checkpoints against our global checkpoint, torch.save and nvidia-resiliency-ext.
 
 Each rank holds `--total-mib / world` MiB of fp32 tensors and writes to its own "node"
-directory. Per configuration, medians over `--repeats` saves (max over ranks):
-- torch.save: each rank `torch.save`s its tensors to its directory and fsyncs the file
-  (our saves fsync too);
-- local, replication_factor 1 and 2 (jump 1), synchronous;
-- local async (factor 2): how long `save()` blocks the caller, and when the save is final;
-- recovery: one rank's directory is deleted; time for a fresh manager's find_latest + load
-  on every rank (the lost part comes from its replica holder).
+directory. In one run, per world size, medians over `--repeats` (max over ranks):
+- `torch.save` + fsync per rank (a baseline);
+- our `torch_dist` sync save, its load (page cache dropped), and async save: how long
+  `save()` + `schedule_async_request` block the caller and when the save is committed;
+- local saves (LocalCheckpointManager) without replication and with replication factor 2
+  (jump 1), synchronous;
+- local load (a fresh manager's find_latest + load, page cache dropped) and recovery after
+  one rank's directory is deleted (its part comes from its replica holder);
+- local async save (factor 2): blocking time and commit time;
+- with `--nvrx-python PY` (a Python with nvidia-resiliency-ext 0.4.1 and torch, e.g. a side
+  venv): its LocalCheckpointManager with replication factor 2, run by
+  `benchmarks/nvrx_local_side.py` in that interpreter, in the same run (our package never
+  imports it).
 
-    python -m benchmarks.bench_local --world-size 4 --total-mib 1024
+The table gives the ratios that matter next to each row.
+
+    python -m benchmarks.bench_local --world-sizes 2 4 --total-mib 1024 --nvrx-python /work/venvs/nvrx/bin/python
 """
 
 from __future__ import annotations
@@ -18,8 +26,10 @@ import argparse
 import json
 import os
 import shutil
+import subprocess
+import sys
 import time
-from typing import Any, Dict, List
+from typing import Any, Callable, Dict, List
 
 import torch
 import torch.distributed as dist
@@ -34,29 +44,52 @@ from benchmarks._common import (
     write_json,
 )
 
+_N_TENSORS = 8
+
+
+def _timed(fn: Callable[[], Any]) -> float:
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    return max_over_ranks(time.perf_counter() - t0)
+
+
+def _drop_cache(rank: int) -> None:
+    dist.barrier()
+    if rank == 0:
+        drop_page_cache()
+    dist.barrier()
+
 
 def _worker(rank: int, world: int, args: argparse.Namespace, port: int, queue: Any) -> None:
     init_world(rank, world, port)
     torch.set_num_threads(1)
+    import dist_checkpointing as dc
+    from dist_checkpointing import ShardedTensor
     from dist_checkpointing.local.basic_state_dict import BasicTensorAwareStateDict
     from dist_checkpointing.local.ckpt_managers.local_manager import LocalCheckpointManager
     from dist_checkpointing.local.replication.strategies import CliqueReplicationStrategy
     from dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
     per_rank = (args.total_mib << 20) // world
-    n = 8
-    tensors = {f"t{i}": torch.randn(per_rank // n // 4) for i in range(n)}
-    nbytes = sum(t.numel() * 4 for t in tensors.values())
-    node = os.path.join(args.dir, f"node{rank}")
+    g = torch.Generator().manual_seed(rank)
+    tensors = {
+        f"t{i}": torch.randn(per_rank // _N_TENSORS // 4, generator=g) for i in range(_N_TENSORS)
+    }
+    root = os.path.join(args.dir, f"w{world}")
+    node = os.path.join(root, f"node{rank}")
     os.makedirs(node, exist_ok=True)
     repl = CliqueReplicationStrategy.from_replication_params(1, 2)
-    out: Dict[str, Any] = {"GB per rank": nbytes / 1e9}
+    out: Dict[str, Any] = {"GB per rank": sum(t.numel() * 4 for t in tensors.values()) / 1e9}
+    reps = range(args.repeats)
 
-    def timed(fn: Any) -> float:
-        dist.barrier()
-        t0 = time.perf_counter()
-        fn()
-        return max_over_ranks(time.perf_counter() - t0)
+    def sharded(fill: bool = True) -> Dict[str, Any]:
+        return {
+            k: ShardedTensor.from_rank_offsets(
+                k, t if fill else torch.empty_like(t), (0, rank, world)
+            )
+            for k, t in tensors.items()
+        }
 
     def torch_save(i: int) -> None:
         path = os.path.join(node, f"torch_{i}.pt")
@@ -66,18 +99,76 @@ def _worker(rank: int, world: int, args: argparse.Namespace, port: int, queue: A
             os.fsync(f.fileno())
         os.remove(path)
 
-    out["torch.save s"] = median([timed(lambda i=i: torch_save(i)) for i in range(args.repeats)])
+    out["torch.save s"] = median([_timed(lambda i=i: torch_save(i)) for i in reps])
+
+    # ---- our global checkpoint (torch_dist) ----
+    shared = os.path.join(root, "global")
+    saves, loads = [], []
+    for i in reps:
+        ckpt = os.path.join(shared, f"sync_{i}")
+        saves.append(_timed(lambda: dc.save(sharded(), ckpt)))
+        _drop_cache(rank)
+        request = sharded(fill=False)
+        loads.append(_timed(lambda: dc.load(request, ckpt)))
+        assert torch.equal(request["t0"].data, tensors["t0"])
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(ckpt)
+    out["torch_dist save s"], out["torch_dist load s"] = median(saves), median(loads)
+    q = AsyncCallsQueue()
+    blocked, final = [], []
+    for i in reps:
+        ckpt = os.path.join(shared, f"async_{i}")
+        dist.barrier()
+        t0 = time.perf_counter()
+        q.schedule_async_request(dc.save(sharded(), ckpt, async_sharded_save=True))
+        blocked.append(max_over_ranks(time.perf_counter() - t0))
+        q.maybe_finalize_async_calls(blocking=True)
+        final.append(max_over_ranks(time.perf_counter() - t0))
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(ckpt)
+    out["torch_dist async blocks s"], out["torch_dist async final s"] = (
+        median(blocked),
+        median(final),
+    )
+
+    # ---- local checkpoints ----
     for factor, strategy in ((1, None), (2, repl)):
         m = LocalCheckpointManager(node, f"f{factor}", strategy)
-        times = [
-            timed(lambda i=i: m.save(BasicTensorAwareStateDict(dict(tensors)), i + 1))
-            for i in range(args.repeats)
-        ]
-        out[f"local f{factor} s"] = median(times)
-    q = AsyncCallsQueue()
+        out[f"local f{factor} s"] = median(
+            [
+                _timed(lambda i=i: m.save(BasicTensorAwareStateDict(dict(tensors)), i + 1))
+                for i in reps
+            ]
+        )
+
+    def load_local() -> None:
+        fresh = LocalCheckpointManager(node, "f2", repl)
+        fresh.find_latest()
+        state, _ = fresh.load()
+        assert torch.equal(state.state_dict["t0"], tensors["t0"])
+
+    loads = []
+    for _ in reps:
+        _drop_cache(rank)
+        loads.append(_timed(load_local))
+    out["local load s"] = median(loads)
+    recoveries = []
+    for i in reps:
+        dist.barrier()
+        if rank == world - 1:
+            shutil.rmtree(os.path.join(node, "f2"))
+        _drop_cache(rank)
+        recoveries.append(_timed(load_local))
+        # restore the lost copy for the next round
+        LocalCheckpointManager(node, "f2", repl).save(
+            BasicTensorAwareStateDict(dict(tensors)), 100 + i
+        )
+    out["recovery s"] = median(recoveries)
     m = LocalCheckpointManager(node, "async", repl)
     blocked, final = [], []
-    for i in range(args.repeats):
+    for i in reps:
         dist.barrier()
         t0 = time.perf_counter()
         q.schedule_async_request(
@@ -87,68 +178,115 @@ def _worker(rank: int, world: int, args: argparse.Namespace, port: int, queue: A
         q.maybe_finalize_async_calls(blocking=True)
         final.append(max_over_ranks(time.perf_counter() - t0))
     q.close()
-    out["async blocks s"] = median(blocked)
-    out["async final s"] = median(final)
-    recoveries = []
-    for i in range(args.repeats):
-        dist.barrier()
-        if rank == world - 1:
-            shutil.rmtree(os.path.join(node, "f2"))
-        if rank == 0:
-            drop_page_cache()
-        dist.barrier()
-
-        def recover() -> None:
-            fresh = LocalCheckpointManager(node, "f2", repl)
-            fresh.find_latest()
-            state, _ = fresh.load()
-            assert torch.equal(state.state_dict["t0"], tensors["t0"])
-
-        recoveries.append(timed(recover))
-        # restore the lost copy for the next round
-        m2 = LocalCheckpointManager(node, "f2", repl)
-        m2.save(BasicTensorAwareStateDict(dict(tensors)), 100 + i)
-    out["recovery s"] = median(recoveries)
+    out["local async blocks s"], out["local async final s"] = median(blocked), median(final)
     dist.barrier()
     if rank == 0:
         queue.put(out)
     dist.destroy_process_group()
 
 
+def _nvrx(args: argparse.Namespace, world: int) -> Dict[str, Any]:
+    """Runs nvidia-resiliency-ext's local manager in `--nvrx-python` (a separate process)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    cmd = [
+        args.nvrx_python,
+        os.path.join(here, "nvrx_local_side.py"),
+        "--world-size",
+        str(world),
+        "--total-mib",
+        str(args.total_mib),
+        "--repeats",
+        str(args.repeats),
+        "--dir",
+        os.path.join(args.dir, f"nvrx_w{world}"),
+    ]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, cwd="/")
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+_ROWS = [
+    ("torch.save s", "torch.save + fsync per rank", None),
+    ("torch_dist save s", "ours torch_dist sync save", None),
+    ("torch_dist load s", "ours torch_dist load", None),
+    ("torch_dist async blocks s", "ours torch_dist async: save() blocks", None),
+    ("torch_dist async final s", "ours torch_dist async: committed", None),
+    ("local f1 s", "local save, no replication", ("torch_dist save s", "<= 0.8")),
+    ("local f2 s", "local save, replication factor 2", ("local f1 s", "<= 1.3")),
+    ("local load s", "local load", ("torch_dist load s", "<= 0.8")),
+    ("recovery s", "recovery after losing a rank's dir", ("local load s", "<= 1.5")),
+    (
+        "local async blocks s",
+        "local async f2: save() blocks",
+        ("torch_dist async blocks s", "<= 1"),
+    ),
+    ("local async final s", "local async f2: committed", None),
+    ("nvrx f2 s", "nvidia-resiliency-ext 0.4.1 local, factor 2", None),
+]
+
+
+def _table(res: Dict[str, Any]) -> List[Dict[str, Any]]:
+    rows = []
+    if "nvrx f2 s" in res:
+        res["ours f2 / nvrx f2"] = res["local f2 s"] / res["nvrx f2 s"]
+    for key, what, target in _ROWS:
+        if key not in res:
+            continue
+        row: Dict[str, Any] = {
+            "what": what,
+            "s": res[key],
+            "x torch.save": res[key] / res["torch.save s"],
+        }
+        if target is not None:
+            row["ratio"] = (
+                f"{res[key] / res[target[0]]:.2f} x {target[0].removesuffix(' s')} (goal {target[1]})"
+            )
+        rows.append(row)
+    if "nvrx f2 s" in res:
+        rows.append(
+            {
+                "what": "ours f2 / nvrx f2",
+                "s": "",
+                "x torch.save": "",
+                "ratio": f"{res['ours f2 / nvrx f2']:.2f} (goal <= 0.6)",
+            }
+        )
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--world-size", type=int, default=4)
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--total-mib", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dir", default="/tmp/dist_ckpt_bench_local")
+    parser.add_argument(
+        "--nvrx-python",
+        default=os.environ.get("DIST_CKPT_NVRX_PYTHON", ""),
+        help="Python with nvidia-resiliency-ext 0.4.1 (default $DIST_CKPT_NVRX_PYTHON; empty: skip)",
+    )
     parser.add_argument("--json", default="")
     args = parser.parse_args()
-    shutil.rmtree(args.dir, ignore_errors=True)
-    res = run_world(_worker, args.world_size, args)
-    shutil.rmtree(args.dir, ignore_errors=True)
-    base = res["torch.save s"]
-    labels = {
-        "torch.save s": "torch.save + fsync per rank",
-        "local f1 s": "local, no replication",
-        "local f2 s": "local, replication_factor 2",
-        "async blocks s": "local async f2: save() blocks",
-        "async final s": "local async f2: final",
-        "recovery s": "recovery after losing a rank's dir",
-    }
-    rows: List[Dict[str, Any]] = [
-        {"what": what, "s": res[key], "x torch.save": res[key] / base}
-        for key, what in labels.items()
-    ]
-    print_table(
-        f"local checkpoints, {args.world_size} ranks, {args.total_mib} MiB fp32 in all, medians of {args.repeats}",
-        rows,
-        ["what", "s", "x torch.save"],
-    )
-    print(json.dumps(res, indent=1))
+    results: Dict[str, Any] = {}
+    for world in args.world_sizes:
+        shutil.rmtree(args.dir, ignore_errors=True)
+        res = run_world(_worker, world, args)
+        if args.nvrx_python:
+            res.update(_nvrx(args, world))
+        shutil.rmtree(args.dir, ignore_errors=True)
+        results[str(world)] = res
+        print_table(
+            f"local checkpoints, {world} ranks, {args.total_mib} MiB fp32 in all, medians of {args.repeats}",
+            _table(res),
+            ["what", "s", "x torch.save", "ratio"],
+        )
+        print(json.dumps(res, indent=1))
+        sys.stdout.flush()
     if args.json:
-        write_json(args.json, {"rows": rows, "raw": res})
+        write_json(args.json, {"raw": results, "rows": {w: _table(r) for w, r in results.items()}})
 
 
 if __name__ == "__main__":
