@@ -19,7 +19,7 @@ def _relative_links(page: Path) -> List[str]:
 
 def test_docs_pages_exist():
     names = {p.name for p in PAGES}
-    assert {"formats.md", "guarantees.md", "performance.md"} <= names, names
+    assert {"architecture.md", "formats.md", "guarantees.md", "performance.md"} <= names, names
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
@@ -34,3 +34,42 @@ def test_links_resolve_inside_the_repository(page):
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
 def test_page_names_nothing_outside_the_repository(page):
     assert "../shared" not in page.read_text(), page.name
+
+
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
+MODULE_PATH = re.compile(r"`(dist_checkpointing/[\w/]*?\.py|dist_checkpointing/[\w/]+/)`")
+
+
+def _named_modules() -> List[str]:
+    return MODULE_PATH.findall(ARCHITECTURE.read_text())
+
+
+ANY_PATH = re.compile(r"`([\w./]+\.py|\w+/)`")
+BASES = [ROOT, ROOT / "dist_checkpointing", ROOT / "dist_checkpointing" / "strategies"]
+
+
+def test_architecture_names_only_modules_that_exist():
+    named = _named_modules()
+    assert len(named) > 20, named
+    missing = [m for m in named if not (ROOT / m).exists()]
+    assert missing == [], f"docs/architecture.md names modules that do not exist: {missing}"
+
+
+def test_architecture_short_paths_exist():
+    """Paths in the data flow are written short (`torch_dist/plan.py`, `storage/`)."""
+    short = ANY_PATH.findall(ARCHITECTURE.read_text())
+    assert len(short) > 40, short
+    missing = [p for p in short if not any((base / p).exists() for base in BASES)]
+    assert missing == [], f"docs/architecture.md names paths that do not exist: {missing}"
+
+
+def test_architecture_names_every_module():
+    named = set(_named_modules())
+    # a package's __init__.py may go unnamed: the package's modules are named
+    modules = sorted(
+        str(p.relative_to(ROOT))
+        for p in (ROOT / "dist_checkpointing").rglob("*.py")
+        if p.name != "__init__.py"
+    )
+    unnamed = [m for m in modules if m not in named]
+    assert unnamed == [], f"add a line for each to docs/architecture.md: {unnamed}"
