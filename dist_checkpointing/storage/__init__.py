@@ -11,6 +11,7 @@ Modules:
     pinned: page-locking host buffers in place.
     fileio: atomic replace and fsync helpers.
     faults: the documented, test-facing fault seam consulted by every read and write.
+    probe: the read path (page cache or O_DIRECT) chosen by measurement per file system.
 """
 
 from . import faults
@@ -26,6 +27,7 @@ from .direct import (
     reset_direct_fallbacks,
 )
 from .fileio import atomic_write, fsync_dir, read_capped
+from .probe import forget_probes, prefer_direct_reads
 
 __all__ = [
     "ALIGN",
@@ -36,8 +38,10 @@ __all__ = [
     "atomic_write",
     "direct_allowed",
     "faults",
+    "forget_probes",
     "fsync_dir",
     "host_buffer",
+    "prefer_direct_reads",
     "pwrite_all",
     "read_capped",
     "read_file",

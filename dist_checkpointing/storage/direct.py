@@ -25,7 +25,7 @@ import mmap
 import os
 import sys
 import threading
-from typing import Any, Dict, Optional, Set, Tuple, Union
+from typing import Any, Callable, Dict, Optional, Set, Tuple, Union
 
 import numpy as np
 import torch
@@ -52,6 +52,8 @@ logger = logging.getLogger(__name__)
 #: largest single buffered read request
 CHUNK_READ = 32 << 20
 PathLike = Union[str, "os.PathLike[str]"]
+#: called with the number of leading bytes of the destination filled so far
+Progress = Optional[Callable[[int], None]]
 
 # ---- the O_DIRECT fallback registry ----------------------------------------------------
 
@@ -126,18 +128,32 @@ def advise_huge_pages(out: np.ndarray) -> None:
         madvise(start, end - start, getattr(mmap, "MADV_HUGEPAGE", 14))
 
 
-def _buffered(fd: int, offset: int, out: np.ndarray, path: str) -> None:
-    """Reads `out.size` bytes at `offset` straight into `out`, in `CHUNK_READ`-sized requests."""
+def _buffered(
+    fd: int,
+    offset: int,
+    out: np.ndarray,
+    path: str,
+    progress: Progress = None,
+    request: int = CHUNK_READ,
+) -> None:
+    """Reads `out.size` bytes at `offset` straight into `out`, in `request`-sized requests.
+
+    `progress(filled)` follows each request.
+    """
     done, n = 0, out.size
     view = memoryview(out)  # type: ignore[arg-type]
     while done < n:
-        got = os.preadv(fd, [view[done : min(n, done + CHUNK_READ)]], offset + done)
+        got = os.preadv(fd, [view[done : min(n, done + request)]], offset + done)
         if got <= 0:
             raise CheckpointCorruptedError(f"{path}: short read at offset {offset + done}")
         done += got
+        if progress is not None:
+            progress(done)
 
 
-def _direct(fd: int, offset: int, out: np.ndarray, path: str) -> None:
+def _direct(
+    fd: int, offset: int, out: np.ndarray, path: str, progress: Progress, request: int
+) -> None:
     n = out.size
     end = offset + n
     pos = offset - offset % ALIGN
@@ -145,14 +161,16 @@ def _direct(fd: int, offset: int, out: np.ndarray, path: str) -> None:
     # an aligned destination takes the aligned middle part directly
     if offset % ALIGN == 0 and out.ctypes.data % ALIGN == 0 and n >= ALIGN:
         done = n - n % ALIGN
-        _buffered(fd, offset, out[:done], path)  # aligned on both sides: same loop
+        # aligned on both sides: same loop (the request size stays a multiple of ALIGN)
+        _buffered(fd, offset, out[:done], path, progress, max(ALIGN, request // ALIGN * ALIGN))
         pos = offset + done
     if done == n:
         return
+    step = max(ALIGN, min(buffers.BOUNCE, request // ALIGN * ALIGN))
     bounce = buffers.bounce()
     try:
         while done < n:
-            want = min(buffers.BOUNCE, -(-(end - pos) // ALIGN) * ALIGN)
+            want = min(step, -(-(end - pos) // ALIGN) * ALIGN)
             got = os.preadv(fd, [memoryview(bounce[:want])], pos)  # type: ignore[arg-type]
             start = offset + done
             stop = min(pos + got, end)
@@ -163,12 +181,31 @@ def _direct(fd: int, offset: int, out: np.ndarray, path: str) -> None:
             out[done : done + stop - start] = bounce[start - pos : stop - pos]
             done += stop - start
             pos += want
+            if progress is not None:
+                progress(done)
     finally:
         buffers.give_back(bounce)
 
 
-def read_region(path: str, offset: int, out: np.ndarray, direct: bool = True) -> None:
+def read_region(
+    path: str,
+    offset: int,
+    out: np.ndarray,
+    direct: bool = True,
+    progress: Progress = None,
+    request: int = CHUNK_READ,
+) -> None:
     """Reads `out.size` bytes of `path` from `offset` into `out` (flat uint8, C-contiguous).
+
+    Args:
+        path: the file.
+        offset: where the region starts in it.
+        out: the destination.
+        direct: read with O_DIRECT where the directory allows it (else through the page cache).
+        progress: called after each request with the number of leading bytes of `out` filled
+            (increasing, the last call with `out.size`), while those bytes are still in the
+            CPU caches: lets a caller verify or consume them without a second pass.
+        request: bytes per request (with O_DIRECT: rounded down to `ALIGN`, at most `BOUNCE`).
 
     Raises:
         CheckpointCorruptedError: the file is shorter than the region, or cannot be read.
@@ -190,7 +227,7 @@ def read_region(path: str, offset: int, out: np.ndarray, direct: bool = True) ->
     try:
         if use_direct:
             try:
-                _direct(fd, offset, out, path)
+                _direct(fd, offset, out, path, progress, request)
                 return
             except OSError as e:
                 if e.errno != errno.EINVAL:
@@ -198,7 +235,7 @@ def read_region(path: str, offset: int, out: np.ndarray, direct: bool = True) ->
                 refuse_direct(directory, e, "reads")
                 os.close(fd)
                 fd = os.open(path, os.O_RDONLY)
-        _buffered(fd, offset, out, path)
+        _buffered(fd, offset, out, path, progress, request)
     except OSError as e:
         raise CheckpointCorruptedError(f"{path}: read failed at offset {offset} ({e})") from e
     finally:

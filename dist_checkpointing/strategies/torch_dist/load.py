@@ -50,10 +50,12 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         thread_count: stored chunks read in parallel.
         verify_checksums: verify everything read against `checksums.json` when the
             checkpoint has one (a mismatch raises `CheckpointCorruptedError`).
-        direct_io: read whole chunks with O_DIRECT (through aligned bounce buffers, falling
-            back to buffered reads where refused). Off by default: on the machines we
-            measured, buffered reads straight into the destination tensors were faster
-            than O_DIRECT (see the README's performance section).
+        direct_io: how whole chunks are read straight into their destinations: True with
+            O_DIRECT (through aligned bounce buffers where unaligned, falling back to
+            buffered reads where refused), False through the page cache; None (the default)
+            whichever a small probe measured faster on the file system, once per process
+            (`storage.prefer_direct_reads`). Partial and shared reads (resharding) always go
+            through the page cache, which the ranks of a node share.
 
     Raises:
         CheckpointingException: `thread_count` < 1.
@@ -64,7 +66,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         weights_only: bool = True,
         thread_count: int = 2,
         verify_checksums: bool = True,
-        direct_io: bool = False,
+        direct_io: Optional[bool] = None,
     ) -> None:
         if thread_count < 1:
             raise CheckpointingException(f"thread_count must be >= 1, got {thread_count}")

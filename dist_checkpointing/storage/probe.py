@@ -1,0 +1,146 @@
+"""Choosing the read path (page cache or O_DIRECT) by measuring it, once per file system.
+
+Which path reads a file faster depends on the machine: on the VMs we measured, reads through
+the page cache beat O_DIRECT (the host's cache and readahead sit behind the virtual disk);
+on local NVMe, O_DIRECT saves the copy out of the page cache. So the first large read on a
+file system times both paths on a few small regions of the file it is about to read (cold:
+O_DIRECT never hits the cache, and the buffered regions are evicted from it first), and the
+answer is kept for every later read on that file system (keyed by device number).
+
+The probe costs `4 * PROBE_BYTES` of reads once per process and file system; the regions read
+through the page cache stay there for the load that follows. Its reads bypass the `faults`
+seam: they are measurements, their bytes are never returned to anyone.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Dict, Optional
+
+from . import buffers
+from .direct import direct_allowed, refuse_direct
+
+__all__ = ["PROBE_BYTES", "ReadProbe", "prefer_direct_reads", "probe_result", "forget_probes"]
+
+logger = logging.getLogger(__name__)
+
+#: size of each probed region (four are read: two per path, alternating)
+PROBE_BYTES = 8 << 20
+#: O_DIRECT is chosen only when it is faster by this factor (else the page cache, which
+#: ranks of one node share and which costs no aligned bounce buffers)
+DIRECT_MARGIN = 0.9
+
+
+@dataclass(frozen=True)
+class ReadProbe:
+    """One file system's measurement: seconds for the same bytes by each path."""
+
+    direct_s: float
+    buffered_s: float
+    nbytes: int
+
+    @property
+    def prefer_direct(self) -> bool:
+        """Whether O_DIRECT reads were clearly faster."""
+        return self.direct_s < DIRECT_MARGIN * self.buffered_s
+
+
+_results: Dict[int, ReadProbe] = {}
+_lock = threading.Lock()
+
+
+def _read(fd: int, offset: int, view: memoryview) -> None:
+    done = 0
+    while done < len(view):
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if got <= 0:
+            raise OSError(errno.EIO, "short read while probing")
+        done += got
+
+
+def _measure(path: str) -> Optional[ReadProbe]:
+    size = os.path.getsize(path)
+    if size < 4 * PROBE_BYTES + buffers.ALIGN:
+        return None
+    # four aligned regions at the file's end, alternating paths to share the noise
+    last = (size - 4 * PROBE_BYTES) // buffers.ALIGN * buffers.ALIGN
+    regions = [last + i * PROBE_BYTES for i in range(4)]
+    bounce = buffers.bounce()
+    times = {True: 0.0, False: 0.0}
+    try:
+        view = memoryview(bounce[:PROBE_BYTES])  # type: ignore[arg-type]
+        for i, offset in enumerate(regions):
+            use_direct = i % 2 == 0
+            fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if use_direct else 0))
+            try:
+                if not use_direct and hasattr(os, "posix_fadvise"):
+                    os.posix_fadvise(fd, offset, PROBE_BYTES, os.POSIX_FADV_DONTNEED)
+                t0 = time.perf_counter()
+                _read(fd, offset, view)
+                times[use_direct] += time.perf_counter() - t0
+            finally:
+                os.close(fd)
+    finally:
+        buffers.give_back(bounce)
+    return ReadProbe(times[True], times[False], 2 * PROBE_BYTES)
+
+
+def prefer_direct_reads(path: str) -> bool:
+    """Whether whole-chunk reads of `path` should use O_DIRECT, by measurement.
+
+    Measured on the first call for a file system with a file large enough to probe (see the
+    module docstring) and remembered; smaller files, and file systems refusing O_DIRECT,
+    read through the page cache.
+
+    Args:
+        path: a file about to be read.
+
+    Returns:
+        True when O_DIRECT measured clearly faster than the page cache on its file system.
+    """
+    directory = os.path.dirname(path)
+    if not hasattr(os, "O_DIRECT") or not direct_allowed(directory):
+        return False
+    try:
+        dev = os.stat(path).st_dev
+    except OSError:
+        return False
+    with _lock:  # one probe per file system, also when several threads ask at once
+        result = _results.get(dev)
+        if result is None:
+            try:
+                result = _measure(path)
+            except OSError as e:
+                if e.errno == errno.EINVAL:
+                    refuse_direct(directory, e, "reads")
+                return False
+            if result is None:
+                return False
+            _results[dev] = result
+            logger.info(
+                "read path for %s's file system: %s (probe of %d MiB: O_DIRECT %.2f GB/s, "
+                "page cache %.2f GB/s)",
+                directory,
+                "O_DIRECT" if result.prefer_direct else "page cache",
+                result.nbytes >> 20,
+                result.nbytes / max(result.direct_s, 1e-9) / 1e9,
+                result.nbytes / max(result.buffered_s, 1e-9) / 1e9,
+            )
+    return result.prefer_direct
+
+
+def probe_result(path: str) -> Optional[ReadProbe]:
+    """The measurement kept for `path`'s file system, or None if not measured yet."""
+    with _lock:
+        return _results.get(os.stat(path).st_dev)
+
+
+def forget_probes() -> None:
+    """Forgets every measurement (tests; a remounted or reconfigured file system)."""
+    with _lock:
+        _results.clear()

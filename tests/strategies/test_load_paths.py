@@ -1,0 +1,276 @@
+"""The load's read paths: measured choice of page cache or O_DIRECT, verification as bytes land,
+corruption found on every path, bounded extra memory."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+import dist_checkpointing as dc
+from dist_checkpointing import ShardedTensor, integrity
+from dist_checkpointing.errors import CheckpointCorruptedError
+from dist_checkpointing.storage import direct, faults, probe
+from dist_checkpointing.strategies.torch_dist import reader
+from dist_checkpointing.strategies.torch_dist.load import TorchDistLoadShardedStrategy
+from dist_checkpointing.strategies.torch_dist.metadata_file import read_metadata
+from dist_checkpointing.strategies.torch_dist.reader import open_range
+from dist_checkpointing.strategies.torch_dist.zipformat import chunk_layout
+
+
+@pytest.fixture(autouse=True)
+def _fresh_probes():
+    probe.forget_probes()
+    direct.reset_direct_fallbacks()
+    yield
+    probe.forget_probes()
+
+
+def _fixed_probe(monkeypatch, direct_faster: bool) -> list:
+    measured: list = []
+
+    def measure(path: str) -> probe.ReadProbe:
+        measured.append(path)
+        return probe.ReadProbe(0.1 if direct_faster else 1.0, 1.0 if direct_faster else 0.1, 1)
+
+    monkeypatch.setattr(probe, "_measure", measure)
+    return measured
+
+
+@pytest.mark.parametrize("use_direct", [False, True])
+@pytest.mark.parametrize("offset,size,aligned", [(0, 5 * 4096, True), (123, 20_000, False)])
+def test_read_region_reports_increasing_progress_up_to_the_size(
+    tmp_path, use_direct, offset, size, aligned
+):
+    import mmap
+
+    data = os.urandom(8 * 4096)
+    (tmp_path / "f").write_bytes(data)
+    if aligned:
+        out = np.frombuffer(mmap.mmap(-1, 8 * 4096), dtype=np.uint8)[:size]
+    else:
+        out = np.zeros(size, dtype=np.uint8)
+    seen: list = []
+
+    def progress(filled: int) -> None:
+        # the bytes reported are in place when reported
+        assert out[:filled].tobytes() == data[offset : offset + filled]
+        seen.append(filled)
+
+    direct.read_region(
+        str(tmp_path / "f"), offset, out, direct=use_direct, progress=progress, request=4096
+    )
+    assert out.tobytes() == data[offset : offset + size]
+    assert seen == sorted(seen) and seen[-1] == size and len(seen) > 1
+
+
+def test_probe_measures_once_per_file_system_and_picks_the_faster_path(tmp_path, monkeypatch):
+    path = tmp_path / "big"
+    path.write_bytes(os.urandom(4 * probe.PROBE_BYTES + 8192))
+    real = probe._measure(str(path))  # the real measurement reads both ways
+    assert real is not None and real.direct_s > 0 and real.buffered_s > 0
+    (tmp_path / "small").write_bytes(b"x" * 100)
+    assert probe._measure(str(tmp_path / "small")) is None  # too small to measure
+    assert probe.prefer_direct_reads(str(tmp_path / "small")) is False
+    assert probe.probe_result(str(tmp_path / "small")) is None  # and nothing remembered
+
+    measured = _fixed_probe(monkeypatch, direct_faster=True)
+    assert probe.prefer_direct_reads(str(path)) is True
+    assert probe.prefer_direct_reads(str(path)) is True
+    assert len(measured) == 1  # remembered for the file system
+    probe.forget_probes()
+    measured = _fixed_probe(monkeypatch, direct_faster=False)
+    assert probe.prefer_direct_reads(str(path)) is False
+    assert probe.probe_result(str(path)) is not None
+
+
+def test_probe_is_skipped_where_o_direct_was_refused(tmp_path, monkeypatch):
+    path = tmp_path / "big"
+    path.write_bytes(b"\0" * (4 * probe.PROBE_BYTES + 8192))
+    measured = _fixed_probe(monkeypatch, direct_faster=True)
+    direct.refuse_direct(str(tmp_path), OSError(22, "refused"), "reads")
+    assert probe.prefer_direct_reads(str(path)) is False and measured == []
+
+
+@pytest.mark.parametrize("direct_faster", [False, True])
+def test_whole_chunk_loads_take_the_measured_read_path(tmp_path, monkeypatch, direct_faster):
+    w = torch.randn(256, 1024)
+    dc.save({"w": ShardedTensor.from_rank_offsets("w", w)}, tmp_path / "c")
+    measured = _fixed_probe(monkeypatch, direct_faster)
+    req = {"w": ShardedTensor.from_rank_offsets("w", torch.zeros_like(w))}
+    with faults.injected(faults.Fault("*.distcp", ops=("read",))) as (spy,):
+        got = dc.load(req, tmp_path / "c", sharded_strategy=TorchDistLoadShardedStrategy())
+    assert torch.equal(got["w"], w) and len(measured) == 1
+    assert [(c.nbytes, c.direct) for c in spy.calls] == [(w.numel() * 4, direct_faster)]
+
+
+def _save_blocked(tmp_path, monkeypatch, w: torch.Tensor) -> None:
+    # small checksum blocks: many blocks per item, so request-by-request checks are exercised
+    monkeypatch.setattr(integrity, "BLOCK", 4096)
+    dc.save({"w": ShardedTensor.from_rank_offsets("w", w)}, tmp_path / "c")
+
+
+def _data_offset(ckpt) -> tuple:
+    md = read_metadata(ckpt)
+    (info,) = [i for k, i in md.storage_data.items() if k.fqn == "w"]
+    path = ckpt / info.relative_path
+    with open_range(path, info) as f:
+        layout = chunk_layout(f.raw)
+    return path, info.offset + layout.data_offset
+
+
+def _flip(path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+# (requests of this load, direct_io): every way a chunk's data is read
+PATHS = {
+    "whole chunk, page cache": (lambda w: [(0, w.shape[0])], False),
+    "whole chunk, O_DIRECT": (lambda w: [(0, w.shape[0])], True),
+    "whole chunk, measured": (lambda w: [(0, w.shape[0])], None),
+    "whole chunk shared by two requests": (lambda w: [(0, 100), (100, w.shape[0] - 100)], None),
+    "part of a chunk (resharded rows)": (lambda w: [(40, 90)], None),
+}
+
+
+def _request(w: torch.Tensor, rows: list) -> dict:
+    return {
+        f"p{i}": ShardedTensor(
+            "w",
+            torch.zeros(r1 - r0, w.shape[1]),
+            w.dtype,
+            (r1 - r0, w.shape[1]),
+            tuple(w.shape),
+            (r0, 0),
+            None,
+        )
+        for i, (r0, r1) in enumerate(rows)
+    }
+
+
+@pytest.mark.parametrize("path_name", list(PATHS))
+def test_every_read_path_loads_exact_bytes_and_finds_a_damaged_block(
+    tmp_path, monkeypatch, path_name
+):
+    rows, direct_io = PATHS[path_name]
+    _fixed_probe(monkeypatch, direct_faster=True)
+    monkeypatch.setattr(reader, "READ_REQUEST", 3 * 4096)  # several requests per chunk
+    w = torch.randn(200, 1000)  # 4000-byte rows: blocks and rows never line up
+    _save_blocked(tmp_path, monkeypatch, w)
+    strategy = TorchDistLoadShardedStrategy(direct_io=direct_io)
+    ckpt = tmp_path / "c"
+    got = dc.load(
+        _request(w, rows(w)), ckpt, sharded_strategy=strategy, validate_access_integrity=False
+    )
+    for i, (r0, r1) in enumerate(rows(w)):
+        assert torch.equal(got[f"p{i}"], w[r0:r1])
+
+    path, data0 = _data_offset(ckpt)
+    bad = 55 * 4000 + 17  # a byte of row 55, in block 53 of the data
+    _flip(path, data0 + bad)
+    block = bad // 4096
+    lo = data0 + block * 4096
+    with pytest.raises(CheckpointCorruptedError, match=f"bytes {lo}-{lo + 4096} of"):
+        dc.load(
+            _request(w, rows(w)), ckpt, sharded_strategy=strategy, validate_access_integrity=False
+        )
+
+
+def test_damage_outside_the_requested_rows_is_not_read(tmp_path, monkeypatch):
+    w = torch.randn(200, 1000)
+    _save_blocked(tmp_path, monkeypatch, w)
+    path, data0 = _data_offset(tmp_path / "c")
+    _flip(path, data0 + 190 * 4000)
+    got = dc.load(_request(w, [(0, 50)]), tmp_path / "c", validate_access_integrity=False)
+    assert torch.equal(got["p0"], w[:50])
+
+
+def test_verification_runs_request_by_request_never_as_a_second_pass(tmp_path, monkeypatch):
+    w = torch.randn(200, 1000)
+    _save_blocked(tmp_path, monkeypatch, w)
+    monkeypatch.setattr(reader, "READ_REQUEST", 2 * 4096)
+    hashed: list = []
+    real = integrity.ItemSum.bad_block
+
+    def spy(self, data, start):
+        hashed.append((start, len(data)))
+        return real(self, data, start)
+
+    monkeypatch.setattr(integrity.ItemSum, "bad_block", spy)
+    for direct_io in (False, True):
+        hashed.clear()
+        got = dc.load(
+            {"w": ShardedTensor.from_rank_offsets("w", torch.zeros_like(w))},
+            tmp_path / "c",
+            sharded_strategy=TorchDistLoadShardedStrategy(direct_io=direct_io),
+        )
+        assert torch.equal(got["w"], w)
+        # each request's blocks once, in order, covering the data exactly once
+        assert all(n <= 2 * 4096 for _, n in hashed[:-1]), hashed
+        assert [s for s, _ in hashed] == sorted({s for s, _ in hashed})
+        assert sum(n for _, n in hashed) == w.numel() * 4
+
+
+_MEMORY_CHILD = textwrap.dedent(
+    """
+    import resource, sys, torch
+    import dist_checkpointing as dc
+    from dist_checkpointing import ShardedTensor
+    from dist_checkpointing.strategies.torch_dist.load import TorchDistLoadShardedStrategy
+
+    ckpt, n, rows, cols = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    half = cols // 2
+    # a resharded load (column halves of row-major chunks: every read is partial)
+    req = {
+        f"t{i}": ShardedTensor(f"t{i}", torch.ones(rows, half), torch.float32, (rows, half),
+                               (rows, cols), (0, half), None)
+        for i in range(n)
+    }
+    def hwm():
+        for line in open("/proc/self/status"):
+            if line.startswith("VmHWM"):
+                return int(line.split()[1]) * 1024
+    before = hwm()
+    got = dc.load(req, ckpt, sharded_strategy=TorchDistLoadShardedStrategy(thread_count=2),
+                  validate_access_integrity=False)
+    assert all(bool((got[f"t{i}"][:, 0] == i).all()) for i in range(n))
+    print(hwm() - before)
+    """
+)
+
+
+@pytest.mark.timeout(300)
+def test_resharded_load_larger_than_the_memory_bound_stays_within_it(tmp_path):
+    # 12 stored chunks of 16 MiB (192 MiB read, half of each chunk needed): the README's bound
+    # is the rank's tensors (allocated before measuring) plus, per reading thread, the needed
+    # rows of one stored chunk (here all rows: 16 MiB) and two checksum blocks.
+    n, rows, cols = 12, 4096, 1024
+    sd = {
+        f"t{i}": ShardedTensor.from_rank_offsets(f"t{i}", torch.full((rows, cols), float(i)))
+        for i in range(n)
+    }
+    dc.save(sd, tmp_path / "c")
+    del sd
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    out = subprocess.run(
+        [sys.executable, "-c", _MEMORY_CHILD, str(tmp_path / "c"), str(n), str(rows), str(cols)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=240,
+        check=True,
+    )
+    extra = int(out.stdout.split()[-1])
+    chunk = rows * cols * 4
+    bound = 2 * (chunk + 2 * integrity.BLOCK)
+    assert n * chunk > 3 * bound  # the load is well larger than the bound
+    assert extra <= bound + (16 << 20), f"{extra >> 20} MiB beyond the tensors"
