@@ -106,4 +106,3 @@ def test_sigkill_of_one_rank_then_restart_resumes_and_the_loss_continues(tmp_pat
     losses = _losses(resumed)
     assert sorted(losses) == list(range(expected + 1, STEPS + 1))
     assert all(losses[s] == reference[s] for s in losses), (losses, reference)
-    assert float(losses[STEPS]) < float(reference[expected + 1])  # still learning
