@@ -1,12 +1,13 @@
 """From a user's sharded state dict to what save and load work on; the shared load preamble.
 
 Used by `serialization` (checkpoint directories) and `tensor_aware_state_dict` (local
-checkpoints), so both treat factories, LocalNonpersistentObjects, strict modes and sharding
+checkpoints), so both treat megatron-core's mapping objects (converted to ours first), factories, LocalNonpersistentObjects, strict modes and sharding
 validation the same way.
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Set, Tuple
 
@@ -16,9 +17,11 @@ from .dict_utils import dict_list_map_inplace, extract_matching_values, nested_v
 from .mapping import (
     LocalNonpersistentObject,
     ShardedBase,
+    ShardedTensor,
     ShardedTensorFactory,
     apply_factories,
 )
+from .megatron_compat import convert_sharded_state_dict
 from .validation import StrictHandling, validate_integrity_and_strict_load
 
 __all__ = [
@@ -42,6 +45,19 @@ def _shallow_copy(tree: Any) -> Any:
 
 def _is_nonpersistent(x: Any) -> bool:
     return isinstance(x, LocalNonpersistentObject)
+
+
+def _detached(leaf: Any) -> Any:
+    """A copy of a ShardedTensor whose destination requires grad (a parameter), detached.
+
+    Loads write into the destination in place, also from reader threads, where grad mode
+    is on whatever the caller set; the detached tensor shares the parameter's storage, so
+    the parameter still receives the values. The caller's object is not modified.
+    """
+    if isinstance(leaf, ShardedTensor) and leaf.data is not None and leaf.data.requires_grad:
+        leaf = copy.copy(leaf)
+        leaf.data = leaf.data.detach()
+    return leaf
 
 
 def nested_sharded(tree: Any) -> List[ShardedBase]:
@@ -68,7 +84,7 @@ def save_preprocess(
     Returns:
         The sharded part and the common part.
     """
-    sd = _shallow_copy(sharded_state_dict)
+    sd = convert_sharded_state_dict(_shallow_copy(sharded_state_dict))
     if content_metadata is not None:
         sd[CONTENT_METADATA_KEY] = content_metadata
     apply_factories(sd)
@@ -120,7 +136,7 @@ def prepare_load_request(
         KeyMismatchError: under a raising strict mode.
         ShardingIntegrityError: the request's sharding is invalid (on every rank).
     """
-    sd = _shallow_copy(sharded_state_dict)
+    sd = convert_sharded_state_dict(_shallow_copy(sharded_state_dict))
     factories, _ = extract_matching_values(
         sd, lambda x: isinstance(x, ShardedTensorFactory), return_lists_as_dicts=True
     )
@@ -128,6 +144,7 @@ def prepare_load_request(
     nonpersistent, sd = extract_matching_values(sd, _is_nonpersistent)
     dict_list_map_inplace(lambda o: o.unwrap(), nonpersistent)
     request, _ = extract_matching_values(sd, lambda x: isinstance(x, ShardedBase))
+    dict_list_map_inplace(_detached, request)
     ckpt_metadata = None
     if StrictHandling.requires_explicit_ckpt_mismatch_check(strict):
         ckpt_metadata = stored_metadata()

@@ -23,6 +23,7 @@ __all__ = [
     "NoReplicasAvailableError",
     "SameMachineReplicationException",
     "NoUsableCheckpointError",
+    "UnsupportedShardedObjectError",
 ]
 
 
@@ -104,3 +105,7 @@ def describe_ckpt_id(ckpt_id: Any) -> str:
         )
     except (TypeError, ValueError):
         return repr(ckpt_id)
+
+
+class UnsupportedShardedObjectError(CheckpointingException):
+    """A state dict leaf looks like a sharded object but cannot be saved or loaded as one."""

@@ -15,7 +15,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Callable, Optional, Set, Tuple, Union
+from typing import Callable, Dict, Optional, Set, Tuple, Union
 
 from . import _dist, _node_local_flow
 from ._prepare import CONTENT_METADATA_KEY, prepare_load_request
@@ -26,7 +26,7 @@ from .async_save import AsyncRequest
 from .core import check_is_distributed_checkpoint
 from .dict_utils import extract_matching_values, merge
 from .errors import CheckpointingException
-from .mapping import ShardedObject, apply_factory_merges
+from .mapping import ShardedObject, ShardedTensor, apply_factory_merges
 from .strategies.base import (
     AsyncSaveShardedStrategy,
     LoadCommonStrategy,
@@ -53,12 +53,15 @@ __all__ = [
     "get_default_save_sharded_strategy",
     "get_default_save_common_strategy",
     "get_default_load_sharded_strategy",
+    "CkptShardedMetadata",
 ]
 
 logger = logging.getLogger(__name__)
 
 PathArg = Union[str, "os.PathLike[str]"]
 LoadResult = Union[StateDict, Tuple[StateDict, Set[str], Set[str]]]
+#: What `load_sharded_metadata` returns: tensors by key, ShardedObjects by unique key, no data.
+CkptShardedMetadata = Dict[str, Union[ShardedTensor, ShardedObject]]
 
 
 def get_default_save_sharded_strategy(

@@ -33,17 +33,17 @@ import torch.distributed as dist
 
 from . import _dist
 from ._prepare import prepare_load_request, save_preprocess
-from ._shard_distribution import (
+from ._types import ShardedStateDict, StateDict
+from .dict_utils import dict_list_map_inplace, dict_list_map_outplace, merge, nested_values
+from .errors import CheckpointingException
+from .exchange_utils import (
     ShardDistribution,
     compute_distribution,
-    exchange,
+    exchange_shards,
     group_ranks,
     shard_id,
     without_data,
 )
-from ._types import ShardedStateDict, StateDict
-from .dict_utils import dict_list_map_inplace, dict_list_map_outplace, merge, nested_values
-from .errors import CheckpointingException
 from .local.base_state_dict import TensorAwareStateDict, allow_in_hollow_state
 from .local.basic_state_dict import _usable_device
 from .mapping import ShardedBase, ShardedObject, ShardedTensor, apply_factory_merges
@@ -311,7 +311,7 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
         if algo == "fully_parallel" and _dist.is_distributed():
             _dist.run_collectively(
                 "fully parallel exchange of local checkpoint shards",
-                exchange,
+                exchange_shards,
                 tensors,
                 wanted,
             )

@@ -15,11 +15,18 @@ from typing import Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import numpy as np
 
-from ._dist import agree_on_errors, all_gather_object, is_distributed
+from ._dist import (
+    agree_on_errors,
+    all_gather_object,
+    error_report,
+    is_distributed,
+    raise_on_reported_errors,
+)
 from ._types import ShardedStateDict
-from .dict_utils import extract_matching_values, nested_values
+from .dict_utils import dict_list_map_outplace, extract_matching_values, nested_values
 from .errors import KeyMismatchError, ShardingIntegrityError
 from .mapping import ShardedBase, ShardedObject, ShardedTensor, is_main_replica
+from .megatron_compat import convert_object, convert_sharded_state_dict
 
 __all__ = [
     "StrictHandling",
@@ -114,10 +121,20 @@ def determine_global_metadata(
         (local_metadata, global_metadata): this rank's metadata-only shards, and the list of
         every rank's, indexed by rank.
     """
-    local = [
-        sh.without_data() for sh in nested_values(sharded_state_dict) if isinstance(sh, ShardedBase)
-    ]
-    return local, all_gather_object(local)
+    local: LocalMetadata = []
+    error: Optional[BaseException] = None
+    try:  # megatron-core's objects count like ours; anything unhandled fails on every rank
+        converted = convert_sharded_state_dict(
+            dict_list_map_outplace(lambda v: v, sharded_state_dict)
+        )
+        local = [
+            sh.without_data() for sh in nested_values(converted) if isinstance(sh, ShardedBase)
+        ]
+    except Exception as e:  # agreed on below, with the metadata exchange
+        error = e
+    gathered = all_gather_object((local, error_report(error)))
+    raise_on_reported_errors([g[1] for g in gathered], error, "determine_global_metadata")
+    return local, [g[0] for g in gathered]
 
 
 def _volume(shape: Sequence[int]) -> int:
@@ -223,7 +240,8 @@ def find_sharding_problems(global_metadata: GlobalMetadata) -> List[str]:
     tensors: Dict[str, List[Tuple[int, ShardedTensor]]] = defaultdict(list)
     objects: Dict[str, List[Tuple[int, ShardedObject]]] = defaultdict(list)
     for rank, local in enumerate(global_metadata):
-        for sh in local:
+        for leaf in local:
+            sh = convert_object(leaf, f"rank {rank}'s metadata")
             if isinstance(sh, ShardedTensor):
                 tensors[sh.key].append((rank, sh))
             elif isinstance(sh, ShardedObject):

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from dist_checkpointing import ShardedObject, ShardedTensor
-from dist_checkpointing._shard_distribution import distribute as _distribute
 from dist_checkpointing.errors import CheckpointingException
+from dist_checkpointing.exchange_utils import distribute as _distribute
 from dist_checkpointing.local._image import decode_image, finish_image, start_image
 from dist_checkpointing.tensor_aware_state_dict import MCoreTensorAwareStateDict
 from tests.local import _tasd_fns as F

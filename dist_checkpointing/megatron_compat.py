@@ -1,0 +1,366 @@
+"""Megatron-Core interoperability: its mapping objects as input, and this package in its place.
+
+Two ways to run megatron-core model code on this package:
+
+1. Hand megatron's objects to our entry points. `model.sharded_state_dict()` built by
+   megatron-core (0.14 through 0.19) holds megatron's `ShardedTensor`, `ShardedObject`,
+   `ShardedTensorFactory` and `LocalNonpersistentObject`. Every entry point that takes a
+   sharded state dict (`save`, `load`, validation, `MCoreTensorAwareStateDict`, the local
+   backend) calls `convert_sharded_state_dict` first: megatron's objects are recognised by
+   class name, module (`megatron.core.dist_checkpointing...`) and fields, without importing
+   megatron, and replaced by ours (same data tensor, same metadata), so they are saved and
+   loaded exactly like ours. Factories are converted with a `build_fn` that converts what
+   megatron's builder returns.
+2. `install()`: makes `import megatron.core.dist_checkpointing` (and every submodule) resolve
+   to this package, so megatron's model code builds our objects and calls our functions.
+
+Nothing that carries a tensor shard is ever pickled into the common state: a leaf (at any
+depth of dicts and lists, or inside a tuple) that looks like a sharded object but cannot be
+handled raises `UnsupportedShardedObjectError` naming its key.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import logging
+import sys
+import types
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+import torch
+
+from ._types import ShardedStateDict
+from .errors import CheckpointingException, UnsupportedShardedObjectError
+from .mapping import (
+    LocalNonpersistentObject,
+    ShardedBase,
+    ShardedObject,
+    ShardedTensor,
+    ShardedTensorFactory,
+)
+
+__all__ = [
+    "MEGATRON_PACKAGE",
+    "UnsupportedShardedObjectError",
+    "is_megatron_object",
+    "looks_sharded",
+    "convert_object",
+    "convert_sharded_state_dict",
+    "install",
+    "uninstall",
+    "is_installed",
+]
+
+logger = logging.getLogger(__name__)
+
+#: The module path that `install()` redirects to this package.
+MEGATRON_PACKAGE = "megatron.core.dist_checkpointing"
+_OUR_PACKAGE = __name__.rsplit(".", 1)[0]
+
+#: Fields each megatron class must have for us to convert it (0.14-0.19 all have these).
+_FIELDS = {
+    "ShardedTensor": (
+        "key",
+        "data",
+        "dtype",
+        "local_shape",
+        "global_shape",
+        "global_offset",
+        "axis_fragmentations",
+        "replica_id",
+        "prepend_axis_num",
+        "allow_shape_mismatch",
+    ),
+    "ShardedObject": ("key", "data", "global_shape", "global_offset", "replica_id"),
+    "ShardedTensorFactory": ("key", "data", "build_fn", "merge_fn", "replica_id"),
+    "LocalNonpersistentObject": ("obj",),
+}
+#: Attribute sets that mark an object as a sharded leaf of some library (duck typing).
+_SHARDED_SIGNATURES = (
+    ("key", "replica_id", "global_shape"),
+    ("key", "replica_id", "build_fn"),
+    ("key", "global_offset", "global_shape"),
+)
+_OURS = (ShardedBase, LocalNonpersistentObject)
+
+
+def _module_of(obj: Any) -> str:
+    return getattr(type(obj), "__module__", "") or ""
+
+
+def is_megatron_object(obj: Any) -> bool:
+    """Whether `obj` is an instance of a class defined in megatron-core's dist_checkpointing."""
+    module = _module_of(obj)
+    return module == MEGATRON_PACKAGE or module.startswith(MEGATRON_PACKAGE + ".")
+
+
+def looks_sharded(obj: Any) -> bool:
+    """Whether `obj` is, or looks like, a sharded leaf (ours, megatron's or a look-alike).
+
+    Plain values (tensors, numbers, strings, containers) never look sharded.
+    """
+    if isinstance(obj, _OURS) or is_megatron_object(obj):
+        return True
+    if isinstance(obj, (torch.Tensor, str, bytes, int, float, bool, dict, list, tuple)):
+        return False
+    return any(all(hasattr(obj, a) for a in sig) for sig in _SHARDED_SIGNATURES)
+
+
+def _unsupported(obj: Any, where: str, why: str) -> UnsupportedShardedObjectError:
+    return UnsupportedShardedObjectError(
+        f"{where}: {type(obj).__module__}.{type(obj).__qualname__} looks like a sharded "
+        f"object but cannot be handled ({why}); it is not saved as common state, because "
+        "that would pickle a tensor shard"
+    )
+
+
+def _build_fn_converting(build_fn: Callable[..., Any], key: str) -> Callable[..., Any]:
+    def build(*args: Any) -> Any:
+        return convert_sharded_state_dict(build_fn(*args), (f"<built by factory {key!r}>",))
+
+    return build
+
+
+def _unprepended(obj: Any) -> Any:
+    """`obj.data` without the size-1 prepended axes that megatron's own save leaves on it.
+
+    megatron-core's torch_dist save reshapes `data` of ShardedTensors with
+    `prepend_axis_num` in place to the prepended shape; a view with the local shape shares
+    the storage, so loads into it still land in the caller's tensor.
+    """
+    data, local = obj.data, tuple(obj.local_shape)
+    prepended = (1,) * int(obj.prepend_axis_num) + local
+    if isinstance(data, torch.Tensor) and obj.prepend_axis_num and tuple(data.shape) == prepended:
+        return data.view(local)
+    return data
+
+
+def convert_object(obj: Any, where: str = "state dict leaf") -> Any:
+    """Converts one megatron-core mapping object into ours (others are returned unchanged).
+
+    Args:
+        obj: any leaf.
+        where: the leaf's key path, for error messages.
+
+    Returns:
+        Our equivalent object sharing `obj`'s data, or `obj` itself when it is not
+        megatron's.
+
+    Raises:
+        UnsupportedShardedObjectError: a megatron object of an unknown class, missing
+            fields, or with a flattened range (megatron-core <= 0.13 distributed optimizer
+            shards), naming `where` and the key.
+    """
+    if not is_megatron_object(obj):
+        return obj
+    name = type(obj).__name__
+    fields = _FIELDS.get(name)
+    if fields is None:
+        raise _unsupported(obj, where, f"unknown megatron-core class {name}")
+    missing = [f for f in fields if not hasattr(obj, f)]
+    if missing:
+        raise _unsupported(obj, where, f"missing fields {missing}")
+    if name == "LocalNonpersistentObject":
+        return LocalNonpersistentObject(obj.obj)
+    key = obj.key
+    where = f"{where} (key {key!r})"
+    if getattr(obj, "flattened_range", None) is not None:
+        raise _unsupported(
+            obj, where, "flattened_range shards are not supported; shard along axes instead"
+        )
+    try:
+        if name == "ShardedTensor":
+            return ShardedTensor(
+                key,
+                _unprepended(obj),
+                obj.dtype,
+                tuple(obj.local_shape),
+                tuple(obj.global_shape),
+                tuple(obj.global_offset),
+                None if obj.axis_fragmentations is None else tuple(obj.axis_fragmentations),
+                obj.replica_id,
+                obj.prepend_axis_num,
+                obj.allow_shape_mismatch,
+            )
+        if name == "ShardedObject":
+            return ShardedObject(
+                key, obj.data, tuple(obj.global_shape), tuple(obj.global_offset), obj.replica_id
+            )
+        return ShardedTensorFactory(
+            key, obj.data, _build_fn_converting(obj.build_fn, key), obj.merge_fn, obj.replica_id
+        )
+    except CheckpointingException as e:
+        raise CheckpointingException(f"{where}: invalid megatron-core {name}: {e}") from e
+
+
+def _convert(x: Any, path: Tuple[Any, ...]) -> Any:
+    if isinstance(x, dict):
+        for k, v in x.items():
+            x[k] = _convert(v, path + (k,))
+        return x
+    if isinstance(x, list):
+        for i, v in enumerate(x):
+            x[i] = _convert(v, path + (i,))
+        return x
+    where = "/".join(map(str, path)) or "<root>"
+    if isinstance(x, tuple):
+        # tuples are leaves of a state dict (saved whole as common state): nothing sharded
+        # may hide in them
+        for i, v in enumerate(x):
+            if looks_sharded(v) or isinstance(v, (dict, list, tuple)) and _has_sharded(v):
+                raise _unsupported(v, f"{where}[{i}]", "sharded leaves inside a tuple")
+        return x
+    if isinstance(x, _OURS):
+        return x
+    if is_megatron_object(x):
+        return convert_object(x, where)
+    if looks_sharded(x):
+        raise _unsupported(
+            x,
+            where,
+            "not a ShardedTensor/ShardedObject/factory of ours or of megatron-core 0.14-0.19",
+        )
+    return x
+
+
+def _has_sharded(x: Any) -> bool:
+    if isinstance(x, dict):
+        return any(_has_sharded(v) for v in x.values())
+    if isinstance(x, (list, tuple)):
+        return any(_has_sharded(v) for v in x)
+    return looks_sharded(x)
+
+
+def convert_sharded_state_dict(
+    sharded_state_dict: Any, path: Sequence[Any] = ()
+) -> ShardedStateDict:
+    """Replaces every megatron-core mapping object in a tree by ours, IN PLACE.
+
+    Entry points call it on their own shallow copy of the caller's tree, so the caller's
+    containers and objects are never modified.
+
+    Args:
+        sharded_state_dict: a nested dict/list (or a single leaf).
+        path: key path of the tree in an enclosing one (for messages).
+
+    Returns:
+        The same tree (or converted leaf).
+
+    Raises:
+        UnsupportedShardedObjectError: a leaf looks sharded but cannot be handled (naming
+            its key path).
+        CheckpointingException: a megatron object whose metadata is invalid.
+    """
+    return _convert(sharded_state_dict, tuple(path))
+
+
+# ---- install(): our package in place of megatron.core.dist_checkpointing ---------------------
+
+
+def _target(fullname: str) -> Optional[str]:
+    if fullname == MEGATRON_PACKAGE:
+        return _OUR_PACKAGE
+    if fullname.startswith(MEGATRON_PACKAGE + "."):
+        return _OUR_PACKAGE + fullname[len(MEGATRON_PACKAGE) :]
+    return None
+
+
+class _AliasLoader(importlib.abc.Loader):
+    """Loads a megatron module name as the matching module of this package."""
+
+    def __init__(self, target: str) -> None:
+        self.target = target
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
+        # a placeholder: the import system stamps the alias spec on it, not on our module
+        return types.ModuleType(spec.name)
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        # the import system returns whatever sys.modules holds under the name afterwards
+        sys.modules[module.__name__] = importlib.import_module(self.target)
+
+
+class _AliasFinder(importlib.abc.MetaPathFinder):
+    """Finds `megatron.core.dist_checkpointing[.X]` as `dist_checkpointing[.X]`."""
+
+    def find_spec(
+        self, fullname: str, path: Optional[Sequence[str]] = None, target: Any = None
+    ) -> Optional[importlib.machinery.ModuleSpec]:
+        ours = _target(fullname)
+        if ours is None or importlib.util.find_spec(ours) is None:
+            return None
+        return importlib.machinery.ModuleSpec(fullname, _AliasLoader(ours))
+
+
+_finder: Optional[_AliasFinder] = None
+
+
+def is_installed() -> bool:
+    """Whether `install()` is in effect."""
+    return _finder is not None and _finder in sys.meta_path
+
+
+def install() -> None:
+    """Makes `megatron.core.dist_checkpointing` and its submodules resolve to this package.
+
+    Call it once, before anything imports `megatron.core` (megatron's package imports its
+    `dist_checkpointing.mapping` at import time). Afterwards
+    `from megatron.core.dist_checkpointing.mapping import ShardedTensor` gives our class,
+    `megatron.core.dist_checkpointing.save` is our `save`, and so on for every module this
+    package has (`mapping`, `serialization`, `utils`, `optimizer`, `dict_utils`, `core`,
+    `validation`, `exchange_utils`, `tensor_aware_state_dict`, `strategies.base`,
+    `strategies.torch`, `strategies.fully_parallel`, `strategies.async_utils`, ...).
+    A megatron module we do not have (e.g. `strategies.zarr`) fails to import with
+    ModuleNotFoundError instead of silently mixing megatron's code with ours. The parent
+    packages `megatron` and `megatron.core` stay megatron's: megatron-core must be
+    installed. Idempotent.
+
+    Raises:
+        CheckpointingException: megatron-core's own dist_checkpointing is already imported
+            (objects built from it exist; mixing the two is refused). Its objects are still
+            accepted by our entry points: hand them to `dist_checkpointing.save/load`.
+    """
+    global _finder
+    if is_installed():
+        return
+    already = sorted(
+        name
+        for name, mod in list(sys.modules.items())
+        if _target(name) is not None
+        and mod is not None
+        and not getattr(mod, "__name__", "").startswith(_OUR_PACKAGE)
+    )
+    if already:
+        raise CheckpointingException(
+            f"megatron-core's own {MEGATRON_PACKAGE} is already imported ({already[:3]}...): "
+            "call dist_checkpointing.megatron_compat.install() before importing megatron.core, "
+            "or pass megatron's objects to dist_checkpointing.save/load directly"
+        )
+    _finder = _AliasFinder()
+    sys.meta_path.insert(0, _finder)
+    logger.info("%s now resolves to %s", MEGATRON_PACKAGE, _OUR_PACKAGE)
+
+
+def uninstall() -> List[str]:
+    """Undoes `install()`: removes the finder and the aliased modules from `sys.modules`.
+
+    Modules that already imported names from the alias keep them.
+
+    Returns:
+        The module names that were removed from `sys.modules`.
+    """
+    global _finder
+    if _finder is not None and _finder in sys.meta_path:
+        sys.meta_path.remove(_finder)
+    _finder = None
+    removed = [
+        name
+        for name, mod in list(sys.modules.items())
+        if _target(name) is not None and getattr(mod, "__name__", "").startswith(_OUR_PACKAGE)
+    ]
+    for name in removed:
+        del sys.modules[name]
+    return removed

@@ -1,0 +1,196 @@
+"""Helpers that split sharded state dicts by leaf kind and rename sharded keys.
+
+Model code builds its sharded state dict bottom-up: every submodule produces keys relative
+to itself, and the parent renames them (`add_prefix_for_sharding`,
+`replace_prefix_for_sharding`, `apply_prefix_mapping`). The `extract_*` helpers split a
+sharded state dict into the leaves of one kind and the rest, keeping the tree structure.
+The names and signatures are megatron-core's (`megatron.core.dist_checkpointing.utils`), so
+its model code runs unchanged on this package.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Dict, Iterable, List, Optional, Tuple
+
+from ._types import ShardedStateDict, StateDict
+from .dict_utils import dict_list_map_inplace, extract_matching_values
+from .errors import CheckpointingException
+from .mapping import (
+    LocalNonpersistentObject,
+    ShardedBase,
+    ShardedObject,
+    ShardedTensor,
+    ShardedTensorFactory,
+)
+
+__all__ = [
+    "zip_strict",
+    "extract_sharded_tensors",
+    "extract_sharded_tensors_and_factories",
+    "extract_sharded_tensors_or_nonpersistent",
+    "extract_sharded_base",
+    "extract_nonpersistent",
+    "add_prefix_for_sharding",
+    "replace_prefix_for_sharding",
+    "apply_prefix_mapping",
+]
+
+logger = logging.getLogger(__name__)
+
+#: The leaves whose key the renaming helpers rewrite.
+_KEYED = (ShardedTensor, ShardedTensorFactory, ShardedObject)
+
+
+def zip_strict(*args: Iterable[Any]) -> Iterable[Tuple[Any, ...]]:
+    """`zip` that refuses iterables of different lengths, naming every length.
+
+    Raises:
+        CheckpointingException: when the lengths differ.
+    """
+    lists: List[List[Any]] = [list(a) for a in args]
+    lengths = [len(a) for a in lists]
+    if len(set(lengths)) > 1:
+        raise CheckpointingException(f"zip_strict got iterables of different lengths: {lengths}")
+    return zip(*lists)
+
+
+def extract_sharded_tensors(
+    sharded_state_dict: ShardedStateDict,
+) -> Tuple[ShardedStateDict, StateDict]:
+    """Splits off the ShardedTensor leaves.
+
+    Args:
+        sharded_state_dict: a nested dict/list; it is not modified.
+
+    Returns:
+        `(sharded_tensors, rest)`, both with the structure of the input.
+    """
+    return extract_matching_values(sharded_state_dict, lambda v: isinstance(v, ShardedTensor))
+
+
+def extract_sharded_tensors_and_factories(
+    sharded_state_dict: ShardedStateDict,
+) -> Tuple[ShardedStateDict, StateDict]:
+    """Splits off the ShardedTensor and ShardedTensorFactory leaves.
+
+    Args:
+        sharded_state_dict: a nested dict/list; it is not modified.
+
+    Returns:
+        `(tensors_and_factories, rest)`, both with the structure of the input.
+    """
+    return extract_matching_values(
+        sharded_state_dict, lambda v: isinstance(v, (ShardedTensor, ShardedTensorFactory))
+    )
+
+
+def extract_sharded_tensors_or_nonpersistent(
+    sharded_state_dict: ShardedStateDict,
+) -> Tuple[ShardedStateDict, StateDict]:
+    """Splits off ShardedTensor, ShardedTensorFactory and LocalNonpersistentObject leaves.
+
+    Args:
+        sharded_state_dict: a nested dict/list; it is not modified.
+
+    Returns:
+        `(matching, rest)`, both with the structure of the input.
+    """
+    return extract_matching_values(
+        sharded_state_dict,
+        lambda v: isinstance(v, (ShardedTensor, ShardedTensorFactory, LocalNonpersistentObject)),
+    )
+
+
+def extract_sharded_base(
+    sharded_state_dict: ShardedStateDict,
+) -> Tuple[ShardedStateDict, StateDict]:
+    """Splits off every sharded leaf (any `ShardedBase`).
+
+    Args:
+        sharded_state_dict: a nested dict/list; it is not modified.
+
+    Returns:
+        `(sharded, rest)`, both with the structure of the input.
+    """
+    return extract_matching_values(sharded_state_dict, lambda v: isinstance(v, ShardedBase))
+
+
+def extract_nonpersistent(
+    sharded_state_dict: ShardedStateDict,
+) -> Tuple[ShardedStateDict, StateDict]:
+    """Splits off the LocalNonpersistentObject leaves.
+
+    Args:
+        sharded_state_dict: a nested dict/list; it is not modified.
+
+    Returns:
+        `(nonpersistent, rest)`, both with the structure of the input.
+    """
+    return extract_matching_values(
+        sharded_state_dict, lambda v: isinstance(v, LocalNonpersistentObject)
+    )
+
+
+def add_prefix_for_sharding(sharded_state_dict: ShardedStateDict, prefix: str) -> None:
+    """Prepends `prefix` to the key of every sharded leaf, in place.
+
+    Args:
+        sharded_state_dict: the tree whose leaves are renamed.
+        prefix: prepended as is (include the separator, e.g. `"decoder."`).
+    """
+
+    def add(leaf: Any) -> Any:
+        if isinstance(leaf, ShardedBase):
+            leaf.key = f"{prefix}{leaf.key}"
+        return leaf
+
+    dict_list_map_inplace(add, sharded_state_dict)
+
+
+def replace_prefix_for_sharding(
+    sharded_state_dict: ShardedStateDict, old_prefix: str, new_prefix: str
+) -> None:
+    """Replaces `old_prefix` by `new_prefix` in the key of every keyed sharded leaf, in place.
+
+    Args:
+        sharded_state_dict: the tree whose ShardedTensors, factories and ShardedObjects are
+            renamed.
+        old_prefix: every such key must start with it.
+        new_prefix: what replaces it.
+
+    Raises:
+        CheckpointingException: naming the first key that does not start with `old_prefix`
+            (keys renamed before it stay renamed, as in megatron-core).
+    """
+
+    def replace(leaf: Any) -> Any:
+        if isinstance(leaf, _KEYED):
+            if not leaf.key.startswith(old_prefix):
+                raise CheckpointingException(
+                    f"Sharded key {leaf.key!r} does not start with prefix {old_prefix!r}"
+                )
+            leaf.key = new_prefix + leaf.key[len(old_prefix) :]
+        return leaf
+
+    dict_list_map_inplace(replace, sharded_state_dict)
+
+
+def apply_prefix_mapping(sharded_state_dict: ShardedStateDict, prefix_map: Dict[str, str]) -> None:
+    """Renames the keys that start with one of `prefix_map`'s prefixes, in place.
+
+    Args:
+        sharded_state_dict: the tree whose ShardedTensors, factories and ShardedObjects are
+            renamed.
+        prefix_map: old prefix -> new prefix; for each key the first matching old prefix
+            (in the dict's order) is replaced; keys matching none are left alone.
+    """
+
+    def remap(leaf: Any) -> Any:
+        if isinstance(leaf, _KEYED):
+            old: Optional[str] = next((p for p in prefix_map if leaf.key.startswith(p)), None)
+            if old is not None:
+                leaf.key = prefix_map[old] + leaf.key[len(old) :]
+        return leaf
+
+    dict_list_map_inplace(remap, sharded_state_dict)

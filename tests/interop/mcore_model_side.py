@@ -1,0 +1,270 @@
+"""Megatron-core's own GPTModel and Adam state on our package, in ONE interpreter (2 gloo ranks).
+
+Usage: python mcore_model_side.py MODE WORKDIR KINDS
+
+Run with an interpreter that has megatron-core installed and this repository on PYTHONPATH
+(so `import dist_checkpointing` is ours and `import megatron.core` is megatron's). KINDS is a
+comma-separated subset of `dense,moe`. For each kind a GPTModel (local layer spec,
+`use_cpu_initialization=True`, TP=2) takes one Adam step; its sharded state dict (model plus
+optimizer state built with `dist_checkpointing.optimizer` helpers) is then saved and loaded.
+
+Modes:
+- `megatron`: megatron's objects handed to our functions. Megatron saves `WORKDIR/<kind>/mc`,
+  we save the same objects to `WORKDIR/<kind>/ours_objects`; megatron's own loads of `mc`
+  at TP=2 and TP=1 (resharded) are the reference (written to `ref_tp*.pt`); we load `mc`, and
+  megatron and we load `ours_objects`, at both TP sizes.
+- `installed`: `dist_checkpointing.megatron_compat.install()` first, so megatron's model code
+  builds our objects and `megatron.core.dist_checkpointing.save/load` are ours. We save
+  `WORKDIR/<kind>/ours_installed` and load it and `mc` at both TP sizes.
+- `megatron_load`: megatron (real) loads `ours_installed` at both TP sizes.
+
+Every loaded tree is compared leaf by leaf with the reference: tensors with `torch.equal`,
+other values with `==`. Each rank writes `WORKDIR/result.<rank>.json` holding
+`{check name: "ok" | failure description}`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+from typing import Any, Dict, List, Tuple
+
+TP_SIZES = (2, 1)
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def flatten(tree: Any, prefix: str = "") -> Dict[str, Any]:
+    """Leaves of a nested dict/list by key path; tensors cloned (loads write in place)."""
+    import torch
+
+    out: Dict[str, Any] = {}
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree)
+    for k, v in items:
+        path = f"{prefix}/{k}"
+        if isinstance(v, (dict, list)):
+            out.update(flatten(v, path))
+        else:
+            out[path] = v.detach().clone() if isinstance(v, torch.Tensor) else v
+    return out
+
+
+def compare(got: Dict[str, Any], ref: Dict[str, Any]) -> str:
+    """'ok', or what differs."""
+    import torch
+
+    if got.keys() != ref.keys():
+        return f"keys differ: only got {sorted(got.keys() - ref.keys())[:5]}, only ref {sorted(ref.keys() - got.keys())[:5]}"
+    bad: List[str] = []
+    for k, r in ref.items():
+        g = got[k]
+        if isinstance(r, torch.Tensor):
+            same = isinstance(g, torch.Tensor) and g.dtype == r.dtype and torch.equal(g, r)
+        else:
+            same = type(g) is type(r) and g == r
+        if not same:
+            bad.append(k)
+    return "ok" if not bad else f"{len(bad)} of {len(ref)} leaves differ: {bad[:5]}"
+
+
+def build(kind: str, tp: int, seed: int) -> Tuple[Any, Any]:
+    """A GPTModel at tensor parallel size `tp` and an Adam optimizer after one step."""
+    import torch
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    torch.manual_seed(seed)
+    moe = kind == "moe"
+    config = TransformerConfig(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        ffn_hidden_size=64,
+        use_cpu_initialization=True,
+        tensor_model_parallel_size=tp,
+        num_moe_experts=4 if moe else None,
+        moe_router_topk=2 if moe else 2,
+        moe_grouped_gemm=False,
+        add_bias_linear=not moe,
+    )
+    model = GPTModel(
+        config,
+        get_gpt_layer_local_spec(num_experts=4 if moe else None),
+        vocab_size=64,
+        max_sequence_length=16,
+    )
+    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    loss = sum(
+        (p.float() * torch.linspace(-1, 1, p.numel()).view_as(p)).sum() for p in model.parameters()
+    )
+    loss.backward()
+    optim.step()
+    return model, optim
+
+
+def sharded_state(model: Any, optim: Any, dc_optimizer: Any) -> Dict[str, Any]:
+    """Model + optimizer sharded state dict, built as megatron's optimizer wrappers do."""
+    model_sd = model.sharded_state_dict()
+    params = [p for group in optim.param_groups for p in group["params"]]
+    id_map = dc_optimizer.get_param_id_to_sharded_param_map(model_sd, params)
+    optim_sd = optim.state_dict()
+    dc_optimizer.optim_state_to_sharding_state(optim_sd, id_map, exclude_keys="step")
+    return {"model": model_sd, "optimizer": optim_sd, "iteration": 7}
+
+
+_TARGETS: Dict[Tuple[str, int], Tuple[Any, Any]] = {}
+
+
+def _reinit_parallel_state(tp: int) -> None:
+    from megatron.core import parallel_state
+
+    if parallel_state.get_tensor_model_parallel_world_size() != tp:
+        parallel_state.destroy_model_parallel()
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+
+
+def request(kind: str, tp: int, dc_optimizer: Any) -> Dict[str, Any]:
+    """A load request at TP=`tp` whose destination tensors hold a sentinel (not the saved values)."""
+    import torch
+
+    from dist_checkpointing.dict_utils import nested_values as our_nested_values
+
+    if (kind, tp) not in _TARGETS:
+        _TARGETS.clear()  # one model at a time: building one resets the parallel state
+        _TARGETS[(kind, tp)] = build(kind, tp, seed=1000 + tp)
+    else:
+        _reinit_parallel_state(tp)
+    model, optim = _TARGETS[(kind, tp)]
+    sd = sharded_state(model, optim, dc_optimizer)
+    for leaf in our_nested_values(sd):
+        data = getattr(leaf, "data", None)
+        if isinstance(data, torch.Tensor) and hasattr(leaf, "global_shape"):
+            with torch.no_grad():
+                data.fill_(-7)
+    return sd
+
+
+def worker(rank: int, world: int, port: int, mode: str, workdir: str, kinds: List[str]) -> None:
+    import torch
+    import torch.distributed as dist
+
+    # megatron-core calls these on CPU paths (see the interop tests' README notes); in
+    # this test process only, never in the library
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.current_device = lambda: "cpu"
+    if mode == "installed":
+        from dist_checkpointing import megatron_compat
+
+        megatron_compat.install()
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    from megatron.core import dist_checkpointing as mdc
+    from megatron.core.dist_checkpointing import optimizer as m_optimizer
+
+    import dist_checkpointing as ours
+
+    results: Dict[str, str] = {}
+
+    def check(name: str, fn: Any) -> None:
+        try:
+            results[name] = fn()
+        except Exception as e:  # recorded and reported by the test
+            import traceback
+
+            results[name] = f"raised {type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"
+
+    for kind in kinds:
+        base = os.path.join(workdir, kind)
+        mc, ours_objects, ours_installed = (
+            os.path.join(base, n) for n in ("mc", "ours_objects", "ours_installed")
+        )
+        if rank == 0:
+            os.makedirs(base, exist_ok=True)
+        dist.barrier()
+        if mode == "installed":
+            # megatron's model code built our objects through the alias
+            model, optim = build(kind, 2, seed=1)
+            sd = sharded_state(model, optim, m_optimizer)
+            leaf = next(v for v in sd["model"].values() if hasattr(v, "global_shape"))
+            results[f"{kind}: model code builds our ShardedTensor"] = (
+                "ok"
+                if type(leaf).__module__ == "dist_checkpointing.mapping" and mdc.save is ours.save
+                else f"got {type(leaf).__module__}"
+            )
+            check(
+                f"{kind}: installed save",
+                lambda sd=sd, path=ours_installed: (mdc.save(sd, path), "ok")[1],
+            )
+            loads = {"mc": mc, "ours_installed": ours_installed}
+            loader = mdc.load  # ours, through the alias
+        elif mode == "megatron":
+            model, optim = build(kind, 2, seed=1)
+            sd = sharded_state(model, optim, m_optimizer)
+            if rank == 0:
+                os.makedirs(mc, exist_ok=True)
+            dist.barrier()
+            mdc.save(sd, mc)
+            # megatron's save reshapes data in place: hand ours a fresh state dict
+            _reinit_parallel_state(2)
+            sd = sharded_state(model, optim, m_optimizer)
+            check(
+                f"{kind}: our save of megatron objects",
+                lambda sd=sd, path=ours_objects: (ours.save(sd, path), "ok")[1],
+            )
+            for tp in TP_SIZES:
+                ref = flatten(mdc.load(request(kind, tp, m_optimizer), mc))
+                torch.save(ref, os.path.join(base, f"ref_tp{tp}.{rank}.pt"))
+                untouched = [
+                    k
+                    for k, v in ref.items()
+                    if isinstance(v, torch.Tensor) and bool((v == -7).all())
+                ]
+                results[f"{kind}: megatron's reference load at tp{tp} filled every tensor"] = (
+                    "ok" if not untouched and len(ref) > 50 else f"sentinel left in {untouched[:5]}"
+                )
+            loads = {"mc": mc, "ours_objects": ours_objects}
+            loader = None
+        else:  # megatron_load
+            loads = {"ours_installed": ours_installed}
+            loader = mdc.load
+        for name, path in loads.items():
+            for tp in TP_SIZES:
+                ref = torch.load(os.path.join(base, f"ref_tp{tp}.{rank}.pt"), weights_only=False)
+                if mode == "megatron":
+                    # ours loads megatron's objects; megatron loads what we saved
+                    fns = (
+                        {"ours": ours.load}
+                        if name == "mc"
+                        else {"ours": ours.load, "megatron": mdc.load}
+                    )
+                else:
+                    fns = {"ours" if mode == "installed" else "megatron": loader}
+                for who, fn in fns.items():
+                    check(
+                        f"{kind}: {who} loads {name} at tp{tp}",
+                        lambda fn=fn, path=path, tp=tp, ref=ref, kind=kind: compare(
+                            flatten(fn(request(kind, tp, m_optimizer), path)), ref
+                        ),
+                    )
+    with open(os.path.join(workdir, f"result.{rank}.json"), "w") as f:
+        json.dump(results, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    import torch.multiprocessing as mp
+
+    mode, workdir, kinds = sys.argv[1], sys.argv[2], sys.argv[3].split(",")
+    mp.spawn(worker, args=(2, _port(), mode, workdir, kinds), nprocs=2, join=True)
