@@ -95,25 +95,6 @@ PUBLIC: Dict[str, List[str]] = {
         "map_reduce",
     ],
     "dist_checkpointing.tensor_aware_state_dict": ["MCoreTensorAwareStateDict"],
-    "dist_checkpointing.local.ckpt_managers.base_manager": [
-        "BaseCheckpointManager",
-        "CheckpointingException",
-        "SameMachineReplicationException",
-    ],
-    "dist_checkpointing.local.ckpt_managers.local_manager": ["LocalCheckpointManager"],
-    "dist_checkpointing.local.base_state_dict": ["TensorAwareStateDict"],
-    "dist_checkpointing.local.basic_state_dict": ["BasicTensorAwareStateDict"],
-    "dist_checkpointing.local.replication.strategies": [
-        "ReplicationStrategy",
-        "CliqueReplicationStrategy",
-        "LazyCliqueReplicationStrategy",
-        "NoReplicasAvailableError",
-    ],
-}
-
-# Pending issue 12 (megatron's module surface and fully parallel wrappers): these do not
-# exist yet and are asserted MISSING below. Whoever adds one moves it into PUBLIC.
-PENDING_ISSUE_12: Dict[str, List[str]] = {
     "dist_checkpointing.utils": [
         "replace_prefix_for_sharding",
         "apply_prefix_mapping",
@@ -129,6 +110,21 @@ PENDING_ISSUE_12: Dict[str, List[str]] = {
     "dist_checkpointing.strategies.fully_parallel": [
         "FullyParallelSaveStrategyWrapper",
         "FullyParallelLoadStrategyWrapper",
+    ],
+    "dist_checkpointing.megatron_compat": ["install", "uninstall", "convert_sharded_state_dict"],
+    "dist_checkpointing.local.ckpt_managers.base_manager": [
+        "BaseCheckpointManager",
+        "CheckpointingException",
+        "SameMachineReplicationException",
+    ],
+    "dist_checkpointing.local.ckpt_managers.local_manager": ["LocalCheckpointManager"],
+    "dist_checkpointing.local.base_state_dict": ["TensorAwareStateDict"],
+    "dist_checkpointing.local.basic_state_dict": ["BasicTensorAwareStateDict"],
+    "dist_checkpointing.local.replication.strategies": [
+        "ReplicationStrategy",
+        "CliqueReplicationStrategy",
+        "LazyCliqueReplicationStrategy",
+        "NoReplicasAvailableError",
     ],
 }
 
@@ -150,13 +146,6 @@ def _importable(module: str, name: str) -> bool:
 @pytest.mark.parametrize(("module", "name"), _pairs(PUBLIC))
 def test_public_name_imports_from_its_documented_path(module, name):
     assert _importable(module, name), f"from {module} import {name}"
-
-
-@pytest.mark.parametrize(("module", "name"), _pairs(PENDING_ISSUE_12))
-def test_pending_name_is_still_missing(module, name):
-    assert not _importable(module, name), (
-        f"{module}.{name} exists now: move it from PENDING_ISSUE_12 to PUBLIC"
-    )
 
 
 def _params(obj: object) -> List[str]:
@@ -187,6 +176,22 @@ def test_documented_signatures_keep_their_parameter_names():
         "thread_count",
         "cached_metadata",
         "separation_hint",
+    ]
+    from dist_checkpointing.strategies.fully_parallel import (
+        FullyParallelLoadStrategyWrapper,
+        FullyParallelSaveStrategyWrapper,
+    )
+
+    assert _params(FullyParallelSaveStrategyWrapper.__init__) == [
+        "strategy",
+        "parallelization_group",
+        "do_cache_distribution",
+    ]
+    assert _params(FullyParallelLoadStrategyWrapper.__init__) == [
+        "strategy",
+        "parallelization_group",
+        "do_cache_distribution",
+        "exchange_algo",
     ]
     assert _params(MCoreTensorAwareStateDict.from_state_dict)[:4] == [
         "sharded_state_dict",
