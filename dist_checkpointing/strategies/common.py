@@ -22,7 +22,7 @@ from .._paths import safe_join
 from .._safe_load import torch_load
 from .._types import ShardedStateDict, StateDict
 from ..dict_utils import dict_list_map_inplace, nested_values
-from ..errors import CheckpointCorruptedError
+from ..errors import CheckpointCorruptedError, CheckpointingException
 from ..integrity import read_checksums
 from ..mapping import ShardedObject, is_main_replica
 from .base import (
@@ -45,6 +45,9 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 COMMON_STATE_FNAME = "common.pt"
+#: megatron-core >= 0.17 stores the common state as this ShardedObject in the DCP files.
+MCORE_COMMON_STATE_KEY = "common_state"
+DCP_METADATA_FNAME = ".metadata"
 BACKEND = "torch"
 SUPPORTED_VERSIONS = (1,)
 
@@ -130,7 +133,8 @@ class TorchCommonLoadStrategy(LoadCommonStrategy):
         require_version(self, BACKEND, SUPPORTED_VERSIONS, loaded_version)
 
     def load_common(self, checkpoint_dir: CheckpointDir) -> StateDict:
-        """Loads `common.pt`.
+        """Loads `common.pt`; without it, the `common_state` ShardedObject of the DCP files
+        (the layout of megatron-core 0.17 and later).
 
         Raises:
             CheckpointCorruptedError: if it is missing, malformed, fails verification, or
@@ -138,6 +142,8 @@ class TorchCommonLoadStrategy(LoadCommonStrategy):
             UnsafeCheckpointError: if it holds objects outside the safe allowlist.
         """
         path = Path(checkpoint_dir) / COMMON_STATE_FNAME
+        if not path.exists() and (Path(checkpoint_dir) / DCP_METADATA_FNAME).exists():
+            return self._load_common_from_dcp(Path(checkpoint_dir))
         sums = read_checksums(checkpoint_dir) if self.verify_checksums else None
         if sums is None or COMMON_STATE_FNAME not in sums.files:
             state = torch_load(path, str(path), self.weights_only)
@@ -150,6 +156,35 @@ class TorchCommonLoadStrategy(LoadCommonStrategy):
             state = torch_load(io.BytesIO(raw), str(path), self.weights_only)
         if not isinstance(state, dict):
             raise CheckpointCorruptedError(f"{path}: expected a dict, got {type(state).__name__}")
+        return state
+
+    def _load_common_from_dcp(self, ckpt: Path) -> StateDict:
+        """megatron-core >= 0.17 layout: the common state is the ShardedObject
+        `common_state` (one piece) inside the DCP files, and there is no `common.pt`.
+
+        Raises:
+            CheckpointCorruptedError: the DCP files hold no `common_state` either, or it is
+                not a dict.
+        """
+        from .torch_dist.load import TorchDistLoadShardedStrategy  # the files are DCP's
+
+        request = {"common": ShardedObject(MCORE_COMMON_STATE_KEY, None, (1,), (0,))}
+        try:
+            state = TorchDistLoadShardedStrategy(
+                weights_only=self.weights_only, verify_checksums=self.verify_checksums
+            )._load_local(request, ckpt)["common"]
+        except CheckpointCorruptedError:
+            raise
+        except CheckpointingException as e:
+            raise CheckpointCorruptedError(
+                f"{ckpt}: no {COMMON_STATE_FNAME} and no ShardedObject "
+                f"{MCORE_COMMON_STATE_KEY!r} in its DCP files ({e})"
+            ) from e
+        if not isinstance(state, dict):
+            raise CheckpointCorruptedError(
+                f"{ckpt}: common state {MCORE_COMMON_STATE_KEY!r} is a {type(state).__name__}, "
+                "not a dict"
+            )
         return state
 
     def load_sharded_objects(

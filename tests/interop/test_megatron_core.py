@@ -114,7 +114,7 @@ def test_we_load_megatron_core_checkpoint_resharded(world_factory, tmp_path):
         "1": {"saved": True},
     }
     assert dc.check_is_distributed_checkpoint(ckpt)
-    results = world_factory(2).run_ok(load_mcore_checkpoint_resharded, ckpt)
+    results = world_factory(2).run_ok(load_mcore_checkpoint_resharded, ckpt, timeout=180)
     assert results == [{"w": True, "layers": True, "obj": True, "iteration": True}] * 2
 
 

@@ -1,0 +1,98 @@
+"""Interop with megatron-core 0.19.2 (the newest release), both directions, resharded.
+
+0.19 writes the common state as the ShardedObject `common_state` inside the `.distcp` files
+(no `common.pt`) and a `metadata.json` without `common_backend`. Its wheels are built for
+Python 3.12 only, but its `dist_checkpointing` is pure Python: .ci/run unpacks the wheels of
+megatron-core 0.19.2 and nvidia-resiliency-ext 0.7.0 into a folder (`DIST_CKPT_MCORE19_PATH`,
+put on PYTHONPATH) used by a Python 3.11 venv with torch 2.13 (`DIST_CKPT_MCORE19_PYTHON`).
+Checked: tensors (resharded across the other axis), a prepended axis, ShardedObjects and
+common state.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+from typing import Any, Dict, Optional
+
+import pytest
+
+import dist_checkpointing as dc
+from tests.interop.test_megatron_core import SIDE, load_mcore_checkpoint_resharded, save_for_mcore
+
+pytestmark = [pytest.mark.interop, pytest.mark.timeout(600)]
+
+
+def _mcore19() -> Optional[Dict[str, str]]:
+    python, path = (
+        os.environ.get("DIST_CKPT_MCORE19_PYTHON"),
+        os.environ.get("DIST_CKPT_MCORE19_PATH"),
+    )
+    if not python or not path:
+        return None
+    env = {**os.environ, "PYTHONPATH": path}
+    probe = subprocess.run(
+        [python, "-c", "import megatron.core.dist_checkpointing.strategies.torch"],
+        capture_output=True,
+        env=env,
+    )
+    return {"python": python, "path": path} if probe.returncode == 0 else None
+
+
+MCORE19 = _mcore19()
+requires_mcore19 = pytest.mark.skipif(
+    MCORE19 is None,
+    reason="megatron-core 0.19.2 is not set up: set DIST_CKPT_MCORE19_PYTHON (python 3.11 with "
+    "torch==2.13.0 numpy psutil packaging pyyaml pynvml defusedxml triton) and "
+    "DIST_CKPT_MCORE19_PATH (its unpacked py3.12 wheels plus nvidia-resiliency-ext 0.7.0's); "
+    ".ci/run does",
+)
+
+
+def _run(mode: str, ckpt: str, result: str) -> Dict[str, Any]:
+    assert MCORE19 is not None
+    proc = subprocess.Popen(
+        [MCORE19["python"], SIDE, mode, ckpt, result],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONPATH": MCORE19["path"]},
+        start_new_session=True,  # megatron leaves helper processes behind; end the group
+    )
+    try:
+        out, _ = proc.communicate(timeout=500)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert proc.returncode == 0, out.decode(errors="replace")[-4000:]
+    with open(result) as f:
+        return json.load(f)
+
+
+@requires_mcore19
+def test_we_load_megatron_core_019_checkpoint_resharded(world_factory, tmp_path):
+    ckpt = str(tmp_path / "mcore19")
+    assert _run("save", ckpt, str(tmp_path / "r.json")) == {
+        "0": {"saved": True},
+        "1": {"saved": True},
+    }
+    # the 0.19 layout: no common.pt, metadata.json without common_backend
+    assert not os.path.exists(os.path.join(ckpt, "common.pt"))
+    with open(os.path.join(ckpt, "metadata.json")) as f:
+        assert "common_backend" not in json.load(f)
+    assert dc.load_common_state_dict(ckpt) == {"iteration": 5}
+    results = world_factory(2).run_ok(load_mcore_checkpoint_resharded, ckpt, timeout=240)
+    assert results == [{"w": True, "layers": True, "obj": True, "iteration": True}] * 2
+
+
+@requires_mcore19
+def test_megatron_core_019_loads_our_checkpoint_resharded(world_factory, tmp_path):
+    ckpt = str(tmp_path / "ours")
+    world_factory(2).run_ok(save_for_mcore, ckpt, timeout=240)
+    result = _run("load", ckpt, str(tmp_path / "r.json"))
+    assert result == {
+        str(r): {"w": True, "layers": True, "obj": True, "iteration": True} for r in range(2)
+    }
