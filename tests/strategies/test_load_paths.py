@@ -274,3 +274,18 @@ def test_resharded_load_larger_than_the_memory_bound_stays_within_it(tmp_path):
     bound = 2 * (chunk + 2 * integrity.BLOCK)
     assert n * chunk > 3 * bound  # the load is well larger than the bound
     assert extra <= bound + (16 << 20), f"{extra >> 20} MiB beyond the tensors"
+
+
+def test_resharded_rows_reach_their_destinations_request_by_request():
+    # a chunk's rows 2..9 were read into `stored` (the region starts 8 bytes before row 2);
+    # two reads need rows 2..5 (columns 1..3) and 5..9
+    stored = torch.arange(100, dtype=torch.float32).view(10, 10)
+    region = torch.cat([torch.zeros(2), stored[2:10].reshape(-1)])
+    rows = region[2:].view(8, 10)
+    a, b = torch.zeros(3, 2), torch.zeros(4, 10)
+    pairs = [(rows[0:3, 1:3], a, 2), (rows[3:7], b, 5)]
+    scatter = reader._Scatter(pairs, 2, 8, 40, 8)
+    scatter(8 + 40 * 2 + 5)  # two whole rows ready (and part of a third)
+    assert torch.equal(a[:2], stored[2:4, 1:3]) and not a[2].any() and not b.any()
+    scatter(8 + 40 * 8)
+    assert torch.equal(a, stored[2:5, 1:3]) and torch.equal(b, stored[5:9])

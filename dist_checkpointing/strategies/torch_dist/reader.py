@@ -157,26 +157,7 @@ def read_tensor_items(
         )
         path = checkpoint_dir / info.relative_path
         with open_range(path, info) as stream:
-            stored, row0 = _read_stored(
-                stream, group, resolve, what, expected, str(path), direct_io
-            )
-        if stored is None:  # read straight into the destination
-            return group.info.length
-        for r in group.reads:
-            try:
-                src = stored
-                for dim, (o, n) in enumerate(zip(r.storage_offsets, r.lengths)):
-                    src = src.narrow(dim, o - (row0 if dim == 0 else 0), n)
-            except (RuntimeError, IndexError) as e:
-                raise CheckpointCorruptedError(
-                    f"{what}: stored chunk shape {tuple(stored.shape)} does not match metadata"
-                ) from e
-            dest = resolve(r)
-            if dest.shape != src.shape:
-                raise CheckpointCorruptedError(
-                    f"{what}: region shape {tuple(src.shape)} != destination {tuple(dest.shape)}"
-                )
-            dest.copy_(src)
+            _read_stored(stream, group, resolve, what, expected, str(path), direct_io)
         return group.info.length
 
     ordered = sorted(groups.values(), key=lambda g: (str(g.info.relative_path), g.info.offset))
@@ -187,6 +168,69 @@ def read_tensor_items(
             _scratch_local.buf = None  # do not keep a chunk-sized buffer after the load
     with ThreadPoolExecutor(max_workers=thread_count, thread_name_prefix="dc-read") as pool:
         return sum(pool.map(load_group, ordered))
+
+
+def _pairs(
+    stored: torch.Tensor,
+    row0: int,
+    group: _ChunkGroup,
+    resolve: Callable[[ReadItem], torch.Tensor],
+    what: str,
+) -> List[Tuple[torch.Tensor, torch.Tensor, int]]:
+    """`(source view, destination, first stored row)` of each read, shapes checked.
+
+    `stored` holds the rows `row0...` of the stored chunk (its bytes may not be read yet).
+    """
+    out = []
+    for r in group.reads:
+        try:
+            src = stored
+            for dim, (o, n) in enumerate(zip(r.storage_offsets, r.lengths)):
+                src = src.narrow(dim, o - (row0 if dim == 0 else 0), n)
+        except (RuntimeError, IndexError) as e:
+            raise CheckpointCorruptedError(
+                f"{what}: stored chunk shape {tuple(stored.shape)} does not match metadata"
+            ) from e
+        dest = resolve(r)
+        if dest.shape != src.shape:
+            raise CheckpointCorruptedError(
+                f"{what}: region shape {tuple(src.shape)} != destination {tuple(dest.shape)}"
+            )
+        out.append((src, dest, int(r.storage_offsets[0]) if r.storage_offsets else 0))
+    return out
+
+
+class _Scatter:
+    """Copies each read's rows to its destination as soon as they are read and verified.
+
+    Rows are copied request by request, while they are still in the CPU caches, rather than
+    after the whole region is read (which would take the region through memory twice more).
+    Called with the number of leading bytes of the region (starting `skip` bytes before row
+    `row0` of the stored chunk) that are ready.
+    """
+
+    def __init__(
+        self,
+        pairs: List[Tuple[torch.Tensor, torch.Tensor, int]],
+        row0: int,
+        nrows: int,
+        row_bytes: int,
+        skip: int,
+    ) -> None:
+        self.pairs, self.row0, self.nrows = pairs, row0, nrows
+        self.row_bytes, self.skip = row_bytes, skip
+        self.done = 0  # rows (from row0) already copied
+
+    def __call__(self, ready: int) -> None:
+        rows = min(self.nrows, max(0, ready - self.skip) // self.row_bytes)
+        if rows <= self.done:
+            return
+        lo, hi = self.row0 + self.done, self.row0 + rows
+        for src, dest, first in self.pairs:
+            a, b = max(lo, first), min(hi, first + src.shape[0])
+            if a < b:
+                dest.narrow(0, a - first, b - a).copy_(src.narrow(0, a - first, b - a))
+        self.done = rows
 
 
 def _mismatch(what: str, info: _StorageInfo) -> CheckpointCorruptedError:
@@ -222,12 +266,8 @@ def _read_stored(
     expected: Optional[ItemSum],
     path: str,
     direct_io: Optional[bool] = None,
-) -> Tuple[Optional[torch.Tensor], int]:
-    """Reads what the group needs of one stored chunk.
-
-    Returns:
-        `(None, 0)` when the chunk was read straight into its one destination; else
-        `(rows, first_row)`: the rows `first_row...` of the chunk that the reads touch.
+) -> None:
+    """Reads what the group needs of one stored chunk into the reads' destinations.
 
     The zip is parsed directly for a plain contiguous chunk (no `torch.load`) and its data
     read with `read_region` in large requests, verified request by request as it lands (a
@@ -249,7 +289,9 @@ def _read_stored(
             raise CheckpointCorruptedError(
                 f"{what}: expected a tensor, got {type(stored).__name__}"
             )
-        return stored, 0
+        for src, dest, _ in _pairs(stored, 0, group, resolve, what):
+            dest.copy_(src)
+        return
     shape = layout.shape
     nrows = shape[0] if shape else 0
     row0, row1 = 0, nrows
@@ -276,24 +318,30 @@ def _read_stored(
             direct = prefer_direct_reads(path) if direct_io is None else direct_io
             verifier = _Verifier(raw, layout, dest, 0, group, expected, what)
             _read_verified(path, data_file_off, dest, direct, verifier)
-            return None, 0
+            return
     # Reads that other ranks of the node likely repeat (several regions of one chunk, or part
     # of it: resharding) go through the page cache, which the ranks share.
-    if whole:
-        target = _scratch(layout.nbytes).view(layout.dtype).view(shape)
-        verifier = _Verifier(raw, layout, target, 0, group, expected, what)
-        _read_verified(path, data_file_off, target, False, verifier)
-        return target, 0
     start, stop = row0 * row_bytes, row1 * row_bytes
-    if expected is not None:  # widen to whole checksum blocks
+    if expected is not None and not whole:  # widen to whole checksum blocks
         start = start - start % expected.block
         stop = min(layout.nbytes, -(-stop // expected.block) * expected.block)
+    if whole:
+        start, stop = 0, layout.nbytes
     region = _scratch(stop - start)
-    verifier = _Verifier(raw, layout, region, start, group, expected, what)
-    _read_verified(path, data_file_off + start, region, False, verifier)
     skip = row0 * row_bytes - start
-    rows = region[skip : skip + (row1 - row0) * row_bytes].view(layout.dtype)
-    return rows.view((row1 - row0,) + tuple(shape[1:])), row0
+    if shape:
+        rows = region[skip : skip + (row1 - row0) * row_bytes].view(layout.dtype)
+        stored = rows.view((row1 - row0,) + tuple(shape[1:]))
+    else:  # a 0-d tensor
+        stored = region.view(layout.dtype).view(())
+    pairs = _pairs(stored, row0, group, resolve, what)
+    streamed = len(shape) >= 1 and row_bytes > 0 and (expected is None or expected.blocked)
+    scatter = _Scatter(pairs, row0, row1 - row0, row_bytes, skip) if streamed else None
+    verifier = _Verifier(raw, layout, region, start, group, expected, what, scatter)
+    _read_verified(path, data_file_off + start, region, False, verifier)
+    if scatter is None:  # one digest for the whole item: copy once it is verified
+        for src, dest, _ in pairs:
+            dest.copy_(src)
 
 
 class _Verifier:
@@ -315,8 +363,10 @@ class _Verifier:
         group: _ChunkGroup,
         expected: Optional[ItemSum],
         what: str,
+        consume: Optional[Callable[[int], None]] = None,
     ) -> None:
         self.view = _flat_bytes(data)
+        self.consume = consume
         self.start, self.group, self.expected, self.what = start, group, expected, what
         self.done = 0
         self.hasher: Any = None
@@ -328,12 +378,19 @@ class _Verifier:
 
     def __call__(self, filled: int) -> None:
         expected = self.expected
-        if expected is None or filled <= self.done:
+        if filled <= self.done:
             return  # (a restarted read refills bytes already verified)
-        if self.hasher is not None:
+        if expected is None:
+            self.done = filled
+        elif self.hasher is not None:
             self.hasher.update(self.view[self.done : filled])
             self.done = filled
-            return
+        else:
+            self._blocks(expected, filled)
+        if self.consume is not None:
+            self.consume(self.done)
+
+    def _blocks(self, expected: ItemSum, filled: int) -> None:
         upto = filled if filled >= len(self.view) else filled - filled % expected.block
         if upto <= self.done:
             return
@@ -348,10 +405,10 @@ class _Verifier:
         self.done = upto
 
     def finish(self) -> None:
-        """Verifies what is left (all of it, if the read reported no progress)."""
+        """Verifies (and consumes) what is left (all of it, if the read reported no progress)."""
+        self(len(self.view))
         if self.expected is None:
             return
-        self(len(self.view))
         if self.hasher is not None:
             self.hasher.update(self.tail)
             if self.hasher.intdigest() != self.expected.digest:
@@ -371,7 +428,7 @@ def _read_verified(
         offset,
         _flat_bytes(data),
         direct=direct,
-        progress=verifier if verifier.expected is not None else None,
+        progress=verifier if verifier.expected is not None or verifier.consume else None,
         request=READ_REQUEST,
     )
     verifier.finish()
