@@ -65,10 +65,35 @@ def cuts(draw: st.DrawFn, size: int, every: bool) -> List[int]:
 
 
 @st.composite
+def empty_box(draw: st.DrawFn, shape: Tuple[int, ...], prepend: int) -> Box:
+    """A zero-size box anywhere in `shape` (offsets up to the axis end), main replica."""
+    empty_axis = draw(st.integers(prepend, len(shape) - 1))
+    offset, size = [], []
+    for axis, side in enumerate(shape):
+        if axis < prepend:
+            offset.append(draw(st.integers(0, side - 1)))
+            size.append(1)
+        else:
+            off = draw(st.integers(0, side))
+            offset.append(off)
+            size.append(0 if axis == empty_axis else draw(st.integers(0, side - off)))
+    return tuple(offset), tuple(size), 0
+
+
+@st.composite
 def shardings(
-    draw: st.DrawFn, shape: Tuple[int, ...], prepend: int, world: int, replicas: bool = True
+    draw: st.DrawFn,
+    shape: Tuple[int, ...],
+    prepend: int,
+    world: int,
+    replicas: bool = True,
+    empties: bool = True,
 ) -> List[List[Box]]:
-    """A valid sharding of `shape` over `world` ranks (main replicas tile it exactly)."""
+    """A valid sharding of `shape` over `world` ranks (main replicas tile it exactly).
+
+    With `empties`, up to two zero-size boxes (empty shards, as uneven splits leave on
+    some ranks) are added on random ranks.
+    """
     axis_cuts = [draw(cuts(size, every=axis < prepend)) for axis, size in enumerate(shape)]
     boxes: List[Tuple[Tuple[int, ...], Tuple[int, ...]]] = [((), ())]
     for c in axis_cuts:
@@ -80,6 +105,8 @@ def shardings(
         if replicas and world > 1 and draw(st.booleans()):
             other = draw(st.integers(0, world - 1).filter(lambda r, o=owner: r != o))
             per_rank[other].append((offset, size, 1))
+    for _ in range(draw(st.integers(0, 2)) if empties else 0):
+        per_rank[draw(st.integers(0, world - 1))].append(draw(empty_box(shape, prepend)))
     return per_rank
 
 

@@ -46,6 +46,15 @@ def test_build_metadata_rejects_duplicates_and_disagreement():
         build_metadata([[a], [_item("w", (2,), (2,), (5,))]])
 
 
+def test_build_metadata_registers_empty_chunks_without_storing_them():
+    full, empty = _item("w", (0,), (4,), (4,)), _item("w", (4,), (0,), (4,))
+    md = build_metadata([[full], [empty], [empty]])
+    assert [tuple(c.sizes) for c in md.state_dict_metadata["w"].chunks] == [(4,)]
+    only_empty = build_metadata([[_item("z", (0, 0), (0, 3), (0, 3))]] * 2)
+    assert only_empty.state_dict_metadata["z"].chunks == []
+    assert tuple(only_empty.state_dict_metadata["z"].size) == (0, 3)
+
+
 @settings(max_examples=200, deadline=None)
 @given(data=st.data(), shape=st.lists(st.integers(1, 6), min_size=1, max_size=3).map(tuple))
 def test_read_plans_cover_any_request_exactly(data, shape):

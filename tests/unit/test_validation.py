@@ -45,7 +45,7 @@ def test_any_generated_sharding_is_valid(data, shape, world, dtype):
 @settings(max_examples=150, deadline=None)
 @given(data=st.data(), shape=shapes, world=st.integers(1, 4))
 def test_dropping_a_main_box_is_a_gap(data, shape, world):
-    per_rank = data.draw(shardings(shape, 0, world, replicas=False))
+    per_rank = data.draw(shardings(shape, 0, world, replicas=False, empties=False))
     assume(sum(len(b) for b in per_rank) >= 2)  # with one box, dropping it removes the key entirely
     ranks = [r for r, boxes in enumerate(per_rank) if boxes]
     r = data.draw(st.sampled_from(ranks))
@@ -57,12 +57,20 @@ def test_dropping_a_main_box_is_a_gap(data, shape, world):
 @settings(max_examples=150, deadline=None)
 @given(data=st.data(), shape=shapes, world=st.integers(1, 4))
 def test_duplicating_a_main_box_is_an_overlap(data, shape, world):
-    per_rank = data.draw(shardings(shape, 0, world, replicas=False))
+    per_rank = data.draw(shardings(shape, 0, world, replicas=False, empties=False))
     src = data.draw(st.sampled_from([r for r, b in enumerate(per_rank) if b]))
     box = data.draw(st.sampled_from(per_rank[src]))
     per_rank[data.draw(st.integers(0, world - 1))].append(box)
     problems = find_sharding_problems(_meta(shape, torch.float32, per_rank))
     assert problems and "overlap" in problems[0]
+
+
+def test_empty_shards_are_no_overlap_and_no_gap():
+    # 10 rows as [5, 5, 0, 0]: the two empty shards sit at the same offset (10,)
+    per_rank = [[((0,), (5,), 0)], [((5,), (5,), 0)], [((10,), (0,), 0)], [((10,), (0,), 0)]]
+    assert find_sharding_problems(_meta((10,), torch.float32, per_rank)) == []
+    per_rank[1] = [((5,), (4,), 0)]
+    assert "gap" in find_sharding_problems(_meta((10,), torch.float32, per_rank))[0]
 
 
 def test_partial_overlap_is_found_even_when_volumes_add_up():

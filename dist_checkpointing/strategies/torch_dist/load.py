@@ -180,6 +180,10 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
     def _destination(sh: ShardedTensor) -> torch.Tensor:
         if sh.data is None or sh.data.device.type == "meta":
             sh.data = torch.empty(sh.local_shape, dtype=sh.dtype, device="cpu")
+        if sh.allow_shape_mismatch:
+            # as megatron-core: what the checkpoint does not cover (past the stored end of a
+            # larger requested shape) is zeros, never the destination's previous values
+            sh.data.zero_()
         view = sh.data
         for _ in range(sh.prepend_axis_num):
             view = view.unsqueeze(0)

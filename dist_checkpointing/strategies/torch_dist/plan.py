@@ -43,6 +43,7 @@ __all__ = [
     "object_write_item",
     "serialize_object",
     "split_into_files",
+    "is_empty_chunk",
     "build_metadata",
     "TensorRequest",
     "plan_tensor_reads",
@@ -136,6 +137,12 @@ def split_into_files(
     return out
 
 
+def is_empty_chunk(item: WriteItem) -> bool:
+    """Whether `item` is a tensor chunk of zero elements (an empty shard: nothing to store)."""
+    td = item.tensor_data
+    return td is not None and math.prod(td.chunk.sizes) == 0
+
+
 def build_metadata(all_items: Sequence[Sequence[WriteItem]], dedup: bool = False) -> Metadata:
     """Builds DCP's global metadata from every rank's write items (storage_data not set).
 
@@ -147,6 +154,7 @@ def build_metadata(all_items: Sequence[Sequence[WriteItem]], dedup: bool = False
     Raises:
         ShardingIntegrityError: if ranks disagree on a tensor's global shape or dtype, a key
             is both a tensor and an object, or the same chunk or object is written twice.
+            Empty chunks (zero elements) register their tensor but add no chunk.
     """
     md: Dict[str, object] = {}
     seen_chunks: Dict[str, set] = {}
@@ -174,6 +182,10 @@ def build_metadata(all_items: Sequence[Sequence[WriteItem]], dedup: bool = False
                     f"{fqn!r}: rank {rank} writes shape {tuple(td.size)} {td.properties.dtype}, "
                     f"another rank {tuple(existing.size)} {existing.properties.dtype}"
                 )
+            if math.prod(td.chunk.sizes) == 0:
+                # an empty shard (e.g. an uneven split leaving a rank no rows) holds no data:
+                # it registers the tensor but no chunk, so it cannot collide with a real one
+                continue
             offsets = tuple(td.chunk.offsets)
             if offsets in seen_chunks[fqn]:
                 if dedup:

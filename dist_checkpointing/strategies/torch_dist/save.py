@@ -33,6 +33,7 @@ from .plan import (
     BACKEND,
     WriteEntry,
     data_file_name,
+    is_empty_chunk,
     object_write_item,
     serialize_object,
     split_into_files,
@@ -124,7 +125,9 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
 
     def _plan_files(self, entries: List[WriteEntry]) -> List[Tuple[str, List[WriteEntry]]]:
         rank = get_rank()
-        files = split_into_files(entries, self.thread_count, self.separation_hint)
+        # empty shards have no bytes to store; their write items still reach the metadata
+        stored = [e for e in entries if not is_empty_chunk(e.item)]
+        files = split_into_files(stored, self.thread_count, self.separation_hint)
         return [(data_file_name(group, rank, i), es) for i, (group, es) in enumerate(files)]
 
     def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir) -> None:
