@@ -10,15 +10,28 @@ from typing import Any, BinaryIO, Union
 
 import torch
 
+from ._safe_globals import ensure_registered
 from .errors import CheckpointCorruptedError, UnsafeCheckpointError
 
 __all__ = ["torch_load", "UNSAFE_LOAD_HINT"]
 
 UNSAFE_LOAD_HINT = (
-    "Only tensors and allowlisted types load by default. For a trusted checkpoint, allowlist "
+    "Only tensors, plain Python values and the reviewed types of dist_checkpointing's safe "
+    "allowlist (io.BytesIO, argparse.Namespace, numpy arrays, dtypes and scalars, ...) load "
+    "by default. For a trusted checkpoint, allowlist "
     "the class with torch.serialization.add_safe_globals([...]) or opt in to full unpickling "
     "with weights_only=False on the load strategy (e.g. TorchCommonLoadStrategy(weights_only=False))."
 )
+
+
+def _refusal_reason(message: str) -> str:
+    """The line of torch's long weights-only message that says what was refused."""
+    if "WeightsUnpickler error:" in message:
+        rest = message.split("WeightsUnpickler error:", 1)[1].strip()
+        if rest:
+            return rest.split("\n\n", 1)[0].strip()
+    lines = message.strip().splitlines()
+    return lines[0] if lines else ""
 
 
 def torch_load(
@@ -38,15 +51,16 @@ def torch_load(
         UnsafeCheckpointError: the payload holds objects outside the safe allowlist.
         CheckpointCorruptedError: the payload is missing, truncated or malformed.
     """
+    if weights_only:
+        ensure_registered()
     try:
         return torch.load(source, map_location="cpu", weights_only=weights_only)
     except FileNotFoundError as e:
         raise CheckpointCorruptedError(f"{what}: file not found") from e
     except pickle.UnpicklingError as e:
         if weights_only and "Weights only load failed" in str(e):
-            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
             raise UnsafeCheckpointError(
-                f"{what}: refused to unpickle ({first}). {UNSAFE_LOAD_HINT}"
+                f"{what}: refused to unpickle ({_refusal_reason(str(e))}). {UNSAFE_LOAD_HINT}"
             ) from e
         raise CheckpointCorruptedError(f"{what}: malformed pickle: {e}") from e
     except (
