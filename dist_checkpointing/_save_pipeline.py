@@ -77,7 +77,10 @@ def prepare_save(
     common = resolve_strategy(StrategyAction.SAVE_COMMON, common_strategy, ("torch", 1))
     node_local = isinstance(sharded, NodeLocalSaveShardedStrategy)
     if async_sharded_save and not isinstance(sharded, AsyncSaveShardedStrategy):
-        raise CheckpointingException(f"{sharded} does not support async save")
+        raise CheckpointingException(
+            f"Cannot apply async_save to non-async strategy {sharded}: it does not support "
+            "async save"
+        )
     # node-local: every rank has its own directory to check
     if (node_local or _dist.get_rank() == 0) and check_is_distributed_checkpoint(ckpt):
         raise CheckpointExistsError(

@@ -54,9 +54,7 @@ def verify_checkpoint_and_load_strategy(
         )
     config = maybe_load_config(path)
     if config is None:
-        raise NotACheckpointError(
-            f"{path} is not a complete distributed checkpoint: no metadata.json"
-        )
+        raise NotACheckpointError(f"{path} is not a distributed checkpoint: no metadata.json")
     sharded = compatible_strategy(
         StrategyAction.LOAD_SHARDED,
         sharded_strategy,

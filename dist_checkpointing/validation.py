@@ -178,7 +178,10 @@ def _tensor_problems(key: str, shards: List[Tuple[int, ShardedTensor]]) -> List[
             return problems
     main = [(rank, sh) for rank, sh in shards if is_main_replica(sh.replica_id)]
     if not main:
-        return [f"{key!r}: no rank holds a main replica (replica_id 0), so it would not be saved"]
+        return [
+            f"Invalid access pattern for {key!r}: no rank holds a main replica (replica_id 0), "
+            "so it would not be saved"
+        ]
     ndim = len(ref.global_shape)
     starts = np.array([sh.global_offset for _, sh in main], dtype=np.int64).reshape(len(main), ndim)
     sizes = np.array([sh.prepended_local_shape for _, sh in main], dtype=np.int64).reshape(
@@ -188,7 +191,8 @@ def _tensor_problems(key: str, shards: List[Tuple[int, ShardedTensor]]) -> List[
     if pair is not None:
         (ra, a), (rb, b) = main[pair[0]], main[pair[1]]
         return [
-            f"{key!r}: main replicas overlap: rank {ra} offset {a.global_offset} shape "
+            f"Invalid access pattern for {key!r}: main replicas overlap: rank {ra} offset "
+            f"{a.global_offset} shape "
             f"{a.prepended_local_shape} and rank {rb} offset {b.global_offset} shape "
             f"{b.prepended_local_shape}"
         ]
@@ -196,8 +200,8 @@ def _tensor_problems(key: str, shards: List[Tuple[int, ShardedTensor]]) -> List[
     total = _volume(ref.global_shape)
     if covered != total:
         problems.append(
-            f"{key!r}: main replicas cover {covered} of {total} elements of global shape "
-            f"{ref.global_shape} (a gap)"
+            f"Invalid access pattern for {key!r}: main replicas cover {covered} of {total} "
+            f"elements of global shape {ref.global_shape} (a gap)"
         )
     return problems
 
@@ -216,15 +220,17 @@ def _object_problems(key: str, shards: List[Tuple[int, ShardedObject]]) -> List[
             continue
         if sh.global_offset in seen:
             return [
-                f"ShardedObject {key!r}: offset {sh.global_offset} has main replicas on ranks "
-                f"{seen[sh.global_offset]} and {rank}"
+                f"Duplicate ShardedObject keys: [{sh.unique_key!r}] (ShardedObject {key!r}: "
+                f"offset {sh.global_offset} has main replicas on ranks "
+                f"{seen[sh.global_offset]} and {rank})"
             ]
         seen[sh.global_offset] = rank
     total = _volume(ref.global_shape)
     if len(seen) != total:
         return [
-            f"ShardedObject {key!r}: main replicas cover {len(seen)} of {total} pieces of grid "
-            f"{ref.global_shape} (a gap)"
+            f"Invalid access pattern: {total - len(seen)} ShardedObject are missing "
+            f"(ShardedObject {key!r}: main replicas cover {len(seen)} of {total} pieces of "
+            f"grid {ref.global_shape}, a gap)"
         ]
     return []
 
@@ -350,17 +356,34 @@ def adjust_non_strict_load(
     return kept
 
 
+def _listing(keys: Set[str]) -> str:
+    shown = sorted(keys)[:_MAX_REPORTED]
+    more = f" and {len(keys) - _MAX_REPORTED} more" if len(keys) > _MAX_REPORTED else ""
+    return f"{shown}{more}"
+
+
 def _report(missing: Set[str], unexpected: Set[str]) -> str:
-    parts = []
-    if unexpected:
-        parts.append(
-            f"unexpected keys (requested, not in checkpoint): {sorted(unexpected)[:_MAX_REPORTED]}"
-        )
+    # megatron-core's titles and "Missing keys" / "Unexpected keys" labels, which users'
+    # scripts match on, then the keys themselves
+    titles, bodies = [], []
     if missing:
-        parts.append(
-            f"missing keys (in checkpoint, not requested): {sorted(missing)[:_MAX_REPORTED]}"
+        titles.append(
+            "Some keys found in the checkpoint are missing in the provided sharded state dict."
         )
-    return "; ".join(parts)
+        bodies.append(
+            f"Missing keys (for all ranks; in the checkpoint, requested by no rank): "
+            f"{_listing(missing)}."
+        )
+    if unexpected:
+        titles.append(
+            "Unexpected keys (not found in the checkpoint) encountered in the provided "
+            "sharded state dict."
+        )
+        bodies.append(
+            f"Unexpected keys (for this rank; requested, not in the checkpoint): "
+            f"{_listing(unexpected)}."
+        )
+    return " ".join(titles + bodies)
 
 
 def validate_integrity_and_strict_load(

@@ -136,8 +136,9 @@ def get_default_strategy(action: StrategyAction, backend: str, version: int) -> 
         return _registry[(action, backend, version)]
     except (KeyError, TypeError) as e:
         raise StrategyNotFoundError(
-            f"No strategy registered for action={action.value}, backend={backend!r}, "
-            f"version={version!r}. Registered: {_registered_listing()}"
+            f"Cannot find a default strategy for: {(action.value, backend, version)} (no "
+            f"strategy registered for action={action.value}, backend={backend!r}, "
+            f"version={version!r}). Registered: {_registered_listing()}"
         ) from e
 
 

@@ -144,6 +144,8 @@ class TorchCommonLoadStrategy(LoadCommonStrategy):
         path = Path(checkpoint_dir) / COMMON_STATE_FNAME
         if not path.exists() and (Path(checkpoint_dir) / DCP_METADATA_FNAME).exists():
             return self._load_common_from_dcp(Path(checkpoint_dir))
+        if not path.is_file():  # megatron-core's wording for this case
+            raise CheckpointCorruptedError(f"Common file {path} does not exist")
         sums = read_checksums(checkpoint_dir) if self.verify_checksums else None
         if sums is None or COMMON_STATE_FNAME not in sums.files:
             state = torch_load(path, str(path), self.weights_only)
@@ -177,8 +179,8 @@ class TorchCommonLoadStrategy(LoadCommonStrategy):
             raise
         except CheckpointingException as e:
             raise CheckpointCorruptedError(
-                f"{ckpt}: no {COMMON_STATE_FNAME} and no ShardedObject "
-                f"{MCORE_COMMON_STATE_KEY!r} in its DCP files ({e})"
+                f"Common file {ckpt / COMMON_STATE_FNAME} does not exist, and no ShardedObject "
+                f"{MCORE_COMMON_STATE_KEY!r} is in its DCP files ({e})"
             ) from e
         if not isinstance(state, dict):
             raise CheckpointCorruptedError(
@@ -196,6 +198,8 @@ class TorchCommonLoadStrategy(LoadCommonStrategy):
             if not isinstance(x, ShardedObject):
                 return x
             path = safe_join(checkpoint_dir, x.unique_key, ".pt")
+            if not Path(path).is_file():  # megatron-core's wording for this case
+                raise CheckpointCorruptedError(f"Object shard {path} not found")
             return torch_load(path, f"ShardedObject {x.unique_key!r} ({path})", self.weights_only)
 
         return dict_list_map_inplace(load_one, sharded_objects_state_dict)

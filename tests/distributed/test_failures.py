@@ -232,7 +232,7 @@ def test_unexpected_key_under_raising_modes_raises_on_every_rank(world, saved, s
 
 def test_missing_keys_raise_under_raise_all(world, saved):
     outcomes = world.run(call_load, request_only_a, saved, {"strict": "raise_all"})
-    _assert_all_raise(outcomes, KeyMismatchError, "missing keys")
+    _assert_all_raise(outcomes, KeyMismatchError, "Missing keys")
 
 
 @pytest.mark.parametrize(
