@@ -158,13 +158,6 @@ def error_of(fn: Any, *args: Any) -> Tuple[str, str]:
     return "", ""
 
 
-def save_twice(tmp: str) -> Tuple[str, str]:
-    m = manager(tmp)
-    m.save(make_state(3), 3)
-    fresh = manager(tmp)  # a new manager does not know it saved 3 already
-    return error_of(fresh.save, make_state(3), 3)
-
-
 def failing_save(
     tmp: str, fail_rank: int, is_async: bool
 ) -> Tuple[Tuple[str, str], List[str], bool]:

@@ -95,12 +95,6 @@ def test_failed_save_keeps_previous_iteration(world_factory, tmp_path, is_async)
         assert ok
 
 
-def test_same_iteration_twice_raises_on_every_rank(world_factory, tmp_path):
-    world = world_factory(2)
-    for name, message in _values(world, F.save_twice, str(tmp_path)):
-        assert name == "SameMachineReplicationException" and "iteration 3" in message
-
-
 def test_planted_pickle_is_refused(world_factory, tmp_path):
     class Evil:
         def __reduce__(self):

@@ -4,12 +4,17 @@ A checkpoint of iteration I is the set of parts `(I, r, session)`, one per rank 
 class owns the protocol; subclasses store parts (`LocalCheckpointManager`: files).
 
 Save (collective):
-1. Caller: agree that no part of iteration I exists here yet, copy the tensors into a host
-   image (the only part the training loop waits for), queue the rest on the manager's one
-   background thread, in call order (so background exchanges run in the same order on
-   every rank).
-2. Background: checksums, replication exchange, write of every part kept here as a dirty
-   file, fsync.
+1. Caller: agree that no save of iteration I is in progress here (no dirty part of I: as in
+   the reference, another writer on this machine is a `SameMachineReplicationException`),
+   copy the tensors into a host image (the only part the training loop waits for), queue
+   the rest on the manager's one background thread, in call order (so background
+   exchanges run in the same order on every rank).
+2. Background: remove the committed parts of I held here, if any (a job restarted from an
+   older checkpoint reaches I again: the new save overwrites the old one), then
+   checksums, replication exchange, write of every part kept here as a dirty file
+   (created exclusively), fsync. Every rank removes its old parts before the agreement
+   that precedes any commit, so old and new parts of I never coexist committed: a
+   failure or crash leaves I incomplete, never mixed.
 3. Finalize (collective, after every rank's background work succeeded): commit (rename)
    the parts, agree that every rank committed, then remove older iterations. If any rank
    failed, every rank removes the iteration's files and raises; the previous checkpoint
@@ -198,8 +203,9 @@ class BaseCheckpointManager(ABC):
             None, or the request when `is_async`.
 
         Raises:
-            SameMachineReplicationException: a part of `iteration` is already stored on some
-                rank (raised on every rank).
+            SameMachineReplicationException: a save of `iteration` is in progress (or was
+                interrupted) on some rank: its dirty file exists (raised on every rank).
+                Committed parts of `iteration` do not raise: the new save replaces them.
             CheckpointingException: any other failure, on every rank (with `is_async`,
                 background failures surface as `AsyncSaveError` from the queue).
         """
@@ -212,9 +218,9 @@ class BaseCheckpointManager(ABC):
                 raise CheckpointingException(
                     f"Iteration {iteration} is not newer than the last saved iteration {self._newest_committed}"
                 )
-            clash = [i for i in self._my_ckpt_ids() if i[0] == iteration]
-            if clash:
-                raise SameMachineReplicationException(clash[0])
+            in_progress = self._dirty_ids(iteration)
+            if in_progress:  # another writer of this iteration on this machine
+                raise SameMachineReplicationException(in_progress[0])
             if self.repl_strategy is not None:
                 self.repl_strategy.prepare()
             image = start_image(state_dict, ckpt_id, state_dict.tensor_names())
@@ -224,7 +230,7 @@ class BaseCheckpointManager(ABC):
         assert image is not None
         self.latest_iteration = -1
         nbytes = image.nbytes
-        future = self._background().submit(self._write_parts, image)
+        future = self._background().submit(self._write_parts, image, iteration)
         blocked = time.perf_counter() - start
 
         def finalize() -> None:
@@ -260,8 +266,17 @@ class BaseCheckpointManager(ABC):
         finalize()
         return None
 
-    def _write_parts(self, image: LocalImage) -> int:
-        """Background: checksums, replication exchange, durable writes of every part kept here."""
+    def _write_parts(self, image: LocalImage, iteration: int) -> int:
+        """Background: removal of an older save of `iteration`, checksums, replication
+        exchange, durable writes of every part kept here."""
+        old = [i for i in self._my_ckpt_ids() if i[0] == iteration]
+        if old:  # committed by an earlier run that reached this iteration too
+            logger.info(
+                "local checkpoint of iteration %d replaces %d part(s) saved before here",
+                iteration,
+                len(old),
+            )
+            self._cleanup_failed_save(iteration)
         finish_image(image)
         parts: List[LocalImage] = [image]
         if self.repl_strategy is not None:

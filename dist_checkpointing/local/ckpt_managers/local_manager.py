@@ -96,13 +96,14 @@ class LocalCheckpointManager(BaseCheckpointManager):
             raise CheckpointCorruptedError(f"{path}: cannot be read: {e}") from e
 
     def _save_image(self, image: LocalImage, ckpt_id: CkptID) -> None:
-        final = self._path(ckpt_id)
-        if final.exists():
-            raise SameMachineReplicationException(ckpt_id)
         self.local_ckpt_dir.mkdir(parents=True, exist_ok=True)
         dirty = self._path(ckpt_id, dirty=True)
-        dirty.unlink(missing_ok=True)  # left by a crashed save of the same iteration
-        write_image(image, str(dirty))
+        try:
+            # created exclusively, as the reference opens it with "bx": an existing dirty
+            # file belongs to another writer (or an interrupted save) and is left alone
+            write_image(image, str(dirty))
+        except FileExistsError as e:
+            raise SameMachineReplicationException(ckpt_id) from e
 
     def _commit(self, ckpt_id: CkptID) -> None:
         os.replace(self._path(ckpt_id, dirty=True), self._path(ckpt_id))
