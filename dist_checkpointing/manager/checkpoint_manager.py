@@ -370,7 +370,10 @@ class CheckpointManager:
 
         self._persistent_latest = self._on_rank0("quarantine after load", quarantine)
         if self._local is not None:
-            for iteration in sorted({i[0] for i in self._local._my_ckpt_ids() if i[0] > step}):
+            # committed and dirty: a save killed with the previous run left its dirty files,
+            # which the local manager (as the reference) takes for another writer otherwise
+            stale = {ckpt_id[0] for ckpt_id, _, _ in self._local._scan() if ckpt_id[0] > step}
+            for iteration in sorted(stale):
                 self._local._cleanup_failed_save(iteration)
             self._local.latest_iteration = -1
             self._local_latest = (
