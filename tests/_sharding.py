@@ -45,15 +45,16 @@ def make_global(case: Case) -> torch.Tensor:
     return (torch.randn(shape, generator=g) * 100).to(case.dtype)
 
 
+def _raw_bytes(t: torch.Tensor) -> torch.Tensor:
+    # a dense copy: .contiguous() keeps a size-1 tensor's odd stride, which .view refuses
+    return t.clone(memory_format=torch.contiguous_format).reshape(-1).view(torch.uint8)
+
+
 def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Exact equality of shape, dtype and bytes (NaN-safe)."""
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
-    return (
-        bool(torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)))
-        if a.numel()
-        else True
-    )
+    return bool(torch.equal(_raw_bytes(a), _raw_bytes(b))) if a.numel() else True
 
 
 @st.composite

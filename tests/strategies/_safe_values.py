@@ -133,7 +133,11 @@ def save_and_load_values(root: str, backend: str) -> Dict[str, bool]:
 
     rank, world = dist.get_rank(), dist.get_world_size()
     values = benign_values()
-    dc.save(_state(values, rank, world, True), root, sharded_strategy=(backend, 1))
+    dc.save(
+        _state(values, rank, world, True),
+        root,
+        sharded_strategy=(backend, 2 if backend == "local" else 1),
+    )
     loaded = dc.load(_state(values, rank, world, False), root)
     out = {}
     for k, v in values.items():
