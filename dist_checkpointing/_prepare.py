@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Set, Tuple
 
 from . import _dist
+from ._flat import expand_flat_shards
 from ._types import CommonStateDict, ShardedStateDict, StateDict
 from .dict_utils import dict_list_map_inplace, extract_matching_values, nested_values
 from .mapping import (
@@ -74,8 +75,9 @@ def save_preprocess(
 ) -> Tuple[ShardedStateDict, CommonStateDict]:
     """Splits a state to save into `(sharded leaves, common state)`.
 
-    Factories are applied and LocalNonpersistentObjects dropped, on a copy of the
-    containers (the caller's dict is not modified).
+    Flat shards become their ordinary pieces (see `_flat`), factories are applied and
+    LocalNonpersistentObjects dropped, on a copy of the containers (the caller's dict is
+    not modified).
 
     Args:
         sharded_state_dict: the state.
@@ -84,7 +86,7 @@ def save_preprocess(
     Returns:
         The sharded part and the common part.
     """
-    sd = convert_sharded_state_dict(_shallow_copy(sharded_state_dict))
+    sd = expand_flat_shards(convert_sharded_state_dict(_shallow_copy(sharded_state_dict)))
     if content_metadata is not None:
         sd[CONTENT_METADATA_KEY] = content_metadata
     apply_factories(sd)
@@ -136,7 +138,8 @@ def prepare_load_request(
         KeyMismatchError: under a raising strict mode.
         ShardingIntegrityError: the request's sharding is invalid (on every rank).
     """
-    sd = convert_sharded_state_dict(_shallow_copy(sharded_state_dict))
+    # flat shards become factories of ordinary pieces, merged back into the flat tensor
+    sd = expand_flat_shards(convert_sharded_state_dict(_shallow_copy(sharded_state_dict)))
     factories, _ = extract_matching_values(
         sd, lambda x: isinstance(x, ShardedTensorFactory), return_lists_as_dicts=True
     )

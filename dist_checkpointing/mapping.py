@@ -15,6 +15,7 @@ tensor is rejected with a `CheckpointingException` before any I/O starts.
 from __future__ import annotations
 
 import logging
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, List, Optional, Tuple, Union
@@ -109,7 +110,11 @@ class ShardedTensor(ShardedBase):
         prepend_axis_num: number of leading global axes of size 1 locally (the local tensor is
             unsqueezed that many times to sit in the global tensor).
         allow_shape_mismatch: on load, accept a checkpoint whose global shape differs (the
-            overlapping region is loaded; e.g. padded vocabularies).
+            overlapping region is loaded, the rest is zeros; e.g. padded vocabularies).
+        flattened_range: for a *flat* shard (megatron-core <= 0.13's distributed optimizer):
+            `data` is the 1-D slice `flattened_range` of the row-major flattening of a local
+            piece of shape `local_shape` at `global_offset`. None for ordinary shards. Flat
+            shards are stored as ordinary N-D pieces, so any layout, flat or not, loads them.
 
     Raises:
         CheckpointingException: at construction, when the metadata does not describe a valid
@@ -126,6 +131,7 @@ class ShardedTensor(ShardedBase):
     replica_id: ReplicaId = 0
     prepend_axis_num: int = 0
     allow_shape_mismatch: bool = False
+    flattened_range: Optional[slice] = None
 
     def __post_init__(self) -> None:
         self.validate_metadata_integrity()
@@ -149,6 +155,7 @@ class ShardedTensor(ShardedBase):
             raise CheckpointingException(
                 f"prepend_axis_num of {key!r} must be a non-negative int: {self.prepend_axis_num!r}"
             )
+        self._check_flattened_range()
         if self.data is not None:
             if not isinstance(self.data, torch.Tensor):
                 raise CheckpointingException(
@@ -158,10 +165,12 @@ class ShardedTensor(ShardedBase):
                 raise CheckpointingException(
                     f"data dtype {self.data.dtype} of {key!r} differs from dtype {self.dtype}"
                 )
-            if tuple(self.data.shape) != self.local_shape:
+            expected = self.local_shape if self.flattened_range is None else (self._flat_len(),)
+            if tuple(self.data.shape) != expected:
                 raise CheckpointingException(
                     f"data shape {tuple(self.data.shape)} of {key!r} differs from "
-                    f"local_shape {self.local_shape}"
+                    f"{'local_shape' if self.flattened_range is None else 'the flattened_range length'} "
+                    f"{expected}"
                 )
         ndim = len(self.global_shape)
         if len(self.global_offset) != ndim:
@@ -200,6 +209,30 @@ class ShardedTensor(ShardedBase):
                         f"global_offset {off} of {key!r} is not a multiple of the local size "
                         f"{size} on a regular grid"
                     )
+
+    def _check_flattened_range(self) -> None:
+        fr = self.flattened_range
+        if fr is None:
+            return
+        if not isinstance(fr, slice) or fr.step not in (None, 1):
+            raise CheckpointingException(
+                f"flattened_range of {self.key!r} must be a slice without step: {fr!r}"
+            )
+        volume = math.prod(self.local_shape)
+        if not (
+            isinstance(fr.start, int)
+            and isinstance(fr.stop, int)
+            and 0 <= fr.start <= fr.stop <= volume
+        ):
+            raise CheckpointingException(
+                f"flattened_range {fr!r} of {self.key!r} must lie within the {volume} elements "
+                f"of local_shape {self.local_shape}"
+            )
+
+    def _flat_len(self) -> int:
+        self._check_flattened_range()
+        assert self.flattened_range is not None
+        return int(self.flattened_range.stop - self.flattened_range.start)
 
     @property
     def prepended_local_shape(self) -> Tuple[int, ...]:
@@ -261,9 +294,13 @@ class ShardedTensor(ShardedBase):
     def init_data(
         self, device: Union[str, torch.device], init_fn: Callable[..., torch.Tensor] = torch.empty
     ) -> None:
-        """Allocates `data` with `init_fn(local_shape, dtype=..., device=...)` if it is None."""
+        """Allocates `data` with `init_fn(local_shape, dtype=..., device=...)` if it is None
+        (for a flat shard, the `flattened_range` slice of it)."""
         if self.data is None:
-            self.data = init_fn(self.local_shape, dtype=self.dtype, device=device)
+            data = init_fn(self.local_shape, dtype=self.dtype, device=device)
+            if self.flattened_range is not None:
+                data = data.flatten()[self.flattened_range.start : self.flattened_range.stop]
+            self.data = data
 
     def narrow(self, dim: int, start: int, length: int) -> List[ShardedTensor]:
         """Narrows the local tensor along `dim` on every rank, like `torch.narrow`.
@@ -284,6 +321,8 @@ class ShardedTensor(ShardedBase):
         """
         if self.data is None:
             raise CheckpointingException(f"Cannot narrow {self.key!r} without data")
+        if self.flattened_range is not None:
+            raise CheckpointingException(f"Cannot narrow the flat shard of {self.key!r}")
         gdim = dim + self.prepend_axis_num
         local = self.local_shape[dim]
         glob, off = self.global_shape[gdim], self.global_offset[gdim]
@@ -328,7 +367,7 @@ class ShardedTensor(ShardedBase):
                 `data` is piece number `axis_rank_offset`.
             replica_id: see `ShardedTensor`.
             prepend_axis_num: see `ShardedTensor`.
-            flattened_range: must be None (flattened shards are not supported).
+            flattened_range: must be None (flat shards: `from_rank_offsets_flat`).
             allow_shape_mismatch: see `ShardedTensor`.
 
         Returns:
@@ -340,7 +379,8 @@ class ShardedTensor(ShardedBase):
         """
         if flattened_range is not None:
             raise CheckpointingException(
-                f"flattened_range is not supported (key {key!r}); shard along axes instead"
+                f"Cannot instantiate a flat ShardedTensor {key!r} with `from_rank_offsets`; "
+                "use `from_rank_offsets_flat`"
             )
         if not isinstance(data, torch.Tensor):
             raise CheckpointingException(f"data of {key!r} must be a torch.Tensor")
@@ -378,11 +418,74 @@ class ShardedTensor(ShardedBase):
             allow_shape_mismatch,
         )
 
+    @classmethod
+    def from_rank_offsets_flat(
+        cls,
+        key: str,
+        data: torch.Tensor,
+        non_flat_local_shape: Tuple[int, ...],
+        *rank_offsets: Tuple[int, int, int],
+        flattened_range: Optional[slice] = None,
+        replica_id: ReplicaId = 0,
+        prepend_axis_num: int = 0,
+        allow_shape_mismatch: bool = False,
+    ) -> ShardedTensor:
+        """Builds a flat shard: `data` is a slice of this rank's flattened grid piece.
+
+        As megatron-core (<= 0.13) builds distributed-optimizer state: the piece of shape
+        `non_flat_local_shape` sits on a regular grid given by `rank_offsets` (as in
+        `from_rank_offsets`), and this rank holds only `flattened_range` of its row-major
+        flattening.
+
+        Args:
+            key: unique name of the global tensor.
+            data: the 1-D local data, `flattened_range.stop - flattened_range.start` long.
+            non_flat_local_shape: shape of the whole grid piece.
+            *rank_offsets: `(axis, axis_rank_offset, axis_fragmentations)` triples.
+            flattened_range: the slice of the flattened piece held here (required).
+            replica_id: see `ShardedTensor`.
+            prepend_axis_num: see `ShardedTensor`.
+            allow_shape_mismatch: see `ShardedTensor`.
+
+        Returns:
+            The ShardedTensor.
+
+        Raises:
+            CheckpointingException: without `flattened_range`, with data that is not 1-D
+                or not as long as the range, or on invalid rank offsets.
+        """
+        if flattened_range is None:
+            raise CheckpointingException(
+                f"Cannot instantiate a non-flat ShardedTensor {key!r} with "
+                "`from_rank_offsets_flat`; use `from_rank_offsets`"
+            )
+        if not isinstance(data, torch.Tensor) or data.ndim != 1:
+            raise CheckpointingException(
+                f"A flat ShardedTensor {key!r} needs 1-D data, got "
+                f"{tuple(data.shape) if isinstance(data, torch.Tensor) else type(data).__name__}"
+            )
+        if (flattened_range.stop or 0) - (flattened_range.start or 0) != data.numel():
+            raise CheckpointingException(
+                f"Flat ShardedTensor {key!r}: data length {data.numel()} differs from the "
+                f"flattened_range length {flattened_range}"
+            )
+        meta = torch.empty(tuple(non_flat_local_shape), dtype=data.dtype, device="meta")
+        grid = cls.from_rank_offsets(
+            key,
+            meta,
+            *rank_offsets,
+            replica_id=replica_id,
+            prepend_axis_num=prepend_axis_num,
+            allow_shape_mismatch=allow_shape_mismatch,
+        )
+        return replace(grid, data=data, flattened_range=flattened_range)
+
     def __str__(self) -> str:
+        flat = "" if self.flattened_range is None else f", flattened_range={self.flattened_range}"
         return (
             f"ShardedTensor(key={self.key!r}, dtype={self.dtype}, local={self.local_shape}, "
             f"global={self.global_shape}, offset={self.global_offset}, "
-            f"replica_id={self.replica_id})"
+            f"replica_id={self.replica_id}{flat})"
         )
 
 

@@ -151,8 +151,8 @@ def convert_object(obj: Any, where: str = "state dict leaf") -> Any:
 
     Raises:
         UnsupportedShardedObjectError: a megatron object of an unknown class, missing
-            fields, or with a flattened range (megatron-core <= 0.13 distributed optimizer
-            shards), naming `where` and the key.
+            fields, naming `where` and the key. Flat shards (`flattened_range`, megatron-core
+            <= 0.13's distributed optimizer) convert to ours.
     """
     if not is_megatron_object(obj):
         return obj
@@ -167,10 +167,7 @@ def convert_object(obj: Any, where: str = "state dict leaf") -> Any:
         return LocalNonpersistentObject(obj.obj)
     key = obj.key
     where = f"{where} (key {key!r})"
-    if getattr(obj, "flattened_range", None) is not None:
-        raise _unsupported(
-            obj, where, "flattened_range shards are not supported; shard along axes instead"
-        )
+    flattened_range = getattr(obj, "flattened_range", None)  # megatron <= 0.13 flat shards
     try:
         if name == "ShardedTensor":
             return ShardedTensor(
@@ -184,6 +181,7 @@ def convert_object(obj: Any, where: str = "state dict leaf") -> Any:
                 obj.replica_id,
                 obj.prepend_axis_num,
                 obj.allow_shape_mismatch,
+                flattened_range,
             )
         if name == "ShardedObject":
             return ShardedObject(

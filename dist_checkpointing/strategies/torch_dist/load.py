@@ -11,7 +11,7 @@ import io
 import logging
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch.distributed.checkpoint.metadata import (
@@ -31,6 +31,7 @@ from ...integrity import Checksums, read_checksums
 from ...mapping import ShardedBase, ShardedObject, ShardedTensor
 from ..base import CheckpointDir, LoadShardedStrategy, require_backend, require_version
 from .finalize import gbps
+from .legacy_flat import FlatCopy, apply_copies, plan_reformulated_reads, reformulated_shapes
 from .maintenance import remove_sharded_tensors
 from .metadata_file import read_metadata
 from .plan import BACKEND, SUPPORTED_VERSIONS, TensorRequest, plan_tensor_reads
@@ -115,11 +116,31 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         checksums = self._checksums(ckpt)
         metadata = read_metadata(ckpt, checksums)
         sdm = metadata.state_dict_metadata
+        flat_layout = reformulated_shapes(metadata)  # megatron <= 0.13 flat tensors
         dests: List[torch.Tensor] = []
         reads: List[ReadItem] = []
         objects: List[ShardedObject] = []
+        copies: List[FlatCopy] = []
         for sh in nested_values(sharded_state_dict):
-            if isinstance(sh, ShardedTensor):
+            if isinstance(sh, ShardedTensor) and sh.key in flat_layout:
+                self._check_tensor(sh, sdm.get(sh.key), flat_layout[sh.key])
+                slot = len(dests)
+                dests.append(self._destination(sh))
+                flat_reads, temps, flat_copies = plan_reformulated_reads(
+                    sh.key,
+                    sdm[sh.key],  # type: ignore[arg-type]
+                    flat_layout[sh.key],
+                    sh.global_offset,
+                    sh.prepended_local_shape,
+                    slot,
+                    slot + 1,
+                    sh.dtype,
+                    sh.allow_shape_mismatch,
+                )
+                reads += flat_reads
+                dests += [t.view(r.lengths) for t, r in zip(temps, flat_reads)]
+                copies += flat_copies
+            elif isinstance(sh, ShardedTensor):
                 reads += self._plan_tensor(sh, sdm.get(sh.key), len(dests))
                 dests.append(self._destination(sh))
             elif isinstance(sh, ShardedObject):
@@ -142,6 +163,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         nbytes = read_tensor_items(
             ckpt, metadata, reads, resolve, self.thread_count, checksums, self.direct_io
         )
+        apply_copies(copies, dests)
         raw = read_byte_items(
             ckpt, metadata, [MetadataIndex(o.unique_key) for o in objects], checksums
         )
@@ -190,12 +212,16 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         return view
 
     @staticmethod
-    def _plan_tensor(sh: ShardedTensor, stored: Any, slot: int) -> List[ReadItem]:
+    def _check_tensor(
+        sh: ShardedTensor, stored: Any, shape: Optional[Tuple[int, ...]] = None
+    ) -> None:
+        """Raises unless `stored` is a tensor of `shape` (default: its stored size)."""
         if not isinstance(stored, TensorStorageMetadata):
             raise CheckpointingException(f"Tensor {sh.key!r} is not in the checkpoint")
-        if tuple(stored.size) != sh.global_shape and not sh.allow_shape_mismatch:
+        shape = tuple(stored.size) if shape is None else shape
+        if shape != sh.global_shape and not sh.allow_shape_mismatch:
             raise CheckpointingException(
-                f"Global shape mismatch for {sh.key!r}: checkpoint has {tuple(stored.size)}, "
+                f"Global shape mismatch for {sh.key!r}: checkpoint has {shape}, "
                 f"requested {sh.global_shape}"
             )
         if stored.properties.dtype != sh.dtype:
@@ -205,6 +231,10 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                 stored.properties.dtype,
                 sh.dtype,
             )
+
+    @classmethod
+    def _plan_tensor(cls, sh: ShardedTensor, stored: Any, slot: int) -> List[ReadItem]:
+        cls._check_tensor(sh, stored)
         request = TensorRequest(sh.key, slot, sh.global_offset, sh.prepended_local_shape)
         return plan_tensor_reads(request, stored, allow_partial=sh.allow_shape_mismatch)
 
@@ -216,9 +246,11 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             ckpt = Path(checkpoint_dir)
             metadata = read_metadata(ckpt, self._checksums(ckpt))
         out: ShardedStateDict = {}
+        flat_layout = reformulated_shapes(metadata)
         for key, md in metadata.state_dict_metadata.items():
             if isinstance(md, TensorStorageMetadata):
-                shape = tuple(md.size)
+                # megatron <= 0.13 flat tensors: their original (unflattened) shape
+                shape = flat_layout.get(key, tuple(md.size))
                 out[key] = ShardedTensor(
                     key,
                     None,

@@ -87,6 +87,11 @@ def _allowed_globals() -> Dict[Tuple[str, str], Any]:
         if hasattr(module, name)
     }
     allowed[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = _StorageInfo
+    # megatron-core <= 0.13 also pickles each rank's plan (a SavePlan subclass adding a dict of
+    # plain values); read as DCP's own SavePlan, whose state is set without running code
+    allowed[("megatron.core.dist_checkpointing.strategies.torch", "MCoreSavePlan")] = (
+        planner.SavePlan
+    )
     allowed[("torch", "Size")] = torch.Size
     for name in dir(torch):
         value = getattr(torch, name, None)

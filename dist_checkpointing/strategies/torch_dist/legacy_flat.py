@@ -1,0 +1,177 @@
+"""Reading flattened-range checkpoints written by megatron-core <= 0.13.
+
+megatron-core 0.13 stores a flat ShardedTensor (`flattened_range`, its distributed
+optimizer's layout) "reformulated": a global tensor of N-D shape `(X, Y, Z)` split on a grid
+of pieces `(x, y, z)` is stored as a DCP tensor of shape `(X // x, Y // y, Z // z, x*y*z)`
+whose chunks are `(grid index..., flat start)` with sizes `(1, ..., 1, flat length)`, and
+`Metadata.mcore_data[key]['nd_reformulated_orig_global_shape']` records `(X, Y, Z)`.
+
+We save flat shards as ordinary N-D pieces instead (see `dist_checkpointing._flat`), and
+read megatron's layout by translating it: each stored flat chunk is a union of boxes of the
+original tensor (`flat_range_boxes`), each a contiguous run of the chunk. A request reads
+the runs whose boxes it overlaps into temporary tensors and copies the overlaps into its
+destination. Everything here is planning on metadata; `load` does the I/O.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
+
+from ..._flat import flat_range_boxes
+from ...errors import CheckpointCorruptedError, CheckpointingException
+
+__all__ = ["reformulated_shapes", "FlatCopy", "plan_reformulated_reads", "apply_copies"]
+
+_ORIG_SHAPE = "nd_reformulated_orig_global_shape"
+
+
+def reformulated_shapes(metadata: Metadata) -> Dict[str, Tuple[int, ...]]:
+    """`{key: original global shape}` of the tensors stored in megatron's flat layout.
+
+    Raises:
+        CheckpointCorruptedError: when a recorded shape does not fit its stored tensor.
+    """
+    mcore = getattr(metadata, "mcore_data", None)
+    if not isinstance(mcore, dict):
+        return {}
+    out = {}
+    for key, entry in mcore.items():
+        shape = entry.get(_ORIG_SHAPE) if isinstance(entry, dict) else None
+        stored = metadata.state_dict_metadata.get(key)
+        if shape is None or not isinstance(stored, TensorStorageMetadata):
+            continue
+        try:
+            orig = tuple(int(v) for v in shape)
+        except (TypeError, ValueError) as e:
+            raise CheckpointCorruptedError(f"{key!r}: malformed {_ORIG_SHAPE} {shape!r}") from e
+        size = tuple(stored.size)
+        grid = size[:-1]
+        if (
+            len(grid) != len(orig)
+            or any(g < 1 or o % g for g, o in zip(grid, orig))
+            or math.prod(o // g for o, g in zip(orig, grid)) != size[-1]
+        ):
+            raise CheckpointCorruptedError(
+                f"{key!r}: stored flat layout {size} does not fit the recorded global shape {orig}"
+            )
+        out[key] = orig
+    return out
+
+
+@dataclass
+class FlatCopy:
+    """Copy, after the reads, of an overlap from a temporary run into a destination."""
+
+    temp: torch.Tensor  # the run, shaped as its box
+    box_offset: Tuple[int, ...]  # of the run's box, global
+    dest_slot: int
+    dest_offset: Tuple[int, ...]  # of the destination, global
+    lo: Tuple[int, ...]  # overlap, global
+    hi: Tuple[int, ...]
+
+
+def _overlap(
+    a_off: Sequence[int], a_size: Sequence[int], b_off: Sequence[int], b_size: Sequence[int]
+) -> Optional[Tuple[Tuple[int, ...], Tuple[int, ...]]]:
+    lo = tuple(max(x, y) for x, y in zip(a_off, b_off))
+    hi = tuple(min(x + sx, y + sy) for x, sx, y, sy in zip(a_off, a_size, b_off, b_size))
+    if any(h <= low for low, h in zip(lo, hi)):
+        return None
+    return lo, hi
+
+
+def plan_reformulated_reads(
+    key: str,
+    stored: TensorStorageMetadata,
+    orig_shape: Tuple[int, ...],
+    offsets: Tuple[int, ...],
+    sizes: Tuple[int, ...],
+    dest_slot: int,
+    first_temp_slot: int,
+    dtype: torch.dtype,
+    allow_partial: bool,
+) -> Tuple[List[ReadItem], List[torch.Tensor], List[FlatCopy]]:
+    """Plans the reads of one requested region from megatron's flat layout.
+
+    Args:
+        key: the tensor.
+        stored: its stored (reformulated) metadata.
+        orig_shape: its original global shape.
+        offsets: the requested region's global offset (prepended axes included).
+        sizes: its shape (prepended axes included).
+        dest_slot: the request's destination slot (for the copies).
+        first_temp_slot: destination slot of the first temporary run.
+        dtype: dtype of the temporaries (the request's).
+        allow_partial: accept a region the checkpoint covers only in part.
+
+    Returns:
+        `(reads, temporaries, copies)`: each read fills one temporary (slot
+        `first_temp_slot + i`, shaped `(1, ..., 1, run length)` for the reader); then each
+        copy moves an overlap from a temporary into the destination.
+
+    Raises:
+        CheckpointingException: when part of the region is not in the checkpoint.
+    """
+    grid = tuple(stored.size)[:-1]
+    piece = tuple(o // g for o, g in zip(orig_shape, grid))
+    reads: List[ReadItem] = []
+    temps: List[torch.Tensor] = []
+    copies: List[FlatCopy] = []
+    covered = 0
+    for idx, chunk in enumerate(stored.chunks):
+        cell = tuple(chunk.offsets)[:-1]
+        start = int(chunk.offsets[-1])
+        origin = tuple(c * p for c, p in zip(cell, piece))
+        for box_off, box_shape, flat_start in flat_range_boxes(
+            piece, start, start + int(chunk.sizes[-1])
+        ):
+            glob = tuple(o + b for o, b in zip(origin, box_off))
+            ov = _overlap(glob, box_shape, offsets, sizes)
+            if ov is None:
+                continue
+            lo, hi = ov
+            covered += math.prod(h - low for low, h in zip(lo, hi))
+            n = math.prod(box_shape)
+            temp = torch.empty(box_shape, dtype=dtype)
+            slot = first_temp_slot + len(temps)
+            lengths = (1,) * len(grid) + (n,)
+            reads.append(
+                ReadItem(
+                    type=LoadItemType.TENSOR,
+                    dest_index=MetadataIndex(key, torch.Size(offsets), slot),
+                    dest_offsets=torch.Size((0,) * len(lengths)),
+                    storage_index=MetadataIndex(key, chunk.offsets, idx),
+                    storage_offsets=torch.Size((0,) * len(grid) + (flat_start - start,)),
+                    lengths=torch.Size(lengths),
+                )
+            )
+            temps.append(temp)
+            copies.append(FlatCopy(temp, glob, dest_slot, tuple(offsets), lo, hi))
+    wanted = math.prod(sizes)
+    if covered != wanted and not allow_partial:
+        raise CheckpointingException(
+            f"Checkpoint holds {covered} of the {wanted} elements requested for {key!r} "
+            f"at offset {offsets} with shape {sizes}"
+        )
+    return reads, temps, copies
+
+
+def apply_copies(copies: Sequence[FlatCopy], dests: Sequence[torch.Tensor]) -> None:
+    """Copies each overlap from its temporary into its destination.
+
+    Args:
+        copies: from `plan_reformulated_reads`.
+        dests: destination views by slot (prepended axes included).
+    """
+    for c in copies:
+        src = c.temp[tuple(slice(lo - b, hi - b) for lo, hi, b in zip(c.lo, c.hi, c.box_offset))]
+        dst = dests[c.dest_slot][
+            tuple(slice(lo - o, hi - o) for lo, hi, o in zip(c.lo, c.hi, c.dest_offset))
+        ]
+        dst.copy_(src)
