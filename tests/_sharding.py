@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import List, Tuple
+from typing import Any, List, Tuple
 
 import torch
 from hypothesis import strategies as st
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int8, torch.bool]
 
-Box = Tuple[Tuple[int, ...], Tuple[int, ...], int]  # offset, size, replica_id
+# offset, size, replica_id[, (start, stop)]: with the 4th element, a flat shard holding that
+# range of the row-major flattening of the (non-prepended) box
+Box = Tuple[Any, ...]
 
 
 @dataclass
@@ -89,11 +91,14 @@ def shardings(
     world: int,
     replicas: bool = True,
     empties: bool = True,
+    flats: bool = False,
 ) -> List[List[Box]]:
     """A valid sharding of `shape` over `world` ranks (main replicas tile it exactly).
 
     With `empties`, up to two zero-size boxes (empty shards, as uneven splits leave on
-    some ranks) are added on random ranks.
+    some ranks) are added on random ranks. With `flats`, some boxes are instead cut into
+    flat ranges (megatron-core <= 0.13's distributed optimizer layout), each on a random
+    rank.
     """
     axis_cuts = [draw(cuts(size, every=axis < prepend)) for axis, size in enumerate(shape)]
     boxes: List[Tuple[Tuple[int, ...], Tuple[int, ...]]] = [((), ())]
@@ -101,6 +106,13 @@ def shardings(
         boxes = [(o + (lo,), s + (hi - lo,)) for o, s in boxes for lo, hi in zip(c[:-1], c[1:])]
     per_rank: List[List[Box]] = [[] for _ in range(world)]
     for offset, size in boxes:
+        n = math.prod(size[prepend:])
+        if flats and n > 1 and draw(st.booleans()):
+            inner = sorted(draw(st.sets(st.integers(1, n - 1), max_size=3)))
+            bounds = [0, *inner, n]
+            for a, b in zip(bounds[:-1], bounds[1:]):
+                per_rank[draw(st.integers(0, world - 1))].append((offset, size, 0, (a, b)))
+            continue
         owner = draw(st.integers(0, world - 1))
         per_rank[owner].append((offset, size, 0))
         if replicas and world > 1 and draw(st.booleans()):
@@ -124,8 +136,8 @@ def cases(draw: st.DrawFn, world: int, index: int = 0, load_world: int = 0) -> C
         dtype=draw(st.sampled_from(DTYPES)),
         seed=draw(st.integers(0, 2**31 - 1)),
         prepend_axis_num=prepend,
-        save=draw(shardings(shape, prepend, world)),
-        load=draw(shardings(shape, prepend, load_world or world)),
+        save=draw(shardings(shape, prepend, world, flats=True)),
+        load=draw(shardings(shape, prepend, load_world or world, flats=True)),
     )
 
 

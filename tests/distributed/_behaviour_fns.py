@@ -137,3 +137,81 @@ def phrase_state_missing_object() -> Dict[str, Any]:
 
     r, w = dist.get_rank(), dist.get_world_size()
     return {} if r == w - 1 else {"obj": ShardedObject("obj", 1, (w,), (r,))}
+
+
+def flat_layout_state(
+    key: str,
+    global_shape: Tuple[int, ...],
+    grid_axis: int,
+    flat_splits: List[int],
+    with_data: bool,
+) -> Dict[str, Any]:
+    """Distributed-optimizer style flat shards of `global_tensor(global_shape)`.
+
+    The tensor is split in `world` grid pieces along `grid_axis` (as tensor parallelism
+    does); each piece's flattening is cut at the fractions `flat_splits` (in elements,
+    clipped to the piece) and the resulting ranges are dealt to the ranks round-robin, so
+    every rank holds flat ranges of several pieces, crossing row boundaries, some empty.
+    """
+    r, w = dist.get_rank(), dist.get_world_size()
+    g = global_tensor(global_shape)
+    piece_shape = list(global_shape)
+    piece_shape[grid_axis] //= w
+    n = math.prod(piece_shape)
+    cuts = sorted({0, n, *(min(c, n) for c in flat_splits)})
+    out = []
+    turn = 0
+    for piece in range(w):
+        index = [slice(None)] * len(global_shape)
+        index[grid_axis] = slice(
+            piece * piece_shape[grid_axis], (piece + 1) * piece_shape[grid_axis]
+        )
+        flat = g[tuple(index)].flatten()
+        for a, b in zip(cuts[:-1], cuts[1:]):
+            if turn % w == r:
+                data = flat[a:b].clone() if with_data else torch.full((b - a,), float("nan"))
+                out.append(
+                    ShardedTensor.from_rank_offsets_flat(
+                        key,
+                        data,
+                        tuple(piece_shape),
+                        (grid_axis, piece, w),
+                        flattened_range=slice(a, b),
+                    )
+                )
+            turn += 1
+    return {"flat": out, "step": 3}
+
+
+def save_flat_layout(
+    root: str, key: str, global_shape: Tuple[int, ...], grid_axis: int, flat_splits: List[int]
+) -> None:
+    """Saves `flat_layout_state` with data."""
+    dc.save(flat_layout_state(key, global_shape, grid_axis, flat_splits, True), root)
+
+
+def load_flat_layout(
+    root: str, key: str, global_shape: Tuple[int, ...], grid_axis: int, flat_splits: List[int]
+) -> List[str]:
+    """Loads `flat_layout_state`; returns the problems found (empty when exact)."""
+    want = flat_layout_state(key, global_shape, grid_axis, flat_splits, True)["flat"]
+    got = dc.load(flat_layout_state(key, global_shape, grid_axis, flat_splits, False), root)
+    return [
+        f"rank {dist.get_rank()} range {w.flattened_range}: {g} != {w.data}"
+        for w, g in zip(want, got["flat"], strict=True)
+        if not torch.equal(g, w.data)
+    ]
+
+
+def tensors_metadata(root: str) -> Dict[str, str]:
+    """`load_tensors_metadata(root)` as comparable strings."""
+    return {k: str(v) for k, v in dc.load_tensors_metadata(root).items()}
+
+
+def overlapping_flat_state() -> Dict[str, Any]:
+    """Every rank claims the flat range [0, 8) of the same piece: an overlap."""
+    return {
+        "f": ShardedTensor.from_rank_offsets_flat(
+            "f", torch.ones(8), (4, 4), flattened_range=slice(0, 8)
+        )
+    }

@@ -18,7 +18,8 @@ def rank() -> int:
 
 
 def shard_of(case: Case, box: Box, global_tensor: Optional[torch.Tensor]) -> ShardedTensor:
-    offset, size, replica = box
+    offset, size, replica = box[:3]
+    flat = box[3] if len(box) > 3 else None
     local_shape = size[case.prepend_axis_num :]
     if global_tensor is None:
         data = (
@@ -29,6 +30,20 @@ def shard_of(case: Case, box: Box, global_tensor: Optional[torch.Tensor]) -> Sha
     else:
         index = tuple(slice(o, o + s) for o, s in zip(offset, size))
         data = global_tensor[index].clone().reshape(local_shape)
+    if flat is not None:  # a flat shard: that range of the flattened box
+        return ShardedTensor(
+            case.key,
+            data.flatten()[flat[0] : flat[1]].clone(),
+            case.dtype,
+            local_shape,
+            case.global_shape,
+            offset,
+            None,
+            replica,
+            case.prepend_axis_num,
+            False,
+            slice(*flat),
+        )
     return ShardedTensor(
         case.key,
         data,
@@ -73,10 +88,12 @@ def check_load_cases(cases: List[Case], root: str) -> List[str]:
     for i, case in enumerate(cases):
         g = make_global(case)
         for box, got in zip(case.load[r], loaded.get(f"case{i}", []), strict=True):
-            offset, size, _ = box
+            offset, size = box[:2]
             want = g[tuple(slice(o, o + s) for o, s in zip(offset, size))].reshape(
                 size[case.prepend_axis_num :]
             )
+            if len(box) > 3:
+                want = want.flatten()[box[3][0] : box[3][1]]
             if not bitwise_equal(got, want):
                 problems.append(f"rank {r} case {i} box {box}: loaded data differs")
     meta = dc.load_sharded_metadata(ckpt)

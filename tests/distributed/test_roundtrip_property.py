@@ -1,4 +1,5 @@
-"""Property: random tensors, dtypes and shardings round-trip bitwise through save/load.
+"""Property: random tensors, dtypes and shardings (empty shards and flat shards included)
+round-trip bitwise through save/load with another layout.
 
 Examples are drawn in the test process and run as one batch inside a reused world, since
 spawning a world per example would be far too slow.
