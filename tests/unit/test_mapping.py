@@ -50,7 +50,7 @@ def test_from_rank_offsets_rejects_invalid_positions(rank_offsets):
 
 
 def test_from_rank_offsets_rejects_flattened_range():
-    with pytest.raises(CheckpointingException, match="flattened_range"):
+    with pytest.raises(CheckpointingException, match="from_rank_offsets_flat"):
         ShardedTensor.from_rank_offsets("w", torch.zeros(4), flattened_range=slice(0, 2))
 
 
