@@ -75,6 +75,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace, port: int, queue: A
                 shutil.rmtree(ckpt, ignore_errors=True)
                 os.makedirs(ckpt)
             dist.barrier()
+            out: Dict[str, Any] = {}
             if method == "megatron_fully_parallel":
                 sd = _state(mdc, rank, args.total_mib, args.tensors, False)
                 save_s = mfp.FullyParallelSaveStrategyWrapper(
@@ -87,7 +88,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace, port: int, queue: A
                 )
                 if rank == 0:
                     drop_page_cache()
-                t_load = timed(lambda: mdc.load(req, ckpt, load_s))
+                t_load = timed(lambda: out.update(mdc.load(req, ckpt, load_s)))
             else:
                 sd = _state(dc, rank, args.total_mib, args.tensors, False)
                 save_o: Any = TorchDistSaveShardedStrategy()
@@ -99,8 +100,8 @@ def _worker(rank: int, world: int, args: argparse.Namespace, port: int, queue: A
                 req = _state(dc, rank, args.total_mib, args.tensors, True)
                 if rank == 0:
                     drop_page_cache()
-                t_load = timed(lambda: dc.load(req, ckpt, load_o))
-            ok = all(bool((req[f"t{i}"].data == float(i)).all()) for i in range(args.tensors))
+                t_load = timed(lambda: out.update(dc.load(req, ckpt, load_o)))
+            ok = all(bool((out[f"t{i}"] == float(i)).all()) for i in range(args.tensors))
             if not ok:
                 raise RuntimeError(f"{method}: loaded values differ on rank {rank}")
             times[method]["save"].append(t_save)
