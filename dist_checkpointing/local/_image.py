@@ -29,52 +29,137 @@ import torch
 from .._safe_load import torch_load
 from ..errors import CheckpointCorruptedError, CheckpointingException
 from ..integrity import checksum
-from ..storage import FileWriter, host_buffer, read_file
+from ..storage import ALIGN, ImagePool, read_file
+from ..storage.segments import write_segments
 from .base_state_dict import TensorAwareStateDict, hollow_state_classes
 from .basic_state_dict import BasicTensorAwareStateDict  # noqa: F401  (registers its classes)
 
-__all__ = ["LocalImage", "start_image", "finish_image", "decode_image", "read_image", "write_image"]
+__all__ = [
+    "LocalImage",
+    "start_image",
+    "finish_image",
+    "release_image",
+    "decode_image",
+    "read_image",
+    "write_image",
+]
 
 MAGIC = b"DCLCKPT1"
 FORMAT_VERSION = 1
 _FOOTER = struct.Struct("<8sQQQQQ")
 _ALIGN = 64
-_IO_CHUNK = 64 << 20
 
 
 def _aligned(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
+#: pooled, page-aligned image buffers (pinned when filled from CUDA), reused across saves
+_POOL = ImagePool(max_free=1, max_signatures=2)
+_POOL_GRANULE = 1 << 20  # sizes rounded up to this, so equal structures share buffers
+
+
+@dataclass(frozen=True)
+class _Layout:
+    size: int
+
+    @property
+    def signature(self) -> Tuple[Any, ...]:
+        return ("local", self.size)
+
+
 @dataclass
 class LocalImage:
-    """A local checkpoint part as one host byte buffer (complete once finished)."""
+    """A local checkpoint part: its bytes (complete once finished).
+
+    Staged images hold every byte in one host buffer (`buffer`, from a pool when `pooled`).
+    Unstaged images (a synchronous save of CPU tensors) reference the tensors' own memory
+    (`sources`) and hold only the header, checksum table and footer (`tail`).
+    """
 
     ckpt_id: Tuple[Any, ...]
-    buffer: torch.Tensor  # uint8, 1-D
+    buffer: Optional[torch.Tensor]  # uint8, 1-D, the whole image; None when unstaged
     slots: List[Tuple[int, int]]  # (offset, nbytes) per tensor
     header_offset: int
     header_len: int
     finished: bool = False
+    sources: Optional[List[np.ndarray]] = None  # per tensor, its bytes (unstaged only)
+    tail: Optional[np.ndarray] = None  # header + table + footer (unstaged only)
+    pooled: Optional[torch.Tensor] = None  # the pool buffer behind `buffer`
 
     @property
     def nbytes(self) -> int:
-        return int(self.buffer.numel())
+        if self.buffer is not None:
+            return int(self.buffer.numel())
+        assert self.tail is not None
+        return self.header_offset + int(self.tail.size)
+
+    @property
+    def staged(self) -> bool:
+        return self.buffer is not None
+
+    def segments(self) -> List[np.ndarray]:
+        """The image's bytes as consecutive flat uint8 arrays."""
+        if self.buffer is not None:
+            return [self.buffer.numpy()]
+        assert self.sources is not None and self.tail is not None
+        out: List[np.ndarray] = []
+        for (off, n), src in zip(self.slots, self.sources):
+            out.append(src)
+            pad = _aligned(off + n) - (off + n)
+            if pad:
+                out.append(np.zeros(pad, dtype=np.uint8))
+        out.append(self.tail)
+        return out
+
+    def padded(self) -> Optional[np.ndarray]:
+        """The staged buffer extended with zeros to a multiple of 4096 (for O_DIRECT)."""
+        if self.pooled is None:
+            return None
+        n = -(-self.nbytes // ALIGN) * ALIGN
+        flat = self.pooled.numpy()
+        flat[self.nbytes : n] = 0
+        return flat[:n]
+
+
+def _byte_view(t: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's bytes without a copy (made contiguous first if it is not)."""
+    t = t.detach()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    if t.numel() == 0:
+        return np.empty(0, dtype=np.uint8)
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
+def release_image(image: LocalImage) -> None:
+    """Returns a staged image's pooled buffer for reuse (the image must not be used again)."""
+    if image.pooled is not None:
+        pooled, image.pooled, image.buffer = image.pooled, None, None
+        _POOL.release(_Layout(int(pooled.numel())), pooled)
 
 
 def start_image(
-    state: TensorAwareStateDict, ckpt_id: Tuple[Any, ...], names: Optional[List[str]] = None
+    state: TensorAwareStateDict,
+    ckpt_id: Tuple[Any, ...],
+    names: Optional[List[str]] = None,
+    stage: bool = True,
 ) -> LocalImage:
-    """Copies `state` into a new image buffer (the part of a save the caller waits for).
+    """Copies `state` into an image buffer (the part of a save the caller waits for).
 
     The tensors are taken out of `state` to serialize its hollow part and put back before
-    returning, so `state` is unchanged afterwards. The copy is complete on return (device
-    copies are synchronized), so the caller may modify its tensors at once.
+    returning, so `state` is unchanged afterwards. With `stage`, the copy is complete on
+    return (device copies are synchronized), so the caller may modify its tensors at once;
+    the buffer comes from a pool of page-aligned buffers (pinned when a tensor is on CUDA).
+    Without `stage` (only for CPU tensors the caller leaves alone until the image is
+    written), the image references the tensors' memory and nothing is copied.
 
     Args:
         state: the state to store (not hollow).
         ckpt_id: the checkpoint id recorded in the header.
         names: optional per-tensor names for error messages (e.g. ShardedTensor keys).
+        stage: copy the tensors into a host buffer (required for CUDA tensors, async
+            saves and replication).
 
     Returns:
         An unfinished image; pass it to `finish_image` before writing or sending it.
@@ -111,13 +196,22 @@ def start_image(
     header_bytes = raw.getbuffer()
     header_offset = offset
     total = header_offset + len(header_bytes) + 8 * len(tensors) + _FOOTER.size
-    buffer = host_buffer(total, pin=any(t.is_cuda for t in tensors))
+    if not stage and not any(t.is_cuda for t in tensors):
+        tail = np.zeros(total - header_offset, dtype=np.uint8)
+        tail[: len(header_bytes)] = np.frombuffer(header_bytes, dtype=np.uint8)
+        sources = [_byte_view(t) for t in tensors]
+        return LocalImage(
+            tuple(ckpt_id), None, slots, header_offset, len(header_bytes), False, sources, tail
+        )
+    rounded = -(-(total + ALIGN) // _POOL_GRANULE) * _POOL_GRANULE
+    pooled = _POOL.acquire(_Layout(rounded), pin=any(t.is_cuda for t in tensors))
+    buffer = pooled[:total]
     for (off, n), t in zip(slots, tensors):
         if n:
             dst = buffer[off : off + n].view(t.dtype).view(t.shape)
             dst.copy_(t, non_blocking=t.is_cuda)
-        # alignment padding: without this, leftover heap bytes would be written to the file
-        # (and equal states would not give equal files)
+        # alignment padding: without this, leftover bytes (of the heap, or of an earlier
+        # image in a reused buffer) would be written to the file
         buffer[off + n : _aligned(off + n)].zero_()
     for device in {t.device for t in tensors if t.is_cuda}:
         torch.cuda.synchronize(device)
@@ -125,28 +219,35 @@ def start_image(
     flat[header_offset : header_offset + len(header_bytes)] = np.frombuffer(
         header_bytes, dtype=np.uint8
     )
-    return LocalImage(tuple(ckpt_id), buffer, slots, header_offset, len(header_bytes))
+    return LocalImage(
+        tuple(ckpt_id), buffer, slots, header_offset, len(header_bytes), pooled=pooled
+    )
 
 
 def finish_image(image: LocalImage) -> LocalImage:
     """Computes the checksums and writes the footer (runs in the background)."""
     if image.finished:
         return image
-    flat = image.buffer.numpy()
-    table = np.array([checksum(flat[off : off + n]) for off, n in image.slots], dtype="<u8").view(
-        np.uint8
-    )
-    table_off = image.header_offset + image.header_len
-    flat[table_off : table_off + table.size] = table
+    if image.buffer is not None:
+        flat = image.buffer.numpy()
+        sums = [checksum(flat[off : off + n]) for off, n in image.slots]
+        tail = flat[image.header_offset :]
+    else:
+        assert image.sources is not None and image.tail is not None
+        sums = [checksum(src) for src in image.sources]
+        tail = image.tail
+    table = np.array(sums, dtype="<u8").view(np.uint8)
+    t0 = image.header_len
+    tail[t0 : t0 + table.size] = table
     footer = _FOOTER.pack(
         MAGIC,
         image.header_offset,
         image.header_len,
         len(image.slots),
-        checksum(flat[image.header_offset : table_off]),
-        checksum(flat[table_off : table_off + table.size]),
+        checksum(tail[:t0]),
+        checksum(tail[t0 : t0 + table.size]),
     )
-    flat[table_off + table.size :] = np.frombuffer(footer, dtype=np.uint8)
+    tail[t0 + table.size :] = np.frombuffer(footer, dtype=np.uint8)
     image.finished = True
     return image
 
@@ -248,26 +349,20 @@ def decode_image(
     return tuple(header.get("id", ())), state
 
 
-def write_image(image: LocalImage, path: str) -> None:
-    """Writes a finished image to `path` (created, must not exist) and fsyncs it.
+def write_image(image: LocalImage, path: str, fsync: bool = True) -> None:
+    """Writes a finished image to `path` (created, must not exist).
 
-    Goes through the shared I/O layer (`storage.FileWriter`, buffered: the image buffer is
-    not padded for O_DIRECT).
+    Through the shared I/O layer (`storage.write_segments`): with `fsync`, O_DIRECT where
+    the file system allows it (a staged image straight from its aligned buffer, an unstaged
+    one through the pooled chunk buffers) and the file is fsync'd; without, buffered writes
+    from the image's own memory and no fsync (the durability policy, see the manager).
 
     Raises:
         FileExistsError: `path` exists.
         OSError: the write failed (the partial file is removed).
     """
     assert image.finished, "finish_image must run before write_image"
-    view = memoryview(image.buffer.numpy())  # type: ignore[arg-type]
-    out = FileWriter(path, len(view), direct=False, exclusive=True, preallocate=False)
-    try:
-        for start in range(0, len(view), _IO_CHUNK):
-            out.write(view[start : start + _IO_CHUNK], start)
-        out.finish()
-    except BaseException:
-        out.abort(remove=True)
-        raise
+    write_segments(path, image.segments(), direct=fsync, fsync=fsync, padded=image.padded())
 
 
 def read_image(path: str) -> torch.Tensor:

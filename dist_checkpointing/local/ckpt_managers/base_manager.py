@@ -6,15 +6,17 @@ class owns the protocol; subclasses store parts (`LocalCheckpointManager`: files
 Save (collective):
 1. Caller: agree that no save of iteration I is in progress here (no dirty part of I: as in
    the reference, another writer on this machine is a `SameMachineReplicationException`),
-   copy the tensors into a host image (the only part the training loop waits for), queue
-   the rest on the manager's one background thread, in call order (so background
-   exchanges run in the same order on every rank).
+   copy the tensors into a pooled host image (the only part the training loop waits for; a
+   synchronous save of CPU tensors without replication copies nothing and writes from the
+   tensors themselves), queue the rest on the manager's one background thread, in call
+   order (so background exchanges run in the same order on every rank).
 2. Background: remove the committed parts of I held here, if any (a job restarted from an
-   older checkpoint reaches I again: the new save overwrites the old one), then
-   checksums, replication exchange, write of every part kept here as a dirty file
-   (created exclusively), fsync. Every rank removes its old parts before the agreement
-   that precedes any commit, so old and new parts of I never coexist committed: a
-   failure or crash leaves I incomplete, never mixed.
+   older checkpoint reaches I again: the new save overwrites the old one), then checksums;
+   the write of this rank's own part as a dirty file (created exclusively) runs while the
+   replication exchange receives the peers' parts, then those are written too. Whether
+   the files are fsync'd is the durability policy (`fsync`, below). Every rank removes its
+   old parts before the agreement that precedes any commit, so old and new parts of I
+   never coexist committed: a failure or crash leaves I incomplete, never mixed.
 3. Finalize (collective, after every rank's background work succeeded): commit (rename)
    the parts, agree that every rank committed, then remove older iterations. If any rank
    failed, every rank removes the iteration's files and raises; the previous checkpoint
@@ -44,7 +46,7 @@ from ...errors import (
     NoReplicasAvailableError,
     SameMachineReplicationException,
 )
-from .._image import LocalImage, decode_image, finish_image, start_image
+from .._image import LocalImage, decode_image, finish_image, release_image, start_image
 from ..base_state_dict import TensorAwareStateDict
 from ..replication.strategies import (
     CkptID,
@@ -66,6 +68,19 @@ logger = logging.getLogger(__name__)
 
 
 _executor: Optional[concurrent.futures.ThreadPoolExecutor] = None
+
+
+_io_executor: Optional[concurrent.futures.ThreadPoolExecutor] = None
+
+
+def _io_threads() -> concurrent.futures.ThreadPoolExecutor:
+    """Writer threads for the parts a save keeps here (own part and received copies)."""
+    global _io_executor
+    if _io_executor is None:
+        _io_executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=4, thread_name_prefix="dc-local-io"
+        )
+    return _io_executor
 
 
 def _background_thread() -> concurrent.futures.ThreadPoolExecutor:
@@ -91,6 +106,13 @@ class BaseCheckpointManager(ABC):
         use_replicas: whether parts held by other ranks count in `find_latest` and `load`
             (default: when `repl_strategy` is given). A loader that did not save may set it
             to recover from copies made by an earlier run.
+        fsync: the durability policy. True: every part is written with O_DIRECT where
+            possible and fsync'd before it is renamed, and the directory is fsync'd after
+            the rename, so a committed part survives a machine crash. False: buffered
+            writes, no fsync; a crash of the machine (not of the process) can leave a
+            committed part torn or missing, which its checksums detect at load, and the
+            copy on another node is used. Default (None): False with a `repl_strategy`
+            (the replica protects against losing this node), True without.
     """
 
     def __init__(
@@ -99,9 +121,11 @@ class BaseCheckpointManager(ABC):
         repl_strategy: Optional[ReplicationStrategy] = None,
         *,
         use_replicas: Optional[bool] = None,
+        fsync: Optional[bool] = None,
     ) -> None:
         self.session_id = session_id
         self.repl_strategy = repl_strategy
+        self.fsync = repl_strategy is None if fsync is None else bool(fsync)
         self.use_replicas = repl_strategy is not None if use_replicas is None else use_replicas
         self.latest_iteration = -1
         self.globally_available_ids: Optional[List[List[CkptID]]] = None
@@ -223,7 +247,10 @@ class BaseCheckpointManager(ABC):
                 raise SameMachineReplicationException(in_progress[0])
             if self.repl_strategy is not None:
                 self.repl_strategy.prepare()
-            image = start_image(state_dict, ckpt_id, state_dict.tensor_names())
+            # a sync save of CPU tensors without copies to send writes from the tensors
+            # themselves (the caller waits until they are written, so they cannot change)
+            stage = is_async or self.repl_strategy is not None
+            image = start_image(state_dict, ckpt_id, state_dict.tensor_names(), stage=stage)
         except Exception as e:  # agreed on below
             error = e
         _dist.agree_on_errors(error, f"local checkpoint save of iteration {iteration}")
@@ -267,24 +294,36 @@ class BaseCheckpointManager(ABC):
         return None
 
     def _write_parts(self, image: LocalImage, iteration: int) -> int:
-        """Background: removal of an older save of `iteration`, checksums, replication
-        exchange, durable writes of every part kept here."""
-        old = [i for i in self._my_ckpt_ids() if i[0] == iteration]
-        if old:  # committed by an earlier run that reached this iteration too
-            logger.info(
-                "local checkpoint of iteration %d replaces %d part(s) saved before here",
-                iteration,
-                len(old),
-            )
-            self._cleanup_failed_save(iteration)
-        finish_image(image)
-        parts: List[LocalImage] = [image]
-        if self.repl_strategy is not None:
-            for other_id, buf in self.repl_strategy.replicate_images(image.buffer, image.ckpt_id):
-                parts.append(LocalImage(other_id, buf, [], 0, 0, finished=True))
-        for part in parts:
-            self._save_image(part, part.ckpt_id)
-        return sum(part.nbytes for part in parts)
+        """Background: removal of an older save of `iteration`, checksums, then this rank's
+        write overlapping the replication exchange, then the writes of the received copies
+        (in parallel)."""
+        try:
+            old = [i for i in self._my_ckpt_ids() if i[0] == iteration]
+            if old:  # committed by an earlier run that reached this iteration too
+                logger.info(
+                    "local checkpoint of iteration %d replaces %d part(s) saved before here",
+                    iteration,
+                    len(old),
+                )
+                self._cleanup_failed_save(iteration)
+            finish_image(image)
+            if self.repl_strategy is None:
+                self._save_image(image, image.ckpt_id)
+                return image.nbytes
+            own = _io_threads().submit(self._save_image, image, image.ckpt_id)
+            try:
+                assert image.buffer is not None
+                received = self.repl_strategy.replicate_images(image.buffer, image.ckpt_id)
+            finally:
+                own_error = own.exception()  # waits for the own write in every case
+            if own_error is not None:
+                raise own_error
+            copies = [LocalImage(i, buf, [], 0, 0, finished=True) for i, buf in received]
+            for f in [_io_threads().submit(self._save_image, c, c.ckpt_id) for c in copies]:
+                f.result()
+            return image.nbytes + sum(c.nbytes for c in copies)
+        finally:
+            release_image(image)
 
     def _drop_dirty(self, iteration: int, future: concurrent.futures.Future) -> None:
         """Removes this iteration's uncommitted files once its background work ended."""

@@ -2,7 +2,8 @@
 
 Layout (the reference layout, so operators' scripts keep working):
 `<root>/<session_id>/<rank>/iter_<iteration, 7+ digits>_<owner rank>_local.pt`, written
-first as `..._local.dirty.pt`, fsync'd, and renamed (then the directory fsync'd) at commit.
+first as `..._local.dirty.pt` and renamed at commit; with `fsync` (the default without
+replication) the file is fsync'd before and the directory after the rename.
 The files are our byte images (see `.._image`), not pickles: loading one never runs code.
 """
 
@@ -37,6 +38,8 @@ class LocalCheckpointManager(BaseCheckpointManager):
         session_id: subdirectory and id component separating jobs under one root.
         repl_strategy: where copies of each part go (e.g. `CliqueReplicationStrategy`).
         use_replicas: see `BaseCheckpointManager`.
+        fsync: the durability policy, see `BaseCheckpointManager` (default: fsync only
+            without `repl_strategy`).
     """
 
     def __init__(
@@ -46,8 +49,9 @@ class LocalCheckpointManager(BaseCheckpointManager):
         repl_strategy: Optional[ReplicationStrategy] = None,
         *,
         use_replicas: Optional[bool] = None,
+        fsync: Optional[bool] = None,
     ) -> None:
-        super().__init__(session_id, repl_strategy, use_replicas=use_replicas)
+        super().__init__(session_id, repl_strategy, use_replicas=use_replicas, fsync=fsync)
         self.root_local_ckpt_dir = Path(root_local_ckpt_dir)
         if session_id and (os.sep in session_id or session_id in (".", "..")):
             raise CheckpointingException(f"session_id must be a plain name, got {session_id!r}")
@@ -101,13 +105,14 @@ class LocalCheckpointManager(BaseCheckpointManager):
         try:
             # created exclusively, as the reference opens it with "bx": an existing dirty
             # file belongs to another writer (or an interrupted save) and is left alone
-            write_image(image, str(dirty))
+            write_image(image, str(dirty), fsync=self.fsync)
         except FileExistsError as e:
             raise SameMachineReplicationException(ckpt_id) from e
 
     def _commit(self, ckpt_id: CkptID) -> None:
         os.replace(self._path(ckpt_id, dirty=True), self._path(ckpt_id))
-        fsync_dir(self.local_ckpt_dir)
+        if self.fsync:
+            fsync_dir(self.local_ckpt_dir)
 
     def _remove(self, paths: Iterable[Path]) -> None:
         removed = False

@@ -44,6 +44,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+#: bytes per message of the replication exchange
+_CHUNK = 64 << 20
+
 #: (iteration, owner rank, session id)
 CkptID = Tuple[int, int, str]
 
@@ -319,15 +322,27 @@ class CliqueReplicationStrategy(ReplicationStrategy):
         me = _dist.get_rank()
         infos: List[Any] = [None] * len(self.ranks)
         dist.all_gather_object(infos, (tuple(id_), int(image.numel())), group=self.local_group)
-        out = []
-        for src, (other_id, nbytes) in zip(self.ranks, infos):
-            if src == me:
-                buf = self._to_target(image)
-            else:
-                buf = torch.empty(nbytes, dtype=torch.uint8, device=self.target_device)
-            dist.broadcast(buf, src=src, group=self.local_group)
-            if src != me:
-                out.append((tuple(other_id), buf.cpu()))
+        # every send and receive is posted at once, in large chunks: both directions of
+        # each pair run together and nothing waits per tensor or per chunk
+        mine = self._to_target(image)
+        works, out = [], []
+        for peer, (other_id, nbytes) in zip(self.ranks, infos):
+            if peer == me:
+                continue
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=self.target_device)
+            for k, lo in enumerate(range(0, nbytes, _CHUNK)):
+                works.append(
+                    dist.irecv(buf[lo : lo + _CHUNK], src=peer, group=self.local_group, tag=k)
+                )
+            for k, lo in enumerate(range(0, int(mine.numel()), _CHUNK)):
+                works.append(
+                    dist.isend(mine[lo : lo + _CHUNK], dst=peer, group=self.local_group, tag=k)
+                )
+            out.append((tuple(other_id), buf))
+        for w in works:
+            if w is not None:
+                w.wait()
+        out = [(i, b.cpu()) for i, b in out]
         received = sum(int(b.numel()) for _, b in out)
         elapsed = time.perf_counter() - start
         logger.info(
