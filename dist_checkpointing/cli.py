@@ -56,9 +56,14 @@ def _ls(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from .tools.inspect import describe
+    from .tools._light import Unsupported, describe_light
 
-    info = describe(args.path)
+    try:  # complete torch_dist / DCP checkpoints without importing torch (fast)
+        info = describe_light(args.path)
+    except Unsupported:  # anything else: the full reader decides, and names any problem
+        from .tools.inspect import describe
+
+        info = describe(args.path)
     if args.json:
         _print_json({**asdict(info), "tensor_bytes": info.tensor_bytes})
         return EXIT_OK if info.complete else EXIT_PROBLEM

@@ -9,121 +9,29 @@ Recognised kinds:
 
 from __future__ import annotations
 
-import datetime
 import math
 import os
-import reprlib
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Union
+from typing import Dict, List, Union
 
 from ..core import CONFIG_FNAME, maybe_load_config
 from ..errors import CheckpointingException, NotACheckpointError
 from ..integrity import CHECKSUMS_FNAME
 from ..manager.layout import parse_step, read_latest
 from . import _storage
+from ._info import (
+    CheckpointInfo,
+    ChecksumCoverage,
+    TensorInfo,
+    date_of,
+    disk_size,
+    short_repr,
+)
 
 __all__ = ["TensorInfo", "ChecksumCoverage", "CheckpointInfo", "describe", "list_checkpoints"]
 
 PathArg = Union[str, "os.PathLike[str]"]
 _SMALL_OBJECT = 64 << 10  # bytes entries up to this size are read to show their value
-_repr = reprlib.Repr()
-_repr.maxstring = 40
-_repr.maxother = 40
-_repr.maxdict = _repr.maxlist = _repr.maxtuple = 4
-
-
-@dataclass
-class TensorInfo:
-    """One stored tensor: global shape, dtype, bytes and number of stored shards."""
-
-    key: str
-    shape: List[int]
-    dtype: str
-    nbytes: int
-    shards: int
-
-
-@dataclass
-class ChecksumCoverage:
-    """How much of a checkpoint `checksums.json` covers (items and bytes)."""
-
-    present: bool
-    items: int = 0
-    items_covered: int = 0
-    bytes: int = 0
-    bytes_covered: int = 0
-    files_covered: List[str] = field(default_factory=list)
-
-
-@dataclass
-class CheckpointInfo:
-    """What `describe` found in a checkpoint directory.
-
-    Attributes:
-        path: the directory.
-        kind: 'torch_dist' (or another backend named by `metadata.json`), 'dcp', 'local'
-            or 'incomplete'.
-        complete: whether it is committed (loadable).
-        step: from a `iter_NNNNNNN` directory name, else None.
-        backend: `sharded_backend v<version>` (or 'dcp' / None).
-        size: bytes on disk (all files below the directory).
-        date: modification time of the commit record (or of the directory), ISO 8601 UTC.
-        tensors: stored tensors (empty when `deep` was False).
-        objects: stored objects and common values: key -> short repr ('' when not read).
-        checksums: coverage by `checksums.json` (local parts: by their own checksums).
-        world_size: ranks that wrote it, when known.
-        problem: why it is incomplete or unreadable, else ''.
-        latest: whether the root's `latest` record names it.
-    """
-
-    path: str
-    kind: str
-    complete: bool
-    step: Optional[int]
-    backend: Optional[str]
-    size: int
-    date: str
-    tensors: List[TensorInfo] = field(default_factory=list)
-    objects: Dict[str, str] = field(default_factory=dict)
-    checksums: Optional[ChecksumCoverage] = None
-    world_size: Optional[int] = None
-    problem: str = ""
-    latest: bool = False
-
-    @property
-    def tensor_bytes(self) -> int:
-        """Bytes of all stored tensors (global shapes)."""
-        return sum(t.nbytes for t in self.tensors)
-
-
-def short_repr(value: Any) -> str:
-    """A one-line repr of at most ~60 characters; tensors as `tensor(shape, dtype)`."""
-    shape = getattr(value, "shape", None)
-    if shape is not None and hasattr(value, "dtype"):
-        return f"tensor({tuple(shape)}, {value.dtype})"
-    return _repr.repr(value)
-
-
-def _disk_size(path: Path) -> int:
-    total = 0
-    for dirpath, _, files in os.walk(path):
-        for name in files:
-            try:
-                total += os.lstat(os.path.join(dirpath, name)).st_size
-            except OSError:  # removed while we walk
-                pass
-    return total
-
-
-def _date(path: Path) -> str:
-    try:
-        stamp = path.stat().st_mtime
-    except OSError:
-        return ""
-    return datetime.datetime.fromtimestamp(stamp, datetime.timezone.utc).isoformat(
-        timespec="seconds"
-    )
 
 
 def describe(path: PathArg, deep: bool = True) -> CheckpointInfo:
@@ -149,16 +57,16 @@ def describe(path: PathArg, deep: bool = True) -> CheckpointInfo:
     has_dcp = (ckpt / _storage.DCP_METADATA_FNAME).is_file()
     ours = any((ckpt / n).exists() for n in (_storage.COMMON_FNAME, CHECKSUMS_FNAME))
     info = CheckpointInfo(
-        str(ckpt), "incomplete", False, parse_step(ckpt.name), None, _disk_size(ckpt), ""
+        str(ckpt), "incomplete", False, parse_step(ckpt.name), None, disk_size(ckpt), ""
     )
     try:
         config = maybe_load_config(ckpt)
     except CheckpointingException as e:
         info.problem = f"damaged {CONFIG_FNAME}: {e}"
-        info.date = _date(ckpt)
+        info.date = date_of(ckpt)
         return info
     if config is None:
-        info.date = _date(ckpt / _storage.DCP_METADATA_FNAME if has_dcp else ckpt)
+        info.date = date_of(ckpt / _storage.DCP_METADATA_FNAME if has_dcp else ckpt)
         if not has_dcp or ours:  # stock DCP writes neither common.pt nor checksums.json
             children = [
                 p for p in sorted(ckpt.iterdir()) if p.is_dir() and _looks_like_checkpoint(p)
@@ -177,7 +85,7 @@ def describe(path: PathArg, deep: bool = True) -> CheckpointInfo:
     else:
         info.kind = config.sharded_backend
         info.backend = f"{config.sharded_backend} v{config.sharded_backend_version}"
-        info.date = _date(ckpt / CONFIG_FNAME)
+        info.date = date_of(ckpt / CONFIG_FNAME)
     try:
         if info.kind == "local":
             _describe_local(ckpt, info, deep)

@@ -1,0 +1,341 @@
+"""`describe` without importing torch, for `dist-ckpt inspect` and `ls` on DCP-format checkpoints.
+
+Importing torch costs seconds; a look at a small checkpoint should not. This module reads
+`metadata.json` and `checksums.json` (JSON), DCP's `.metadata` and `torch.save` payloads
+(`common.pt`, stored objects) with unpicklers that map an allowlist of torch's classes to
+plain stand-ins (dtype names, shapes), and builds the same `CheckpointInfo` as the full
+reader. Anything outside the allowlist (another backend, an unknown class in the common
+state, a damaged file) raises `Unsupported`, and the caller uses the full reader, which
+gives the authoritative answer or error.
+
+It imports nothing that imports torch: only the standard library, `xxhash`, and the
+torch-free `_info` module.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+import pickle
+import re
+import zipfile
+from pathlib import Path
+from typing import Any, Dict, List, Tuple, Union
+
+from ._info import CheckpointInfo, ChecksumCoverage, TensorInfo, date_of, disk_size, short_repr
+
+__all__ = ["Unsupported", "describe_light"]
+
+PathArg = Union[str, "os.PathLike[str]"]
+_STEP_DIR = re.compile(r"iter_(\d{7,})")  # as manager.layout.parse_step
+_SHARDED_OBJECT = re.compile(r"/shard_\d+(_\d+)*$")
+_SMALL_OBJECT = 64 << 10
+_MAX_METADATA = 64 << 20
+_ITEMSIZE = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "complex64": 8, "complex128": 16,
+    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "uint16": 2, "uint32": 4,
+    "uint64": 8, "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1,
+    "float8_e5m2fnuz": 1,
+}  # fmt: skip
+_STORAGE_DTYPE = {
+    "DoubleStorage": "float64", "FloatStorage": "float32", "HalfStorage": "float16",
+    "BFloat16Storage": "bfloat16", "LongStorage": "int64", "IntStorage": "int32",
+    "ShortStorage": "int16", "CharStorage": "int8", "ByteStorage": "uint8",
+    "BoolStorage": "bool", "ComplexFloatStorage": "complex64",
+    "ComplexDoubleStorage": "complex128",
+}  # fmt: skip
+
+
+class Unsupported(Exception):
+    """This checkpoint needs the full reader (torch): not an error by itself."""
+
+
+class _DType:
+    def __init__(self, name: str) -> None:
+        self.name, self.itemsize = name, _ITEMSIZE[name]
+
+    def __str__(self) -> str:
+        return f"torch.{self.name}"
+
+
+class _Stub:
+    """Stands in for an allowlisted class: keeps constructor args and pickled state."""
+
+    def __init__(self, *args: Any) -> None:
+        self.args = args
+
+    def __setstate__(self, state: Any) -> None:
+        if isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict):
+            self.__dict__.update(state[0] or {})
+            self.__dict__.update(state[1])
+        elif isinstance(state, dict):
+            self.__dict__.update(state)
+        else:
+            self.state = state
+
+
+def _stub(name: str) -> type:
+    return type(name, (_Stub,), {})
+
+
+_DCP = "torch.distributed.checkpoint.metadata"
+_PLANNER = "torch.distributed.checkpoint.planner"
+_METADATA_CLASSES: Dict[Tuple[str, str], Any] = {
+    **{
+        (_DCP, n): _stub(n)
+        for n in (
+            "Metadata",
+            "TensorStorageMetadata",
+            "BytesStorageMetadata",
+            "ChunkStorageMetadata",
+            "TensorProperties",
+            "MetadataIndex",
+            "StorageMeta",
+        )
+    },
+    # megatron-core pickles its global save plan (plain dataclasses and enums) beside it
+    **{
+        (_PLANNER, n): _stub(n)
+        for n in (
+            "SavePlan",
+            "WriteItem",
+            "TensorWriteData",
+            "BytesIOWriteData",
+            "LoadPlan",
+            "ReadItem",
+        )
+    },
+    (_PLANNER, "WriteItemType"): lambda value: value,
+    (_PLANNER, "LoadItemType"): lambda value: value,
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _stub("_StorageInfo"),
+    ("pathlib", "PurePosixPath"): lambda *parts: "/".join(parts),
+    ("builtins", "set"): set,
+    ("builtins", "frozenset"): frozenset,
+    **{
+        ("torch", n): n
+        for n in ("strided", "sparse_coo", "contiguous_format", "channels_last", "preserve_format")
+    },
+    (_DCP, "_MEM_FORMAT_ENCODING"): lambda value: value,
+    ("torch.serialization", "_get_layout"): lambda name: name,
+    ("torch", "Size"): lambda dims=(): tuple(dims),
+    ("pathlib", "PosixPath"): lambda *parts: "/".join(parts),
+    ("pathlib", "WindowsPath"): lambda *parts: "/".join(parts),
+    ("collections", "OrderedDict"): dict,
+}
+
+
+class _TensorStub:
+    def __init__(self, shape: Tuple[int, ...], dtype: _DType) -> None:
+        self.shape, self.dtype = shape, dtype
+
+
+def _rebuild_tensor(storage: Any, offset: int, size: Any, *rest: Any) -> _TensorStub:
+    return _TensorStub(tuple(size), storage)
+
+
+class _Unpickler(pickle.Unpickler):
+    """Maps allowlisted globals to stand-ins; anything else needs the full reader."""
+
+    def __init__(self, data: bytes, tensors: bool) -> None:
+        super().__init__(io.BytesIO(data))
+        self._tensors = tensors
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "torch" and name in _ITEMSIZE:
+            return _DType(name)
+        found = _METADATA_CLASSES.get((module, name))
+        if found is not None:
+            return found
+        if self._tensors and module == "torch._utils" and name == "_rebuild_tensor_v2":
+            return _rebuild_tensor
+        if self._tensors and module == "torch" and name in _STORAGE_DTYPE:
+            return _DType(_STORAGE_DTYPE[name])
+        raise Unsupported(f"{module}.{name}")
+
+    def persistent_load(self, pid: Any) -> Any:
+        if self._tensors and isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage":
+            dtype = pid[1]
+            if isinstance(dtype, _DType):
+                return dtype
+        raise Unsupported(f"persistent id {pid!r}")
+
+
+def _unpickle(data: bytes, tensors: bool) -> Any:
+    try:
+        return _Unpickler(data, tensors).load()
+    except Unsupported:
+        raise
+    except Exception as e:  # damaged bytes: let the full reader name the problem
+        raise Unsupported(f"cannot parse ({type(e).__name__})") from e
+
+
+def _torch_payload(data: bytes) -> Any:
+    """The object of a `torch.save` zip, tensors as stand-ins."""
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as z:
+            name = next(n for n in z.namelist() if n.endswith("/data.pkl") or n == "data.pkl")
+            return _unpickle(z.read(name), tensors=True)
+    except (zipfile.BadZipFile, StopIteration, KeyError, OSError) as e:
+        raise Unsupported(f"not a torch.save zip ({type(e).__name__})") from e
+
+
+def _read(path: Path, limit: int) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            data = f.read(limit + 1)
+    except OSError as e:
+        raise Unsupported(str(e)) from e
+    if len(data) > limit:
+        raise Unsupported(f"{path} is large")
+    return data
+
+
+def _json(path: Path) -> Any:
+    try:
+        return json.loads(_read(path, 1 << 20 if path.name == "metadata.json" else 1 << 30))
+    except ValueError as e:
+        raise Unsupported(f"{path}: not JSON") from e
+
+
+def _checksums(ckpt: Path) -> Any:
+    path = ckpt / "checksums.json"
+    if not path.exists():
+        return None
+    import xxhash
+
+    body = _json(path)
+    if not isinstance(body, dict) or not isinstance(body.get("digest"), str):
+        raise Unsupported("checksums.json damaged")
+    digest = body.pop("digest")
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    try:
+        ok = int(digest, 16) == xxhash.xxh3_64_intdigest(canonical)
+    except ValueError:
+        ok = False
+    if not ok or body.get("format") != 1 or not isinstance(body.get("ranges"), dict):
+        raise Unsupported("checksums.json damaged or of another format")
+    return body
+
+
+def _config(ckpt: Path) -> Any:
+    path = ckpt / "metadata.json"
+    if not path.exists():
+        return None
+    body = _json(path)
+    if not isinstance(body, dict):
+        raise Unsupported("metadata.json is not an object")
+    backend, version = body.get("sharded_backend"), body.get("sharded_backend_version", 1)
+    if backend != "torch_dist" or not isinstance(version, int) or isinstance(version, bool):
+        raise Unsupported(f"backend {backend!r}")
+    return body
+
+
+def describe_light(path: PathArg, deep: bool = True) -> CheckpointInfo:
+    """`tools.inspect.describe` for complete `torch_dist` and stock DCP checkpoints.
+
+    Raises:
+        Unsupported: anything else (missing, incomplete, damaged, another backend, classes
+            outside the allowlist): use the full reader.
+    """
+    ckpt = Path(path)
+    if not (ckpt / ".metadata").is_file():
+        raise Unsupported("no .metadata")
+    config = _config(ckpt)
+    ours = any((ckpt / n).exists() for n in ("common.pt", "checksums.json"))
+    if config is None and ours:
+        raise Unsupported("incomplete")
+    sums = _checksums(ckpt) if config is not None else None
+    m = _STEP_DIR.fullmatch(ckpt.name)
+    info = CheckpointInfo(
+        str(ckpt),
+        "torch_dist" if config else "dcp",
+        True,
+        int(m.group(1)) if m else None,
+        f"torch_dist v{config['sharded_backend_version']}" if config else "dcp",
+        disk_size(ckpt),
+        date_of(ckpt / ("metadata.json" if config else ".metadata")),
+    )
+    raw = _read(ckpt / ".metadata", _MAX_METADATA)
+    if sums is not None:
+        import xxhash
+
+        recorded = sums.get("files", {}).get(".metadata")
+        if recorded is None or int(recorded, 16) != xxhash.xxh3_64_intdigest(raw):
+            raise Unsupported(".metadata does not match its checksum")
+    metadata = _unpickle(raw, tensors=False)
+    try:
+        _fill(ckpt, info, metadata, sums, deep)
+    except (AttributeError, TypeError, KeyError, ValueError) as e:
+        raise Unsupported(f"unexpected metadata ({type(e).__name__})") from e
+    return info
+
+
+def _fill(ckpt: Path, info: CheckpointInfo, metadata: Any, sums: Any, deep: bool) -> None:
+    coverage = ChecksumCoverage(present=sums is not None)
+    shards: Dict[str, int] = {}
+    where: Dict[str, Any] = {}
+    for index, storage in metadata.storage_data.items():
+        shards[index.fqn] = shards.get(index.fqn, 0) + 1
+        where[index.fqn] = storage
+        coverage.items += 1
+        coverage.bytes += int(storage.length)
+        if sums is not None and str(storage.offset) in sums["ranges"].get(
+            str(storage.relative_path), {}
+        ):
+            coverage.items_covered += 1
+            coverage.bytes_covered += int(storage.length)
+    if sums is not None:
+        coverage.files_covered = sorted(sums.get("files", {}))
+    info.checksums = coverage
+    objects: List[str] = []
+    for key, md in sorted(metadata.state_dict_metadata.items()):
+        if type(md).__name__ == "BytesStorageMetadata":
+            objects.append(key)
+            continue
+        dtype = md.properties.state[0]
+        if not isinstance(dtype, _DType):
+            raise Unsupported(f"dtype of {key!r}")
+        shape = [int(s) for s in md.size]
+        info.tensors.append(
+            TensorInfo(
+                key, shape, str(dtype), math.prod(shape) * dtype.itemsize, shards.get(key, 0)
+            )
+        )
+    for key in objects:
+        value = ""
+        storage = where.get(key)
+        if deep and storage is not None and int(storage.length) <= _SMALL_OBJECT:
+            value = short_repr(_object(ckpt, key, storage, sums))
+        info.objects[key] = value
+    if deep and (ckpt / "common.pt").is_file():
+        common = _torch_payload(_read(ckpt / "common.pt", 1 << 30))
+        if not isinstance(common, dict):
+            raise Unsupported("common.pt is not a dict")
+        for key, value in sorted(common.items(), key=lambda kv: str(kv[0])):
+            info.objects[str(key)] = short_repr(value)
+
+
+def _object(ckpt: Path, key: str, storage: Any, sums: Any) -> Any:
+    rel = str(storage.relative_path)
+    if "/" in rel or rel in ("", ".", ".."):
+        raise Unsupported("odd storage path")
+    try:
+        with open(ckpt / rel, "rb") as f:
+            f.seek(int(storage.offset))
+            data = f.read(int(storage.length))
+    except OSError as e:
+        raise Unsupported(str(e)) from e
+    if sums is not None:  # show only verified values
+        import xxhash
+
+        entry = sums["ranges"].get(rel, {}).get(str(storage.offset))
+        if not isinstance(entry, list) or len(entry) != 2:
+            raise Unsupported(f"no whole-item checksum for {key!r}")
+        if int(entry[1], 16) != xxhash.xxh3_64_intdigest(data):
+            raise Unsupported(f"{key!r} does not match its checksum")
+    value = _torch_payload(data)
+    if _SHARDED_OBJECT.search(key) and isinstance(value, list) and len(value) == 1:
+        return value[0]
+    return value
