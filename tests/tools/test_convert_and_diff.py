@@ -166,3 +166,29 @@ def test_diff_compares_across_writers(ours, stock, tmp_path):
     assert "step" in report.only_in_b and "common:iteration" in report.only_in_a
     shutil.copytree(ours, tmp_path / "copy")
     assert diff_checkpoints(ours, tmp_path / "copy").equal
+
+
+@pytest.mark.interop
+def test_diff_and_ls_read_megatron_core_checkpoints(mcore, tmp_path):
+    from dist_checkpointing.tools import list_checkpoints
+
+    root = tmp_path / "root"
+    root.mkdir()
+    shutil.copytree(mcore, root / "iter_0000005")
+    (found,) = list_checkpoints(root)
+    assert (found.step, found.kind, found.complete, len(found.tensors)) == (
+        5,
+        "torch_dist",
+        True,
+        2,
+    )
+    report = diff_checkpoints(mcore, root / "iter_0000005")
+    assert report.equal and report.tensors_compared == 2
+
+
+def test_convert_shows_a_progress_bar_when_asked(ours, tmp_path, capsys):
+    convert_checkpoint(ours, tmp_path / "x.pt", "torch", progress=True)
+    err = capsys.readouterr().err
+    assert "convert" in err and "100%" in err
+    convert_checkpoint(ours, tmp_path / "y.pt", "torch")  # not a terminal: no bar
+    assert capsys.readouterr().err == ""
