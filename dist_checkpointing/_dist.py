@@ -15,7 +15,7 @@ import contextlib
 import datetime
 import logging
 import os
-from typing import Any, Callable, Iterator, List, Optional, Tuple, TypeVar
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple, TypeVar
 
 import torch.distributed as dist
 
@@ -32,6 +32,8 @@ __all__ = [
     "all_reduce_max",
     "barrier",
     "error_report",
+    "format_rank_failures",
+    "rank_ranges",
     "raise_on_reported_errors",
     "agree_on_errors",
     "run_collectively",
@@ -44,7 +46,8 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 Group = Optional[Any]
 
-_MAX_MESSAGE = 2000
+_MAX_MESSAGE = 2000  # one rank's cause
+_MAX_TOTAL_MESSAGE = 4000  # every cause together (see format_rank_failures)
 
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("DIST_CKPT_TIMEOUT_S", "600"))
@@ -197,7 +200,65 @@ def barrier(group: Group = None) -> None:
 
 def _describe(exc: BaseException) -> str:
     text = f"{type(exc).__name__}: {exc}"
-    return text if len(text) <= _MAX_MESSAGE else text[:_MAX_MESSAGE] + "..."
+    if len(text) <= _MAX_MESSAGE:
+        return text
+    return text[:_MAX_MESSAGE] + f" [... {len(text) - _MAX_MESSAGE} more characters cut]"
+
+
+def rank_ranges(ranks: Iterable[int]) -> str:
+    """'0-3, 5, 7-9' for ranks {0, 1, 2, 3, 5, 7, 8, 9} (consecutive runs compressed)."""
+    ordered = sorted(set(ranks))
+    parts: List[str] = []
+    i = 0
+    while i < len(ordered):
+        j = i
+        while j + 1 < len(ordered) and ordered[j + 1] == ordered[j] + 1:
+            j += 1
+        parts.append(str(ordered[i]) if i == j else f"{ordered[i]}-{ordered[j]}")
+        i = j + 1
+    return ", ".join(parts)
+
+
+def format_rank_failures(what: str, failed: List[Tuple[int, str]]) -> str:
+    """One readable message for failures reported by many ranks.
+
+    Ranks that report the same text are grouped ("ranks 0-1023: ..."), distinct causes are
+    kept in the order of their lowest rank, and the message stays under about
+    `_MAX_TOTAL_MESSAGE` characters: causes that do not fit are counted, with their ranks.
+
+    Args:
+        what: the failed step, e.g. "Load".
+        failed: (rank, cause) for each failing rank.
+
+    Returns:
+        "<what> failed on rank(s) <ranges>: <cause>" for one distinct cause, else the
+        ranges followed by each group as "rank(s) <ranges>: <cause>", separated by "; ".
+    """
+    groups: Dict[str, List[int]] = {}
+    for rank, cause in sorted(failed, key=lambda rc: rc[0]):
+        groups.setdefault(cause, []).append(rank)
+    head = f"{what} failed on rank(s) {rank_ranges(r for r, _ in failed)}: "
+    if len(groups) == 1:
+        ((cause, _),) = groups.items()
+        return head + cause
+    shown: List[str] = []
+    size = len(head)
+    items = list(groups.items())
+    for n, (cause, ranks) in enumerate(items):
+        label = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {rank_ranges(ranks)}"
+        part = f"{label}: {cause}"
+        if shown and size + len(part) > _MAX_TOTAL_MESSAGE:
+            rest = items[n:]
+            rest_ranks = [r for _, rs in rest for r in rs]
+            shown.append(
+                f"[{len(rest)} more distinct cause(s) on rank(s) {rank_ranges(rest_ranks)} cut "
+                f"to keep this message under {_MAX_TOTAL_MESSAGE} characters; see those "
+                "ranks' logs]"
+            )
+            break
+        shown.append(part)
+        size += len(part) + 2
+    return head + "; ".join(shown)
 
 
 def _error_class(name: str) -> type[CheckpointingException]:
@@ -232,9 +293,7 @@ def raise_on_reported_errors(
         failed = [(get_rank(), (type(error).__name__, _describe(error)))]
     if not failed:
         return
-    detail = "; ".join(f"rank {rank}: {rep[1]}" for rank, rep in failed)
-    ranks = ", ".join(str(rank) for rank, _ in failed)
-    message = f"{what} failed on rank(s) {ranks}: {detail}"
+    message = format_rank_failures(what, [(rank, rep[1]) for rank, rep in failed])
     if isinstance(error, CheckpointingException):
         cls: type[CheckpointingException] = type(error)
     else:

@@ -6,7 +6,8 @@ triple), so a failure in a 1000-rank job can be traced without a debugger.
 
 from __future__ import annotations
 
-from typing import Any
+import difflib
+from typing import Any, Iterable
 
 __all__ = [
     "CheckpointingException",
@@ -24,6 +25,7 @@ __all__ = [
     "SameMachineReplicationException",
     "NoUsableCheckpointError",
     "UnsupportedShardedObjectError",
+    "close_matches",
 ]
 
 
@@ -109,3 +111,15 @@ def describe_ckpt_id(ckpt_id: Any) -> str:
 
 class UnsupportedShardedObjectError(CheckpointingException):
     """A state dict leaf looks like a sharded object but cannot be saved or loaded as one."""
+
+
+def close_matches(key: str, available: Iterable[str], n: int = 5) -> str:
+    """A message suffix naming up to `n` keys of `available` that look like `key`.
+
+    Returns:
+        " (closest keys in the checkpoint: 'a', 'b')", or "" when nothing is close.
+    """
+    found = difflib.get_close_matches(key, list(available), n=n, cutoff=0.6)
+    if not found:
+        return ""
+    return f" (closest keys in the checkpoint: {', '.join(repr(k) for k in found)})"

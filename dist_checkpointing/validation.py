@@ -24,7 +24,7 @@ from ._dist import (
 )
 from ._types import ShardedStateDict
 from .dict_utils import dict_list_map_outplace, extract_matching_values, nested_values
-from .errors import KeyMismatchError, ShardingIntegrityError
+from .errors import KeyMismatchError, ShardingIntegrityError, close_matches
 from .mapping import ShardedBase, ShardedObject, ShardedTensor, is_main_replica
 from .megatron_compat import convert_object, convert_sharded_state_dict
 
@@ -362,7 +362,10 @@ def _listing(keys: Set[str]) -> str:
     return f"{shown}{more}"
 
 
-def _report(missing: Set[str], unexpected: Set[str]) -> str:
+def _report(
+    missing: Set[str], unexpected: Set[str], available: Optional[Sequence[str]] = None
+) -> str:
+    """The key-mismatch message; `available` (checkpoint keys) feeds the close-match hints."""
     # megatron-core's titles and "Missing keys" / "Unexpected keys" labels, which users'
     # scripts match on, then the keys themselves
     titles, bodies = [], []
@@ -383,6 +386,11 @@ def _report(missing: Set[str], unexpected: Set[str]) -> str:
             f"Unexpected keys (for this rank; requested, not in the checkpoint): "
             f"{_listing(unexpected)}."
         )
+        candidates = list(missing) if available is None else list(available)
+        for key in sorted(unexpected)[:3]:  # a typo leaves its intended key unrequested
+            hint = close_matches(key, candidates)
+            if hint:
+                bodies.append(f"{key!r}{hint}.")
     return " ".join(titles + bodies)
 
 
@@ -435,10 +443,15 @@ def validate_integrity_and_strict_load(
             missing, unexpected = set(), set()
         elif strict in (StrictHandling.LOG_UNEXPECTED, StrictHandling.LOG_ALL):
             if missing or unexpected:
-                logger.warning("Checkpoint key mismatch: %s", _report(missing, unexpected))
+                logger.warning(
+                    "Checkpoint key mismatch: %s",
+                    _report(missing, unexpected, list(ckpt_sharded_metadata)),
+                )
         elif strict in (StrictHandling.RAISE_UNEXPECTED, StrictHandling.RAISE_ALL):
             error = (
-                KeyMismatchError(_report(missing, unexpected)) if (missing or unexpected) else None
+                KeyMismatchError(_report(missing, unexpected, list(ckpt_sharded_metadata)))
+                if (missing or unexpected)
+                else None
             )
             if is_distributed():
                 agree_on_errors(error, "Strict key check")

@@ -175,12 +175,12 @@ class AsyncCallsQueue:
                 mine = str(payload).strip().splitlines()[0] if failed_here and payload else None
                 reports = [mine] if no_dist else _dist.all_gather_object(mine)
                 failed = [(r, m) for r, m in enumerate(reports) if m is not None]
-                detail = "; ".join(f"rank {r}: {m}" for r, m in failed)
                 if failed_here:
                     logger.error("async save call %d failed on this rank:\n%s", call.idx, payload)
                 raise AsyncSaveError(
-                    f"Async save call {call.idx} ({call.request.description}) failed on rank(s) "
-                    f"{', '.join(str(r) for r, _ in failed)}: {detail}"
+                    _dist.format_rank_failures(
+                        f"Async save call {call.idx} ({call.request.description})", failed
+                    )
                 )
             call.request.result = payload
             try:
