@@ -11,6 +11,7 @@ so one rank's error never leaves the others waiting in the next collective.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import logging
@@ -39,6 +40,8 @@ __all__ = [
     "run_collectively",
     "log_rank0",
     "set_collective_timeout",
+    "new_own_group",
+    "at_teardown",
     "get_collective_timeout",
 ]
 
@@ -81,6 +84,69 @@ def get_collective_timeout() -> float:
     return _timeout_s
 
 
+_own_groups: List[Any] = []  # groups this library created, destroyed at exit
+_teardown_fns: List[Callable[[], None]] = []
+_teardown_registered = False
+
+
+def new_own_group(ranks: Optional[List[int]] = None, **kwargs: Any) -> Any:
+    """Collective: `dist.new_group(ranks, **kwargs)`, destroyed by the library at exit.
+
+    Groups the library creates for itself go through here, so that they are destroyed
+    while the interpreter is intact (see `_teardown`).
+    """
+    group = dist.new_group(ranks, **kwargs)
+    _own_groups.append(group)
+    _register_teardown()
+    return group
+
+
+def at_teardown(fn: Callable[[], None]) -> None:
+    """Runs `fn` at interpreter exit, before the library's own groups are destroyed."""
+    if fn not in _teardown_fns:
+        _teardown_fns.append(fn)
+    _register_teardown()
+
+
+def _register_teardown() -> None:
+    global _teardown_registered
+    if not _teardown_registered:
+        atexit.register(_teardown)
+        _teardown_registered = True
+
+
+def _teardown() -> None:
+    """At exit: stops the library's background work, then destroys its process groups.
+
+    Why: a gloo worker thread can still hold the last reference to a finished collective's
+    tensors when a script exits right after a checkpoint call. If that reference is dropped
+    after interpreter finalization began, the thread cannot take the GIL, Python ends the
+    thread (pthread_exit), and the unwinding through a C++ destructor aborts the process
+    ("terminate called without an active exception"). Destroying our groups here joins
+    their worker threads while the interpreter still works. Groups the user destroyed
+    already (e.g. by `destroy_process_group()`) are skipped.
+    """
+    global _coordination, _coordination_key
+    for fn in list(_teardown_fns):
+        try:
+            fn()
+        except Exception as e:  # exit goes on; say what could not be stopped
+            logger.warning("dist_checkpointing teardown step %r failed: %s", fn, e)
+    _teardown_fns.clear()
+    groups, _own_groups[:] = list(_own_groups), []
+    _coordination = _coordination_key = None
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    live = dist.distributed_c10d._world.pg_map
+    for group in reversed(groups):
+        if group is None or group not in live:
+            continue
+        try:
+            dist.destroy_process_group(group)
+        except Exception as e:  # never turn a clean exit into a failing one
+            logger.warning("could not destroy dist_checkpointing's process group: %s", e)
+
+
 def _group(group: Group) -> Group:
     """`group`, or (for None) the coordination group: gloo, all ranks, our timeout.
 
@@ -92,7 +158,7 @@ def _group(group: Group) -> Group:
         return group
     key = (id(dist.distributed_c10d._get_default_group()), _timeout_s)
     if _coordination is None or _coordination_key != key:
-        _coordination = dist.new_group(
+        _coordination = new_own_group(
             backend="gloo", timeout=datetime.timedelta(seconds=_timeout_s)
         )
         _coordination_key = key

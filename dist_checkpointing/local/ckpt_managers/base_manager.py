@@ -94,7 +94,16 @@ def _background_thread() -> concurrent.futures.ThreadPoolExecutor:
         _executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="dc-local-ckpt"
         )
+        _dist.at_teardown(_stop_background_thread)
     return _executor
+
+
+def _stop_background_thread() -> None:
+    """At exit: waits for the background thread, before the groups it uses are destroyed."""
+    global _executor
+    if _executor is not None:
+        _executor.shutdown(wait=True)
+        _executor = None
 
 
 class BaseCheckpointManager(ABC):

@@ -154,7 +154,7 @@ def host_group() -> Any:
     if not _dist.is_distributed() or dist.get_backend() == "gloo":
         return None
     if _host_group is None:
-        _host_group = dist.new_group(backend="gloo")
+        _host_group = _dist.new_own_group(backend="gloo")
     return _host_group
 
 
@@ -297,7 +297,7 @@ class CliqueReplicationStrategy(ReplicationStrategy):
             kwargs: Dict[str, Any] = {"backend": "gloo"}
             if timeout is not None:
                 kwargs["timeout"] = timeout
-            group = dist.new_group(ranks, **kwargs) if _dist.is_distributed() else None
+            group = _dist.new_own_group(ranks, **kwargs) if _dist.is_distributed() else None
             if me in ranks:
                 mine = group
         logger.debug("replication cliques %s (rank %d)", cliques, me)
