@@ -8,18 +8,85 @@ outcome once, as a `CallStatus`.
 
 from __future__ import annotations
 
+import ast
 import logging
 import multiprocessing as mp
 import os
+import sys
 import traceback
 from abc import ABC, abstractmethod
+from types import FrameType
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from ..errors import CheckpointingException
 from .request import AsyncRequest, CallState, CallStatus
 
-__all__ = ["AsyncCaller", "TemporalAsyncCaller", "PersistentAsyncCaller"]
+__all__ = ["AsyncCaller", "TemporalAsyncCaller", "PersistentAsyncCaller", "check_main_guard"]
 
 logger = logging.getLogger(__name__)
+
+
+def _is_main_test(test: ast.expr) -> bool:
+    """Whether `test` is `__name__ == "__main__"` (either way round)."""
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1):
+        return False
+    if not isinstance(test.ops[0], ast.Eq):
+        return False
+    sides = [test.left, test.comparators[0]]
+    names = [s.id for s in sides if isinstance(s, ast.Name)]
+    consts = [s.value for s in sides if isinstance(s, ast.Constant)]
+    return names == ["__name__"] and consts == ["__main__"]
+
+
+def _unguarded_main_line() -> Optional[Tuple[str, int]]:
+    """(script, line) when the main script's top level calls us outside a main guard.
+
+    A spawned process re-runs the main script's top-level code, except what is under
+    `if __name__ == "__main__":`. Returns None when that cannot hurt (no script, a call
+    from a thread or under the guard) or cannot be told (source unavailable).
+    """
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if main is None or not path:
+        return None
+    frame: Optional[FrameType] = sys._getframe(1)
+    line = None
+    while frame is not None:
+        if frame.f_code.co_name == "<module>" and frame.f_globals is vars(main):
+            line = frame.f_lineno
+        frame = frame.f_back
+    if line is None:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+    except (OSError, SyntaxError, ValueError, UnicodeDecodeError):
+        return None
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and _is_main_test(node.test):
+            first, last = node.body[0].lineno, node.body[-1].end_lineno or node.body[-1].lineno
+            if first <= line <= last:
+                return None
+    return path, line
+
+
+def check_main_guard() -> None:
+    """Refuses to start a spawned writer that would re-run the user's unguarded script.
+
+    Raises:
+        CheckpointingException: naming the script and line, and saying what to do.
+    """
+    where = _unguarded_main_line()
+    if where is None:
+        return
+    path, line = where
+    raise CheckpointingException(
+        f"AsyncCallsQueue(persistent=True) starts its writer with multiprocessing 'spawn', "
+        f"which re-runs the top level of {os.path.basename(path)} in the writer; line {line} "
+        f'runs outside `if __name__ == "__main__":`. Move the script\'s code into a main() '
+        f"called under that guard, or use AsyncCallsQueue(persistent=False) (a forked "
+        f"writer per save, no guard needed)."
+    )
 
 
 def _run_and_report(fn: Callable[..., Any], args: Tuple[Any, ...]) -> CallStatus:

@@ -24,7 +24,7 @@ from typing import Deque, List, Optional
 
 from .. import _dist
 from ..errors import AsyncSaveError
-from .callers import AsyncCaller, PersistentAsyncCaller, TemporalAsyncCaller
+from .callers import AsyncCaller, PersistentAsyncCaller, TemporalAsyncCaller, check_main_guard
 from .request import AsyncRequest, CallState, CallStatus
 
 __all__ = ["AsyncCallsQueue"]
@@ -124,8 +124,12 @@ class AsyncCallsQueue:
         """Starts a request's background work; returns its call index.
 
         Raises:
-            CheckpointingException: if the preload function fails.
+            CheckpointingException: if the preload function fails, or (persistent writer)
+                the main script calls this outside `if __name__ == "__main__":`, which the
+                spawned writer would re-run.
         """
+        if self.persistent and self._persistent_caller is None:
+            check_main_guard()  # before any work: the spawned writer would re-run the script
         request = async_request.freeze()
         if request.preload_fn is not None:
             request.preload_fn()
