@@ -285,6 +285,12 @@ def rank_ranges(ranks: Iterable[int]) -> str:
     return ", ".join(parts)
 
 
+def _ranks_label(ranks: List[int]) -> str:
+    """'rank 3' or 'ranks 0-3, 5'."""
+    distinct = set(ranks)
+    return f"rank {ranks[0]}" if len(distinct) == 1 else f"ranks {rank_ranges(distinct)}"
+
+
 def format_rank_failures(what: str, failed: List[Tuple[int, str]]) -> str:
     """One readable message for failures reported by many ranks.
 
@@ -297,13 +303,14 @@ def format_rank_failures(what: str, failed: List[Tuple[int, str]]) -> str:
         failed: (rank, cause) for each failing rank.
 
     Returns:
-        "<what> failed on rank(s) <ranges>: <cause>" for one distinct cause, else the
-        ranges followed by each group as "rank(s) <ranges>: <cause>", separated by "; ".
+        "<what> failed on ranks <ranges>: <cause>" ("rank <r>" for one) for one distinct
+        cause, else the ranges followed by each group as "ranks <ranges>: <cause>",
+        separated by "; ".
     """
     groups: Dict[str, List[int]] = {}
     for rank, cause in sorted(failed, key=lambda rc: rc[0]):
         groups.setdefault(cause, []).append(rank)
-    head = f"{what} failed on rank(s) {rank_ranges(r for r, _ in failed)}: "
+    head = f"{what} failed on {_ranks_label([r for r, _ in failed])}: "
     if len(groups) == 1:
         ((cause, _),) = groups.items()
         return head + cause
@@ -311,13 +318,12 @@ def format_rank_failures(what: str, failed: List[Tuple[int, str]]) -> str:
     size = len(head)
     items = list(groups.items())
     for n, (cause, ranks) in enumerate(items):
-        label = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {rank_ranges(ranks)}"
-        part = f"{label}: {cause}"
+        part = f"{_ranks_label(ranks)}: {cause}"
         if shown and size + len(part) > _MAX_TOTAL_MESSAGE:
             rest = items[n:]
             rest_ranks = [r for _, rs in rest for r in rs]
             shown.append(
-                f"[{len(rest)} more distinct cause(s) on rank(s) {rank_ranges(rest_ranks)} cut "
+                f"[{len(rest)} more distinct cause(s) on {_ranks_label(rest_ranks)} cut "
                 f"to keep this message under {_MAX_TOTAL_MESSAGE} characters; see those "
                 "ranks' logs]"
             )

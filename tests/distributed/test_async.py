@@ -182,7 +182,7 @@ def test_writer_failure_raises_on_every_rank_and_queue_recovers(
 ):
     results = world_factory(2).run_ok(fault_then_recover, str(tmp_path), persistent, fault)
     for res in results:
-        assert "rank(s) 1" in res["error"] and message in res["error"], res["error"]
+        assert "rank 1" in res["error"] and message in res["error"], res["error"]
         assert not res["bad_committed"] and res["unfinalized"] == 0 and res["good_ok"]
         assert res["next_done"] == [1] and res["next_ok"]
 

@@ -205,7 +205,7 @@ def test_sharded_object_key_escaping_directory_raises_on_every_rank(world, tmp_p
     with pytest.raises(CheckpointingException, match="'..'"):
         ShardedObject("../evil", 1, (1,), (0,))
     outcomes = world.run(call_save, escaping_object_state, str(tmp_path / "c"))
-    _assert_all_raise(outcomes, CheckpointingException, "rank(s) 1")
+    _assert_all_raise(outcomes, CheckpointingException, "failed on rank 1:")
     assert not (tmp_path / "outside").exists()
 
 

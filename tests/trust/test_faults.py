@@ -71,4 +71,4 @@ def test_corrupted_data_file_raises_on_every_rank(world_factory, tmp_path):
     world = world_factory(2)
     for name, message, _ in world.run_ok(F.corrupt_and_load, str(tmp_path), 1):
         assert name == "CheckpointCorruptedError", message
-        assert "rank(s) 1" in message and "checksum mismatch" in message and "'w'" in message
+        assert "rank 1" in message and "checksum mismatch" in message and "'w'" in message
