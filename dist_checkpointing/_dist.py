@@ -34,6 +34,7 @@ __all__ = [
     "barrier",
     "error_report",
     "format_rank_failures",
+    "describe_rank_failures",
     "rank_ranges",
     "raise_on_reported_errors",
     "agree_on_errors",
@@ -294,23 +295,35 @@ def _ranks_label(ranks: List[int]) -> str:
 def format_rank_failures(what: str, failed: List[Tuple[int, str]]) -> str:
     """One readable message for failures reported by many ranks.
 
-    Ranks that report the same text are grouped ("ranks 0-1023: ..."), distinct causes are
-    kept in the order of their lowest rank, and the message stays under about
-    `_MAX_TOTAL_MESSAGE` characters: causes that do not fit are counted, with their ranks.
-
     Args:
         what: the failed step, e.g. "Load".
         failed: (rank, cause) for each failing rank.
 
     Returns:
-        "<what> failed on ranks <ranges>: <cause>" ("rank <r>" for one) for one distinct
-        cause, else the ranges followed by each group as "ranks <ranges>: <cause>",
+        "<what> failed on " followed by `describe_rank_failures(failed)`.
+    """
+    return f"{what} failed on {describe_rank_failures(failed)}"
+
+
+def describe_rank_failures(failed: List[Tuple[int, str]]) -> str:
+    """The ranks and causes of a failure, grouped and bounded in length.
+
+    Ranks that report the same text are grouped ("ranks 0-1023: ..."), distinct causes are
+    kept in the order of their lowest rank, and the text stays under about
+    `_MAX_TOTAL_MESSAGE` characters: causes that do not fit are counted, with their ranks.
+
+    Args:
+        failed: (rank, cause) for each failing rank.
+
+    Returns:
+        "ranks <ranges>: <cause>" ("rank <r>" for one) for one distinct cause, else the
+        ranges of all failing ranks followed by each group as "ranks <ranges>: <cause>",
         separated by "; ".
     """
     groups: Dict[str, List[int]] = {}
     for rank, cause in sorted(failed, key=lambda rc: rc[0]):
         groups.setdefault(cause, []).append(rank)
-    head = f"{what} failed on {_ranks_label([r for r, _ in failed])}: "
+    head = f"{_ranks_label([r for r, _ in failed])}: "
     if len(groups) == 1:
         ((cause, _),) = groups.items()
         return head + cause

@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import WriteItem
 from torch.distributed.checkpoint.storage import WriteResult
 
-from ..._dist import broadcast_object, gather_object
+from ..._dist import broadcast_object, describe_rank_failures, gather_object
 from ...errors import CheckpointingException
 from ...integrity import Checksums, file_checksum, write_checksums
 from ..common import COMMON_STATE_FNAME
@@ -124,9 +124,9 @@ class SaveFinalizer:
         self, ckpt: Path, gathered: List[Any], start: float, opts: Tuple[bool, bool]
     ) -> Optional[str]:
         dedup, checksums = opts
-        failed = [f"rank {r}: {g}" for r, g in enumerate(gathered) if isinstance(g, str)]
+        failed = [(r, g) for r, g in enumerate(gathered) if isinstance(g, str)]
         if failed:
-            return "; ".join(failed)
+            return describe_rank_failures(failed)
         try:
             all_items = []
             for rank, (fingerprint, items, _, _) in enumerate(gathered):
