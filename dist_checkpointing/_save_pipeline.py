@@ -84,7 +84,9 @@ def prepare_save(
     # node-local: every rank has its own directory to check
     if (node_local or _dist.get_rank() == 0) and check_is_distributed_checkpoint(ckpt):
         raise CheckpointExistsError(
-            f"{ckpt} already holds a complete checkpoint; refusing to overwrite it"
+            f"{ckpt} already holds a complete checkpoint; refusing to overwrite it. Save to "
+            "a new directory (e.g. one per iteration, iter_0000200), or remove this one "
+            "first (shutil.rmtree on one rank, then a barrier) if it is no longer needed"
         )
     ckpt.mkdir(parents=True, exist_ok=True)
     sharded_part, common_part = save_preprocess(sharded_state_dict, content_metadata)

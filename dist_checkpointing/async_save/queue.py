@@ -79,8 +79,8 @@ def _warn_unfinalized_at_exit() -> None:
         n = q.get_num_unfinalized_calls()
         if n:
             logger.warning(
-                "Process exiting with %d unfinalized async checkpoint save(s): their checkpoints are not "
-                "committed (no metadata.json). Call AsyncCallsQueue.close() (or "
+                "Process exiting with %d unfinalized async checkpoint save(s): they are not "
+                "committed and will not be loaded. Call AsyncCallsQueue.close() (or "
                 "maybe_finalize_async_calls(blocking=True)) on every rank before exiting.",
                 n,
             )
