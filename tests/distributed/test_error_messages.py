@@ -39,6 +39,6 @@ def test_same_cause_on_both_ranks_is_reported_once_with_close_keys(world_factory
         assert isinstance(o.error, KeyMismatchError), o.trace
         message = str(o.error)
         assert message.startswith("Strict key check failed on ranks 0-1: KeyMismatchError:")
-        assert message.count("unexpected keys") == 1  # not once per rank
+        assert message.count("Unexpected keys (for this rank") == 1  # not once per rank
         assert "'decoder.layers.1.mlp.wieght' (closest keys in the checkpoint: " in message
         assert "'decoder.layers.1.mlp.weight'" in message
