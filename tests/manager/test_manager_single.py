@@ -4,7 +4,6 @@ crashes at each step of a save, fallback on load, failed saves under both polici
 from __future__ import annotations
 
 import shutil
-import time
 from pathlib import Path
 
 import pytest
@@ -66,15 +65,24 @@ def test_save_policy_persistent_every_n_local_every_m(tmp_path, async_save):
     assert [p.name for p in (local / "dist_ckpt" / "0").iterdir()] == ["iter_0000008_0_local.pt"]
 
 
-def test_save_returns_at_once_when_nothing_is_due(tmp_path):
+class _Untouchable(dict):
+    """A state dict that fails the test if anything reads it."""
+
+    def _touched(self, *_a, **_k):
+        raise AssertionError("save() read the state although nothing was due")
+
+    __getitem__ = __iter__ = __len__ = items = keys = values = get = _touched  # type: ignore[assignment]
+
+
+def test_save_does_no_work_when_nothing_is_due(tmp_path):
+    # Behaviour, not timing: a call that is not due must neither read the state nor write.
     manager = CheckpointManager(tmp_path, CheckpointManagerOptions(save_interval=1000))
-    state = _state(1.0)
-    start = time.perf_counter()
     for step in range(1, 999):
-        assert manager.save(step, state) is False
-    assert time.perf_counter() - start < 0.5  # ~no work per call
+        assert manager.save(step, _Untouchable()) is False
     assert _steps(tmp_path) == []
+    assert manager.save(1000, _state(1.0)) is True  # the due step does save
     manager.close()
+    assert _steps(tmp_path) == [1000]
 
 
 def test_retention_keeps_the_last_k_and_every_pth_step(tmp_path):
