@@ -15,6 +15,10 @@ Two tiers:
 
 Every public method is collective (call it on every rank, in the same order) except
 `latest_step`, `all_steps` and `should_save`.
+
+Why this module is over 400 lines: it is the one `CheckpointManager` class, whose public
+methods share the tier bookkeeping; the retention rule and the `latest` record live in
+their own modules of this package.
 """
 
 from __future__ import annotations

@@ -27,6 +27,10 @@ part is held by some rank (by its owner only, without replication), or -1. `load
 (collective) reads and verifies the parts held here, plans who provides each rank's part,
 and moves missing parts from holders; a part with no usable copy raises
 `NoReplicasAvailableError` on every rank.
+
+Why this module is over 400 lines: the template-method protocol (save, find_latest,
+load) stays in one class, as in the reference layout, and its call order is documented
+here at length.
 """
 
 from __future__ import annotations

@@ -4,6 +4,10 @@ Data files `[<hint>]__<rank>_<n>.distcp` hold, back to back, a `torch.save` zip 
 chunk (see `zipformat`) and raw bytes per object; `.metadata` (see `metadata_file`) says
 where each item lies. Regions are read through the shared I/O layer (`storage`) in large
 requests and verified against `checksums.json` when given.
+
+Why this module is over 400 lines: whole-chunk, partial (row-range scatter) and byte-item
+reads share the per-thread scratch buffers and the per-block verifier; splitting them would
+spread those internals over several modules.
 """
 
 from __future__ import annotations

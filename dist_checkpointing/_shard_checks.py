@@ -1,0 +1,150 @@
+"""Invariant checks of the sharded data model, run when a `ShardedTensor` is built.
+
+Kept apart from `mapping.py` so that module holds only the classes (whose module path is
+recorded in pickles and must not change) while the long list of checks lives here. Every
+check raises `CheckpointingException` naming the key and the broken invariant.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any, Tuple
+
+import torch
+
+from ._types import ReplicaId
+from .errors import CheckpointingException
+
+if TYPE_CHECKING:
+    from .mapping import ShardedTensor
+
+__all__ = [
+    "as_int_tuple",
+    "check_replica_id",
+    "check_sharded_tensor",
+    "check_flattened_range",
+    "flat_len",
+]
+
+
+def as_int_tuple(value: Any, name: str, key: str) -> Tuple[int, ...]:
+    """`value` as a tuple of non-negative ints, or an exception naming `name` of `key`."""
+    try:
+        out = tuple(int(v) for v in value)
+    except (TypeError, ValueError) as e:
+        raise CheckpointingException(
+            f"{name} of {key!r} must be a sequence of ints: {value!r}"
+        ) from e
+    if any(v < 0 for v in out):
+        raise CheckpointingException(f"{name} of {key!r} must be non-negative: {out}")
+    return out
+
+
+def check_replica_id(replica_id: Any, key: str) -> ReplicaId:
+    """A validated replica id (a non-negative int or tuple of them) of `key`."""
+    if isinstance(replica_id, bool):
+        raise CheckpointingException(f"replica_id of {key!r} must be an int or tuple of ints")
+    if isinstance(replica_id, int):
+        if replica_id < 0:
+            raise CheckpointingException(f"replica_id of {key!r} must be >= 0: {replica_id}")
+        return replica_id
+    return as_int_tuple(replica_id, "replica_id", key)
+
+
+def check_sharded_tensor(st: ShardedTensor) -> None:
+    """Checks that `st` describes a valid piece of its global tensor; normalizes int tuples.
+
+    Raises:
+        CheckpointingException: naming the key and the broken invariant.
+    """
+    key = st.key
+    if not isinstance(key, str) or not key or "\x00" in key:
+        raise CheckpointingException(f"ShardedTensor key must be a non-empty string: {key!r}")
+    if not isinstance(st.dtype, torch.dtype):
+        raise CheckpointingException(f"dtype of {key!r} must be a torch.dtype: {st.dtype!r}")
+    st.local_shape = as_int_tuple(st.local_shape, "local_shape", key)
+    st.global_shape = as_int_tuple(st.global_shape, "global_shape", key)
+    st.global_offset = as_int_tuple(st.global_offset, "global_offset", key)
+    st.replica_id = check_replica_id(st.replica_id, key)
+    if not isinstance(st.prepend_axis_num, int) or st.prepend_axis_num < 0:
+        raise CheckpointingException(
+            f"prepend_axis_num of {key!r} must be a non-negative int: {st.prepend_axis_num!r}"
+        )
+    check_flattened_range(st)
+    if st.data is not None:
+        if not isinstance(st.data, torch.Tensor):
+            raise CheckpointingException(
+                f"data of {key!r} must be a torch.Tensor, got {type(st.data).__name__}"
+            )
+        if st.data.dtype != st.dtype:
+            raise CheckpointingException(
+                f"data dtype {st.data.dtype} of {key!r} differs from dtype {st.dtype}"
+            )
+        expected = st.local_shape if st.flattened_range is None else (flat_len(st),)
+        if tuple(st.data.shape) != expected:
+            raise CheckpointingException(
+                f"data shape {tuple(st.data.shape)} of {key!r} differs from "
+                f"{'local_shape' if st.flattened_range is None else 'the flattened_range length'} "
+                f"{expected}"
+            )
+    ndim = len(st.global_shape)
+    if len(st.global_offset) != ndim:
+        raise CheckpointingException(
+            f"global_offset {st.global_offset} and global_shape {st.global_shape} of "
+            f"{key!r} have different lengths"
+        )
+    if len(st.local_shape) + st.prepend_axis_num != ndim:
+        raise CheckpointingException(
+            f"local_shape {st.local_shape} with prepend_axis_num={st.prepend_axis_num} "
+            f"does not match global_shape {st.global_shape} of {key!r}"
+        )
+    for axis, (off, size, glob) in enumerate(
+        zip(st.global_offset, st.prepended_local_shape, st.global_shape)
+    ):
+        if off + size > glob:
+            raise CheckpointingException(
+                f"Shard of {key!r} at offset {st.global_offset} with shape "
+                f"{st.prepended_local_shape} exceeds global_shape {st.global_shape} "
+                f"on axis {axis}"
+            )
+    if st.axis_fragmentations is not None:
+        st.axis_fragmentations = as_int_tuple(st.axis_fragmentations, "axis_fragmentations", key)
+        if len(st.axis_fragmentations) != ndim or any(f < 1 for f in st.axis_fragmentations):
+            raise CheckpointingException(
+                f"axis_fragmentations {st.axis_fragmentations} of {key!r} must hold one "
+                f"positive int per global axis ({ndim})"
+            )
+        for off, size in zip(st.global_offset[st.prepend_axis_num :], st.local_shape):
+            if size != 0 and off % size != 0:
+                raise CheckpointingException(
+                    f"global_offset {off} of {key!r} is not a multiple of the local size "
+                    f"{size} on a regular grid"
+                )
+
+
+def check_flattened_range(st: ShardedTensor) -> None:
+    """Checks that `st.flattened_range` (if any) is a step-less slice inside the local shape."""
+    fr = st.flattened_range
+    if fr is None:
+        return
+    if not isinstance(fr, slice) or fr.step not in (None, 1):
+        raise CheckpointingException(
+            f"flattened_range of {st.key!r} must be a slice without step: {fr!r}"
+        )
+    volume = math.prod(st.local_shape)
+    if not (
+        isinstance(fr.start, int)
+        and isinstance(fr.stop, int)
+        and 0 <= fr.start <= fr.stop <= volume
+    ):
+        raise CheckpointingException(
+            f"flattened_range {fr!r} of {st.key!r} must lie within the {volume} elements "
+            f"of local_shape {st.local_shape}"
+        )
+
+
+def flat_len(st: ShardedTensor) -> int:
+    """The number of elements `st.flattened_range` selects."""
+    check_flattened_range(st)
+    assert st.flattened_range is not None
+    return int(st.flattened_range.stop - st.flattened_range.start)
