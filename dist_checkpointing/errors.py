@@ -25,6 +25,7 @@ __all__ = [
     "SameMachineReplicationException",
     "NoUsableCheckpointError",
     "UnsupportedShardedObjectError",
+    "LossyDtypeConversionError",
     "close_matches",
 ]
 
@@ -55,6 +56,10 @@ class ShardingIntegrityError(CheckpointingException):
 
 class KeyMismatchError(CheckpointingException):
     """Requested keys and checkpoint keys differ under a raising strict mode."""
+
+
+class LossyDtypeConversionError(CheckpointingException):
+    """A load would convert a stored dtype to one that cannot hold its values exactly."""
 
 
 class CheckpointCorruptedError(CheckpointingException):

@@ -25,6 +25,7 @@ from ._types import CommonStateDict, ShardedStateDict, StateDict
 from .async_save import AsyncRequest
 from .core import check_is_distributed_checkpoint
 from .dict_utils import extract_matching_values, merge
+from .dtypes import lossy_conversion_allowed
 from .errors import CheckpointingException
 from .mapping import ShardedObject, ShardedTensor, apply_factory_merges
 from .strategies.base import (
@@ -184,6 +185,8 @@ def load(
     common_strategy: Union[LoadCommonStrategy, Tuple[str, int], None] = None,
     validate_access_integrity: bool = True,
     strict: Union[str, StrictHandling] = StrictHandling.ASSUME_OK_UNEXPECTED,
+    *,
+    allow_lossy_dtype_conversion: bool = False,
 ) -> LoadResult:
     """Collective: loads a checkpoint into the layout that `sharded_state_dict` describes.
 
@@ -206,6 +209,10 @@ def load(
         common_strategy: instance or `(backend, version)`; default from `metadata.json`.
         validate_access_integrity: check the request's sharding across ranks.
         strict: a `StrictHandling` (or its value) for requested-vs-stored key mismatches.
+        allow_lossy_dtype_conversion: load tensors into dtypes that cannot hold every stored
+            value (float -> int, float32 -> bfloat16, ...); without it such a request raises
+            `LossyDtypeConversionError` naming the key and both dtypes. Exact conversions
+            (float16 -> float32, int8 -> int64, ...) always load.
 
     Returns:
         The loaded state dict; under RETURN_UNEXPECTED / RETURN_ALL a tuple
@@ -216,9 +223,26 @@ def load(
         KeyMismatchError: under a raising strict mode.
         CheckpointingException: any other failure, on every rank.
     """
+    with lossy_conversion_allowed(allow_lossy_dtype_conversion):
+        return _load(
+            sharded_state_dict,
+            Path(checkpoint_dir),
+            sharded_strategy,
+            common_strategy,
+            validate_access_integrity,
+            parse_strict_flag(strict),
+        )
+
+
+def _load(
+    sharded_state_dict: ShardedStateDict,
+    ckpt: Path,
+    sharded_strategy: Union[LoadShardedStrategy, Tuple[str, int], None],
+    common_strategy: Union[LoadCommonStrategy, Tuple[str, int], None],
+    validate_access_integrity: bool,
+    strict: StrictHandling,
+) -> LoadResult:
     start = time.perf_counter()
-    strict = parse_strict_flag(strict)
-    ckpt = Path(checkpoint_dir)
     sharded, common = select_load_strategies(ckpt, sharded_strategy, common_strategy)
 
     def stored_metadata() -> ShardedStateDict:

@@ -26,7 +26,8 @@ from ..._dist import get_rank, run_collectively
 from ..._safe_load import torch_load
 from ..._types import ShardedStateDict, StateDict
 from ...dict_utils import dict_list_map_inplace, nested_values
-from ...errors import CheckpointCorruptedError, CheckpointingException
+from ...dtypes import check_dtype_conversion
+from ...errors import CheckpointCorruptedError, CheckpointingException, close_matches
 from ...integrity import Checksums, read_checksums
 from ...mapping import ShardedBase, ShardedObject, ShardedTensor
 from ..base import CheckpointDir, LoadShardedStrategy, require_backend, require_version
@@ -57,6 +58,10 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             whichever a small probe measured faster on the file system, once per process
             (`storage.prefer_direct_reads`). Partial and shared reads (resharding) always go
             through the page cache, which the ranks of a node share.
+        allow_lossy_dtype_conversion: load a tensor into a dtype that cannot hold every
+            stored value (float -> int, float32 -> bfloat16, ...), with a warning. Without
+            it such a request raises `LossyDtypeConversionError` (see
+            `dist_checkpointing.dtypes`); exact conversions always load.
 
     Raises:
         CheckpointingException: `thread_count` < 1.
@@ -68,6 +73,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         thread_count: int = 2,
         verify_checksums: bool = True,
         direct_io: Optional[bool] = None,
+        allow_lossy_dtype_conversion: bool = False,
     ) -> None:
         if thread_count < 1:
             raise CheckpointingException(f"thread_count must be >= 1, got {thread_count}")
@@ -75,6 +81,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         self.thread_count = thread_count
         self.verify_checksums = verify_checksums
         self.direct_io = direct_io
+        self.allow_lossy_dtype_conversion = allow_lossy_dtype_conversion
 
     def _checksums(self, ckpt: Path) -> Optional[Checksums]:
         return read_checksums(ckpt) if self.verify_checksums else None
@@ -95,8 +102,9 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         """Collective: fills every requested shard from the checkpoint.
 
         ShardedTensors without data are allocated on the CPU. A dtype different from the
-        stored one is converted (with a warning); a different global shape is an error
-        unless the tensor allows shape mismatch.
+        stored one is converted when the conversion is exact, else raises (see
+        `allow_lossy_dtype_conversion`); a different global shape is an error unless the
+        tensor allows shape mismatch.
 
         Returns:
             `sharded_state_dict` with every ShardedTensor/ShardedObject replaced by its data.
@@ -123,7 +131,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         copies: List[FlatCopy] = []
         for sh in nested_values(sharded_state_dict):
             if isinstance(sh, ShardedTensor) and sh.key in flat_layout:
-                self._check_tensor(sh, sdm.get(sh.key), flat_layout[sh.key])
+                self._check_tensor(sh, sdm, flat_layout[sh.key])
                 slot = len(dests)
                 dests.append(self._destination(sh))
                 flat_reads, temps, flat_copies = plan_reformulated_reads(
@@ -141,7 +149,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                 dests += [t.view(r.lengths) for t, r in zip(temps, flat_reads)]
                 copies += flat_copies
             elif isinstance(sh, ShardedTensor):
-                reads += self._plan_tensor(sh, sdm.get(sh.key), len(dests))
+                reads += self._plan_tensor(sh, sdm, len(dests))
                 dests.append(self._destination(sh))
             elif isinstance(sh, ShardedObject):
                 if not isinstance(sdm.get(sh.unique_key), BytesStorageMetadata):
@@ -211,30 +219,38 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             view = view.unsqueeze(0)
         return view
 
-    @staticmethod
     def _check_tensor(
-        sh: ShardedTensor, stored: Any, shape: Optional[Tuple[int, ...]] = None
+        self, sh: ShardedTensor, sdm: Dict[str, Any], shape: Optional[Tuple[int, ...]] = None
     ) -> None:
-        """Raises unless `stored` is a tensor of `shape` (default: its stored size)."""
+        """Raises unless `sh.key` is a stored tensor of `shape` (default: its stored size)
+        whose dtype converts to `sh.dtype` exactly (or lossy conversions are allowed)."""
+        stored = sdm.get(sh.key)
         if not isinstance(stored, TensorStorageMetadata):
-            raise CheckpointingException(f"Tensor {sh.key!r} is not in the checkpoint")
+            names = [k for k, v in sdm.items() if isinstance(v, TensorStorageMetadata)]
+            raise CheckpointingException(
+                f"Tensor {sh.key!r} is not in the checkpoint{close_matches(sh.key, names)}"
+            )
         shape = tuple(stored.size) if shape is None else shape
         if shape != sh.global_shape and not sh.allow_shape_mismatch:
             raise CheckpointingException(
                 f"Global shape mismatch for {sh.key!r}: checkpoint has {shape}, "
                 f"requested {sh.global_shape}"
             )
-        if stored.properties.dtype != sh.dtype:
+        stored_dtype = stored.properties.dtype
+        if check_dtype_conversion(
+            sh.key, stored_dtype, sh.dtype, self.allow_lossy_dtype_conversion
+        ):
             logger.warning(
-                "%r is stored as %s and loaded as %s (converted)",
+                "%r is stored as %s and loaded as %s: lossy conversion (allowed by "
+                "allow_lossy_dtype_conversion)",
                 sh.key,
-                stored.properties.dtype,
+                stored_dtype,
                 sh.dtype,
             )
 
-    @classmethod
-    def _plan_tensor(cls, sh: ShardedTensor, stored: Any, slot: int) -> List[ReadItem]:
-        cls._check_tensor(sh, stored)
+    def _plan_tensor(self, sh: ShardedTensor, sdm: Dict[str, Any], slot: int) -> List[ReadItem]:
+        self._check_tensor(sh, sdm)
+        stored = sdm[sh.key]
         request = TensorRequest(sh.key, slot, sh.global_offset, sh.prepended_local_shape)
         return plan_tensor_reads(request, stored, allow_partial=sh.allow_shape_mismatch)
 
