@@ -190,13 +190,34 @@ class TemporalAsyncCaller(AsyncCaller):
         self._calls.clear()
 
 
-def _persistent_worker(tasks: Any, results: Any, niceness: int) -> None:
+def _logging_setup() -> Tuple[int, bool]:
+    """What a spawned worker needs to log like this process: the package's level, and
+    whether this process shows log records at all (has handlers)."""
+    return (
+        logging.getLogger("dist_checkpointing").getEffectiveLevel(),
+        bool(logging.getLogger().handlers),
+    )
+
+
+def _apply_logging_setup(setup: Tuple[int, bool]) -> None:
+    """In a spawned worker (logging unconfigured): log at the parent's level."""
+    level, shown = setup
+    if shown:
+        logging.basicConfig(format="%(levelname)s async writer %(name)s: %(message)s")
+    logging.getLogger("dist_checkpointing").setLevel(level)
+
+
+def _persistent_worker(
+    tasks: Any, results: Any, niceness: int, log_setup: Tuple[int, bool] = (logging.WARNING, True)
+) -> None:
+    _apply_logging_setup(log_setup)
     _lower_priority(niceness)
     while True:
         task = tasks.get()
         if task is None:
             return
         call_idx, fn, args = task
+        logger.debug("async writer (pid %d) runs call %d", os.getpid(), call_idx)
         status = _run_and_report(fn, args)
         del fn, args, task  # drop shared-memory handles before the next request
         results.put((call_idx, status))
@@ -226,7 +247,7 @@ class PersistentAsyncCaller(AsyncCaller):
         self._tasks, self._results = self._ctx.Queue(), self._ctx.Queue()
         self._proc = self._ctx.Process(
             target=_persistent_worker,
-            args=(self._tasks, self._results, self.niceness),
+            args=(self._tasks, self._results, self.niceness, _logging_setup()),
             daemon=True,
             name="dc-async-worker",
         )

@@ -174,7 +174,7 @@ class TorchCommonLoadStrategy(LoadCommonStrategy):
         try:
             state = TorchDistLoadShardedStrategy(
                 weights_only=self.weights_only, verify_checksums=self.verify_checksums
-            )._load_local(request, ckpt)["common"]
+            )._load_local(request, ckpt)[0]["common"]
         except CheckpointCorruptedError:
             raise
         except CheckpointingException as e:

@@ -154,11 +154,16 @@ class SaveFinalizer:
             return f"rank 0 (metadata): {type(e).__name__}: {e}"
         nbytes = sum(r.size_in_bytes for r in results)
         seconds = time.perf_counter() - start
+        files = len({str(r.storage_data.relative_path) for r in results})
         logger.info(
-            "torch_dist save %s: %d items, %.3f GB in %.2f s (%.2f GB/s)",
+            "torch_dist save %s: %d items, %.3f GB (%d bytes) in %d file(s) from %d rank(s) in "
+            "%.2f s (until the slowest rank finished), %.2f GB/s",
             ckpt,
             len(results),
             nbytes / 1e9,
+            nbytes,
+            files,
+            len(gathered),
             seconds,
             gbps(nbytes, seconds),
         )

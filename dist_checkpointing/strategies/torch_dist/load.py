@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import io
 import logging
+import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -22,7 +24,8 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import ReadItem
 
-from ..._dist import get_rank, run_collectively
+from ..._dist import all_gather_object, error_report, get_rank, raise_on_reported_errors
+from ..._progress import byte_progress
 from ..._safe_load import torch_load
 from ..._types import ShardedStateDict, StateDict
 from ...dict_utils import dict_list_map_inplace, nested_values
@@ -41,6 +44,41 @@ from .reader import read_byte_items, read_tensor_items
 __all__ = ["TorchDistLoadShardedStrategy"]
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _LoadStats:
+    """What one rank read: tensor data and object bytes, seconds, and the files it opened."""
+
+    nbytes: int
+    seconds: float
+    files: List[str]
+
+
+def _item_file(metadata: Metadata, index: MetadataIndex) -> str:
+    info = metadata.storage_data.get(index)
+    return str(info.relative_path) if info is not None else "?"
+
+
+def _log_load(ckpt: Path, stats: List[_LoadStats]) -> None:
+    """Rank 0: one INFO line for the whole load (bytes summed, time the slowest rank's)."""
+    if not stats:
+        return
+    total = sum(s.nbytes for s in stats)
+    slowest = max(s.seconds for s in stats)
+    files = len({f for s in stats for f in s.files})
+    logger.info(
+        "torch_dist load %s: %.3f GB (%d bytes) read by %d rank(s) from %d file(s) in %.2f s "
+        "(slowest rank), %.2f GB/s; most by one rank %.3f GB",
+        ckpt,
+        total / 1e9,
+        total,
+        len(stats),
+        files,
+        slowest,
+        gbps(total, slowest),
+        max(s.nbytes for s in stats) / 1e9,
+    )
 
 
 class TorchDistLoadShardedStrategy(LoadShardedStrategy):
@@ -112,14 +150,25 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         Raises:
             CheckpointingException: on every rank, if any rank's load failed.
         """
-        return run_collectively(
-            f"torch_dist load from {checkpoint_dir}",
-            self._load_local,
-            sharded_state_dict,
-            Path(checkpoint_dir),
-        )
+        ckpt = Path(checkpoint_dir)
+        result: Optional[StateDict] = None
+        stats: Optional[_LoadStats] = None
+        error: Optional[BaseException] = None
+        try:
+            result, stats = self._load_local(sharded_state_dict, ckpt)
+        except Exception as e:  # agreed on below, with the other ranks' statistics
+            error = e
+        # one exchange carries both the error reports and the statistics for the log line
+        reports = all_gather_object((error_report(error), stats))
+        raise_on_reported_errors([r[0] for r in reports], error, f"torch_dist load from {ckpt}")
+        if get_rank() == 0:
+            _log_load(ckpt, [r[1] for r in reports if r[1] is not None])
+        assert result is not None
+        return result
 
-    def _load_local(self, sharded_state_dict: ShardedStateDict, ckpt: Path) -> StateDict:
+    def _load_local(
+        self, sharded_state_dict: ShardedStateDict, ckpt: Path
+    ) -> Tuple[StateDict, _LoadStats]:
         start = time.perf_counter()
         checksums = self._checksums(ckpt)
         metadata = read_metadata(ckpt, checksums)
@@ -168,10 +217,23 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                 view = view.narrow(dim, o, n)
             return view
 
-        nbytes = read_tensor_items(
-            ckpt, metadata, reads, resolve, self.thread_count, checksums, self.direct_io
-        )
+        planned = 0
+        for r in reads:
+            itemsize = dests[r.dest_index.index].element_size()  # type: ignore[index]
+            planned += int(math.prod(r.lengths)) * itemsize
+        with byte_progress(f"load {ckpt.name}", planned) as progress:
+            nbytes = read_tensor_items(
+                ckpt,
+                metadata,
+                reads,
+                resolve,
+                self.thread_count,
+                checksums,
+                self.direct_io,
+                progress,
+            )
         apply_copies(copies, dests)
+        files = {str(_item_file(metadata, r.storage_index)) for r in reads}
         raw = read_byte_items(
             ckpt, metadata, [MetadataIndex(o.unique_key) for o in objects], checksums
         )
@@ -186,6 +248,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                 )
             loaded_objects[id(o)] = value[0]
             nbytes += len(data)
+            files.add(str(_item_file(metadata, MetadataIndex(o.unique_key))))
         seconds = time.perf_counter() - start
         logger.debug(
             "rank %d loaded %.3f GB from %s in %.2f s (%.2f GB/s)",
@@ -204,7 +267,8 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                 return loaded_objects[id(x)]
             return x
 
-        return dict_list_map_inplace(unwrap, sharded_state_dict)
+        stats = _LoadStats(nbytes, seconds, sorted(files))
+        return dict_list_map_inplace(unwrap, sharded_state_dict), stats
 
     @staticmethod
     def _destination(sh: ShardedTensor) -> torch.Tensor:

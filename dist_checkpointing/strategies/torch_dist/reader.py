@@ -121,6 +121,7 @@ def read_tensor_items(
     thread_count: int = 2,
     checksums: Optional[Checksums] = None,
     direct_io: Optional[bool] = None,
+    progress: Optional[Callable[[int], None]] = None,
 ) -> int:
     """Reads each needed stored chunk once and copies the requested regions out of it.
 
@@ -134,9 +135,11 @@ def read_tensor_items(
         direct_io: read whole chunks with O_DIRECT (through aligned bounce buffers, True)
             or through the page cache (False); None: whichever measured faster on the
             file system (`storage.prefer_direct_reads`).
+        progress: called with the bytes of each chunk read (from the reading threads).
 
     Returns:
-        Bytes read from storage.
+        Tensor data bytes read from storage: a resharded load reads only the rows it
+        needs (widened to whole checksum blocks when verifying), and counts only those.
 
     Raises:
         CheckpointCorruptedError: on a missing, truncated, malformed or (with `checksums`)
@@ -161,8 +164,10 @@ def read_tensor_items(
         )
         path = checkpoint_dir / info.relative_path
         with open_range(path, info) as stream:
-            _read_stored(stream, group, resolve, what, expected, str(path), direct_io)
-        return group.info.length
+            nread = _read_stored(stream, group, resolve, what, expected, str(path), direct_io)
+        if progress is not None:
+            progress(nread)
+        return nread
 
     ordered = sorted(groups.values(), key=lambda g: (str(g.info.relative_path), g.info.offset))
     if thread_count <= 1 or len(ordered) <= 1:
@@ -270,8 +275,12 @@ def _read_stored(
     expected: Optional[ItemSum],
     path: str,
     direct_io: Optional[bool] = None,
-) -> None:
+) -> int:
     """Reads what the group needs of one stored chunk into the reads' destinations.
+
+    Returns:
+        The number of tensor data bytes read from storage (for chunks that go through
+        `torch.load`, the whole item): a resharded read counts only the rows it read.
 
     The zip is parsed directly for a plain contiguous chunk (no `torch.load`) and its data
     read with `read_region` in large requests, verified request by request as it lands (a
@@ -295,7 +304,7 @@ def _read_stored(
             )
         for src, dest, _ in _pairs(stored, 0, group, resolve, what):
             dest.copy_(src)
-        return
+        return len(payload)
     shape = layout.shape
     nrows = shape[0] if shape else 0
     row0, row1 = 0, nrows
@@ -322,7 +331,7 @@ def _read_stored(
             direct = prefer_direct_reads(path) if direct_io is None else direct_io
             verifier = _Verifier(raw, layout, dest, 0, group, expected, what)
             _read_verified(path, data_file_off, dest, direct, verifier)
-            return
+            return layout.nbytes
     # Reads that other ranks of the node likely repeat (several regions of one chunk, or part
     # of it: resharding) go through the page cache, which the ranks share.
     start, stop = row0 * row_bytes, row1 * row_bytes
@@ -346,6 +355,7 @@ def _read_stored(
     if scatter is None:  # one digest for the whole item: copy once it is verified
         for src, dest, _ in pairs:
             dest.copy_(src)
+    return stop - start
 
 
 class _Verifier:
