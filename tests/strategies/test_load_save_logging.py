@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import re
@@ -15,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import dist_checkpointing as dc
-from dist_checkpointing import ShardedTensor
+from dist_checkpointing import ShardedTensor, _progress
 from dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
 
 ROWS, COLS = 8, 1024  # float32: 4096 bytes per row, 32 KiB in all
@@ -132,3 +133,17 @@ def test_persistent_async_writer_logs_at_the_callers_level(tmp_path):
     )
     assert out.returncode == 0, out.stderr
     assert "async writer dist_checkpointing.async_save.callers: async writer (pid" in out.stderr
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_sync_save_and_load_draw_progress_bars_on_a_terminal(tmp_path, monkeypatch):
+    term = _Terminal()
+    monkeypatch.setattr(sys, "stderr", term)
+    monkeypatch.setattr(_progress, "SHOW_AFTER_S", 0.0)
+    _save_whole(tmp_path / "c")
+    dc.load({"w": ShardedTensor.from_rank_offsets("w", torch.empty(ROWS, COLS))}, tmp_path / "c")
+    assert "save c" in term.getvalue() and "load c" in term.getvalue()

@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.planner import WriteItem
 from torch.distributed.checkpoint.storage import WriteResult
 
 from ..._dist import get_rank
+from ..._progress import byte_progress
 from ..._types import ShardedStateDict
 from ...async_save import AsyncRequest
 from ...dict_utils import nested_values
@@ -158,9 +159,11 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
                 (writer.plan_file(name, es), [e.data for e in es], None)
                 for name, es in self._plan_files(entries)
             ]
-            written = writer.write_files(
-                ckpt, jobs, self._file_count(entries), self.checksums, self.direct_io
-            )
+            total = sum(plan.size for plan, _, _ in jobs)
+            with byte_progress(f"save {ckpt.name}", total) as progress:
+                written = writer.write_files(
+                    ckpt, jobs, self._file_count(entries), self.checksums, self.direct_io, progress
+                )
         except Exception as e:  # reported to rank 0 and re-raised on every rank
             error = e
         self._finalize(ckpt, items, written, error, start)

@@ -23,7 +23,7 @@ import math
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -168,6 +168,7 @@ def write_streamed(
     sources: Sequence[Any],
     checksums: bool,
     direct: bool = True,
+    progress: Optional[Callable[[int], None]] = None,
 ) -> Tuple[List[WriteResult], List[ItemChecksum]]:
     """Writes a file from the tensors themselves (sync save), one chunk at a time.
 
@@ -180,6 +181,7 @@ def write_streamed(
         sources: per item, the tensor (tensor items laid out as zip) or None.
         checksums: compute each item's xxh3-64.
         direct: try O_DIRECT.
+        progress: called with the bytes of each chunk handed to the disk.
 
     Returns:
         Write results and item checksums.
@@ -203,6 +205,8 @@ def write_streamed(
             if pending is not None:
                 pending.result()
             pending = pool.submit(out.write, memoryview(buf[:n]), file_pos)  # type: ignore[arg-type]
+            if progress is not None:
+                progress(fill)
             file_pos += fill
             which, fill = 1 - which, 0
 
@@ -317,11 +321,13 @@ def write_files(
     thread_count: int,
     checksums: bool,
     direct: bool = True,
+    progress: Optional[Callable[[int], None]] = None,
 ) -> Tuple[List[WriteResult], List[ItemChecksum]]:
     """Writes files in parallel (one thread per file, up to `thread_count`); fsyncs the directory.
 
     Args:
         jobs: per file, its plan, its item sources, and its staged image (or None to stream).
+        progress: called with the bytes of each chunk written by a streamed (sync) write.
     """
     if not jobs:
         return [], []
@@ -330,7 +336,7 @@ def write_files(
         plan, sources, image = job
         if image is not None:
             return write_image(directory, plan, image, checksums, direct)
-        return write_streamed(directory, plan, sources, checksums, direct)
+        return write_streamed(directory, plan, sources, checksums, direct, progress)
 
     workers = max(1, min(thread_count, len(jobs)))
     if workers == 1:
