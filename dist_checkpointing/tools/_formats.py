@@ -26,6 +26,7 @@ from typing import Any, BinaryIO, Dict, List, Tuple
 import torch
 
 from ..errors import CheckpointingException
+from ..strategies.torch_dist.zipformat import STORAGE_CLASS
 
 __all__ = ["SAFETENSORS_DTYPES", "safetensors_header", "TorchZipWriter", "tensor_bytes"]
 
@@ -47,20 +48,7 @@ for _name, _code in (("uint16", "U16"), ("uint32", "U32"), ("uint64", "U64")):
     if isinstance(getattr(torch, _name, None), torch.dtype):
         SAFETENSORS_DTYPES[getattr(torch, _name)] = _code
 
-_STORAGE: Dict[torch.dtype, str] = {
-    torch.float64: "DoubleStorage",
-    torch.float32: "FloatStorage",
-    torch.float16: "HalfStorage",
-    torch.bfloat16: "BFloat16Storage",
-    torch.int64: "LongStorage",
-    torch.int32: "IntStorage",
-    torch.int16: "ShortStorage",
-    torch.int8: "CharStorage",
-    torch.uint8: "ByteStorage",
-    torch.bool: "BoolStorage",
-    torch.complex64: "ComplexFloatStorage",
-    torch.complex128: "ComplexDoubleStorage",
-}
+_STORAGE: Dict[torch.dtype, str] = STORAGE_CLASS
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:

@@ -26,7 +26,14 @@ from typing import Any, List, Optional, Tuple
 
 import torch
 
-__all__ = ["ZipItemLayout", "zip_item_layout", "supports", "ChunkLayout", "chunk_layout"]
+__all__ = [
+    "STORAGE_CLASS",
+    "ZipItemLayout",
+    "zip_item_layout",
+    "supports",
+    "ChunkLayout",
+    "chunk_layout",
+]
 
 _PREFIX = "archive/"
 _FLAGS = 0x0808  # data descriptor follows, UTF-8 names
@@ -39,7 +46,9 @@ _EOCD = struct.Struct("<4sHHHHIIH")
 _RECORD_ALIGN = 64
 _MAX_RECORD = (1 << 32) - (1 << 20)
 
-_STORAGE_CLASS = {
+#: dtype -> the storage class name `torch.save` records for it (also used by the tools'
+#: streaming `torch` writer, so the table exists once)
+STORAGE_CLASS = {
     torch.float32: "FloatStorage",
     torch.float64: "DoubleStorage",
     torch.float16: "HalfStorage",
@@ -57,7 +66,7 @@ _STORAGE_CLASS = {
 
 def supports(dtype: torch.dtype, nbytes: int) -> bool:
     """Whether `zip_item_layout` can describe a tensor of this dtype and size."""
-    return dtype in _STORAGE_CLASS and nbytes <= _MAX_RECORD
+    return dtype in STORAGE_CLASS and nbytes <= _MAX_RECORD
 
 
 class _StorageRef:
@@ -94,7 +103,7 @@ def _strides(shape: Tuple[int, ...]) -> Tuple[int, ...]:
 def _data_pkl(dtype: torch.dtype, shape: Tuple[int, ...]) -> bytes:
     buf = io.BytesIO()
     numel = math.prod(shape)
-    ref = _StorageRef(getattr(torch, _STORAGE_CLASS[dtype]), numel)
+    ref = _StorageRef(getattr(torch, STORAGE_CLASS[dtype]), numel)
     _TensorPickler(buf, protocol=2).dump(_Rebuild(ref, shape, _strides(shape)))
     return buf.getvalue()
 
@@ -206,8 +215,8 @@ def zip_item_layout(
 
 # ---- reading: locating a chunk's bytes inside an item -------------------------------
 
-#: storage class name -> dtype (the inverse of `_STORAGE_CLASS`)
-_STORAGE_DTYPES = {name: dtype for dtype, name in _STORAGE_CLASS.items()}
+#: storage class name -> dtype (the inverse of `STORAGE_CLASS`)
+_STORAGE_DTYPES = {name: dtype for dtype, name in STORAGE_CLASS.items()}
 
 
 @dataclass(frozen=True)
