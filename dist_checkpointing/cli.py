@@ -12,7 +12,7 @@ import json
 import logging
 import sys
 from dataclasses import asdict
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, NoReturn, Optional
 
 __all__ = ["main"]
 
@@ -149,8 +149,15 @@ def _demo(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """An argument parser whose usage errors are one line (exit 2), like every CLI error."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_ERROR, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _OneLineParser(
         prog="dist-ckpt",
         description="Look inside, check, convert and compare dist_checkpointing checkpoints.",
         epilog="Exit codes: 0 ok/clean/equal, 1 problem found, 2 error.",

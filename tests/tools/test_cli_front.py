@@ -37,6 +37,8 @@ def _run(*args: str, timeout: float = 170) -> subprocess.CompletedProcess:
         ("inspect", "/nonexistent/ckpt"),
         ("convert", "/nonexistent/ckpt", "/tmp/x", "--to", "torch"),
         ("diff", "/nonexistent/a", "/nonexistent/b"),
+        ("convert", "/nonexistent/ckpt", "/tmp/x"),  # usage error: --to missing
+        ("verify",),  # usage error: path missing
     ],
 )
 def test_cli_errors_are_one_line_and_non_zero(args):
