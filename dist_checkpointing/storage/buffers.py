@@ -10,7 +10,7 @@ from __future__ import annotations
 import mmap
 import threading
 from collections import OrderedDict
-from typing import Any, Dict, List, Protocol, Tuple
+from typing import Any, Dict, List, Protocol, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -102,63 +102,122 @@ class ImagePool:
     """Shared, page-aligned host buffers holding whole file images, reused across saves.
 
     Buffers are keyed by a layout's `signature` (equal signatures: same size and item
-    placement, so a buffer can be reused as is) and sized by its `size`.
+    placement, so a buffer can be reused as is) and sized by its `size`. A save that
+    writes several files takes their buffers together (`acquire_group`) and gives them
+    back together (`release_group`): the pool keeps whole sets, so a save of 4 files with
+    equal layouts finds all 4 buffers again (a per-buffer bound would keep 2 of them and
+    allocate and pin the other 2 anew on every save).
 
     Buffers that will receive copies from a GPU are page-locked (pinned) so those copies run
-    asynchronously; a buffer dropped from the pool is unpinned first. Free buffers are kept
-    for the `max_signatures` file layouts released most recently, so host memory stays
-    bounded when the saved structure keeps changing.
+    asynchronously; a buffer dropped from the pool is unpinned first. Free buffers (or
+    sets) are kept for the `max_signatures` layouts released most recently, so host memory
+    stays bounded when the saved structure keeps changing.
 
     Args:
-        max_free: free buffers kept per file signature.
-        max_signatures: file signatures whose free buffers are kept.
+        max_free: free buffers (or sets of buffers) kept per signature: 2 lets a save reuse
+            the images of the one before it while a third is still being written.
+        max_signatures: signatures whose free buffers are kept.
+
+    Attributes:
+        allocated_bytes: bytes of the buffers alive (in use or kept free).
+        allocations: buffers allocated so far (a reused buffer is not counted again).
+        pins: buffers page-locked so far.
     """
 
     def __init__(self, max_free: int = 2, max_signatures: int = 4) -> None:
-        self._free: OrderedDict[Tuple[Any, ...], List[torch.Tensor]] = OrderedDict()
+        self._free: OrderedDict[Tuple[Any, ...], List[Any]] = OrderedDict()
         self._pinned: Dict[int, torch.Tensor] = {}  # data_ptr -> buffer
         self._lock = threading.Lock()
         self.max_free = max_free
         self.max_signatures = max_signatures
-        #: bytes of the buffers alive (in use or kept free)
         self.allocated_bytes = 0
+        self.allocations = 0
+        self.pins = 0
+
+    def _take(self, key: Tuple[Any, ...]) -> Any:
+        with self._lock:
+            free = self._free.get(key)
+            return free.pop() if free else None
+
+    def _new(self, size: int) -> torch.Tensor:
+        n = max(ALIGN, -(-size // ALIGN) * ALIGN)
+        # allocated in shared memory directly (page-aligned, shareable with the writer
+        # process); `share_memory_()` on a new tensor would copy it once more
+        new_shared = getattr(torch.UntypedStorage, "_new_shared", None)
+        if new_shared is not None:
+            buf = torch.empty(0, dtype=torch.uint8).set_(new_shared(n))
+        else:  # pragma: no cover - torch builds without it
+            buf = torch.empty(n, dtype=torch.uint8).share_memory_()
+        with self._lock:
+            self.allocated_bytes += n
+            self.allocations += 1
+        return buf
+
+    def _pin(self, buf: torch.Tensor) -> None:
+        with self._lock:
+            if buf.data_ptr() in self._pinned:
+                return
+        if _pinned.pin(buf):
+            with self._lock:
+                self._pinned[buf.data_ptr()] = buf
+                self.pins += 1
 
     def acquire(self, plan: Layout, pin: bool) -> torch.Tensor:
         """A buffer of at least `plan.size` bytes (rounded up to `ALIGN`), pinned if `pin`.
 
         A free buffer of the same signature is reused; otherwise a new one is allocated.
         """
-        buf = None
-        with self._lock:
-            free = self._free.get(plan.signature)
-            if free:
-                buf = free.pop()
+        buf = self._take(plan.signature)
         if buf is None:
-            n = max(ALIGN, -(-plan.size // ALIGN) * ALIGN)
-            buf = torch.empty(n, dtype=torch.uint8).share_memory_()  # page-aligned, shareable
-            with self._lock:
-                self.allocated_bytes += n
-        if pin and buf.data_ptr() not in self._pinned and _pinned.pin(buf):
-            with self._lock:
-                self._pinned[buf.data_ptr()] = buf
+            buf = self._new(plan.size)
+        if pin:
+            self._pin(buf)
         return buf
+
+    def acquire_group(self, plans: Sequence[Layout], pin: bool) -> List[torch.Tensor]:
+        """Buffers for `plans` (one each, in order), reusing a set released for equal plans.
+
+        Give them back with `release_group(plans, buffers)`.
+        """
+        bufs = self._take(self._group_key(plans))
+        if bufs is None:
+            bufs = [self._new(p.size) for p in plans]
+        if pin:
+            for b in bufs:
+                self._pin(b)
+        return list(bufs)
+
+    @staticmethod
+    def _group_key(plans: Sequence[Layout]) -> Tuple[Any, ...]:
+        return ("group",) + tuple(p.signature for p in plans)
 
     def is_pinned(self, buf: torch.Tensor) -> bool:
         """Whether `buf` (from `acquire`) is page-locked."""
-        return buf.data_ptr() in self._pinned
+        with self._lock:
+            return buf.data_ptr() in self._pinned
 
     def release(self, plan: Layout, buf: torch.Tensor) -> None:
         """Returns `buf` for reuse by saves of the same signature, or frees it."""
+        self._keep(plan.signature, buf, [buf])
+
+    def release_group(self, plans: Sequence[Layout], bufs: Sequence[torch.Tensor]) -> None:
+        """Returns the buffers of `acquire_group(plans, ...)` together, or frees them."""
+        if bufs:
+            self._keep(self._group_key(plans), list(bufs), list(bufs))
+
+    def _keep(self, key: Tuple[Any, ...], entry: Any, bufs: List[torch.Tensor]) -> None:
+        """Keeps `entry` (a buffer or a list of them) free under `key`, within the bounds."""
         dropped: List[torch.Tensor] = []
         with self._lock:
-            free = self._free.setdefault(plan.signature, [])
-            self._free.move_to_end(plan.signature)
+            free = self._free.setdefault(key, [])
+            self._free.move_to_end(key)
             if len(free) < self.max_free:
-                free.append(buf)
+                free.append(entry)
             else:
-                dropped.append(buf)
+                dropped += bufs
             while len(self._free) > self.max_signatures:
-                dropped += self._free.popitem(last=False)[1]
+                for old in self._free.popitem(last=False)[1]:
+                    dropped += old if isinstance(old, list) else [old]
             for b in dropped:
                 self.allocated_bytes -= b.numel()
             was_pinned = [self._pinned.pop(b.data_ptr(), None) for b in dropped]

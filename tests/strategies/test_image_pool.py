@@ -84,14 +84,14 @@ def test_async_save_stages_before_returning_pinned_for_cuda_sources(tmp_path, mo
     expected = src.cpu().clone()
     strategy = TorchDistSaveShardedStrategy()
     staged = []
-    real_acquire = strategy._images.acquire
+    real_acquire = strategy._images.acquire_group
 
-    def spy(plan, pin):
-        buf = real_acquire(plan, pin)
-        staged.append(buf)
-        return buf
+    def spy(plans, pin):
+        bufs = real_acquire(plans, pin)
+        staged.extend(bufs)
+        return bufs
 
-    monkeypatch.setattr(strategy._images, "acquire", spy)
+    monkeypatch.setattr(strategy._images, "acquire_group", spy)
     req = dc.save(
         {"w": ShardedTensor.from_rank_offsets("w", src)},
         tmp_path / "c",
@@ -103,3 +103,78 @@ def test_async_save_stages_before_returning_pinned_for_cuda_sources(tmp_path, mo
     req.execute_sync()
     req = {"w": ShardedTensor.from_rank_offsets("w", torch.empty(1024, 1024))}
     assert torch.equal(dc.load(req, tmp_path / "c")["w"], expected)
+
+
+def test_a_group_of_equal_layouts_is_reused_whole():
+    pool = ImagePool(max_free=1, max_signatures=2)
+    plans = [_plan("a") for _ in range(4)]  # four files with one layout, as one save writes them
+    first = pool.acquire_group(plans, pin=False)
+    assert len({b.data_ptr() for b in first}) == 4 and pool.allocations == 4
+    pool.release_group(plans, first)
+    again = pool.acquire_group(plans, pin=False)
+    assert [b.data_ptr() for b in again] == [b.data_ptr() for b in first]
+    assert pool.allocations == 4
+    other = pool.acquire_group(plans, pin=False)  # the set is in use: a new set
+    assert pool.allocations == 8
+    pool.release_group(plans, again)
+    pool.release_group(plans, other)  # beyond max_free sets: freed
+    assert pool.allocated_bytes == 4 * again[0].numel()
+
+
+def _equal_tensors(device: str, step: int) -> dict:
+    from dist_checkpointing import ShardedTensor
+
+    return {
+        f"t{i}": ShardedTensor.from_rank_offsets(
+            f"t{i}", torch.full((256, 1024), float(step * 10 + i), device=device)
+        )
+        for i in range(4)
+    }
+
+
+@pytest.mark.parametrize("thread_count", [4, None])
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+            ],
+        ),
+    ],
+)
+def test_consecutive_async_saves_reuse_every_staging_buffer(
+    tmp_path, monkeypatch, device, thread_count
+):
+    """Four files of one layout per save (as on a many-core GPU node): the second and third
+    saves allocate (and pin) nothing; each checkpoint loads back exactly."""
+    import dist_checkpointing as dc
+    from dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+    from dist_checkpointing.strategies.torch_dist import save as save_module
+
+    # the default file count of a 16-core node with one rank, whatever this machine has
+    monkeypatch.setattr(save_module, "default_file_count", lambda cuda: 4)
+    strategy = TorchDistSaveShardedStrategy(thread_count=thread_count)
+    pool = strategy._images
+    counts = []
+    for step in range(3):
+        req = dc.save(
+            _equal_tensors(device, step),
+            tmp_path / f"c{step}",
+            sharded_strategy=strategy,
+            async_sharded_save=True,
+        )
+        req.execute_sync()
+        counts.append((pool.allocations, pool.pins, pool.allocated_bytes))
+    assert len(list((tmp_path / "c0").glob("*.distcp"))) == 4
+    assert counts[0][0] == 4 and counts[1] == counts[0] and counts[2] == counts[0], counts
+    if device == "cuda":
+        assert counts[0][1] == 4
+    for step in range(3):
+        want = {k: v.data.cpu() for k, v in _equal_tensors("cpu", step).items()}
+        req = {k: dc.ShardedTensor.from_rank_offsets(k, torch.empty(256, 1024)) for k in want}
+        got = dc.load(req, tmp_path / f"c{step}")
+        assert all(torch.equal(got[k], want[k]) for k in want)

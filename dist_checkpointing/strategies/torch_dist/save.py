@@ -190,19 +190,20 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             e.data.device for e in entries if isinstance(e.data, torch.Tensor) and e.data.is_cuda
         }
         pin = bool(devices)
-        staged: List[Tuple[Any, torch.Tensor]] = []
+        files = self._plan_files(entries)
+        plans = [writer.plan_file(name, es) for name, es in files]
+        sources = [[e.data for e in es] for _, es in files]
+        # the whole set at once: a save of several files finds all of its images again
+        bufs = self._images.acquire_group(plans, pin)
         try:
-            for name, es in self._plan_files(entries):
-                plan = writer.plan_file(name, es)
-                buf = self._images.acquire(plan, pin)
-                staged.append((plan, buf))
-                writer.stage_image(plan, [e.data for e in es], buf)
+            for plan, srcs, buf in zip(plans, sources, bufs):
+                writer.stage_image(plan, srcs, buf)
             for device in devices:  # the caller may change its tensors once we return
                 torch.cuda.synchronize(device)
         except BaseException:
-            for plan, buf in staged:
-                self._images.release(plan, buf)
+            self._images.release_group(plans, bufs)
             raise
+        staged = list(zip(plans, bufs))
         jobs = [(plan, [None] * len(plan.items), buf) for plan, buf in staged]
         items = [e.item for e in entries]
         request = AsyncRequest(
@@ -212,8 +213,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             description=f"torch_dist save to {ckpt}",
         )
         request.add_finalize_fn(lambda: self._finalize(ckpt, items, request.result, None, start))
-        for plan, buf in staged:
-            request.cleanup_fns.append(functools.partial(self._images.release, plan, buf))
+        request.cleanup_fns.append(functools.partial(self._images.release_group, plans, bufs))
         logger.debug(
             "rank %d staged %d bytes for %s in %.3f s",
             get_rank(),
