@@ -28,8 +28,9 @@ import logging
 import os
 import shutil
 import time
+from collections import deque
 from pathlib import Path
-from typing import Any, Callable, List, Optional, Tuple, TypeVar, Union
+from typing import Any, Callable, Deque, List, Optional, Tuple, TypeVar, Union
 
 from .. import _dist
 from .._types import ShardedStateDict, StateDict
@@ -82,6 +83,9 @@ class CheckpointManager:
         self.failed_saves: List[Tuple[int, str]] = []
         self.last_restore: Optional[RestoreInfo] = None
         self._queue = AsyncCallsQueue()
+        # (step, tier) of each scheduled background save, in schedule order: the queue
+        # finalizes in order, so a failure belongs to the first entry
+        self._in_flight: Deque[Tuple[int, str]] = deque()
         self._last_saved = -1
         self._closed = False
         self._local: Any = None
@@ -145,14 +149,31 @@ class CheckpointManager:
         if not (persistent or local) or step <= self._last_saved:
             return False
         self._last_saved = step
+        tier = "local" if local else "persistent"
         try:
             if local:
                 self._save_local(step, sharded_state_dict)
             if persistent:
+                tier = "persistent"
                 self._save_persistent(step, sharded_state_dict)
         except CheckpointingException as e:
-            self._failed(step, e)
+            self._failed(step, tier, e)
         return True
+
+    def _schedule(self, step: int, tier: str, request: Any, on_commit: Callable[[], None]) -> None:
+        """Hands a background save to the queue; `on_commit` runs when it is finalized."""
+
+        def committed() -> None:
+            self._in_flight.popleft()
+            on_commit()
+
+        request.add_finalize_fn(committed)
+        self._in_flight.append((step, tier))
+        try:
+            self._queue.schedule_async_request(request)
+        except BaseException:
+            self._in_flight.pop()
+            raise
 
     def _save_local(self, step: int, sharded_state_dict: ShardedStateDict) -> None:
         from ..tensor_aware_state_dict import MCoreTensorAwareStateDict
@@ -162,8 +183,7 @@ class CheckpointManager:
         if request is None:
             self._local_committed(step)
             return
-        request.add_finalize_fn(lambda: self._local_committed(step))
-        self._queue.schedule_async_request(request)
+        self._schedule(step, "local", request, lambda: self._local_committed(step))
 
     def _local_committed(self, step: int) -> None:
         self._local_latest = max(self._local_latest, step)
@@ -183,8 +203,7 @@ class CheckpointManager:
         if request is None:
             self._persistent_committed(step)
             return
-        request.add_finalize_fn(lambda: self._persistent_committed(step))
-        self._queue.schedule_async_request(request)
+        self._schedule(step, "persistent", request, lambda: self._persistent_committed(step))
 
     def _clear_target(self, path: Path) -> None:
         """Rank 0: moves aside what a previous run left at a step this run saves again."""
@@ -222,18 +241,36 @@ class CheckpointManager:
             shutil.rmtree(self.root / step_dir_name(s), ignore_errors=True)
         return doomed
 
-    def _failed(self, step: int, error: CheckpointingException) -> None:
+    def _failed(self, step: int, tier: str, error: CheckpointingException) -> None:
+        """Collective: a save of `step` failed on some rank (so, agreed, on every rank).
+
+        The persistent directory it left is removed (it was never committed, so nothing
+        names or loads it); the local manager removes its own leftovers. Then the policy:
+        raise, or log, record and go on.
+        """
+        if tier == "persistent":
+            self._on_rank0(
+                f"cleanup after the failed save of step {step}", self._remove_failed, step
+            )
         if self.options.on_error == "raise":
             raise error
         self.failed_saves.append((step, str(error)))
         _dist.log_rank0(
             logger,
             logging.ERROR,
-            "checkpoint save of step %d failed (on_error='continue': training goes on, the next "
-            "due save runs normally): %s",
+            "%s checkpoint save of step %d failed (on_error='continue': training goes on, the "
+            "next due save runs normally): %s",
+            tier,
             step,
             error,
         )
+
+    def _remove_failed(self, step: int) -> None:
+        """Rank 0: removes the directory of a failed save unless it is a committed one."""
+        path = self.root / step_dir_name(step)
+        if path.is_dir() and not check_is_distributed_checkpoint(path):
+            logger.warning("removing %s, left by its failed save", path)
+            shutil.rmtree(path, ignore_errors=True)
 
     def _finalize(self, blocking: bool) -> None:
         while self._queue.get_num_unfinalized_calls():
@@ -241,7 +278,10 @@ class CheckpointManager:
                 self._queue.maybe_finalize_async_calls(blocking=blocking)
                 return
             except CheckpointingException as e:
-                self._failed(-1, e)  # that call is dropped; later calls stay queued
+                # in-order finalization: the failed call is the oldest one not committed;
+                # the queue dropped it, later calls stay queued
+                step, tier = self._in_flight.popleft() if self._in_flight else (-1, "?")
+                self._failed(step, tier, e)
 
     def wait_until_finished(self) -> None:
         """Collective: waits for and finalizes every save in flight."""

@@ -28,9 +28,34 @@ def _state(step: int) -> Dict[str, Any]:
     }
 
 
-def _options(local_root: str) -> CheckpointManagerOptions:
+_repl_cache: Dict[Tuple[int, int], Any] = {}
+
+
+def _replication(world: int) -> Any:
+    """Copies of each local part on another rank: cliques {0, 1} on 2 ranks, {0, 2} and
+    {1, 3} on 4 (one strategy, i.e. one set of groups, per world size, reused)."""
+    from dist_checkpointing.local.replication.strategies import CliqueReplicationStrategy
+
+    jump = 1 if world == 2 else 2
+    if (world, jump) not in _repl_cache:
+        _repl_cache[(world, jump)] = CliqueReplicationStrategy.from_replication_params(
+            replication_jump=jump, replication_factor=2
+        )
+    return _repl_cache[(world, jump)]
+
+
+def _peer(rank: int, world: int) -> int:
+    """The rank that holds the replica of `rank`'s local part (see `_replication`)."""
+    return rank ^ 1 if world == 2 else (rank + 2) % 4
+
+
+def _options(local_root: str, replicated: bool = False) -> CheckpointManagerOptions:
     return CheckpointManagerOptions(
-        save_interval=2, keep_last=3, local_root=local_root, local_save_interval=1
+        save_interval=2,
+        keep_last=3,
+        local_root=local_root,
+        local_save_interval=1,
+        replication=_replication(dist.get_world_size()) if replicated else None,
     )
 
 
@@ -66,20 +91,52 @@ def _damage(root: Path, local_root: Path, kind: str) -> None:
             _flip(ckpt / item.file, item.offset + item.length - 8)
 
 
-def train_damage_and_resume(base: str, kind: str) -> Tuple[int, str, bool, int]:
+def _part(local_root: Path, holder: int, owner: int) -> Path:
+    """The local part of step 7 owned by `owner` in `holder`'s directory."""
+    return local_root / "dist_ckpt" / str(holder) / f"iter_0000007_{owner}_local.pt"
+
+
+def _damage_replicated(root: Path, local_root: Path, kind: str) -> None:
+    """Damage with replication on: rank 1 and the peer holding its replica."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    peer = _peer(1, world)
+    lost = {"repl_local_lost": {1}}.get(kind, {1, peer} if "clique_lost" in kind else set())
+    if rank in lost:  # the node's disk is gone: its own part and the replicas it held
+        for p in (local_root / "dist_ckpt" / str(rank)).iterdir():
+            p.unlink()
+    if kind == "repl_local_damaged" and rank == 1:
+        part = _part(local_root, 1, 1)
+        _flip(part, part.stat().st_size // 2)
+    if "clique_damaged" in kind and rank in (1, peer):  # rank 1's part and its replica
+        part = _part(local_root, rank, 1)
+        _flip(part, part.stat().st_size // 2)
+    if kind.endswith("persistent_incomplete") and rank == 0:
+        (root / "iter_0000006" / "metadata.json").unlink()
+
+
+def train_damage_and_resume(
+    base: str, kind: str, replicated: bool = False
+) -> Tuple[int, str, bool, int]:
     """Saves steps 1..7 (persistent 2, 4, 6; local 7), damages per `kind`, loads anew.
 
     Returns `(step, tier, values_ok, skipped)` as seen by this rank.
     """
     root, local_root = Path(base) / "p", Path(base) / "l"
-    manager = CheckpointManager(root, _options(str(local_root)))
+    manager = CheckpointManager(root, _options(str(local_root), replicated))
     for step in range(1, 8):
         manager.save(step, _state(step))
     manager.close()
     dist.barrier()
-    _damage(root, local_root, kind)
+    if replicated:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        held = sorted(p.name for p in (local_root / "dist_ckpt" / str(rank)).iterdir())
+        owners = sorted({rank, _peer(rank, world)})
+        assert held == [f"iter_0000007_{o}_local.pt" for o in owners], held
+        _damage_replicated(root, local_root, kind)
+    else:
+        _damage(root, local_root, kind)
     dist.barrier()
-    manager = CheckpointManager(root, _options(str(local_root)))
+    manager = CheckpointManager(root, _options(str(local_root), replicated))
     request = _state(0)
     for v in request.values():
         if isinstance(v, ShardedTensor):

@@ -1,4 +1,5 @@
-"""CheckpointManager on 2 and 4 gloo ranks: fallback in every order, all ranks agreeing."""
+"""CheckpointManager on 2 and 4 gloo ranks: fallback in every order, all ranks agreeing,
+with the local tier unreplicated and replicated (factor 2)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,31 @@ def test_load_falls_back_in_every_order_on_every_rank(world_factory, tmp_path, w
     for kind, (step, tier, skipped) in CASES:
         base = tmp_path / kind
         results = world.run_ok(_manager_fns.train_damage_and_resume, str(base), kind, timeout=240)
+        assert results == [(step, tier, True, skipped)] * world_size, (kind, results)
+
+
+# replication factor 2: rank 1's replica is on rank 0 (2 ranks) or rank 3 (4 ranks)
+REPLICATED_CASES = [
+    ("intact", (7, "local", 0)),
+    ("repl_local_lost", (7, "local", 0)),  # rank 1's disk lost: its part comes from the peer
+    ("repl_local_damaged", (7, "local", 0)),  # rank 1's part fails its checksum: the replica
+    ("repl_clique_lost", (6, "persistent", 0)),  # part and replica lost: no local candidate
+    ("repl_clique_damaged", (6, "persistent", 1)),  # both copies fail their checksums
+    ("repl_clique_lost_persistent_incomplete", (4, "persistent", 0)),
+    ("repl_clique_damaged_persistent_incomplete", (4, "persistent", 1)),
+]
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_load_with_replicated_local_tier_recovers_or_falls_back(
+    world_factory, tmp_path, world_size
+):
+    world = world_factory(world_size)
+    for kind, (step, tier, skipped) in REPLICATED_CASES:
+        base = tmp_path / kind
+        results = world.run_ok(
+            _manager_fns.train_damage_and_resume, str(base), kind, True, timeout=240
+        )
         assert results == [(step, tier, True, skipped)] * world_size, (kind, results)
 
 

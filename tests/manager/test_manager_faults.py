@@ -1,0 +1,49 @@
+"""CheckpointManager when a background (async) write fails on one rank, on 2 and 4 gloo
+ranks: 'raise' raises on every rank at the next save / wait_until_finished / close,
+'continue' logs and trains on; either way the failed checkpoint is never recorded as latest
+nor loaded, its directory is removed, and the next due save runs normally."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.manager import _manager_fault_fns
+
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.mark.parametrize(
+    "world_size,on_error,where",
+    [
+        (2, "raise", "save"),
+        (2, "raise", "finalize"),
+        (2, "raise", "close"),
+        (2, "continue", "save"),
+        (2, "continue", "close"),
+        (4, "raise", "save"),
+        (4, "continue", "finalize"),
+    ],
+)
+def test_failed_background_write_follows_the_policy_on_every_rank(
+    world_factory, tmp_path, world_size, on_error, where
+):
+    results = world_factory(world_size).run_ok(
+        _manager_fault_fns.failing_background_write, str(tmp_path), on_error, where, timeout=300
+    )
+    first = results[0]
+    assert all(r == first for r in results), results  # every rank saw the same
+    if on_error == "raise":
+        assert first["raised_at"] == where and first["failed_saves"] == []
+        assert f"rank {world_size - 1}" in first["error"] and "No space left" in first["error"]
+    else:
+        assert first["raised_at"] is None and first["failed_saves"] == [4]
+    # the failed step 4 is never recorded, its directory is gone
+    assert first["latest_after_failure"] == 2
+    assert 4 not in first["steps_after_failure"] and 2 in first["steps_after_failure"]
+    if where == "close":  # nothing saved after it: a restart loads step 2
+        assert first["steps_final"] == [2] and first["latest_final"] == 2
+        assert first["loaded"] == 2
+    else:  # the next due saves ran normally; retention keeps the 2 newest
+        last = first["last_step"] - first["last_step"] % 2
+        assert first["steps_final"] == [last - 2, last] and first["latest_final"] == last
+        assert first["loaded"] == last
