@@ -16,7 +16,18 @@ One command on any CUDA machine (`python -m benchmarks.bench_gpu`): every rank h
 - local: `LocalCheckpointManager` sync and async (blocked, committed) and its load.
 
 Every load goes into CUDA tensors and is compared bit-exactly with what was saved
-(a mismatch aborts the run). Output: one table per world size and `--json`.
+(a mismatch aborts the run). Before every repeat of every read row (raw read included) the
+page cache is dropped: `sync; echo 3 > /proc/sys/vm/drop_caches` where the run may (root,
+writable /proc/sys), else `posix_fadvise(DONTNEED)` on each file about to be read; the row
+`page cache before reads` says which worked ("not dropped" means reads may be served from
+memory). `--sync-files N ...` adds rows of our sync save with N files per rank (the
+default rule's choice is the row `ours default files per rank`). Output: one table per
+world size and `--json`.
+
+The stock pinned-stager row reuses one `DefaultStager` across repeats (as a training loop
+would, so its pinned buffers are cached after the first save) where torch allows it; where
+a stager clears its state after each stage (torch 2.11), a new one is made per save, before
+the timer starts (`...: stagers made` says which).
 
 `--device cpu` runs the same rows on CPU tensors (pageable instead of pinned memory, gloo
 only) to check the script on a machine without a GPU; its figures say nothing about GPUs.
@@ -32,12 +43,12 @@ import os
 import shutil
 import statistics
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Set
 
 import torch
 import torch.distributed as dist
 
-from benchmarks._common import free_port, print_table, write_json
+from benchmarks._common import drop_page_cache, free_port, print_table, write_json
 
 _CHUNK = 64 << 20
 _ALIGN = 4096
@@ -75,8 +86,8 @@ def _host(nbytes: int, pinned: bool) -> torch.Tensor:
     return raw[start : start + nbytes]
 
 
-def _raw_write_read(path: str, buf: torch.Tensor) -> Dict[str, float]:
-    """O_DIRECT write (+fsync) and read of `buf` (length a multiple of 4096)."""
+def _raw_write(path: str, buf: torch.Tensor) -> float:
+    """O_DIRECT write (+fsync) of `buf` (length a multiple of 4096); seconds."""
     view = memoryview(buf.numpy())  # type: ignore[arg-type]
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_DIRECT", 0)
     t0 = time.perf_counter()
@@ -89,7 +100,12 @@ def _raw_write_read(path: str, buf: torch.Tensor) -> Dict[str, float]:
         os.fsync(fd)
     finally:
         os.close(fd)
-    write = time.perf_counter() - t0
+    return time.perf_counter() - t0
+
+
+def _raw_read(path: str, buf: torch.Tensor) -> float:
+    """O_DIRECT read of `path` into `buf`; seconds."""
+    view = memoryview(buf.numpy())  # type: ignore[arg-type]
     t0 = time.perf_counter()
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
     try:
@@ -101,7 +117,92 @@ def _raw_write_read(path: str, buf: torch.Tensor) -> Dict[str, float]:
             got += n
     finally:
         os.close(fd)
-    return {"write": write, "read": time.perf_counter() - t0}
+    return time.perf_counter() - t0
+
+
+def _evict_files(path: str) -> bool:
+    """`posix_fadvise(DONTNEED)` on every file under `path` (clean pages leave the cache)."""
+    advise = getattr(os, "posix_fadvise", None)
+    if advise is None:
+        return False
+    files = [path] if os.path.isfile(path) else []
+    for root, _, names in os.walk(path):
+        files += [os.path.join(root, n) for n in names]
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            advise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    return True
+
+
+def drop_cache_for(path: str, how: str = "auto") -> str:
+    """Drops the page cache before a read of `path`; returns how ("not dropped" if not).
+
+    Args:
+        path: the file or directory about to be read.
+        how: "auto": the whole cache when the process may (root), else this path's files
+            (works for any user: their pages are clean after the sync); "files": only
+            this path's files (leaves a shared machine's cache alone); "none".
+    """
+    if how == "none":
+        return "not dropped (--drop-cache none)"
+    os.sync()
+    if how == "auto" and drop_page_cache():
+        return "dropped (drop_caches)"
+    try:
+        if _evict_files(path):
+            return "dropped (fadvise DONTNEED per file)"
+    except OSError:
+        pass
+    return "not dropped"
+
+
+class _Stagers:
+    """The pinned `DefaultStager` for each save: one reused across saves (as a training
+    loop would, so its pinned buffers are cached), or a new one per save where torch
+    clears a stager's state after each stage (2.11: reusing it then fails with
+    `KeyError: <class 'type'>`)."""
+
+    def __init__(self, make: Callable[[], Any]) -> None:
+        self.make, self.current, self.made = make, None, 0
+
+    @staticmethod
+    def _usable(stager: Any) -> bool:
+        inner = getattr(stager, "_state_dict_stager", None)
+        table = getattr(inner, "_deepcopy_dispatch", None)
+        return not isinstance(table, dict) or bool(table)
+
+    def __call__(self) -> Any:
+        if self.current is not None and not self._usable(self.current):
+            self.current.close()
+            self.current = None
+        if self.current is None:
+            self.current = self.make()
+            self.made += 1
+        return self.current
+
+    def close(self) -> None:
+        if self.current is not None:
+            self.current.close()
+            self.current = None
+
+
+def _staging_options(options_cls: Any, pinned: bool) -> Any:
+    """`StagingOptions` for a pinned, async, non-blocking stager, from the fields it has."""
+    import dataclasses
+
+    wanted = {
+        "use_pinned_memory": pinned,
+        "use_shared_memory": False,
+        "use_async_staging": True,
+        "use_non_blocking_copy": pinned,
+    }
+    if dataclasses.is_dataclass(options_cls):
+        have = {f.name for f in dataclasses.fields(options_cls)}
+        wanted = {k: v for k, v in wanted.items() if k in have}
+    return options_cls(**wanted)
 
 
 class _Bench:
@@ -124,13 +225,22 @@ class _Bench:
         self.node = os.path.join(self.root, f"node{rank}")
         os.makedirs(self.node, exist_ok=True)
         self.out: Dict[str, Any] = {}
+        self.drops: Set[str] = set()
 
     # ---- helpers ----
     def timed(
-        self, name: str, fn: Callable[[], Any], after: Optional[Callable[[], Any]] = None
+        self,
+        name: str,
+        fn: Callable[[], Any],
+        after: Optional[Callable[[], Any]] = None,
+        reads: Optional[str] = None,
     ) -> None:
+        """Median over repeats of `fn` (max over ranks); for a read of `reads`, the page
+        cache is dropped before each repeat (not timed)."""
         times = []
         for _ in range(self.args.repeats):
+            if reads is not None:
+                self.drop_cache(reads)
             _barrier()
             t0 = time.perf_counter()
             fn()
@@ -139,6 +249,11 @@ class _Bench:
             if after is not None:
                 after()
         self.out[name] = statistics.median(times)
+
+    def drop_cache(self, path: str) -> None:
+        """Drops the page cache before a read row (see the module doc); records how."""
+        self.drops.add(drop_cache_for(path, self.args.drop_cache))
+        self.out["page cache before reads"] = " / ".join(sorted(self.drops))
 
     def check(self, what: str, loaded: Dict[str, torch.Tensor]) -> None:
         for k, t in self.tensors.items():
@@ -174,8 +289,10 @@ class _Bench:
         runs = []
         for _ in range(self.args.repeats):
             _barrier()
-            r = _raw_write_read(path, buf)
-            runs.append((_max(r["write"]), _max(r["read"])))
+            write = _max(_raw_write(path, buf))
+            self.drop_cache(path)
+            _barrier()
+            runs.append((write, _max(_raw_read(path, buf))))
         os.remove(path)
         self.out["raw O_DIRECT write"] = statistics.median(w for w, _ in runs)
         self.out["raw O_DIRECT read"] = statistics.median(r for _, r in runs)
@@ -191,7 +308,11 @@ class _Bench:
 
         self.timed("torch.save", save)
         loaded: Dict[str, torch.Tensor] = {}
-        self.timed("torch.load", lambda: loaded.update(torch.load(path, map_location=self.device)))
+        self.timed(
+            "torch.load",
+            lambda: loaded.update(torch.load(path, map_location=self.device)),
+            reads=path,
+        )
         self.check("torch.load", loaded)
         os.remove(path)
 
@@ -202,36 +323,38 @@ class _Bench:
         ckpt = os.path.join(self.root, "dcp")
         self.timed("DCP save", lambda: dcp.save(sd, checkpoint_id=ckpt), lambda: None)
         target = {f"r{self.rank}.{k}": t for k, t in self.empty().items()}
-        self.timed("DCP load", lambda: dcp.load(target, checkpoint_id=ckpt))
+        self.timed("DCP load", lambda: dcp.load(target, checkpoint_id=ckpt), reads=ckpt)
         self.check("DCP load", {k.split(".", 1)[1]: t for k, t in target.items()})
         self.clean(ckpt)
         self._dcp_async(sd, "DCP async (default staging)", None)
+        stagers = None
+        name = "DCP async (pinned stager)"
         try:
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-            stager = DefaultStager(
-                StagingOptions(
-                    use_pinned_memory=self.pinned,
-                    use_shared_memory=False,
-                    use_async_staging=True,
-                    use_non_blocking_copy=self.pinned,
-                )
-            )
-            self._dcp_async(sd, "DCP async (pinned stager)", stager)
+            options = _staging_options(StagingOptions, self.pinned)
+            stagers = _Stagers(lambda: DefaultStager(options))
+            self._dcp_async(sd, name, stagers)
+            self.out[f"{name}: stagers made"] = stagers.made
         except Exception as e:  # a stock failure is a result, not a crash of the run
-            self.out["DCP async (pinned stager)"] = f"failed: {type(e).__name__}: {e}"[:120]
+            self.out[name] = f"failed: {type(e).__name__}: {e}"[:120]
+        finally:
+            if stagers is not None:
+                stagers.close()
 
-    def _dcp_async(self, sd: Dict[str, torch.Tensor], name: str, stager: Any) -> None:
+    def _dcp_async(
+        self, sd: Dict[str, torch.Tensor], name: str, stagers: Optional[_Stagers]
+    ) -> None:
         import torch.distributed.checkpoint as dcp
 
         blocked, staged, committed = [], [], []
         for i in range(self.args.repeats):
             ckpt = os.path.join(self.root, f"dcp_async_{i}")
+            kwargs: Dict[str, Any] = {"checkpoint_id": ckpt, "process_group": dist.group.WORLD}
+            if stagers is not None:
+                kwargs["async_stager"] = stagers()
             _barrier()
             t0 = time.perf_counter()
-            kwargs: Dict[str, Any] = {"checkpoint_id": ckpt, "process_group": dist.group.WORLD}
-            if stager is not None:
-                kwargs["async_stager"] = stager
             response = dcp.async_save(sd, **kwargs)
             blocked.append(_max(time.perf_counter() - t0))
             if hasattr(response, "staging_completion"):
@@ -258,13 +381,24 @@ class _Bench:
                 for k, t in tensors.items()
             }
 
+        from dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+        from dist_checkpointing.strategies.torch_dist.threads import default_file_count
+
         ckpt = os.path.join(self.root, "ours")
+        self.out["ours default files per rank"] = default_file_count(self.device.type == "cuda")
         self.timed(
             "ours sync save", lambda: dc.save(sharded(self.tensors), ckpt), lambda: self.clean(ckpt)
         )
+        for n in self.args.sync_files:
+            strategy = TorchDistSaveShardedStrategy(thread_count=n)
+            self.timed(
+                f"ours sync save, {n} files",
+                lambda: dc.save(sharded(self.tensors), ckpt, sharded_strategy=strategy),
+                lambda: self.clean(ckpt),
+            )
         dc.save(sharded(self.tensors), ckpt)
         target = self.empty()
-        self.timed("ours load", lambda: dc.load(sharded(target), ckpt))
+        self.timed("ours load", lambda: dc.load(sharded(target), ckpt), reads=ckpt)
         self.check("ours load", target)
         self.clean(ckpt)
         q = AsyncCallsQueue(persistent=True)
@@ -299,7 +433,7 @@ class _Bench:
             state, _ = LocalCheckpointManager(self.node, "sync").load()
             loaded.update(state.state_dict)
 
-        self.timed("local load", load)
+        self.timed("local load", load, reads=self.node)
         self.check("local load", loaded)
         q = AsyncCallsQueue()
         m = LocalCheckpointManager(self.node, "async")
@@ -407,7 +541,21 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tensors", type=int, default=16, help="tensors per rank")
     p.add_argument("--world-sizes", type=int, nargs="*", default=[], help="default: 1 and #GPUs")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--sync-files",
+        type=int,
+        nargs="*",
+        default=[],
+        help="extra rows: our sync save with these files (writer threads) per rank",
+    )
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument(
+        "--drop-cache",
+        choices=["auto", "files", "none"],
+        default="auto",
+        help="before reads: auto = drop_caches if root, else evict the files read; "
+        "files = only evict the files read",
+    )
     p.add_argument("--dir", default="/tmp/dist_ckpt_bench_gpu", help="on the disk to measure")
     p.add_argument("--json", default="")
     return p
