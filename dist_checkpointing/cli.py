@@ -58,7 +58,7 @@ def _ls(args: argparse.Namespace) -> int:
 def _inspect(args: argparse.Namespace) -> int:
     from .tools._light import Unsupported, describe_light
 
-    try:  # complete torch_dist / DCP checkpoints without importing torch (fast)
+    try:  # complete torch_dist, DCP and local checkpoints without importing torch (fast)
         info = describe_light(args.path)
     except Unsupported:  # anything else: the full reader decides, and names any problem
         from .tools.inspect import describe

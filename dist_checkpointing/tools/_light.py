@@ -1,4 +1,4 @@
-"""`describe` without importing torch, for `dist-ckpt inspect` and `ls` on DCP-format checkpoints.
+"""`describe` without importing torch, for `dist-ckpt inspect` on DCP and local checkpoints.
 
 Importing torch costs seconds; a look at a small checkpoint should not. This module reads
 `metadata.json` and `checksums.json` (JSON), DCP's `.metadata` and `torch.save` payloads
@@ -8,8 +8,9 @@ reader. Anything outside the allowlist (another backend, an unknown class in the
 state, a damaged file) raises `Unsupported`, and the caller uses the full reader, which
 gives the authoritative answer or error.
 
-It imports nothing that imports torch: only the standard library, `xxhash`, and the
-torch-free `_info` module.
+Local checkpoints (`('local', 1)` and `('local', 2)`) are read by `_light_local` with the
+same unpickler. It imports nothing that imports torch: only the standard library,
+`xxhash`, and the torch-free `_info` module.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import pickle
 import re
 import zipfile
 from pathlib import Path
-from typing import Any, Dict, List, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 from ._info import CheckpointInfo, ChecksumCoverage, TensorInfo, date_of, disk_size, short_repr
 
@@ -82,7 +83,8 @@ def _stub(name: str) -> type:
 
 _DCP = "torch.distributed.checkpoint.metadata"
 _PLANNER = "torch.distributed.checkpoint.planner"
-_METADATA_CLASSES: Dict[Tuple[str, str], Any] = {
+_Classes = Dict[Tuple[str, str], Any]
+_METADATA_CLASSES: _Classes = {
     **{
         (_DCP, n): _stub(n)
         for n in (
@@ -138,14 +140,14 @@ def _rebuild_tensor(storage: Any, offset: int, size: Any, *rest: Any) -> _Tensor
 class _Unpickler(pickle.Unpickler):
     """Maps allowlisted globals to stand-ins; anything else needs the full reader."""
 
-    def __init__(self, data: bytes, tensors: bool) -> None:
+    def __init__(self, data: bytes, tensors: bool, classes: Optional[_Classes] = None) -> None:
         super().__init__(io.BytesIO(data))
-        self._tensors = tensors
+        self._tensors, self._classes = tensors, classes or {}
 
     def find_class(self, module: str, name: str) -> Any:
         if module == "torch" and name in _ITEMSIZE:
             return _DType(name)
-        found = _METADATA_CLASSES.get((module, name))
+        found = _METADATA_CLASSES.get((module, name), self._classes.get((module, name)))
         if found is not None:
             return found
         if self._tensors and module == "torch._utils" and name == "_rebuild_tensor_v2":
@@ -162,21 +164,21 @@ class _Unpickler(pickle.Unpickler):
         raise Unsupported(f"persistent id {pid!r}")
 
 
-def _unpickle(data: bytes, tensors: bool) -> Any:
+def _unpickle(data: bytes, tensors: bool, classes: Optional[_Classes] = None) -> Any:
     try:
-        return _Unpickler(data, tensors).load()
+        return _Unpickler(data, tensors, classes).load()
     except Unsupported:
         raise
     except Exception as e:  # damaged bytes: let the full reader name the problem
         raise Unsupported(f"cannot parse ({type(e).__name__})") from e
 
 
-def _torch_payload(data: bytes) -> Any:
-    """The object of a `torch.save` zip, tensors as stand-ins."""
+def _torch_payload(data: bytes, classes: Optional[_Classes] = None) -> Any:
+    """The object of a `torch.save` zip, tensors as stand-ins; `classes` adds to the allowlist."""
     try:
         with zipfile.ZipFile(io.BytesIO(data)) as z:
             name = next(n for n in z.namelist() if n.endswith("/data.pkl") or n == "data.pkl")
-            return _unpickle(z.read(name), tensors=True)
+            return _unpickle(z.read(name), True, classes)
     except (zipfile.BadZipFile, StopIteration, KeyError, OSError) as e:
         raise Unsupported(f"not a torch.save zip ({type(e).__name__})") from e
 
@@ -227,32 +229,50 @@ def _config(ckpt: Path) -> Any:
     if not isinstance(body, dict):
         raise Unsupported("metadata.json is not an object")
     backend, version = body.get("sharded_backend"), body.get("sharded_backend_version", 1)
-    if backend != "torch_dist" or not isinstance(version, int) or isinstance(version, bool):
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise Unsupported(f"backend version {version!r}")
+    if backend != "torch_dist" and (backend, version) not in (("local", 1), ("local", 2)):
         raise Unsupported(f"backend {backend!r}")
     return body
 
 
 def describe_light(path: PathArg, deep: bool = True) -> CheckpointInfo:
-    """`tools.inspect.describe` for complete `torch_dist` and stock DCP checkpoints.
+    """`tools.inspect.describe` for complete `torch_dist`, stock DCP and local checkpoints.
 
     Raises:
         Unsupported: anything else (missing, incomplete, damaged, another backend, classes
             outside the allowlist): use the full reader.
     """
     ckpt = Path(path)
+    config = _config(ckpt) if ckpt.is_dir() else None
+    m = _STEP_DIR.fullmatch(ckpt.name)
+    step = int(m.group(1)) if m else None
+    if config is not None and config["sharded_backend"] == "local":
+        from ._light_local import describe_local_light
+
+        backend = f"local v{config.get('sharded_backend_version', 1)}"
+        info = CheckpointInfo(
+            str(ckpt),
+            "local",
+            True,
+            step,
+            backend,
+            disk_size(ckpt),
+            date_of(ckpt / "metadata.json"),
+        )
+        describe_local_light(ckpt, info, deep)
+        return info
     if not (ckpt / ".metadata").is_file():
         raise Unsupported("no .metadata")
-    config = _config(ckpt)
     ours = any((ckpt / n).exists() for n in ("common.pt", "checksums.json"))
     if config is None and ours:
         raise Unsupported("incomplete")
     sums = _checksums(ckpt) if config is not None else None
-    m = _STEP_DIR.fullmatch(ckpt.name)
     info = CheckpointInfo(
         str(ckpt),
         "torch_dist" if config else "dcp",
         True,
-        int(m.group(1)) if m else None,
+        step,
         f"torch_dist v{config['sharded_backend_version']}" if config else "dcp",
         disk_size(ckpt),
         date_of(ckpt / ("metadata.json" if config else ".metadata")),

@@ -122,14 +122,19 @@ def test_ls_reads_stock_and_megatron_layouts(stock, ours, tmp_path):
     assert kinds == [(2, "torch_dist", True), (1, "dcp", True)]
 
 
-@pytest.mark.parametrize("which", ["ours", "stock", "mcore"])
-def test_fast_inspect_without_torch_matches_the_full_reader(which, request):
-    """`dist-ckpt inspect` reads complete torch_dist / DCP checkpoints without importing
-    torch (interpreter start to exit: ~0.1 s of CPU here), with the full reader's result."""
-    from dist_checkpointing.tools._light import describe_light
+_LOCAL_V1 = os.path.join(os.path.dirname(__file__), "..", "local", "data", "local_v1")
 
-    ckpt = request.getfixturevalue(which)
-    assert describe_light(ckpt) == describe(ckpt)
+
+@pytest.fixture
+def local_v1(tmp_path):
+    """A ('local', 1) checkpoint as one machine holds it: rank 0's part only."""
+    ckpt = tmp_path / "v1"
+    shutil.copytree(os.path.join(_LOCAL_V1, "node0", "ckpt"), ckpt)
+    return ckpt
+
+
+def _inspect_without_torch(ckpt) -> subprocess.CompletedProcess:
+    """`dist-ckpt inspect ckpt` in a fresh interpreter that fails if torch gets imported."""
     code = (
         "import sys\n"
         "from dist_checkpointing.cli import main\n"
@@ -137,15 +142,34 @@ def test_fast_inspect_without_torch_matches_the_full_reader(which, request):
         "assert rc == 0, rc\n"
         "assert not [m for m in sys.modules if m.split('.')[0] == 'torch'], 'torch imported'\n"
     )
-    out = subprocess.run(
+    return subprocess.run(
         [sys.executable, "-c", code],
         capture_output=True,
         text=True,
         timeout=120,
         env={**os.environ, "PYTHONPATH": os.getcwd()},
     )
+
+
+@pytest.mark.parametrize("which", ["ours", "stock", "mcore", "local_ckpt", "local_v1"])
+def test_fast_inspect_without_torch_matches_the_full_reader(which, request):
+    """`dist-ckpt inspect` reads complete torch_dist, DCP and ('local', 1|2) checkpoints
+    without importing torch (interpreter start to exit: ~0.1 s of CPU here), with the full
+    reader's result (deep and shallow)."""
+    from dist_checkpointing.tools._light import describe_light
+
+    ckpt = request.getfixturevalue(which)
+    assert describe_light(ckpt) == describe(ckpt)
+    assert describe_light(ckpt, deep=False) == describe(ckpt, deep=False)
+    out = _inspect_without_torch(ckpt)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "shards" in out.stdout
+
+
+def _damage(path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x01
+    path.write_bytes(bytes(data))
 
 
 def test_fast_inspect_hands_other_checkpoints_to_the_full_reader(ours, local_ckpt, tmp_path):
@@ -154,7 +178,7 @@ def test_fast_inspect_hands_other_checkpoints_to_the_full_reader(ours, local_ckp
     partial = tmp_path / "partial"
     shutil.copytree(ours, partial)
     (partial / "metadata.json").unlink()
-    for path in (local_ckpt, partial, tmp_path / "nope"):
+    for path in (partial, tmp_path / "nope"):
         with pytest.raises(Unsupported):
             describe_light(path)
     damaged = tmp_path / "damaged"
@@ -162,3 +186,11 @@ def test_fast_inspect_hands_other_checkpoints_to_the_full_reader(ours, local_ckp
     (damaged / "common.pt").write_bytes(b"garbage")
     with pytest.raises(Unsupported):
         describe_light(damaged)
+    # a flipped bit in a local part: in a tensor, in the header, in the footer
+    for i, offset in enumerate((0, -200, -1)):
+        local = tmp_path / f"local{i}"
+        shutil.copytree(local_ckpt, local)
+        _damage(local / "1" / "iter_0000000_1_local.pt", offset)
+        with pytest.raises(Unsupported):
+            describe_light(local)
+        assert not describe(local).complete  # the full reader names the damage

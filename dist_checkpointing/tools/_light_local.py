@@ -1,0 +1,187 @@
+"""`describe` of ('local', 1) and ('local', 2) checkpoints without importing torch.
+
+A local part is one byte image (see `local/_image.py` and docs/formats.md): raw tensor
+bytes, a `torch.save` header holding the hollow state, a table of xxh3-64 checksums and a
+48-byte footer. This module checks the footer, the header's and the table's checksums and
+every tensor's checksum (as the full reader does, with `xxhash` on the raw bytes), then
+reads the header with `_light`'s allowlisting unpickler, our hollow-state classes mapped to
+plain stand-ins. Anything it does not recognise raises `Unsupported`, and the caller uses
+the full reader, which gives the authoritative answer or error (a damaged part included).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import struct
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Tuple
+
+from ._info import CheckpointInfo, ChecksumCoverage, TensorInfo, short_repr
+from ._light import Unsupported, _DType, _Stub, _torch_payload
+
+__all__ = ["describe_local_light"]
+
+_FOOTER = struct.Struct("<8sQQQQQ")  # as local/_image.py
+_MAGIC = b"DCLCKPT1"
+_PART = re.compile(r"iter_(\d{7,})_(\d+)_local\.pt")  # as _storage._LOCAL_PART
+_HEADER_FORMAT = 1
+_MAX_PART = 1 << 30  # larger parts: the full reader (this one reads whole files)
+
+
+class _TensorAware(_Stub):
+    """MCoreTensorAwareStateDict (version 2) or BasicTensorAwareStateDict (version 1)."""
+
+
+class _ShardedTensor(_Stub):
+    pass
+
+
+class _ShardedObject(_Stub):
+    data: Any  # set by unpickling, like every field of a stand-in
+
+
+class _Placeholder(_Stub):
+    pass
+
+
+_CLASSES: Dict[Tuple[str, str], Any] = {
+    ("dist_checkpointing.tensor_aware_state_dict", "MCoreTensorAwareStateDict"): _TensorAware,
+    ("dist_checkpointing.local.basic_state_dict", "BasicTensorAwareStateDict"): _TensorAware,
+    ("dist_checkpointing.local.basic_state_dict", "TensorPlaceholder"): _Placeholder,
+    ("dist_checkpointing.mapping", "ShardedTensor"): _ShardedTensor,
+    ("dist_checkpointing.mapping", "ShardedObject"): _ShardedObject,
+    ("builtins", "slice"): slice,  # flattened_range of flat shards
+}
+
+
+def _leaves(x: Any) -> Iterator[Any]:
+    """Leaves of nested dicts and lists, depth first, in order (as dict_utils.nested_values)."""
+    items = x.values() if isinstance(x, dict) else x
+    for v in items:
+        if isinstance(v, (dict, list)):
+            yield from _leaves(v)
+        else:
+            yield v
+
+
+def _xxh3(data: memoryview) -> int:
+    import xxhash
+
+    return int(xxhash.xxh3_64_intdigest(data))
+
+
+def _read_part(path: Path) -> Any:
+    """The verified hollow state of one part (the header's `state`)."""
+    try:
+        size = path.stat().st_size
+        if size > _MAX_PART:
+            raise Unsupported(f"{path} is large")
+        raw = memoryview(path.read_bytes())
+    except OSError as e:
+        raise Unsupported(str(e)) from e
+    if len(raw) < _FOOTER.size:
+        raise Unsupported(f"{path}: too short")
+    magic, h_off, h_len, count, h_sum, t_sum = _FOOTER.unpack(raw[-_FOOTER.size :])
+    table = h_off + h_len
+    if magic != _MAGIC or table + 8 * count + _FOOTER.size != len(raw):
+        raise Unsupported(f"{path}: bad footer")
+    if _xxh3(raw[h_off:table]) != h_sum or _xxh3(raw[table : table + 8 * count]) != t_sum:
+        raise Unsupported(f"{path}: header or checksum table mismatch")
+    header = _torch_payload(bytes(raw[h_off:table]), _CLASSES)
+    if not isinstance(header, dict) or header.get("format") != _HEADER_FORMAT:
+        raise Unsupported(f"{path}: header format")
+    entries = header.get("tensors")
+    if not isinstance(entries, list) or len(entries) != count:
+        raise Unsupported(f"{path}: tensor table")
+    sums = struct.unpack(f"<{count}Q", raw[table : table + 8 * count])
+    for (off, n, *_), expected in zip(entries, sums):
+        if not (isinstance(off, int) and isinstance(n, int) and 0 <= off and off + n <= h_off):
+            raise Unsupported(f"{path}: tensor byte range")
+        if _xxh3(raw[off : off + n]) != expected:
+            raise Unsupported(f"{path}: tensor checksum mismatch")
+    state = header.get("state")
+    if not isinstance(state, _TensorAware):
+        raise Unsupported(f"{path}: not a tensor-aware state")
+    return state
+
+
+def _unique_key(sh: Any) -> str:
+    """`ShardedObject.unique_key`: the name of the piece."""
+    offset = ".".join(map(str, sh.global_offset))
+    shape = ".".join(map(str, sh.global_shape))
+    return f"{sh.key}/shard_{offset}_{shape}"
+
+
+def _rank_state(state: Any) -> Dict[str, Any]:
+    """A part's state in the shape `tools._storage.read_local_part` returns."""
+    if hasattr(state, "sharded_state_dict"):  # version 2
+        every = [x for x in _leaves(state.sharded_state_dict) if isinstance(x, _ShardedTensor)]
+        sharded = {}
+        for i in state._stored or []:
+            sh = every[i]
+            sharded[f"{sh.key} {tuple(sh.global_offset)}"] = {
+                "global_shape": tuple(sh.global_shape),
+                "dtype": sh.dtype,
+            }
+        objects = {
+            _unique_key(sh): sh.data
+            for sh in _leaves(state.sharded_state_dict)
+            if isinstance(sh, _ShardedObject)
+        }
+        return {"world_size": None, "common": state.common, "sharded": sharded, "objects": objects}
+    sd = state.state_dict  # version 1: data are placeholders
+    if not isinstance(sd, dict) or not isinstance(sd.get("sharded"), dict):
+        raise Unsupported("not a ('local', 1) rank state")
+    sharded = {
+        slot: {"global_shape": tuple(e["global_shape"]), "dtype": e["data"].dtype}
+        for slot, e in sd["sharded"].items()
+    }
+    return {**sd, "sharded": sharded}
+
+
+def describe_local_light(ckpt: Path, info: CheckpointInfo, deep: bool) -> None:
+    """Fills `info` for a local checkpoint whose `metadata.json` was read (`_describe_local`).
+
+    Raises:
+        Unsupported: no parts, a damaged part, or anything not recognised.
+    """
+    parts: List[Tuple[int, int, Path]] = []  # (holder, owner, path), as _storage.local_parts
+    for sub in sorted(ckpt.iterdir()):
+        if sub.is_dir() and sub.name.isdigit():
+            for f in sorted(sub.iterdir()):
+                m = _PART.fullmatch(f.name)
+                if m:
+                    parts.append((int(sub.name), int(m.group(2)), f))
+    owners = sorted({owner for _, owner, _ in parts})
+    if not owners:
+        raise Unsupported("no parts")
+    info.checksums = ChecksumCoverage(
+        present=True, items=len(owners), items_covered=len(owners), files_covered=[]
+    )
+    if not deep:
+        info.world_size = len(owners)
+        return
+    tensors: Dict[str, TensorInfo] = {}
+    try:
+        for owner in owners:
+            path = min((p for p in parts if p[1] == owner), key=lambda p: p[0] != owner)[2]
+            sd = _rank_state(_read_part(path))
+            info.world_size = sd.get("world_size") or len(owners)
+            for slot, entry in sd["sharded"].items():
+                key = slot.rsplit(" (", 1)[0]
+                dtype, shape = entry["dtype"], [int(s) for s in entry["global_shape"]]
+                if not isinstance(dtype, _DType):
+                    raise Unsupported(f"dtype of {key!r}")
+                t = tensors.setdefault(
+                    key, TensorInfo(key, shape, str(dtype), math.prod(shape) * dtype.itemsize, 0)
+                )
+                t.shards += 1
+            for key, value in (sd.get("objects") or {}).items():
+                info.objects[key] = short_repr(value)
+            if owner == owners[0]:
+                for key, value in (sd.get("common") or {}).items():
+                    info.objects[str(key)] = short_repr(value)
+    except (AttributeError, TypeError, KeyError, ValueError, IndexError) as e:
+        raise Unsupported(f"unexpected local part ({type(e).__name__})") from e
+    info.tensors = [tensors[k] for k in sorted(tensors)]
