@@ -22,7 +22,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Iterable, Optional, Tuple, Union
+from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 
 import xxhash
 
@@ -35,6 +35,7 @@ __all__ = [
     "BLOCK",
     "ItemSum",
     "blocked_sum",
+    "BlockSums",
     "Checksums",
     "checksum",
     "new_hasher",
@@ -133,6 +134,47 @@ def blocked_sum(length: int, frame: int, data_off: int, data: Any) -> ItemSum:
     view = memoryview(data).cast("B")
     blocks = tuple(checksum(view[i : i + BLOCK]) for i in range(0, len(view), BLOCK))
     return ItemSum(length, frame, data_off, len(view), BLOCK, blocks)
+
+
+class BlockSums:
+    """The `blocked_sum` of a data region fed in pieces of any size (e.g. chunks copied
+    from a GPU one at a time), without holding the whole region."""
+
+    def __init__(self) -> None:
+        self.blocks: List[int] = []
+        self._hasher: Any = None
+        self._filled = 0
+        self.nbytes = 0
+
+    def update(self, piece: Any) -> None:
+        """Feeds the next bytes of the data region (a bytes-like object)."""
+        view = memoryview(piece).cast("B")
+        pos = 0
+        while pos < len(view):
+            if self._hasher is None and len(view) - pos >= BLOCK:  # a whole block at once
+                self.blocks.append(checksum(view[pos : pos + BLOCK]))
+                pos += BLOCK
+                continue
+            if self._hasher is None:
+                self._hasher, self._filled = new_hasher(), 0
+            n = min(BLOCK - self._filled, len(view) - pos)
+            self._hasher.update(view[pos : pos + n])
+            self._filled += n
+            pos += n
+            if self._filled == BLOCK:
+                self.blocks.append(self._hasher.intdigest())
+                self._hasher = None
+        self.nbytes += len(view)
+
+    def item_sum(self, length: int, head: bytes, tail: bytes) -> ItemSum:
+        """The `ItemSum` of the item `head + region + tail` (call once, after the region)."""
+        if self._hasher is not None:
+            self.blocks.append(self._hasher.intdigest())
+            self._hasher = None
+        frame = new_hasher()
+        frame.update(head)
+        frame.update(tail)
+        return ItemSum(length, frame.intdigest(), len(head), self.nbytes, BLOCK, tuple(self.blocks))
 
 
 @dataclass

@@ -55,18 +55,41 @@ def give_back(buf: np.ndarray) -> None:
 
 
 class ChunkBuffers:
-    """Pairs of page-aligned chunk buffers, reused across saves (one pair per file in flight)."""
+    """Pairs of page-aligned chunk buffers, reused across saves (one pair per file in flight).
+
+    A pair that receives device-to-host copies is page-locked once (`acquire(pin=True)`)
+    and stays so while pooled; a pinned pair dropped from the pool is unpinned first.
+    """
 
     _free: List[List[np.ndarray]] = []
+    _pinned: Dict[int, np.ndarray] = {}  # address -> buffer
     _lock = threading.Lock()
 
     @classmethod
-    def acquire(cls) -> List[np.ndarray]:
-        """Two `CHUNK`-byte aligned buffers."""
+    def acquire(cls, pin: bool = False) -> List[np.ndarray]:
+        """Two `CHUNK`-byte aligned buffers (page-locked when `pin` and CUDA is available)."""
+        bufs = None
         with cls._lock:
             if cls._free:
-                return cls._free.pop()
-        return [np.frombuffer(mmap.mmap(-1, CHUNK), dtype=np.uint8) for _ in range(2)]
+                bufs = cls._free.pop()
+        if bufs is None:
+            bufs = [np.frombuffer(mmap.mmap(-1, CHUNK), dtype=np.uint8) for _ in range(2)]
+        if pin:
+            for b in bufs:
+                addr = b.ctypes.data
+                with cls._lock:
+                    if addr in cls._pinned:
+                        continue
+                if _pinned.pin(torch.from_numpy(b)):
+                    with cls._lock:
+                        cls._pinned[addr] = b
+        return bufs
+
+    @classmethod
+    def is_pinned(cls, buf: np.ndarray) -> bool:
+        """Whether `buf` (from `acquire`) is page-locked."""
+        with cls._lock:
+            return buf.ctypes.data in cls._pinned
 
     @classmethod
     def release(cls, bufs: List[np.ndarray]) -> None:
@@ -74,6 +97,10 @@ class ChunkBuffers:
         with cls._lock:
             if len(cls._free) < 4:
                 cls._free.append(bufs)
+                return
+            unpin = [b for b in bufs if cls._pinned.pop(b.ctypes.data, None) is not None]
+        for b in unpin:
+            _pinned.unpin(torch.from_numpy(b))
 
 
 def host_buffer(nbytes: int, pin: bool) -> torch.Tensor:

@@ -5,7 +5,8 @@ The rule, from what the machine has:
     cores per local rank  = the cores this process may run on, divided by the ranks on this
                             node (LOCAL_WORLD_SIZE, else the CUDA device count when the
                             sources are on CUDA, else the world size), unless the process
-                            is already bound to a subset of the cores (then that subset)
+                            is already bound to a subset of the cores (then that subset);
+                            a container's CPU quota (cgroup v2 `cpu.max`) caps the cores
     files per rank        = 1                                   if cores per local rank < 4
                           = min(4, cores per local rank // 2)   for CUDA sources
                           = min(4, cores per local rank // 4)   for CPU sources
@@ -15,7 +16,12 @@ ceiling, 0.71x with two files); every file is a thread that copies (device to ho
 CUDA sources, then into the aligned chunk buffers) and writes, so a rank needs cores to
 spare for more. On a 16-core H100 node with one rank, 4 files took 3.38 s where 1 took
 5.76 s for 4 GiB of CUDA tensors (issue 14); CUDA sources get more threads than CPU ones
-because the device-to-host copies, not the disk, are what a single thread waits on.
+because the device-to-host copies, not the disk, are what a single thread waits on. With
+this rule (4 files) the same node measured 3.59 s, 0.82x its 2.93 s O_DIRECT write; CUDA
+tensors then went through a pageable host copy of each whole tensor, since replaced by
+chunk-sized copies into pinned chunk buffers (`writer.write_streamed`), which leave one
+pass over the bytes on the CPU (the checksum). `python -m benchmarks.bench_gpu
+--sync-files 1 2 8` measures the alternatives beside the default in one run.
 """
 
 from __future__ import annotations
@@ -41,15 +47,36 @@ def _local_ranks(cuda_sources: bool) -> int:
     return _dist.get_world_size()
 
 
-def cores_per_local_rank(cuda_sources: bool, cpu_count: Optional[int] = None) -> float:
-    """Cores available to this rank (see the module docstring)."""
+def _cpu_quota(path: str = "/sys/fs/cgroup/cpu.max") -> Optional[float]:
+    """Cores allowed by the cgroup v2 CPU quota ("max" or unreadable: None)."""
+    try:
+        with open(path) as f:
+            quota, period = f.read().split()[:2]
+        return None if quota == "max" else max(1.0, int(quota) / int(period))
+    except (OSError, ValueError):
+        return None
+
+
+def cores_per_local_rank(
+    cuda_sources: bool, cpu_count: Optional[int] = None, quota: Optional[float] = None
+) -> float:
+    """Cores available to this rank (see the module docstring).
+
+    Args:
+        cuda_sources: whether the saved tensors are on CUDA (counts ranks by GPUs).
+        cpu_count: the machine's cores (default: `os.cpu_count()`).
+        quota: the container's CPU quota in cores (default: read from the cgroup).
+    """
     total = cpu_count if cpu_count is not None else (os.cpu_count() or 1)
     try:
         mine = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         mine = total
+    limit = quota if quota is not None else _cpu_quota()
     if mine < total:  # bound to its own cores by the launcher
-        return float(mine)
+        return float(min(mine, limit)) if limit else float(mine)
+    if limit is not None and limit < total:  # the container's share of the node
+        total = int(limit)
     return total / max(1, _local_ranks(cuda_sources))
 
 

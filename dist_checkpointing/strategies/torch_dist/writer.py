@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
-from ...integrity import ItemSum, blocked_sum, checksum, new_hasher
+from ...integrity import BlockSums, ItemSum, blocked_sum, checksum, new_hasher
 from ...storage import ALIGN, ChunkBuffers, FileWriter, ImagePool, fsync_dir
 from ...storage.buffers import CHUNK
 from .plan import WriteEntry
@@ -148,6 +148,16 @@ def _byte_view(t: torch.Tensor) -> np.ndarray:
     return t.reshape(-1).view(torch.uint8).numpy()
 
 
+def _on_device(src: Any) -> bool:
+    """Whether a source is a tensor outside host memory (copied a chunk at a time)."""
+    return isinstance(src, torch.Tensor) and src.device.type != "cpu"
+
+
+def _device_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of a contiguous device tensor as a flat uint8 tensor (no copy)."""
+    return t.detach().reshape(-1).view(torch.uint8)
+
+
 def _results(plan: FilePlan) -> List[WriteResult]:
     return [
         WriteResult(
@@ -173,7 +183,9 @@ def write_streamed(
     """Writes a file from the tensors themselves (sync save), one chunk at a time.
 
     Chunks are filled while the previous one is being written (one helper thread), so the
-    copy into the aligned buffer overlaps the disk.
+    copy into the aligned buffer overlaps the disk. CUDA tensors are copied into the
+    (pinned) chunk buffers a chunk at a time, straight from the device: no pageable host
+    copy of a whole tensor first, and their checksums are computed from the chunks.
 
     Args:
         directory: destination directory.
@@ -187,7 +199,7 @@ def write_streamed(
         Write results and item checksums.
     """
     out = FileWriter(directory / plan.name, plan.size, direct)
-    bufs = ChunkBuffers.acquire()
+    bufs = ChunkBuffers.acquire(pin=any(_on_device(src) for src in sources))
     sums: List[ItemChecksum] = []
     pending: Optional[Any] = None
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dc-write-io")
@@ -210,14 +222,21 @@ def write_streamed(
             file_pos += fill
             which, fill = 1 - which, 0
 
-        def put(data: np.ndarray) -> None:
+        def put(data: Any, blocks: Optional[BlockSums] = None) -> None:
+            """Appends `data` (host bytes, or a device tensor's bytes) to the chunks."""
             nonlocal fill
-            pos = 0
-            while pos < data.size:
+            pos, size = 0, int(data.numel() if isinstance(data, torch.Tensor) else data.size)
+            while pos < size:
                 if fill == CHUNK:
                     flush(False)  # waits for the write that used the buffer we switch to
-                n = min(CHUNK - fill, data.size - pos)
-                bufs[which][fill : fill + n] = data[pos : pos + n]
+                n = min(CHUNK - fill, size - pos)
+                dst = bufs[which][fill : fill + n]
+                if isinstance(data, torch.Tensor):
+                    torch.from_numpy(dst).copy_(data[pos : pos + n])
+                else:
+                    dst[:] = data[pos : pos + n]
+                if blocks is not None:
+                    blocks.update(dst)
                 fill += n
                 pos += n
 
@@ -226,6 +245,13 @@ def write_streamed(
                 put(np.frombuffer(p.payload, dtype=np.uint8))
                 if checksums:
                     sums.append((plan.name, p.offset, ItemSum(p.length, checksum(p.payload))))
+            elif _on_device(src) and p.data_nbytes and src.is_contiguous():
+                blocks = BlockSums() if checksums else None
+                put(np.frombuffer(p.head, dtype=np.uint8))
+                put(_device_bytes(src), blocks)
+                put(np.frombuffer(p.tail, dtype=np.uint8))
+                if blocks is not None:
+                    sums.append((plan.name, p.offset, blocks.item_sum(p.length, p.head, p.tail)))
             else:
                 data = _byte_view(src)
                 put(np.frombuffer(p.head, dtype=np.uint8))
