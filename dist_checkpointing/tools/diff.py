@@ -21,6 +21,7 @@ from .convert import _source
 __all__ = ["DiffReport", "diff_checkpoints"]
 
 PathArg = Union[str, "os.PathLike[str]"]
+_MCORE_COMMON_OBJECT = "common_state/"  # key prefix of megatron-core 0.17+ common state
 _SLICE = 1 << 20
 
 
@@ -97,10 +98,18 @@ def _values_equal(x: Any, y: Any) -> bool:
 def _values(ckpt: Path, metadata: Any, checksums: Any) -> Dict[str, Any]:
     """Common values and stored objects by key."""
     out: Dict[str, Any] = {}
-    for key in _storage.object_keys(metadata):
-        out[key] = _storage.read_object(ckpt, metadata, key, checksums)
     config = maybe_load_config(ckpt)
-    if config is not None and (ckpt / _storage.COMMON_FNAME).exists():
+    has_common_file = (ckpt / _storage.COMMON_FNAME).exists()
+    # megatron-core 0.17+ keep the common state in the object `common_state` instead of
+    # common.pt: compared as common values, so their checkpoints and 0.16's (or ours) match
+    in_object = config is not None and not has_common_file
+    common_object = False
+    for key in _storage.object_keys(metadata):
+        if in_object and key.startswith(_MCORE_COMMON_OBJECT):
+            common_object = True
+            continue
+        out[key] = _storage.read_object(ckpt, metadata, key, checksums)
+    if config is not None and (has_common_file or common_object):
         from ..serialization import load_common_state_dict
 
         for key, value in load_common_state_dict(ckpt).items():

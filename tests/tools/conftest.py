@@ -48,3 +48,21 @@ def mcore(tmp_path_factory) -> Path:
     ckpt = base / "ckpt"
     _run_mcore("save", str(ckpt), str(base / "result.json"))
     return ckpt
+
+
+@pytest.fixture(scope="session")
+def mcore19(tmp_path_factory) -> Path:
+    """A torch_dist checkpoint saved by megatron-core 0.19.2: common state inside the
+    `.distcp` files, no common.pt (skips when its side environment is absent)."""
+    from tests.interop.test_megatron_core_019 import MCORE19, _run
+
+    if MCORE19 is None:
+        pytest.skip(
+            "megatron-core 0.19.2 is not set up: set DIST_CKPT_MCORE19_PYTHON and "
+            "DIST_CKPT_MCORE19_PATH (.ci/run does)"
+        )
+    base = tmp_path_factory.mktemp("mcore19")
+    ckpt = base / "ckpt"
+    _run("save", str(ckpt), str(base / "result.json"))
+    assert not (ckpt / "common.pt").exists()  # the 0.17+ layout this fixture stands for
+    return ckpt
