@@ -117,9 +117,7 @@ def test_diff_of_a_foreign_checkpoint_finds_one_changed_value(which, request, tm
 
 
 @pytest.mark.interop
-def test_megatron_core_016_and_019_checkpoints_of_the_same_state_diff_equal(
-    mcore, mcore19, capsys
-):
+def test_megatron_core_016_and_019_checkpoints_of_the_same_state_diff_equal(mcore, mcore19, capsys):
     """0.19 keeps the common state in an object, 0.16 in common.pt: compared as values."""
     assert main(["diff", str(mcore), str(mcore19)]) == 0
     assert capsys.readouterr().out.startswith("equal (2 tensors compared")
