@@ -11,6 +11,7 @@ Modules:
     pinned: page-locking host buffers in place.
     fileio: atomic replace and fsync helpers.
     faults: the documented, test-facing fault seam consulted by every read and write.
+    segments: writing a file from byte segments; `StreamedFile` for chunks as they arrive.
     probe: the read path (page cache or O_DIRECT) chosen by measurement per file system.
 """
 
@@ -28,12 +29,14 @@ from .direct import (
 )
 from .fileio import atomic_write, fsync_dir, read_capped
 from .probe import forget_probes, prefer_direct_reads
+from .segments import StreamedFile, write_segments
 
 __all__ = [
     "ALIGN",
     "ChunkBuffers",
     "FileWriter",
     "ImagePool",
+    "StreamedFile",
     "advise_huge_pages",
     "atomic_write",
     "direct_allowed",
@@ -48,4 +51,5 @@ __all__ = [
     "read_region",
     "refuse_direct",
     "reset_direct_fallbacks",
+    "write_segments",
 ]

@@ -11,10 +11,14 @@ and header segments (no full copy of the state is made).
 - Buffered (`direct=False`): each segment is written from its own memory (the kernel's
   page-cache copy is the only copy).
 - `fsync` decides whether the file is made durable before returning.
+
+`StreamedFile` is the other way in: a new file filled by positional writes of chunks as they
+arrive (a replica received over the network is written chunk by chunk, never held whole).
 """
 
 from __future__ import annotations
 
+import mmap
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Optional, Sequence
@@ -24,7 +28,7 @@ import numpy as np
 from .buffers import ALIGN, CHUNK, ChunkBuffers
 from .direct import FileWriter, PathLike
 
-__all__ = ["write_segments"]
+__all__ = ["StreamedFile", "write_segments"]
 
 
 def _aligned(buf: np.ndarray) -> bool:
@@ -84,12 +88,13 @@ def write_segments(
     return size
 
 
-def _stream(out: FileWriter, segments: Sequence[np.ndarray]) -> None:
-    """Streams segments through two aligned chunk buffers (copy overlaps the write)."""
+def _stream(out: FileWriter, segments: Sequence[np.ndarray], file_pos: int = 0) -> None:
+    """Streams segments through two aligned chunk buffers (copy overlaps the write), from
+    `file_pos` (aligned) on."""
     bufs = ChunkBuffers.acquire()
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dc-seg-io")
     pending: Optional[Future] = None
-    which, fill, file_pos = 0, 0, 0
+    which, fill = 0, 0
     try:
 
         def flush(final: bool) -> None:
@@ -123,3 +128,119 @@ def _stream(out: FileWriter, segments: Sequence[np.ndarray]) -> None:
             pending.exception()
         pool.shutdown(wait=True)
         ChunkBuffers.release(bufs)
+
+
+class StreamedFile:
+    """A new file of known size, written front to back in chunks of any size as they arrive.
+
+    With `direct` (where the file system allows O_DIRECT), the page-aligned middle of each
+    chunk is written straight from the caller's memory when that memory is placed so that
+    its address and its file offset agree modulo `ALIGN` (see `placement`); the partial
+    pages at chunk borders are assembled in one aligned page and written when complete.
+    Nothing is copied into the page cache: for data this machine will probably never read
+    back (a replica of another machine's part). Otherwise writes are buffered. `close` makes
+    the file durable when `fsync`.
+
+    Args:
+        path: the file (created; with `exclusive`, FileExistsError if it exists).
+        size: its final size (every byte of `[0, size)` is written, in order, before `close`).
+        fsync: fsync the file in `close`.
+        direct: try O_DIRECT.
+        exclusive: refuse an existing file.
+
+    Raises:
+        FileExistsError: `path` exists and `exclusive`.
+        OSError: the file cannot be created.
+    """
+
+    def __init__(
+        self,
+        path: PathLike,
+        size: int,
+        *,
+        fsync: bool,
+        direct: bool = False,
+        exclusive: bool = True,
+    ) -> None:
+        self.size, self.fsync = size, fsync
+        self._out = FileWriter(path, size, direct=direct, exclusive=exclusive, preallocate=direct)
+        self._pos = 0  # bytes written so far (the next chunk's offset)
+        self._held = 0  # bytes of the partial page at the end of the file held in `_page`
+        self._page = np.frombuffer(mmap.mmap(-1, ALIGN), dtype=np.uint8) if direct else None
+
+    @staticmethod
+    def placement(offset: int) -> int:
+        """Where in an aligned buffer to place a chunk for `offset` (zero-copy with O_DIRECT)."""
+        return offset % ALIGN
+
+    def write(self, data: np.ndarray, offset: int) -> None:
+        """Writes `data` (flat uint8) at `offset`, which must follow the previous chunk.
+
+        Raises:
+            OSError: the write failed.
+            ValueError: `offset` is not where the previous chunk ended.
+        """
+        if offset != self._pos:
+            raise ValueError(f"{self._out.path}: chunk at {offset}, expected {self._pos}")
+        n = int(data.size)
+        if not n:
+            return
+        self._pos += n
+        page = self._page
+        if page is not None and self._out.direct:
+            lead = self._held  # == offset % ALIGN: the partial page's first bytes
+            head = min(n, (ALIGN - lead) % ALIGN)
+            if head:
+                page[lead : lead + head] = data[:head]
+                self._held = lead + head
+                if self._held < ALIGN:
+                    return
+                self._out.write(memoryview(page), offset - lead)  # type: ignore[arg-type]
+                self._held = 0
+            middle = (n - head) // ALIGN * ALIGN
+            if middle:
+                body = data[head : head + middle]
+                if body.ctypes.data % ALIGN:  # misplaced in memory: through aligned chunks
+                    _stream(self._out, [body], offset + head)
+                else:
+                    self._out.write(memoryview(body), offset + head)  # type: ignore[arg-type]
+            data, offset = data[head + middle :], offset + head + middle
+            if self._out.direct:
+                page[: data.size] = data  # the next partial page, completed later
+                self._held = int(data.size)
+                return
+        if self._held:  # O_DIRECT was refused part-way: the held bytes go out buffered
+            assert page is not None
+            self._out.write(memoryview(page[: self._held]), offset - self._held)  # type: ignore[arg-type]
+            self._held = 0
+        if data.size:
+            self._out.write(memoryview(data), offset)  # type: ignore[arg-type]
+
+    def close(self) -> None:
+        """Writes the last partial page, sets the final size, fsyncs when asked, closes.
+
+        Raises:
+            OSError: a write, truncation or fsync failed (the caller removes the file).
+        """
+        try:
+            if self._held:
+                assert self._page is not None
+                if self._out.direct:
+                    self._page[self._held :] = 0  # padding, truncated below
+                    view = self._page
+                else:
+                    view = self._page[: self._held]
+                self._out.write(memoryview(view), self._pos - self._held)  # type: ignore[arg-type]
+                self._held = 0
+            if self.fsync:
+                self._out.finish()
+                return
+            os.ftruncate(self._out.fd, self.size)
+        except BaseException:
+            self._out.abort()
+            raise
+        self._out.abort()  # closes without fsync
+
+    def abort(self) -> None:
+        """Closes and removes the file (after a failure)."""
+        self._out.abort(remove=True)

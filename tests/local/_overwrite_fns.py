@@ -123,15 +123,23 @@ def save_with_dirty_file(
             with open(planted, "wb") as f:
                 f.write(b"another writer")
         else:
-            real = m._save_image
+            real, real_open = m._save_image, m._open_image
 
-            def racing(image: Any, ckpt_id: Any) -> None:
+            def plant(ckpt_id: Any) -> None:
                 if ckpt_id[1] == owner and not os.path.exists(planted):  # type: ignore[arg-type]
                     with open(planted, "wb") as f:  # type: ignore[arg-type]
                         f.write(b"another writer")
+
+            def racing(image: Any, ckpt_id: Any) -> None:  # this rank's own part
+                plant(ckpt_id)
                 real(image, ckpt_id)
 
+            def racing_open(ckpt_id: Any, nbytes: int) -> Any:  # a replica, as it arrives
+                plant(ckpt_id)
+                return real_open(ckpt_id, nbytes)
+
             m._save_image = racing  # type: ignore[method-assign]
+            m._open_image = racing_open  # type: ignore[method-assign]
     err = error_of(m.save, state(2, dist.get_rank()), 3)
     intact = True
     if here and when == "before":

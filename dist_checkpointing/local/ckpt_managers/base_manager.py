@@ -7,13 +7,14 @@ Save (collective):
 1. Caller: agree that no save of iteration I is in progress here (no dirty part of I: as in
    the reference, another writer on this machine is a `SameMachineReplicationException`),
    copy the tensors into a pooled host image (the only part the training loop waits for; a
-   synchronous save of CPU tensors without replication copies nothing and writes from the
-   tensors themselves), queue the rest on the manager's one background thread, in call
+   synchronous save of CPU tensors copies nothing: its file is written and its replicas
+   are sent from the tensors themselves), queue the rest on the manager's one background thread, in call
    order (so background exchanges run in the same order on every rank).
 2. Background: remove the committed parts of I held here, if any (a job restarted from an
    older checkpoint reaches I again: the new save overwrites the old one), then checksums;
    the write of this rank's own part as a dirty file (created exclusively) runs while the
-   replication exchange receives the peers' parts, then those are written too. Whether
+   replication exchange sends it and receives the peers' parts, each written to its own
+   dirty file chunk by chunk as it arrives (`_open_image`). Whether
    the files are fsync'd is the durability policy (`fsync`, below). Every rank removes its
    old parts before the agreement that precedes any commit, so old and new parts of I
    never coexist committed: a failure or crash leaves I incomplete, never mixed.
@@ -41,6 +42,7 @@ import time
 from abc import ABC, abstractmethod
 from typing import Dict, Iterable, List, Optional, Tuple
 
+import numpy as np
 import torch
 
 from ... import _dist
@@ -54,6 +56,7 @@ from .._image import LocalImage, decode_image, finish_image, release_image, star
 from ..base_state_dict import TensorAwareStateDict
 from ..replication.strategies import (
     CkptID,
+    ImageSink,
     ReplicationStrategy,
     describe_id,
     execute_plan,
@@ -108,6 +111,24 @@ def _stop_background_thread() -> None:
     if _executor is not None:
         _executor.shutdown(wait=True)
         _executor = None
+
+
+class _MemorySink:
+    """A received part collected in memory, stored with `_save_image` when complete."""
+
+    def __init__(self, manager: BaseCheckpointManager, ckpt_id: CkptID, nbytes: int) -> None:
+        self.manager, self.ckpt_id = manager, ckpt_id
+        self.buffer = torch.empty(nbytes, dtype=torch.uint8)
+
+    def write(self, data: np.ndarray, offset: int) -> None:
+        self.buffer.numpy()[offset : offset + data.size] = data
+
+    def close(self) -> None:
+        image = LocalImage(self.ckpt_id, self.buffer, [], 0, 0, finished=True)
+        self.manager._save_image(image, self.ckpt_id)
+
+    def abort(self) -> None:
+        self.buffer = torch.empty(0, dtype=torch.uint8)
 
 
 class BaseCheckpointManager(ABC):
@@ -176,6 +197,18 @@ class BaseCheckpointManager(ABC):
         Raises:
             SameMachineReplicationException: the part already exists here.
         """
+
+    def _open_image(self, ckpt_id: CkptID, nbytes: int) -> ImageSink:
+        """Opens where a received part is written chunk by chunk, stored as `_save_image`
+        stores (dirty); the part is stored once the sink is closed.
+
+        This default collects the chunks in memory and calls `_save_image` at close;
+        subclasses that store files write the chunks straight to the file.
+
+        Raises:
+            SameMachineReplicationException: the part already exists here.
+        """
+        return _MemorySink(self, ckpt_id, nbytes)
 
     @abstractmethod
     def _dirty_ids(self, iteration: int) -> List[CkptID]:
@@ -260,9 +293,9 @@ class BaseCheckpointManager(ABC):
                 raise SameMachineReplicationException(in_progress[0])
             if self.repl_strategy is not None:
                 self.repl_strategy.prepare()
-            # a sync save of CPU tensors without copies to send writes from the tensors
-            # themselves (the caller waits until they are written, so they cannot change)
-            stage = is_async or self.repl_strategy is not None
+            # a sync save of CPU tensors writes and sends from the tensors themselves (the
+            # caller waits until they are written and sent, so they cannot change)
+            stage = is_async
             image = start_image(state_dict, ckpt_id, state_dict.tensor_names(), stage=stage)
         except Exception as e:  # agreed on below
             error = e
@@ -308,8 +341,8 @@ class BaseCheckpointManager(ABC):
 
     def _write_parts(self, image: LocalImage, iteration: int) -> int:
         """Background: removal of an older save of `iteration`, checksums, then this rank's
-        write overlapping the replication exchange, then the writes of the received copies
-        (in parallel)."""
+        write overlapping the replication exchange, which writes each received part chunk
+        by chunk as it arrives."""
         try:
             old = [i for i in self._my_ckpt_ids() if i[0] == iteration]
             if old:  # committed by an earlier run that reached this iteration too
@@ -325,16 +358,14 @@ class BaseCheckpointManager(ABC):
                 return image.nbytes
             own = _io_threads().submit(self._save_image, image, image.ckpt_id)
             try:
-                assert image.buffer is not None
-                received = self.repl_strategy.replicate_images(image.buffer, image.ckpt_id)
+                received = self.repl_strategy.replicate_stream(
+                    image, image.ckpt_id, self._open_image
+                )
             finally:
                 own_error = own.exception()  # waits for the own write in every case
             if own_error is not None:
                 raise own_error
-            copies = [LocalImage(i, buf, [], 0, 0, finished=True) for i, buf in received]
-            for f in [_io_threads().submit(self._save_image, c, c.ckpt_id) for c in copies]:
-                f.result()
-            return image.nbytes + sum(c.nbytes for c in copies)
+            return image.nbytes + sum(n for _, n in received)
         finally:
             release_image(image)
 

@@ -19,6 +19,7 @@ import torch
 
 from ..._fileio import fsync_dir
 from ...errors import CheckpointCorruptedError, CheckpointingException
+from ...storage import StreamedFile
 from .._image import LocalImage, read_image, write_image
 from ..replication.strategies import CkptID, ReplicationStrategy
 from .base_manager import BaseCheckpointManager, SameMachineReplicationException
@@ -106,6 +107,16 @@ class LocalCheckpointManager(BaseCheckpointManager):
             # created exclusively, as the reference opens it with "bx": an existing dirty
             # file belongs to another writer (or an interrupted save) and is left alone
             write_image(image, str(dirty), fsync=self.fsync)
+        except FileExistsError as e:
+            raise SameMachineReplicationException(ckpt_id) from e
+
+    def _open_image(self, ckpt_id: CkptID, nbytes: int) -> StreamedFile:
+        self.local_ckpt_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            # O_DIRECT: a replica is read only after its owner is lost; the page cache and
+            # the CPU are left to this rank's own part and to training
+            path = str(self._path(ckpt_id, dirty=True))
+            return StreamedFile(path, nbytes, fsync=self.fsync, direct=True)
         except FileExistsError as e:
             raise SameMachineReplicationException(ckpt_id) from e
 

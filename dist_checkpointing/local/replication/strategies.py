@@ -2,8 +2,10 @@
 
 `CliqueReplicationStrategy` splits the ranks into cliques of `replication_factor` ranks,
 `replication_jump` apart, and gives every member of a clique a copy of every other member's
-part. Parts travel as byte images (see `.._image`): raw tensor bytes broadcast over a gloo
-process group, never pickled tensors. Copies are byte-identical, checksums included.
+part. Parts travel as byte images (see `.._image`): raw tensor bytes sent over a gloo
+process group, never pickled tensors, straight from the memory they live in and written to
+the receiver's file as they arrive (`._stream`). Copies are byte-identical, checksums
+included.
 
 Retrieval (at load) is planned from what every rank holds, identically on every rank, so a
 missing part raises `NoReplicasAvailableError` on every rank rather than hanging one. Any
@@ -24,16 +26,20 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from ... import _dist
 from ...errors import CheckpointingException, NoReplicasAvailableError, describe_ckpt_id
+from .._image import LocalImage
+from ._stream import ImageSink, OpenSink, stream_exchange
 
 __all__ = [
     "CkptID",
     "NoReplicasAvailableError",
     "ExchangePlan",
+    "ImageSink",
     "ReplicationStrategy",
     "CliqueReplicationStrategy",
     "LazyCliqueReplicationStrategy",
@@ -210,12 +216,15 @@ class ReplicationStrategy(ABC):
     What `BaseCheckpointManager.save` calls, in this order, for every save:
     1. `prepare()`: on every rank, in the caller's thread, before any background work;
        collective over all ranks (it may create process groups).
-    2. `replicate_images(image, id_)`: on every rank, in the manager's one background
-       thread, after this rank's part is serialized and checksummed; collective over the
-       ranks this rank exchanges with (and only those, as other ranks may be at another
-       point of their background work).
+    2. `replicate_stream(image, id_, open_sink)`: on every rank, in the manager's one
+       background thread, after this rank's part is serialized and checksummed (while this
+       rank's own part is being written); collective over the ranks this rank exchanges
+       with (and only those, as other ranks may be at another point of their background
+       work). It writes every part received into a sink the manager opens (a dirty file).
+       The default implementation calls `replicate_images` (the one method a strategy must
+       implement) and writes what it returns; strategies that can stream override it.
 
-    The manager writes every returned part next to its own. Loading does not call the
+    Loading does not call the
     strategy: retrieval is planned from what every rank holds (`plan_retrieval`,
     `execute_plan`), so parts stay reachable after the replication parameters change.
 
@@ -243,6 +252,38 @@ class ReplicationStrategy(ABC):
         Returns:
             The `(id, image)` pairs this rank keeps a copy of, its own part excluded.
         """
+
+    def replicate_stream(
+        self, image: LocalImage, id_: CkptID, open_sink: OpenSink
+    ) -> List[Tuple[CkptID, int]]:
+        """Collective over this rank's exchange group: sends this rank's part, writes copies.
+
+        Args:
+            image: this rank's finished part (staged in one buffer, or its tensors' memory).
+            id_: its id.
+            open_sink: `(id, nbytes) -> sink` opens where a received part is written.
+
+        Returns:
+            `(id, nbytes)` of each part written, this rank's own part excluded.
+
+        Raises:
+            What the exchange or the sinks raised.
+        """
+        buffer = image.buffer
+        if buffer is None:  # an unstaged image: one contiguous copy for `replicate_images`
+            buffer = torch.from_numpy(np.concatenate(image.segments()))
+        out = []
+        for other, data in self.replicate_images(buffer, id_):
+            nbytes = int(data.numel())
+            sink = open_sink(other, nbytes)
+            try:
+                sink.write(data.numpy(), 0)
+            except BaseException:
+                sink.abort()
+                raise
+            sink.close()
+            out.append((other, nbytes))
+        return out
 
 
 class CliqueReplicationStrategy(ReplicationStrategy):
@@ -354,6 +395,31 @@ class CliqueReplicationStrategy(ReplicationStrategy):
         )
         return out  # type: ignore[return-value]
 
+    def replicate_stream(
+        self, image: LocalImage, id_: CkptID, open_sink: OpenSink
+    ) -> List[Tuple[CkptID, int]]:
+        """Collective over the clique: streams this rank's part to every other member and
+        writes theirs chunk by chunk as they arrive (see `._stream`).
+
+        Safe to run in a background thread (it uses only the clique group).
+        """
+        if len(self.ranks) == 1:
+            return []
+        if self.target_device != "cpu":  # exchange buffers on a device: whole images
+            return super().replicate_stream(image, id_, open_sink)
+        start = time.perf_counter()
+        out = stream_exchange(
+            self.local_group, self.ranks, _dist.get_rank(), id_, image.segments(), open_sink
+        )
+        logger.info(
+            "replicated %.1f MB to %d peers, received and wrote %.1f MB in %.2f s",
+            image.nbytes / 1e6,
+            len(self.ranks) - 1,
+            sum(n for _, n in out) / 1e6,
+            time.perf_counter() - start,
+        )
+        return out
+
 
 class LazyCliqueReplicationStrategy(CliqueReplicationStrategy):
     """A `CliqueReplicationStrategy` whose groups are created on first use (in `prepare`).
@@ -387,6 +453,12 @@ class LazyCliqueReplicationStrategy(CliqueReplicationStrategy):
     ) -> List[Tuple[CkptID, torch.Tensor]]:
         self._require_built()
         return super().replicate_images(image, id_)
+
+    def replicate_stream(
+        self, image: LocalImage, id_: CkptID, open_sink: OpenSink
+    ) -> List[Tuple[CkptID, int]]:
+        self._require_built()
+        return super().replicate_stream(image, id_, open_sink)
 
     def _require_built(self) -> None:
         if self._built is None:

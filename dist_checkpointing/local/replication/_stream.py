@@ -1,0 +1,215 @@
+"""The streamed replication exchange: images sent from their own memory, written as they arrive.
+
+A clique exchange moves each member's image (a sequence of byte segments: one staged buffer,
+or the tensors' own memory plus small padding and header segments) to every other member:
+
+- Sender: the image is cut into messages of at most `CHUNK` bytes. Large pieces are sent
+  straight from the memory they live in (no copy of the state); small pieces (alignment
+  padding, the header, small tensors) are packed together into one message. Every message
+  to every peer is posted at once: nothing waits per tensor or per chunk.
+- Receiver: the message sizes come first (one small all-gather), then each peer's messages
+  are received into a few pooled aligned buffers (a sliding window of posted receives),
+  each placed at its file offset modulo the page size, and each one is written to the
+  replica's file as soon as it has arrived, while the next ones are still on the wire: with
+  O_DIRECT straight from that buffer (a replica is read back only after its owner's node
+  is lost, so it skips the page cache and its copy). A received image is never held whole
+  in memory.
+
+A receiver that cannot write (file exists, disk full) keeps receiving and drops the bytes
+until the peer's last message, then raises: the sender never waits for a receive that is
+never posted.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import mmap
+import threading
+from collections import deque
+from typing import Any, Callable, List, Optional, Protocol, Sequence, Tuple
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ...storage.buffers import ALIGN, CHUNK
+
+__all__ = ["ImageSink", "pack_messages", "stream_exchange"]
+
+#: pieces smaller than this are packed with their neighbours into one message
+SMALL = 1 << 20
+#: chunk buffers per peer being received (posted receives in flight)
+WINDOW = 4
+
+_free: List[np.ndarray] = []
+_lock = threading.Lock()
+
+
+def _buffers(n: int) -> List[np.ndarray]:
+    """`n` page-aligned receive buffers of `CHUNK + ALIGN` bytes (reused across saves): a
+    chunk is placed at its file offset modulo `ALIGN`, so its pages go to disk as they are."""
+    with _lock:
+        got = [_free.pop() for _ in range(min(n, len(_free)))]
+    return got + [
+        np.frombuffer(mmap.mmap(-1, CHUNK + ALIGN), dtype=np.uint8) for _ in range(n - len(got))
+    ]
+
+
+def _give_back(bufs: List[np.ndarray]) -> None:
+    with _lock:
+        _free.extend(bufs[: max(0, 2 * WINDOW - len(_free))])
+
+
+CkptID = Tuple[Any, ...]
+
+
+class ImageSink(Protocol):
+    """Where a received image goes (e.g. its dirty file)."""
+
+    def write(self, data: np.ndarray, offset: int) -> None: ...
+
+    def close(self) -> None: ...
+
+    def abort(self) -> None: ...
+
+
+#: opens the sink of a received image: (its id, its size in bytes) -> sink
+OpenSink = Callable[[CkptID, int], ImageSink]
+
+
+def pack_messages(segments: Sequence[np.ndarray], chunk: int = CHUNK) -> List[np.ndarray]:
+    """Cuts the concatenation of `segments` into messages of at most `chunk` bytes.
+
+    Pieces of `SMALL` bytes or more are views of the segments (no copy); runs of smaller
+    pieces are copied into one packed message. The messages, concatenated, are the segments'
+    bytes in order.
+    """
+    out: List[np.ndarray] = []
+    pack: List[np.ndarray] = []
+    packed = 0
+
+    def flush() -> None:
+        nonlocal packed
+        if pack:
+            out.append(np.concatenate(pack) if len(pack) > 1 else pack[0])
+            pack.clear()
+            packed = 0
+
+    for seg in segments:
+        for lo in range(0, int(seg.size), chunk):
+            piece = seg[lo : lo + chunk]
+            if piece.size >= SMALL:
+                flush()
+                out.append(piece)
+            else:
+                if packed + piece.size > chunk:
+                    flush()
+                pack.append(piece)
+                packed += int(piece.size)
+    flush()
+    return out
+
+
+def _receive(
+    group: Any, peer: int, id_: CkptID, lengths: List[int], open_sink: OpenSink
+) -> Tuple[CkptID, int]:
+    """Receives one peer's messages through a window of chunk buffers, writing each on arrival."""
+    total = sum(lengths)
+    offsets = np.cumsum([0, *lengths[:-1]]).tolist() if lengths else []
+    error: Optional[BaseException] = None
+    sink: Optional[ImageSink] = None
+    try:
+        sink = open_sink(id_, total)
+    except Exception as e:  # drained below, raised at the end
+        error = e
+    bufs = _buffers(min(WINDOW, len(lengths)))
+    window: deque = deque()
+
+    def chunk(k: int) -> np.ndarray:
+        lead = offsets[k] % ALIGN
+        return bufs[k % len(bufs)][lead : lead + lengths[k]]
+
+    def post(k: int) -> None:
+        view = torch.from_numpy(chunk(k))
+        window.append((k, dist.irecv(view, src=peer, group=group, tag=k)))
+
+    try:
+        for k in range(min(len(bufs), len(lengths))):
+            post(k)
+        following = len(window)
+        while window:
+            k, work = window.popleft()
+            work.wait()
+            if error is None:
+                assert sink is not None
+                try:
+                    sink.write(chunk(k), offsets[k])
+                except Exception as e:  # keep draining: the peer's sends must complete
+                    error = e
+            if following < len(lengths):
+                post(following)
+                following += 1
+        if sink is not None and error is None:
+            sink.close()
+            sink = None
+    finally:
+        if sink is not None:
+            sink.abort()
+        _give_back(bufs)
+    if error is not None:
+        raise error
+    return id_, total
+
+
+def stream_exchange(
+    group: Any,
+    ranks: Sequence[int],
+    me: int,
+    id_: CkptID,
+    segments: Sequence[np.ndarray],
+    open_sink: OpenSink,
+) -> List[Tuple[CkptID, int]]:
+    """Collective over `group` (the ranks `ranks`): every member's image to every other member.
+
+    Args:
+        group: a gloo group over `ranks` (None: the default group).
+        ranks: the members, in group order.
+        me: this rank.
+        id_: this rank's image id.
+        segments: this rank's image (finished) as consecutive byte segments.
+        open_sink: opens where a received image is written.
+
+    Returns:
+        `(id, nbytes)` of each image received and written, in `ranks` order.
+
+    Raises:
+        Whatever opening or writing a received image raised (after every message arrived),
+        or the process group's error.
+    """
+    messages = pack_messages(segments)
+    infos: List[Any] = [None] * len(ranks)
+    dist.all_gather_object(infos, (tuple(id_), [int(m.size) for m in messages]), group=group)
+    peers = [(p, info) for p, info in zip(ranks, infos) if p != me]
+    sends = [
+        dist.isend(torch.from_numpy(m), dst=peer, group=group, tag=k)
+        for peer, _ in peers
+        for k, m in enumerate(messages)
+    ]
+    try:
+        if len(peers) == 1:
+            ((peer, (other, lengths)),) = peers
+            return [_receive(group, peer, tuple(other), lengths, open_sink)]
+        with concurrent.futures.ThreadPoolExecutor(len(peers), "dc-local-recv") as pool:
+            futures = [
+                pool.submit(_receive, group, peer, tuple(other), lengths, open_sink)
+                for peer, (other, lengths) in peers
+            ]
+            errors = [f.exception() for f in futures]  # every receive finishes first
+        for e in errors:
+            if e is not None:
+                raise e
+        return [f.result() for f in futures]
+    finally:
+        for w in sends:
+            if w is not None:
+                w.wait()
