@@ -11,7 +11,7 @@ its model code runs unchanged on this package.
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 from ._types import ShardedStateDict, StateDict
 from .dict_utils import dict_list_map_inplace, extract_matching_values
@@ -55,40 +55,18 @@ def zip_strict(*args: Iterable[Any]) -> Iterable[Tuple[Any, ...]]:
     return zip(*lists)
 
 
-def extract_sharded_tensors(
-    sharded_state_dict: ShardedStateDict,
-) -> Tuple[ShardedStateDict, StateDict]:
-    """Splits off the ShardedTensor leaves.
-
-    Args:
-        sharded_state_dict: a nested dict/list; it is not modified.
-
-    Returns:
-        `(sharded_tensors, rest)`, both with the structure of the input.
-    """
-    return extract_matching_values(sharded_state_dict, lambda v: isinstance(v, ShardedTensor))
+_Split = Callable[[ShardedStateDict], Tuple[ShardedStateDict, StateDict]]
 
 
-def extract_sharded_tensors_and_factories(
-    sharded_state_dict: ShardedStateDict,
-) -> Tuple[ShardedStateDict, StateDict]:
-    """Splits off the ShardedTensor and ShardedTensorFactory leaves.
+def _extractor(name: str, kinds: Tuple[type, ...], what: str) -> _Split:
+    """Builds megatron's `extract_*` helper `name`: splits off the leaves of `kinds`."""
 
-    Args:
-        sharded_state_dict: a nested dict/list; it is not modified.
+    def extract(sharded_state_dict: ShardedStateDict) -> Tuple[ShardedStateDict, StateDict]:
+        return extract_matching_values(sharded_state_dict, lambda v: isinstance(v, kinds))
 
-    Returns:
-        `(tensors_and_factories, rest)`, both with the structure of the input.
-    """
-    return extract_matching_values(
-        sharded_state_dict, lambda v: isinstance(v, (ShardedTensor, ShardedTensorFactory))
-    )
-
-
-def extract_sharded_tensors_or_nonpersistent(
-    sharded_state_dict: ShardedStateDict,
-) -> Tuple[ShardedStateDict, StateDict]:
-    """Splits off ShardedTensor, ShardedTensorFactory and LocalNonpersistentObject leaves.
+    extract.__name__ = extract.__qualname__ = name
+    extract.__module__ = __name__
+    extract.__doc__ = f"""Splits off the {what} leaves.
 
     Args:
         sharded_state_dict: a nested dict/list; it is not modified.
@@ -96,40 +74,27 @@ def extract_sharded_tensors_or_nonpersistent(
     Returns:
         `(matching, rest)`, both with the structure of the input.
     """
-    return extract_matching_values(
-        sharded_state_dict,
-        lambda v: isinstance(v, (ShardedTensor, ShardedTensorFactory, LocalNonpersistentObject)),
-    )
+    return extract
 
 
-def extract_sharded_base(
-    sharded_state_dict: ShardedStateDict,
-) -> Tuple[ShardedStateDict, StateDict]:
-    """Splits off every sharded leaf (any `ShardedBase`).
-
-    Args:
-        sharded_state_dict: a nested dict/list; it is not modified.
-
-    Returns:
-        `(sharded, rest)`, both with the structure of the input.
-    """
-    return extract_matching_values(sharded_state_dict, lambda v: isinstance(v, ShardedBase))
-
-
-def extract_nonpersistent(
-    sharded_state_dict: ShardedStateDict,
-) -> Tuple[ShardedStateDict, StateDict]:
-    """Splits off the LocalNonpersistentObject leaves.
-
-    Args:
-        sharded_state_dict: a nested dict/list; it is not modified.
-
-    Returns:
-        `(nonpersistent, rest)`, both with the structure of the input.
-    """
-    return extract_matching_values(
-        sharded_state_dict, lambda v: isinstance(v, LocalNonpersistentObject)
-    )
+# megatron-core's names; one implementation, the kinds of leaf each one splits off
+extract_sharded_tensors = _extractor("extract_sharded_tensors", (ShardedTensor,), "ShardedTensor")
+extract_sharded_tensors_and_factories = _extractor(
+    "extract_sharded_tensors_and_factories",
+    (ShardedTensor, ShardedTensorFactory),
+    "ShardedTensor and ShardedTensorFactory",
+)
+extract_sharded_tensors_or_nonpersistent = _extractor(
+    "extract_sharded_tensors_or_nonpersistent",
+    (ShardedTensor, ShardedTensorFactory, LocalNonpersistentObject),
+    "ShardedTensor, ShardedTensorFactory and LocalNonpersistentObject",
+)
+extract_sharded_base = _extractor(
+    "extract_sharded_base", (ShardedBase,), "sharded (any `ShardedBase`: tensor, object, factory)"
+)
+extract_nonpersistent = _extractor(
+    "extract_nonpersistent", (LocalNonpersistentObject,), "LocalNonpersistentObject"
+)
 
 
 def add_prefix_for_sharding(sharded_state_dict: ShardedStateDict, prefix: str) -> None:
