@@ -1,4 +1,5 @@
-"""The `dist-ckpt` front: help for every verb, one-line errors, log level reaching demo workers."""
+"""The `dist-ckpt` command: help for every verb, one-line errors, the demo (quiet and with
+`-v`, whose INFO lines come from its workers), and `inspect` on a single-process save."""
 
 from __future__ import annotations
 
@@ -6,10 +7,14 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
+import dist_checkpointing as dc
+from dist_checkpointing import ShardedObject, ShardedTensor
 from dist_checkpointing.cli import main
 
 VERBS = ["ls", "inspect", "verify", "convert", "diff", "demo"]
+_SMALL_DEMO = ("--hidden", "64", "--vocab", "256", "--layers", "1")
 
 
 @pytest.mark.parametrize("verb", VERBS)
@@ -33,7 +38,7 @@ def _run(*args: str, timeout: float = 170) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize(
     "args",
     [
-        ("demo", "--world-size", "3", "--hidden", "64", "--vocab", "256", "--layers", "1"),
+        ("demo", "--world-size", "3", *_SMALL_DEMO),
         ("inspect", "/nonexistent/ckpt"),
         ("convert", "/nonexistent/ckpt", "/tmp/x", "--to", "torch"),
         ("diff", "/nonexistent/a", "/nonexistent/b"),
@@ -49,21 +54,38 @@ def test_cli_errors_are_one_line_and_non_zero(args):
 
 
 @pytest.mark.timeout(200)
+def test_demo_saves_reshards_verifies_and_reports(tmp_path):
+    out = _run("demo", "--world-size", "2", *_SMALL_DEMO, "--dir", str(tmp_path))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "verified: every byte" in out.stdout and "save GB/s" in out.stdout
+    (ckpt,) = list(tmp_path.iterdir())
+    assert dc.check_is_distributed_checkpoint(ckpt)
+
+
+@pytest.mark.timeout(200)
 def test_verbose_demo_shows_info_lines_from_its_workers(tmp_path):
-    out = _run(
-        "-v",
-        "demo",
-        "--world-size",
-        "2",
-        "--hidden",
-        "64",
-        "--layers",
-        "1",
-        "--vocab",
-        "256",
-        "--dir",
-        str(tmp_path),
-    )
+    out = _run("-v", "demo", "--world-size", "2", *_SMALL_DEMO, "--dir", str(tmp_path))
     assert out.returncode == 0, out.stderr[-3000:]
     assert "INFO rank 0 dist_checkpointing" in out.stderr
     assert "Saved checkpoint" in out.stderr
+
+
+def test_inspect_lists_tensors_objects_and_common_keys(tmp_path, capsys):
+    dc.save(
+        {
+            "w": ShardedTensor.from_rank_offsets("w", torch.ones(2, 3)),
+            "o": ShardedObject("rng", 1, (1,), (0,)),
+            "step": 4,
+        },
+        tmp_path / "c",
+    )
+    assert main(["inspect", str(tmp_path / "c")]) == 0
+    text = capsys.readouterr().out
+    assert (
+        "torch_dist v1" in text
+        and "(2, 3)" in text
+        and "rng/shard_0_1" in text
+        and "value   step" in text
+    )
+    assert main(["inspect", str(tmp_path)]) == 2
+    assert "not a checkpoint but a directory of 1 checkpoint(s)" in capsys.readouterr().err
