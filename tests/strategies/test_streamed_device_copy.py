@@ -1,6 +1,7 @@
-"""The sync writer's device path: CUDA tensors are copied into the (pinned) chunk buffers a
-chunk at a time and checksummed from the chunks. On CPU the same code runs by treating CPU
-tensors as device tensors; it must write the same bytes and digests as the host path."""
+"""The torch_dist writer's paths: the sync writer copies CUDA tensors into the (pinned)
+chunk buffers a chunk at a time and checksums them from the chunks (on CPU the same code
+runs by treating CPU tensors as device tensors; it must write the same bytes and digests as
+the host path); the async writer hashes a staged image while a helper thread writes it."""
 
 from __future__ import annotations
 
@@ -94,3 +95,44 @@ def test_sync_save_of_cuda_tensors_streams_through_pinned_chunks_and_loads_exact
     req = {k: ShardedTensor.from_rank_offsets(k, torch.empty_like(t)) for k, t in want.items()}
     got = dc.load(req, tmp_path / "c")  # checksums verified on load
     assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def _staged(tmp_path, monkeypatch):
+    """A staged image, and the streamed writer's file and digests of the same tensors."""
+    monkeypatch.setattr(writer, "CHUNK", 4 * 4096)
+    entries = _entries()
+    plan = writer.plan_file("f.distcp", entries)
+    buf = torch.empty(-(-plan.size // 4096) * 4096, dtype=torch.uint8)
+    writer.stage_image(plan, [e.data for e in entries], buf)
+    (tmp_path / "s").mkdir()
+    streamed = writer.write_streamed(tmp_path / "s", plan, [e.data for e in entries], True)
+    return plan, buf, streamed
+
+
+def test_staged_image_is_written_whole_with_the_streamed_paths_digests(tmp_path, monkeypatch):
+    plan, buf, streamed = _staged(tmp_path, monkeypatch)
+    got = writer.write_image(tmp_path, plan, buf, checksums=True)
+    assert (tmp_path / "f.distcp").read_bytes() == (tmp_path / "s" / "f.distcp").read_bytes()
+    assert got == streamed
+
+
+def test_a_failed_image_write_raises_after_the_hashing_and_closes_the_file(tmp_path, monkeypatch):
+    plan, buf, _ = _staged(tmp_path, monkeypatch)
+    calls = []
+
+    def failing_write(self, view, offset):
+        calls.append(offset)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        return real_write(self, view, offset)
+
+    real_write = writer.FileWriter.write
+    aborted = []
+    real_abort = writer.FileWriter.abort
+    monkeypatch.setattr(writer.FileWriter, "write", failing_write)
+    monkeypatch.setattr(
+        writer.FileWriter, "abort", lambda self, *a: aborted.append(1) or real_abort(self, *a)
+    )
+    with pytest.raises(OSError, match="No space"):
+        writer.write_image(tmp_path, plan, buf, checksums=True)
+    assert calls == [0, 4 * 4096] and aborted == [1]

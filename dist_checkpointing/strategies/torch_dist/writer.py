@@ -299,45 +299,55 @@ def stage_image(plan: FilePlan, sources: Sequence[Any], buf: torch.Tensor) -> No
         flat[plan.size : n] = 0
 
 
+def _image_sums(plan: FilePlan, flat: np.ndarray) -> List[ItemChecksum]:
+    """The item checksums of a staged file image."""
+    sums: List[ItemChecksum] = []
+    for p in plan.items:
+        if p.payload is not None:
+            whole = ItemSum(p.length, checksum(flat[p.offset : p.offset + p.length]))
+            sums.append((plan.name, p.offset, whole))
+            continue
+        d0 = p.offset + len(p.head)
+        d1 = d0 + p.data_nbytes
+        framed = _item_sum(p, flat[p.offset : d0], flat[d0:d1], flat[d1 : p.offset + p.length])
+        sums.append((plan.name, p.offset, framed))
+    return sums
+
+
 def write_image(
     directory: Path, plan: FilePlan, buf: torch.Tensor, checksums: bool, direct: bool = True
 ) -> Tuple[List[WriteResult], List[ItemChecksum]]:
     """Writes a staged file image (async save's background writer).
 
+    The image does not change while it is written, so its checksums are computed while a
+    helper thread writes it (the writes release the GIL): hashing costs no disk time.
+
     Returns:
         Write results and item checksums.
     """
     flat = buf.numpy()
-    sums: List[ItemChecksum] = []
-    for p in plan.items if checksums else []:
-        if p.payload is not None:
-            sums.append(
-                (
-                    plan.name,
-                    p.offset,
-                    ItemSum(p.length, checksum(flat[p.offset : p.offset + p.length])),
-                )
-            )
-            continue
-        d0 = p.offset + len(p.head)
-        d1 = d0 + p.data_nbytes
-        sums.append(
-            (
-                plan.name,
-                p.offset,
-                _item_sum(p, flat[p.offset : d0], flat[d0:d1], flat[d1 : p.offset + p.length]),
-            )
-        )
+    padded = -(-plan.size // ALIGN) * ALIGN
+    view = memoryview(flat)  # type: ignore[arg-type]
     out = FileWriter(directory / plan.name, plan.size, direct)
-    try:
-        padded = -(-plan.size // ALIGN) * ALIGN
-        view = memoryview(flat)  # type: ignore[arg-type]
+
+    def write_all() -> None:
         for start in range(0, padded, CHUNK):
             out.write(view[start : min(padded, start + CHUNK)], start)
+
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dc-write-io")
+    try:
+        writes = pool.submit(write_all)
+        try:
+            sums = _image_sums(plan, flat) if checksums else []
+        finally:
+            writes.exception()  # the writes are done (or failed) before finish or abort
+        writes.result()
         out.finish()
     except BaseException:
         out.abort()
         raise
+    finally:
+        pool.shutdown(wait=True)
     return _results(plan), sums
 
 
