@@ -94,51 +94,6 @@ def load_columns(
     return dc.load(column_block(key, rows, cols, allow_shape_mismatch, False), root)[key]
 
 
-def phrase_state() -> Dict[str, Any]:
-    """A valid two-rank state: a split tensor, one object per rank, common state."""
-    from dist_checkpointing import ShardedObject
-
-    r, w = dist.get_rank(), dist.get_world_size()
-    return {
-        "a": ShardedTensor.from_rank_offsets("a", torch.full((2,), float(r)), (0, r, w)),
-        "obj": ShardedObject("obj", {"rank": r}, (w,), (r,)),
-        "step": 1,
-    }
-
-
-def phrase_state_only_a() -> Dict[str, Any]:
-    """Requests only 'a' (the checkpoint's 'obj' pieces are then missing keys)."""
-    return {"a": phrase_state()["a"]}
-
-
-def phrase_state_with_ghost() -> Dict[str, Any]:
-    """Requests a key the checkpoint lacks, on the last rank only."""
-    sd = phrase_state()
-    if dist.get_rank() == dist.get_world_size() - 1:
-        sd["ghost"] = ShardedTensor.from_rank_offsets("ghost", torch.empty(2), replica_id=1)
-    return sd
-
-
-def phrase_state_overlap() -> Dict[str, Any]:
-    """Every rank claims the whole tensor as its main replica."""
-    return {"w": ShardedTensor.from_rank_offsets("w", torch.ones(4))}
-
-
-def phrase_state_duplicate_object() -> Dict[str, Any]:
-    """Every rank saves the same object piece as main replica."""
-    from dist_checkpointing import ShardedObject
-
-    return {"obj": ShardedObject("obj", 1, (dist.get_world_size(),), (0,))}
-
-
-def phrase_state_missing_object() -> Dict[str, Any]:
-    """The last rank does not save its object piece: a grid cell with no main replica."""
-    from dist_checkpointing import ShardedObject
-
-    r, w = dist.get_rank(), dist.get_world_size()
-    return {} if r == w - 1 else {"obj": ShardedObject("obj", 1, (w,), (r,))}
-
-
 def flat_layout_state(
     key: str,
     global_shape: Tuple[int, ...],

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, List
+from typing import Any
 
 import pytest
 import torch
@@ -21,18 +21,18 @@ from dist_checkpointing.errors import CheckpointingException
 from dist_checkpointing.strategies.base import SaveShardedStrategy
 from dist_checkpointing.strategies.common import TorchCommonLoadStrategy
 from dist_checkpointing.validation import parse_strict_flag
-from tests.distributed._behaviour_fns import (
-    phrase_state,
-    phrase_state_duplicate_object,
-    phrase_state_missing_object,
-    phrase_state_only_a,
-    phrase_state_overlap,
-    phrase_state_with_ghost,
+from tests.distributed._failure_fns import (
+    assert_all_raise,
+    duplicate_object_state,
+    good_state,
+    missing_object_state,
+    overlap_state,
+    request_only_a,
+    request_with_unexpected_on_rank1,
 )
 from tests.distributed._rank_fns import call_load, call_save
 
 pytestmark = pytest.mark.timeout(180)
-WORLD = 2
 
 
 class _SyncOnly(SaveShardedStrategy):
@@ -40,54 +40,39 @@ class _SyncOnly(SaveShardedStrategy):
         raise AssertionError("never called: the async save is refused first")
 
 
-def _all_raise(outcomes: List[Any], *phrases: str) -> None:
-    for o in outcomes:
-        assert isinstance(o.error, CheckpointingException), f"rank {o.rank}: {o.trace}"
-        for phrase in phrases:
-            assert phrase in str(o.error), f"rank {o.rank}: {phrase!r} not in {o.error}"
-
-
-@pytest.fixture
-def world(world_factory):
-    return world_factory(WORLD)
-
-
-@pytest.fixture
-def saved(world, tmp_path):
-    ckpt = str(tmp_path / "ckpt")
-    world.run_ok(call_save, phrase_state, ckpt)
-    return ckpt
-
-
 def test_missing_directory_says_checkpoint_directory_does_not_exist(world, tmp_path):
     missing = str(tmp_path / "nowhere")
-    _all_raise(
-        world.run(call_load, phrase_state, missing),
+    assert_all_raise(
+        world.run(call_load, good_state, missing),
+        CheckpointingException,
         f"Checkpoint directory {missing} does not exist",
     )
 
 
 def test_directory_without_metadata_says_is_not_a_distributed_checkpoint(world, tmp_path):
     os.makedirs(tmp_path / "empty")
-    _all_raise(
-        world.run(call_load, phrase_state, str(tmp_path / "empty")),
+    assert_all_raise(
+        world.run(call_load, good_state, str(tmp_path / "empty")),
+        CheckpointingException,
         f"{tmp_path / 'empty'} is not a distributed checkpoint",
     )
 
 
 def test_strict_missing_keys_say_missing_keys(world, saved):
-    _all_raise(
-        world.run(call_load, phrase_state_only_a, saved, {"strict": "raise_all"}),
+    assert_all_raise(
+        world.run(call_load, request_only_a, saved, {"strict": "raise_all"}),
+        CheckpointingException,
         "Some keys found in the checkpoint are missing in the provided sharded state dict.",
         "Missing keys",
-        "obj/shard_0_2",
+        "rng/shard_0_2",
     )
 
 
 @pytest.mark.parametrize("strict", ["raise_unexpected", "raise_all"])
 def test_strict_unexpected_keys_say_unexpected_keys(world, saved, strict):
-    _all_raise(
-        world.run(call_load, phrase_state_with_ghost, saved, {"strict": strict}),
+    assert_all_raise(
+        world.run(call_load, request_with_unexpected_on_rank1, saved, {"strict": strict}),
+        CheckpointingException,
         "Unexpected keys (not found in the checkpoint) encountered in the provided sharded "
         "state dict.",
         "Unexpected keys",
@@ -104,8 +89,9 @@ def test_logged_key_mismatch_uses_the_same_phrases(tmp_path, caplog):
 
 
 def test_unknown_backend_says_cannot_find_a_default_strategy(world, tmp_path):
-    _all_raise(
-        world.run(call_save, phrase_state, str(tmp_path / "c"), {"sharded_strategy": ("nope", 3)}),
+    assert_all_raise(
+        world.run(call_save, good_state, str(tmp_path / "c"), {"sharded_strategy": ("nope", 3)}),
+        CheckpointingException,
         "Cannot find a default strategy for: ('save_sharded', 'nope', 3)",
     )
 
@@ -121,23 +107,26 @@ def test_async_save_with_sync_strategy_says_cannot_apply_async_save(tmp_path):
 
 
 def test_overlapping_shards_say_invalid_access_pattern(world, tmp_path):
-    _all_raise(
-        world.run(call_save, phrase_state_overlap, str(tmp_path / "c")),
+    assert_all_raise(
+        world.run(call_save, overlap_state, str(tmp_path / "c")),
+        CheckpointingException,
         "Invalid access pattern for 'w'",
     )
 
 
 def test_duplicate_objects_say_duplicate_sharded_object_keys(world, tmp_path):
-    _all_raise(
-        world.run(call_save, phrase_state_duplicate_object, str(tmp_path / "c")),
+    assert_all_raise(
+        world.run(call_save, duplicate_object_state, str(tmp_path / "c")),
+        CheckpointingException,
         "Duplicate ShardedObject keys",
         "obj/shard_0_2",
     )
 
 
 def test_missing_object_pieces_say_sharded_object_are_missing(world, tmp_path):
-    _all_raise(
-        world.run(call_save, phrase_state_missing_object, str(tmp_path / "c")),
+    assert_all_raise(
+        world.run(call_save, missing_object_state, str(tmp_path / "c")),
+        CheckpointingException,
         "Invalid access pattern: 1 ShardedObject are missing",
     )
 
