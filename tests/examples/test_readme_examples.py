@@ -44,3 +44,10 @@ def test_local_checkpoints_example_recovers_a_lost_rank_directory(tmp_path):
 
 def test_custom_strategy_example_round_trips_through_the_registry(tmp_path):
     assert "with the per_rank backend: OK" in _ok(_torchrun("custom_strategy.py", str(tmp_path)))
+
+
+def test_local_sharded_example_round_trips_both_ways_and_recovers_a_lost_node(tmp_path):
+    text = _ok(_torchrun("local_sharded.py", str(tmp_path)))
+    for rank in (0, 1):
+        assert f"rank {rank}: MCoreTensorAwareStateDict through the manager: OK" in text
+        assert f"rank {rank}: ('local', 2) backend, recovered after losing node 1: OK" in text
