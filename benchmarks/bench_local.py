@@ -17,7 +17,7 @@ directory. In one run, per world size, medians over `--repeats` (max over ranks)
 
 The table gives the ratios that matter next to each row.
 
-    python -m benchmarks.bench_local --world-sizes 2 4 --total-mib 1024 --nvrx-python /work/venvs/nvrx/bin/python
+    python -m benchmarks.bench_local --world-sizes 2 4 --total-mib 1024 --nvrx-python "$NVRX_VENV/bin/python"
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ CPU tensors and keeps them on the CPU; its replication (`CliqueReplicationStrate
 `--total-mib / world` MiB of fp32 per rank in 8 tensors, medians over `--repeats` saves
 (max over ranks). Prints one JSON line: `{"nvrx f2 s": ..., "nvrx load s": ...}`.
 
-    /work/venvs/nvrx/bin/python benchmarks/nvrx_local_side.py --world-size 2 --total-mib 1024
+    "$NVRX_VENV/bin/python" benchmarks/nvrx_local_side.py --world-size 2 --total-mib 1024
 """
 
 from __future__ import annotations
