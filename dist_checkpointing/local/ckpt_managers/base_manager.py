@@ -40,7 +40,7 @@ import concurrent.futures
 import logging
 import time
 from abc import ABC, abstractmethod
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -53,6 +53,7 @@ from ...errors import (
     SameMachineReplicationException,
 )
 from .._image import LocalImage, decode_image, finish_image, release_image, start_image
+from .._read import Part, release_part
 from ..base_state_dict import TensorAwareStateDict
 from ..replication.strategies import (
     CkptID,
@@ -189,6 +190,22 @@ class BaseCheckpointManager(ABC):
         Raises:
             CheckpointingException: the part cannot be read.
         """
+
+    def _read_part(self, ckpt_id: CkptID, own: bool) -> Tuple[Part, str, bool]:
+        """Reads a committed part for `load`; returns `(part, where, verified)`.
+
+        This default reads with `_load_image` (`verified` False: `load` verifies);
+        subclasses may verify while reading.
+
+        Args:
+            ckpt_id: the part.
+            own: it is this rank's part (its tensors are restored here).
+
+        Raises:
+            CheckpointingException: the part cannot be read (or fails verification).
+        """
+        image, where = self._load_image(ckpt_id)
+        return Part(image), where, False
 
     @abstractmethod
     def _save_image(self, image: LocalImage, ckpt_id: CkptID) -> None:
@@ -392,6 +409,21 @@ class BaseCheckpointManager(ABC):
         self._cleanup(iteration)
         self.latest_iteration = -1
 
+    def _checked_part(self, ckpt_id: CkptID, wanted: CkptID) -> Any:
+        """Reads and verifies a part held here: the `Part`, or the error saying why not."""
+        try:
+            part, where, verified = self._read_part(ckpt_id, own=ckpt_id == wanted)
+            try:
+                decode_image(
+                    part.buffer, where, verify=not verified, weights_only=self.weights_only
+                )
+            except BaseException:
+                release_part(part)
+                raise
+            return part
+        except CheckpointingException as e:
+            return e
+
     def _owners_by_iteration(self) -> Dict[int, set]:
         """iteration -> the owners whose parts some rank holds (from the last `find_latest`)."""
         assert self.globally_available_ids is not None
@@ -442,38 +474,52 @@ class BaseCheckpointManager(ABC):
         # every rank wants its own part of the same iteration: no need to ask
         everyone = {r: [(iteration, r, self.session_id)] for r in range(_dist.get_world_size())}
         cache: Dict[CkptID, torch.Tensor] = {}  # parts read here, already verified
-        while True:
-            plan = plan_retrieval(available, everyone)  # type: ignore[arg-type]
-            bad: List[CkptID] = []
-            for ckpt_id in plan.required_ids(self.rank):
-                if ckpt_id in cache:
-                    continue
-                try:
-                    image, where = self._load_image(ckpt_id)
-                    decode_image(image, where, weights_only=self.weights_only)
-                    cache[ckpt_id] = image
-                except CheckpointingException as e:
-                    logger.warning(
-                        "local checkpoint part %s unusable, trying another copy: %s",
-                        describe_id(ckpt_id),
-                        e,
-                    )
-                    bad.append(ckpt_id)
-            all_bad = _dist.all_gather_object(bad)
-            if not any(all_bad):
-                break
-            for rank, ids in enumerate(all_bad):
-                gone = {tuple(i) for i in ids}
-                available[rank] = [i for i in available[rank] if i not in gone]
-        received = execute_plan(plan, cache, host_group())
-        image = received[wanted]
-        _, state = decode_image(
-            image,
-            f"local checkpoint part {describe_id(wanted)}",
-            verify=wanted not in cache,  # a part kept here was verified when read
-            weights_only=self.weights_only,
-        )
-        state.restore_tensor_device(non_blocking=False)
+        parts: Dict[CkptID, Part] = {}
+        try:
+            while True:
+                plan = plan_retrieval(available, everyone)  # type: ignore[arg-type]
+                todo = [i for i in plan.required_ids(self.rank) if i not in cache]
+                # the parts this rank provides are read at once (its own and those it sends)
+                if len(todo) > 1:
+                    with concurrent.futures.ThreadPoolExecutor(len(todo)) as pool:
+                        outcomes = list(pool.map(lambda i: self._checked_part(i, wanted), todo))
+                else:
+                    outcomes = [self._checked_part(i, wanted) for i in todo]
+                bad: List[CkptID] = []
+                for ckpt_id, outcome in zip(todo, outcomes):
+                    if isinstance(outcome, Part):
+                        parts[ckpt_id], cache[ckpt_id] = outcome, outcome.buffer
+                    else:
+                        logger.warning(
+                            "local checkpoint part %s unusable, trying another copy: %s",
+                            describe_id(ckpt_id),
+                            outcome,
+                        )
+                        bad.append(ckpt_id)
+                all_bad = _dist.all_gather_object(bad)
+                if not any(all_bad):
+                    break
+                for rank, ids in enumerate(all_bad):
+                    gone = {tuple(i) for i in ids}
+                    available[rank] = [i for i in available[rank] if i not in gone]
+            received = execute_plan(plan, cache, host_group())
+            image = received[wanted]
+            _, state = decode_image(
+                image,
+                f"local checkpoint part {describe_id(wanted)}",
+                verify=wanted not in cache,  # a part kept here was verified when read
+                weights_only=self.weights_only,
+            )
+            own = parts.get(wanted)
+            pinned = own is not None and own.pooled is not None
+            # from a page-locked buffer the device copies run asynchronously, then one wait
+            state.restore_tensor_device(non_blocking=pinned)
+            if pinned:
+                for device in {t.device for t in state.tensors if t.is_cuda}:
+                    torch.cuda.synchronize(device)
+        finally:
+            for part in parts.values():
+                release_part(part)
         elapsed = time.perf_counter() - start
         logger.info(
             "loaded local checkpoint %s: %.1f MB in %.2f s (%.0f MB/s)",
