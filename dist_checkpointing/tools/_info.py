@@ -1,15 +1,27 @@
-"""What `describe` reports, and small helpers; torch-free (used by the fast `_light` reader)."""
+"""What `describe` reports, and the helpers both of its readers share; torch-free (see `_light`)."""
 
 from __future__ import annotations
 
 import datetime
+import math
 import os
+import re
 import reprlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
-__all__ = ["TensorInfo", "ChecksumCoverage", "CheckpointInfo", "short_repr", "disk_size", "date_of"]
+__all__ = [
+    "TensorInfo",
+    "ChecksumCoverage",
+    "CheckpointInfo",
+    "short_repr",
+    "disk_size",
+    "date_of",
+    "LocalPart",
+    "local_parts",
+    "fill_local",
+]
 
 _repr = reprlib.Repr()
 _repr.maxstring = 40
@@ -108,3 +120,74 @@ def date_of(path: Path) -> str:
     return datetime.datetime.fromtimestamp(stamp, datetime.timezone.utc).isoformat(
         timespec="seconds"
     )
+
+
+_LOCAL_PART = re.compile(r"iter_(\d{7,})_(\d+)_local\.pt")
+
+
+@dataclass(frozen=True)
+class LocalPart:
+    """One committed part of a local checkpoint, as found on this machine."""
+
+    holder: int
+    owner: int
+    iteration: int
+    path: Path
+
+
+def local_parts(ckpt: Path) -> List[LocalPart]:
+    """The committed local checkpoint parts under `<ckpt>/<rank>/`, by holder and owner."""
+    out = []
+    for sub in sorted(ckpt.iterdir()) if ckpt.is_dir() else []:
+        if not (sub.is_dir() and sub.name.isdigit()):
+            continue
+        for f in sorted(sub.iterdir()):
+            m = _LOCAL_PART.fullmatch(f.name)
+            if m:
+                out.append(LocalPart(int(sub.name), int(m.group(2)), int(m.group(1)), f))
+    return out
+
+
+def fill_local(
+    info: CheckpointInfo,
+    parts: List[LocalPart],
+    rank_state: Callable[[LocalPart], Dict[str, Any]],
+    deep: bool,
+) -> None:
+    """Fills `info` from a local checkpoint's parts (the full and the torch-free reader).
+
+    Args:
+        info: what to fill (tensors, objects, world size, checksum coverage).
+        parts: the parts found, at least one.
+        rank_state: reads one part: a dict with `world_size` (or None), `common`, `objects`
+            and `sharded`: `"<key> (<offset>)"` -> `(global shape, dtype name, item size)`.
+            Called once per owner rank, on the owner's own copy when present.
+        deep: False fills only the world size and checksum coverage (reads no part).
+    """
+    owners = sorted({p.owner for p in parts})
+    info.checksums = ChecksumCoverage(
+        present=True, items=len(owners), items_covered=len(owners), files_covered=[]
+    )
+    if not deep:
+        info.world_size = len(owners)
+        return
+    tensors: Dict[str, TensorInfo] = {}
+    for owner in owners:
+        # the owner's own copy when this machine has it, else a replica
+        sd = rank_state(
+            min((p for p in parts if p.owner == owner), key=lambda p: p.holder != owner)
+        )
+        info.world_size = sd.get("world_size") or len(owners)
+        for slot, (global_shape, dtype, itemsize) in sd["sharded"].items():
+            key = slot.rsplit(" (", 1)[0]
+            shape = [int(s) for s in global_shape]
+            t = tensors.setdefault(
+                key, TensorInfo(key, shape, dtype, math.prod(shape) * itemsize, 0)
+            )
+            t.shards += 1
+        for key, value in (sd.get("objects") or {}).items():
+            info.objects[key] = short_repr(value)
+        if owner == owners[0]:
+            for key, value in (sd.get("common") or {}).items():
+                info.objects[str(key)] = short_repr(value)
+    info.tensors = [tensors[k] for k in sorted(tensors)]

@@ -11,20 +11,17 @@ the full reader, which gives the authoritative answer or error (a damaged part i
 
 from __future__ import annotations
 
-import math
-import re
 import struct
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Tuple
+from typing import Any, Dict, Iterator, Tuple
 
-from ._info import CheckpointInfo, ChecksumCoverage, TensorInfo, short_repr
+from ._info import CheckpointInfo, LocalPart, fill_local, local_parts
 from ._light import Unsupported, _DType, _Stub, _torch_payload
 
 __all__ = ["describe_local_light"]
 
 _FOOTER = struct.Struct("<8sQQQQQ")  # as local/_image.py
 _MAGIC = b"DCLCKPT1"
-_PART = re.compile(r"iter_(\d{7,})_(\d+)_local\.pt")  # as _storage._LOCAL_PART
 _HEADER_FORMAT = 1
 _MAX_PART = 1 << 30  # larger parts: the full reader (this one reads whole files)
 
@@ -146,42 +143,21 @@ def describe_local_light(ckpt: Path, info: CheckpointInfo, deep: bool) -> None:
     Raises:
         Unsupported: no parts, a damaged part, or anything not recognised.
     """
-    parts: List[Tuple[int, int, Path]] = []  # (holder, owner, path), as _storage.local_parts
-    for sub in sorted(ckpt.iterdir()):
-        if sub.is_dir() and sub.name.isdigit():
-            for f in sorted(sub.iterdir()):
-                m = _PART.fullmatch(f.name)
-                if m:
-                    parts.append((int(sub.name), int(m.group(2)), f))
-    owners = sorted({owner for _, owner, _ in parts})
-    if not owners:
+    parts = local_parts(ckpt)
+    if not parts:
         raise Unsupported("no parts")
-    info.checksums = ChecksumCoverage(
-        present=True, items=len(owners), items_covered=len(owners), files_covered=[]
-    )
-    if not deep:
-        info.world_size = len(owners)
-        return
-    tensors: Dict[str, TensorInfo] = {}
     try:
-        for owner in owners:
-            path = min((p for p in parts if p[1] == owner), key=lambda p: p[0] != owner)[2]
-            sd = _rank_state(_read_part(path))
-            info.world_size = sd.get("world_size") or len(owners)
-            for slot, entry in sd["sharded"].items():
-                key = slot.rsplit(" (", 1)[0]
-                dtype, shape = entry["dtype"], [int(s) for s in entry["global_shape"]]
-                if not isinstance(dtype, _DType):
-                    raise Unsupported(f"dtype of {key!r}")
-                t = tensors.setdefault(
-                    key, TensorInfo(key, shape, str(dtype), math.prod(shape) * dtype.itemsize, 0)
-                )
-                t.shards += 1
-            for key, value in (sd.get("objects") or {}).items():
-                info.objects[key] = short_repr(value)
-            if owner == owners[0]:
-                for key, value in (sd.get("common") or {}).items():
-                    info.objects[str(key)] = short_repr(value)
+        fill_local(info, parts, _light_rank_state, deep)
     except (AttributeError, TypeError, KeyError, ValueError, IndexError) as e:
         raise Unsupported(f"unexpected local part ({type(e).__name__})") from e
-    info.tensors = [tensors[k] for k in sorted(tensors)]
+
+
+def _light_rank_state(part: LocalPart) -> Dict[str, Any]:
+    sd = _rank_state(_read_part(part.path))
+    sharded = {}
+    for slot, entry in sd["sharded"].items():
+        dtype = entry["dtype"]
+        if not isinstance(dtype, _DType):
+            raise Unsupported(f"dtype of {slot!r}")
+        sharded[slot] = (entry["global_shape"], str(dtype), dtype.itemsize)
+    return {**sd, "sharded": sharded}

@@ -27,6 +27,7 @@ from ..integrity import Checksums, read_checksums
 from ..strategies.torch_dist.metadata_file import DCP_METADATA_FNAME, read_metadata
 from ..strategies.torch_dist.plan import DATA_SUFFIX, TensorRequest, plan_tensor_reads
 from ..strategies.torch_dist.reader import read_byte_items, read_tensor_items
+from ._info import LocalPart, local_parts
 
 __all__ = [
     "DCP_METADATA_FNAME",
@@ -171,30 +172,6 @@ def read_object(
 
 
 _SHARDED_OBJECT = re.compile(r"/shard_\d+(_\d+)*$")
-_LOCAL_PART = re.compile(r"iter_(\d{7,})_(\d+)_local\.pt")
-
-
-@dataclass(frozen=True)
-class LocalPart:
-    """One committed part of a local checkpoint, as found on this machine."""
-
-    holder: int
-    owner: int
-    iteration: int
-    path: Path
-
-
-def local_parts(ckpt: Path) -> List[LocalPart]:
-    """The committed local checkpoint parts under `<ckpt>/<rank>/`, by holder and owner."""
-    out = []
-    for sub in sorted(ckpt.iterdir()) if ckpt.is_dir() else []:
-        if not (sub.is_dir() and sub.name.isdigit()):
-            continue
-        for f in sorted(sub.iterdir()):
-            m = _LOCAL_PART.fullmatch(f.name)
-            if m:
-                out.append(LocalPart(int(sub.name), int(m.group(2)), int(m.group(1)), f))
-    return out
 
 
 def read_local_part(part: LocalPart) -> Dict[str, Any]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
-from typing import Dict, List, Union
+from typing import Any, Dict, List, Union
 
 from ..core import CONFIG_FNAME, maybe_load_config
 from ..errors import CheckpointingException, NotACheckpointError
@@ -25,6 +25,7 @@ from ._info import (
     TensorInfo,
     date_of,
     disk_size,
+    fill_local,
     short_repr,
 )
 
@@ -144,34 +145,16 @@ def _describe_local(ckpt: Path, info: CheckpointInfo, deep: bool) -> None:
     parts = _storage.local_parts(ckpt)
     if not parts:
         raise NotACheckpointError(f"{ckpt}: a local checkpoint without any part")
-    owners = sorted({p.owner for p in parts})
-    info.checksums = ChecksumCoverage(
-        present=True, items=len(owners), items_covered=len(owners), files_covered=[]
-    )
-    if not deep:
-        info.world_size = len(owners)
-        return
-    tensors: Dict[str, TensorInfo] = {}
-    for owner in owners:
-        # the owner's own copy when this machine has it, else a replica
-        part = min((p for p in parts if p.owner == owner), key=lambda p: p.holder != owner)
-        sd = _storage.read_local_part(part)
-        info.world_size = sd.get("world_size") or len(owners)
-        for slot, entry in sd["sharded"].items():
-            key = slot.rsplit(" (", 1)[0]
-            data = entry["data"]
-            shape = [int(s) for s in entry["global_shape"]]
-            t = tensors.setdefault(
-                key,
-                TensorInfo(key, shape, str(data.dtype), math.prod(shape) * data.element_size(), 0),
-            )
-            t.shards += 1
-        for key in sd.get("objects", {}):
-            info.objects[key] = short_repr(sd["objects"][key])
-        if owner == owners[0]:
-            for key, value in (sd.get("common") or {}).items():
-                info.objects[str(key)] = short_repr(value)
-    info.tensors = [tensors[k] for k in sorted(tensors)]
+    fill_local(info, parts, _local_rank_state, deep)
+
+
+def _local_rank_state(part: _storage.LocalPart) -> Dict[str, Any]:
+    sd = _storage.read_local_part(part)
+    sharded = {
+        slot: (entry["global_shape"], str(entry["data"].dtype), entry["data"].element_size())
+        for slot, entry in sd["sharded"].items()
+    }
+    return {**sd, "sharded": sharded}
 
 
 def _looks_like_checkpoint(path: Path) -> bool:
