@@ -112,6 +112,9 @@ def _convert(args: argparse.Namespace) -> int:
     from .tools.convert import convert_checkpoint
 
     result = convert_checkpoint(args.path, args.out, args.to, max_shard_size=args.max_shard_size)
+    if args.json:
+        _print_json(asdict(result))
+        return EXIT_OK
     print(f"wrote {result.tensors} tensors ({_size(result.bytes)}) to {len(result.files)} file(s):")
     for f in result.files:
         print(f"  {f}")
@@ -189,6 +192,7 @@ def _parser() -> argparse.ArgumentParser:
     conv.add_argument(
         "--max-shard-size", default="5GB", help="bytes per safetensors file (default 5GB)"
     )
+    conv.add_argument("--json", action="store_true", help="machine-readable output")
     conv.set_defaults(fn=_convert)
 
     diff = sub.add_parser("diff", help="compare two checkpoints (exit 0 only when equal)")

@@ -58,16 +58,16 @@ def train(rank: int, world: int, rendezvous: str, args: argparse.Namespace) -> N
     )
     print(f"rank {rank} pid {os.getpid()}", flush=True)
     options = CheckpointManagerOptions(
-        save_interval=10,
-        keep_last=2,
-        local_root=os.path.join(args.ckpt_dir, "local"),
-        local_save_interval=2,
+        save_interval=10,  # persistent (torch_dist, async) checkpoint every 10 steps
+        keep_last=2,  # keep the 2 newest complete ones
+        local_root=os.path.join(args.ckpt_dir, "local"),  # node-local tier ...
+        local_save_interval=2,  # ... every 2 steps
     )
     manager = CheckpointManager(os.path.join(args.ckpt_dir, "persistent"), options)
     w = torch.zeros(FEATURES, OUTPUTS)
     momentum = torch.zeros_like(w)
     start = 1
-    if manager.latest_step() is not None:
+    if manager.latest_step() is not None:  # a restart: resume from the newest usable one
         state, step = manager.load(sharded_state(w, momentum))
         w.copy_(state["model.weight"])
         momentum.copy_(state["optim.momentum"])
@@ -88,9 +88,9 @@ def train(rank: int, world: int, rendezvous: str, args: argparse.Namespace) -> N
         dist.all_reduce(losses)
         if rank == 0:
             print(f"step {step} loss {float(losses) / world:.10f}", flush=True)
-        manager.save(step, sharded_state(w, momentum))
+        manager.save(step, sharded_state(w, momentum))  # returns at once when nothing is due
         time.sleep(args.sleep)
-    manager.close()
+    manager.close()  # waits for the saves in flight
     dist.destroy_process_group()
 
 

@@ -89,3 +89,33 @@ def test_inspect_lists_tensors_objects_and_common_keys(tmp_path, capsys):
     )
     assert main(["inspect", str(tmp_path)]) == 2
     assert "not a checkpoint but a directory of 1 checkpoint(s)" in capsys.readouterr().err
+
+
+def _json_out(capsys, argv, code: int) -> object:
+    import json
+
+    capsys.readouterr()
+    assert main(argv) == code
+    return json.loads(capsys.readouterr().out)
+
+
+def test_every_listing_verb_prints_json_with_its_exit_code(ours, tmp_path, capsys):
+    import shutil
+
+    root = tmp_path / "root"
+    root.mkdir()
+    shutil.copytree(ours, root / "iter_0000007")
+    assert [e["step"] for e in _json_out(capsys, ["ls", "--json", str(root)], 0)] == [7]
+    assert len(_json_out(capsys, ["inspect", "--json", str(ours)], 0)["tensors"]) == 6
+    clean = _json_out(capsys, ["verify", "--json", str(ours)], 0)
+    assert clean["ok"] is True and clean["problems"] == []
+    converted = _json_out(
+        capsys, ["convert", "--json", str(ours), str(tmp_path / "out.pt"), "--to", "torch"], 0
+    )
+    assert converted["tensors"] == 6 and converted["files"] == [str(tmp_path / "out.pt")]
+    assert _json_out(capsys, ["diff", "--json", str(ours), str(root / "iter_0000007")], 0)["equal"]
+    damaged = root / "iter_0000007" / "__0_0.distcp"
+    damaged.write_bytes(damaged.read_bytes()[:-100])
+    report = _json_out(capsys, ["verify", "--json", str(root / "iter_0000007")], 1)
+    assert report["ok"] is False and report["problems"]
+    assert any(p["file"] == "__0_0.distcp" for p in report["problems"])
