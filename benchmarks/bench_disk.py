@@ -27,7 +27,9 @@ import json
 import mmap
 import os
 import shutil
+import sys
 import threading
+import time
 from typing import Any, Callable, Dict, List
 
 import numpy as np
@@ -296,6 +298,29 @@ def _worker(rank: int, world: int, args: argparse.Namespace, port: int, queue: A
     dist.destroy_process_group()
 
 
+def _rows(res: Dict[int, Any], world: int) -> List[Dict[str, Any]]:
+    """Table rows of one world size's results (GB/s and ratios to the ceiling)."""
+    rows = []
+    for _size, per in res.items():
+        nbytes = per.pop("_bytes")
+        ceil = {k: median(per["ceiling"][k]) for k in ("save", "load")} if "ceiling" in per else {}
+        for method, t in per.items():
+            row: Dict[str, Any] = {
+                "GiB": round(nbytes / 2**30, 2),
+                "ranks": world,
+                "method": method,
+            }
+            for kind in KINDS:
+                if t[kind]:
+                    s = median(t[kind])
+                    row[f"{kind} GB/s"] = nbytes / s / 1e9
+                    ref = ceil.get("save" if kind == "save" else "load")
+                    if ref:
+                        row[f"{kind} x ceil"] = ref / s
+            rows.append(row)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -311,38 +336,29 @@ def main() -> None:
     args = parser.parse_args()
     shutil.rmtree(args.dir, ignore_errors=True)
     os.makedirs(args.dir)
-    rows = []
+    rows: List[Dict[str, Any]] = []
     raw: Dict[str, Any] = {}
-    for world in args.world_sizes:
-        res = run_world(_worker, world, args)
-        raw[str(world)] = res
-        for _size, per in res.items():
-            nbytes = per.pop("_bytes")
-            ceil = (
-                {k: median(per["ceiling"][k]) for k in ("save", "load")} if "ceiling" in per else {}
-            )
-            for method, t in per.items():
-                row: Dict[str, Any] = {
-                    "GiB": round(nbytes / 2**30, 2),
-                    "ranks": world,
-                    "method": method,
-                }
-                for kind in KINDS:
-                    if t[kind]:
-                        s = median(t[kind])
-                        row[f"{kind} GB/s"] = nbytes / s / 1e9
-                        ref = ceil.get("save" if kind == "save" else "load")
-                        if ref:
-                            row[f"{kind} x ceil"] = ref / s
-                rows.append(row)
     cols = (
         ["GiB", "ranks", "method"] + [f"{k} GB/s" for k in KINDS] + [f"{k} x ceil" for k in KINDS]
     )
-    print_table(
-        f"medians of {args.repeats}; page cache dropped before loads; x ceil: ratio to the raw O_DIRECT ceiling of the same run",
-        rows,
-        cols,
-    )
+    for world in args.world_sizes:
+        res = run_world(_worker, world, args)
+        raw[str(world)] = res
+        done = _rows(res, world)
+        rows += done
+        # each world size's table as soon as it is measured (a long run shows progress,
+        # and an interrupted one keeps what it measured)
+        print_table(
+            f"{world} ranks, {time.strftime('%Y-%m-%d %H:%M:%S')}, load average "
+            f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}: medians of {args.repeats}; "
+            "page cache dropped before loads; x ceil: ratio to the raw O_DIRECT ceiling of "
+            "the same run",
+            done,
+            cols,
+        )
+        sys.stdout.flush()
+    if len(args.world_sizes) > 1:
+        print_table(f"all world sizes, medians of {args.repeats}", rows, cols)
     print(json.dumps(rows, indent=1))
     if args.json:
         write_json(args.json, {"rows": rows, "raw": raw})

@@ -13,6 +13,7 @@ Modules:
     faults: the documented, test-facing fault seam consulted by every read and write.
     segments: writing a file from byte segments; `StreamedFile` for chunks as they arrive.
     probe: the read path (page cache or O_DIRECT) chosen by measurement per file system.
+    inflight: several read requests of one region in flight, completions reported in order.
 """
 
 from . import faults
@@ -28,7 +29,7 @@ from .direct import (
     reset_direct_fallbacks,
 )
 from .fileio import atomic_write, fsync_dir, read_capped
-from .probe import forget_probes, prefer_direct_reads
+from .probe import cached, forget_probes, prefer_direct_reads
 from .segments import StreamedFile, write_segments
 
 __all__ = [
@@ -39,6 +40,7 @@ __all__ = [
     "StreamedFile",
     "advise_huge_pages",
     "atomic_write",
+    "cached",
     "direct_allowed",
     "faults",
     "forget_probes",

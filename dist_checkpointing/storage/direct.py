@@ -2,9 +2,10 @@
 
 The I/O layer shared by the torch_dist backend and local checkpoints:
 
-- `read_region` fills a destination with the bytes of a file region in large requests: with
-  O_DIRECT (aligned requests into reusable aligned bounce buffers, or straight into the
-  destination when it is aligned), else with plain `preadv` straight into the destination.
+- `read_region` fills a destination with the bytes of a file region in large requests,
+  several in flight (`inflight`): with O_DIRECT (aligned requests into reusable aligned
+  bounce buffers, or straight into the destination when it is aligned), else with plain
+  `preadv` straight into the destination.
   Memory used beyond the destination: one bounce buffer per reading thread.
 - `FileWriter` writes a file in large positional requests, preallocated, with O_DIRECT where
   the file system supports it (aligned requests, the last padded and the file truncated
@@ -33,6 +34,7 @@ import torch
 from ..errors import CheckpointCorruptedError
 from . import buffers, faults
 from .buffers import ALIGN
+from .inflight import DEPTH, read_in_flight
 
 __all__ = [
     "ALIGN",
@@ -135,24 +137,24 @@ def _buffered(
     path: str,
     progress: Progress = None,
     request: int = CHUNK_READ,
+    depth: int = 1,
 ) -> None:
-    """Reads `out.size` bytes at `offset` straight into `out`, in `request`-sized requests.
+    """Reads `out.size` bytes at `offset` straight into `out`, in `request`-sized requests,
+    `depth` of them in flight (`inflight`).
 
-    `progress(filled)` follows each request.
+    `progress(filled)` follows the requests, in order.
     """
-    done, n = 0, out.size
-    view = memoryview(out)  # type: ignore[arg-type]
-    while done < n:
-        got = os.preadv(fd, [view[done : min(n, done + request)]], offset + done)
-        if got <= 0:
-            raise CheckpointCorruptedError(f"{path}: short read at offset {offset + done}")
-        done += got
-        if progress is not None:
-            progress(done)
+    read_in_flight(fd, offset, out, path, progress, request, depth)
 
 
 def _direct(
-    fd: int, offset: int, out: np.ndarray, path: str, progress: Progress, request: int
+    fd: int,
+    offset: int,
+    out: np.ndarray,
+    path: str,
+    progress: Progress,
+    request: int,
+    depth: int = 1,
 ) -> None:
     n = out.size
     end = offset + n
@@ -162,7 +164,8 @@ def _direct(
     if offset % ALIGN == 0 and out.ctypes.data % ALIGN == 0 and n >= ALIGN:
         done = n - n % ALIGN
         # aligned on both sides: same loop (the request size stays a multiple of ALIGN)
-        _buffered(fd, offset, out[:done], path, progress, max(ALIGN, request // ALIGN * ALIGN))
+        step = max(ALIGN, request // ALIGN * ALIGN)
+        _buffered(fd, offset, out[:done], path, progress, step, depth)
         pos = offset + done
     if done == n:
         return
@@ -194,6 +197,7 @@ def read_region(
     direct: bool = True,
     progress: Progress = None,
     request: int = CHUNK_READ,
+    depth: int = DEPTH,
 ) -> None:
     """Reads `out.size` bytes of `path` from `offset` into `out` (flat uint8, C-contiguous).
 
@@ -206,6 +210,8 @@ def read_region(
             (increasing, the last call with `out.size`), while those bytes are still in the
             CPU caches: lets a caller verify or consume them without a second pass.
         request: bytes per request (with O_DIRECT: rounded down to `ALIGN`, at most `BOUNCE`).
+        depth: requests in flight at once (`inflight.read_in_flight`), except through an
+            O_DIRECT bounce buffer (unaligned destinations), which reads one at a time.
 
     Raises:
         CheckpointCorruptedError: the file is shorter than the region, or cannot be read.
@@ -227,7 +233,7 @@ def read_region(
     try:
         if use_direct:
             try:
-                _direct(fd, offset, out, path, progress, request)
+                _direct(fd, offset, out, path, progress, request, depth)
                 return
             except OSError as e:
                 if e.errno != errno.EINVAL:
@@ -235,7 +241,7 @@ def read_region(
                 refuse_direct(directory, e, "reads")
                 os.close(fd)
                 fd = os.open(path, os.O_RDONLY)
-        _buffered(fd, offset, out, path, progress, request)
+        _buffered(fd, offset, out, path, progress, request, depth)
     except OSError as e:
         raise CheckpointCorruptedError(f"{path}: read failed at offset {offset} ({e})") from e
     finally:

@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 from ..._safe_load import torch_load
 from ...errors import CheckpointCorruptedError
 from ...integrity import Checksums, ItemSum, new_hasher
-from ...storage import prefer_direct_reads, read_region
+from ...storage import cached, prefer_direct_reads, read_region
 from .zipformat import chunk_layout
 
 __all__ = ["read_tensor_items", "read_byte_items", "open_range", "READ_REQUEST"]
@@ -328,7 +328,11 @@ def _read_stored(
             and dest.is_contiguous()
             and dest.device.type == "cpu"
         ):
-            direct = prefer_direct_reads(path) if direct_io is None else direct_io
+            direct = direct_io
+            if direct is None:  # measured, unless the chunk is in the page cache already
+                direct = prefer_direct_reads(path) and not cached(
+                    path, data_file_off, layout.nbytes
+                )
             verifier = _Verifier(raw, layout, dest, 0, group, expected, what)
             _read_verified(path, data_file_off, dest, direct, verifier)
             return layout.nbytes

@@ -1,0 +1,149 @@
+"""Several read requests in flight: exact bytes, per-request progress in order, errors, and
+the page-cache residency check that keeps cached chunks off O_DIRECT."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import dist_checkpointing as dc
+from dist_checkpointing import ShardedTensor
+from dist_checkpointing.errors import CheckpointCorruptedError
+from dist_checkpointing.storage import direct, faults, inflight, probe
+from dist_checkpointing.strategies.torch_dist.load import TorchDistLoadShardedStrategy
+
+
+@pytest.fixture(autouse=True)
+def _fresh_probes():
+    probe.forget_probes()
+    direct.reset_direct_fallbacks()
+    yield
+    probe.forget_probes()
+
+
+def _evict(path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("depth", [1, 3, 8])
+@pytest.mark.parametrize("offset,size,step", [(0, 50_000, 4096), (77, 12_345, 1000)])
+def test_requests_in_flight_fill_exact_bytes_and_report_each_request_in_order(
+    tmp_path, depth, offset, size, step
+):
+    data = os.urandom(offset + size + 100)
+    (tmp_path / "f").write_bytes(data)
+    out = np.zeros(size, dtype=np.uint8)
+    seen: list = []
+
+    def progress(filled: int) -> None:
+        assert out[:filled].tobytes() == data[offset : offset + filled]  # in place when told
+        seen.append(filled)
+
+    fd = os.open(tmp_path / "f", os.O_RDONLY)
+    try:
+        inflight.read_in_flight(fd, offset, out, "f", progress, step, depth)
+    finally:
+        os.close(fd)
+    assert out.tobytes() == data[offset : offset + size]
+    assert seen == [min(size, s + step) for s in range(0, size, step)]
+
+
+def test_several_requests_are_outstanding_at_once(tmp_path, monkeypatch):
+    (tmp_path / "f").write_bytes(os.urandom(64 * 1024))
+    real = os.preadv
+    busy, most = [0], [0]
+    lock = threading.Lock()
+
+    def slow_preadv(fd, bufs, offset, *flags):
+        with lock:
+            busy[0] += 1
+            most[0] = max(most[0], busy[0])
+        time.sleep(0.02)  # a request the device takes a while to serve
+        try:
+            return real(fd, bufs, offset, *flags)
+        finally:
+            with lock:
+                busy[0] -= 1
+
+    monkeypatch.setattr(inflight.os, "preadv", slow_preadv)
+    out = np.zeros(64 * 1024, dtype=np.uint8)
+    direct.read_region(str(tmp_path / "f"), 0, out, direct=False, request=4096, depth=4)
+    assert out.tobytes() == (tmp_path / "f").read_bytes()
+    assert most[0] == 4
+
+
+def test_a_short_file_raises_after_every_started_request_finished(tmp_path):
+    (tmp_path / "f").write_bytes(os.urandom(10_000))
+    out = np.zeros(40_000, dtype=np.uint8)
+    fd = os.open(tmp_path / "f", os.O_RDONLY)
+    try:
+        with pytest.raises(CheckpointCorruptedError, match="short read"):
+            inflight.read_in_flight(fd, 0, out, "f", None, 1000, 4)
+    finally:
+        os.close(fd)
+    snapshot = out.copy()
+    time.sleep(0.05)
+    assert np.array_equal(out, snapshot)  # nothing writes into the destination afterwards
+
+
+def test_a_progress_error_stops_the_read_and_propagates(tmp_path):
+    (tmp_path / "f").write_bytes(os.urandom(40_000))
+    out = np.zeros(40_000, dtype=np.uint8)
+
+    def progress(filled: int) -> None:
+        if filled >= 8000:
+            raise CheckpointCorruptedError("damaged block")
+
+    fd = os.open(tmp_path / "f", os.O_RDONLY)
+    try:
+        with pytest.raises(CheckpointCorruptedError, match="damaged block"):
+            inflight.read_in_flight(fd, 0, out, "f", progress, 1000, 4)
+    finally:
+        os.close(fd)
+
+
+def test_cached_tells_resident_regions_from_evicted_ones(tmp_path):
+    path = tmp_path / "f"
+    path.write_bytes(os.urandom(1 << 20))
+    _evict(path)
+    assert probe.cached(str(path), 0, 1 << 20) is False
+    path.read_bytes()
+    assert probe.cached(str(path), 0, 1 << 20) is True
+    assert probe.cached(str(path), 0, 0) is False
+
+
+def test_probe_prefers_o_direct_only_when_every_pair_agrees():
+    assert probe.ReadProbe(1.0, 3.0, 1, ((0.5, 1.5), (0.5, 1.5))).prefer_direct
+    # faster in total, but one pair says the page cache: noise, keep the page cache
+    assert not probe.ReadProbe(1.0, 3.0, 1, ((0.1, 2.9), (0.9, 0.1))).prefer_direct
+    assert not probe.ReadProbe(3.0, 1.0, 1, ((1.5, 0.5), (1.5, 0.5))).prefer_direct
+
+
+@pytest.mark.parametrize("resident", [False, True])
+def test_a_chunk_in_the_page_cache_is_read_from_it_even_where_o_direct_measured_faster(
+    tmp_path, monkeypatch, resident
+):
+    w = torch.randn(256, 1024)
+    dc.save({"w": ShardedTensor.from_rank_offsets("w", w)}, tmp_path / "c")
+    monkeypatch.setattr(
+        probe, "_measure", lambda path: probe.ReadProbe(0.1, 1.0, 1, ((0.05, 0.5), (0.05, 0.5)))
+    )
+    for f in (tmp_path / "c").glob("*.distcp"):
+        _evict(f)
+        if resident:
+            f.read_bytes()
+    req = {"w": ShardedTensor.from_rank_offsets("w", torch.zeros_like(w))}
+    with faults.injected(faults.Fault("*.distcp", ops=("read",))) as (spy,):
+        got = dc.load(req, tmp_path / "c", sharded_strategy=TorchDistLoadShardedStrategy())
+    assert torch.equal(got["w"], w)
+    assert [c.direct for c in spy.calls] == [not resident]
