@@ -11,7 +11,8 @@ import os
 from typing import List, Optional
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+import torch
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import dist_checkpointing as dc
@@ -74,6 +75,30 @@ def _batch(world: int, load_world: int) -> st.SearchStrategy:
     return st.lists(cases(world, load_world=load_world), min_size=4, max_size=8).map(rename)
 
 
+def empty_shards_batch(save_world: int, load_world: int) -> List[Case]:
+    """Cases where ranks hold zero-size pieces when saving and when loading.
+
+    The last saving rank and the last loading rank hold only an empty piece of the first
+    tensor (as an uneven split leaves them); empty pieces sit at the start, inside and past
+    the end of an axis, next to whole, partial (rows) and shared (columns) chunk reads.
+    """
+    cut = [8 * r // (save_world - 1) for r in range(save_world)]  # all but the last rank
+    save_blocks: List[list] = [
+        [((cut[r], 0), (cut[r + 1] - cut[r], 6), 0)] for r in range(save_world - 1)
+    ]
+    save_blocks.append([((8, 0), (0, 6), 0), ((3, 2), (4, 0), 0)])
+    load_rows: List[list] = [[((0, 0), (8, 6), 0)]] + [
+        [((0, 0), (0, 6), 0), ((5, 6), (3, 0), 0)] for _ in range(load_world - 1)
+    ]
+    cols = [[((0, 3 * r), (8, 3), 0)] for r in range(2)]  # column slices of row chunks
+    load_cols = cols + [[] for _ in range(load_world - 2)]
+    load_cols[-1] = load_cols[-1] + [((8, 6), (0, 0), 0)]
+    return [
+        Case("t0.weight", (8, 6), torch.float32, 1, 0, save_blocks, load_rows),
+        Case("t1.weight", (8, 6), torch.bfloat16, 2, 0, save_blocks, load_cols),
+    ]
+
+
 @pytest.mark.parametrize("save_world,load_world", [(2, 2), (4, 2)])
 @pytest.mark.timeout(300)
 def test_random_shardings_load_bitwise_through_every_read_path(
@@ -81,6 +106,7 @@ def test_random_shardings_load_bitwise_through_every_read_path(
 ):
     @SETTINGS
     @given(_batch(save_world, load_world))
+    @example(empty_shards_batch(save_world, load_world))
     def run(batch: List[Case]) -> None:
         root = str(tmp_path_factory.mktemp("paths"))
         world_factory(save_world).run_ok(save_small_blocks, batch, root, timeout=120)
