@@ -88,3 +88,51 @@ def failing_background_write(base: str, on_error: str, where: str) -> Dict[str, 
     seen["steps_final"] = _steps(root)
     seen["loaded"] = _load_newest(root)
     return seen
+
+
+def failing_local_background_write(base: str, on_error: str) -> Dict[str, Any]:
+    """Local tier only (every 2 steps): the last rank's background write of step 4's part
+    fails (ENOSPC); noticed at a later `save`; training goes on to step 8; a restart loads.
+
+    Returns what this rank saw.
+    """
+    root, local_root = Path(base) / "p", Path(base) / "l"
+    rank, victim = dist.get_rank(), dist.get_world_size() - 1
+    options = CheckpointManagerOptions(
+        save_interval=1000, local_root=local_root, local_save_interval=2, on_error=on_error
+    )
+    manager = CheckpointManager(root, options)
+    for step in range(1, 4):
+        manager.save(step, _state(step))
+    manager.wait_until_finished()
+    fault: Optional[faults.Fault] = None
+    if rank == victim:  # the local writer is a thread of this process: keep it until noticed
+        fault = faults.inject(
+            faults.Fault("*iter_0000004_*", error=OSError(errno.ENOSPC, "No space left"))
+        )
+    seen: Dict[str, Any] = {"raised": ""}
+    step = 3
+    try:
+        deadline = time.monotonic() + 120
+        while not manager.failed_saves and time.monotonic() < deadline:
+            step += 1
+            manager.save(step, _state(step))
+            time.sleep(0.1)
+    except CheckpointingException as e:
+        seen["raised"] = str(e)
+    finally:
+        if fault is not None:
+            faults.remove(fault)
+    mine = local_root / "dist_ckpt" / str(rank)
+    seen["parts_after_failure"] = sorted(p.name for p in mine.iterdir())
+    seen["failed_saves"] = [s for s, _ in manager.failed_saves]
+    for later in range(step + 1, 9):
+        manager.save(later, _state(later))
+    manager.close()
+    dist.barrier()
+    restarted = CheckpointManager(root, options)
+    state, loaded = restarted.load(_state(0))
+    restarted.close()
+    assert torch.equal(state["w"], _state(loaded)["w"].data)
+    seen["loaded"] = (loaded, restarted.last_restore.tier if restarted.last_restore else "")
+    return seen

@@ -47,3 +47,23 @@ def test_failed_background_write_follows_the_policy_on_every_rank(
         last = first["last_step"] - first["last_step"] % 2
         assert first["steps_final"] == [last - 2, last] and first["latest_final"] == last
         assert first["loaded"] == last
+
+
+@pytest.mark.parametrize("on_error", ["raise", "continue"])
+def test_failed_local_background_write_follows_the_policy_on_every_rank(
+    world_factory, tmp_path, on_error
+):
+    results = world_factory(2).run_ok(
+        _manager_fault_fns.failing_local_background_write, str(tmp_path), on_error, timeout=300
+    )
+    for rank, seen in enumerate(results):
+        if on_error == "raise":
+            assert "rank 1" in seen["raised"] and seen["failed_saves"] == []
+        else:
+            assert seen["raised"] == "" and seen["failed_saves"] == [4]
+        # the failed step's parts are gone; this rank's part of a complete step stays (2, or
+        # 6 when its save, scheduled while 4 was in flight, already went through)
+        parts = seen["parts_after_failure"]
+        assert not any("iter_0000004" in name for name in parts), seen
+        assert any(name.endswith(f"_{rank}_local.pt") for name in parts), seen
+        assert seen["loaded"] == (8, "local")
