@@ -1,12 +1,20 @@
 """Megatron-core's own GPTModel and Adam state on our package, in ONE interpreter (2 gloo ranks).
 
-Usage: python mcore_model_side.py MODE WORKDIR KINDS
+Usage: python mcore_model_side.py MODE WORKDIR KINDS [OPTIMIZER]
 
 Run with an interpreter that has megatron-core installed and this repository on PYTHONPATH
 (so `import dist_checkpointing` is ours and `import megatron.core` is megatron's). KINDS is a
 comma-separated subset of `dense,moe`. For each kind a GPTModel (local layer spec,
 `use_cpu_initialization=True`, TP=2) takes one Adam step; its sharded state dict (model plus
-optimizer state built with `dist_checkpointing.optimizer` helpers) is then saved and loaded.
+optimizer state) is then saved and loaded. OPTIMIZER says how the optimizer state is built:
+- `adam` (default): a `torch.optim.Adam`, its state made sharded with the
+  `dist_checkpointing.optimizer` helpers, as megatron's optimizer wrappers do;
+- `fp32`: megatron's own `FP32Optimizer` around that Adam, stepped with `FP32Optimizer.step()`
+  and asked for `sharded_state_dict(model_sd, is_loading=...)` (its shared `common_step`
+  included). It allocates a CUDA tensor in `__init__`, so this needs a GPU: both ranks use
+  `cuda:0` and still talk over gloo; the model and optimizer tensors stay on the CPU. Every
+  loaded optimizer state is also handed to `FP32Optimizer.load_state_dict` and the result
+  (`state_dict()`, per-parameter steps restored) compared with megatron's too.
 
 Modes:
 - `megatron`: megatron's objects handed to our functions. Megatron saves `WORKDIR/<kind>/mc`,
@@ -25,6 +33,7 @@ other values with `==`. Each rank writes `WORKDIR/result.<rank>.json` holding
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import socket
@@ -32,6 +41,9 @@ import sys
 from typing import Any, Dict, List, Tuple
 
 TP_SIZES = (2, 1)
+OPTIMIZERS = ("adam", "fp32")
+#: set from the command line (module-level: spawned ranks re-read it from their arguments)
+OPTIMIZER = "adam"
 
 
 def _port() -> int:
@@ -103,7 +115,20 @@ def build(kind: str, tp: int, seed: int) -> Tuple[Any, Any]:
         vocab_size=64,
         max_sequence_length=16,
     )
-    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    if OPTIMIZER == "fp32":
+        from megatron.core.optimizer import OptimizerConfig
+        from megatron.core.optimizer.optimizer import FP32Optimizer
+
+        # megatron's param-group identifiers: FP32Optimizer.load_state_dict matches on them
+        group = {"wd_mult": 1.0, "lr_mult": 1.0, "is_expert_parallel": False}
+        adam = torch.optim.Adam(
+            [{"params": list(model.parameters()), **group, "is_decoupled_lr": False}], lr=1e-2
+        )
+        # clip_grad=0: no gradient-norm reduction (it is not what this test is about)
+        config = OptimizerConfig(optimizer="adam", lr=1e-2, clip_grad=0.0)
+        optim: Any = FP32Optimizer(adam, config, _init_adam_state)
+    else:
+        optim = torch.optim.Adam(model.parameters(), lr=1e-2)
     loss = sum(
         (p.float() * torch.linspace(-1, 1, p.numel()).view_as(p)).sum() for p in model.parameters()
     )
@@ -112,9 +137,28 @@ def build(kind: str, tp: int, seed: int) -> Tuple[Any, Any]:
     return model, optim
 
 
-def sharded_state(model: Any, optim: Any, dc_optimizer: Any) -> Dict[str, Any]:
-    """Model + optimizer sharded state dict, built as megatron's optimizer wrappers do."""
+def _init_adam_state(adam: Any, config: Any = None) -> None:
+    """Adam state for parameters without any (FP32Optimizer calls this before loading)."""
+    import torch
+
+    for group in adam.param_groups:
+        for p in group["params"]:
+            if not adam.state[p]:
+                adam.state[p]["exp_avg"] = torch.zeros_like(p.data)
+                adam.state[p]["exp_avg_sq"] = torch.zeros_like(p.data)
+
+
+def sharded_state(
+    model: Any, optim: Any, dc_optimizer: Any, is_loading: bool = False
+) -> Dict[str, Any]:
+    """Model + optimizer sharded state dict, built as megatron's optimizer wrappers do.
+
+    With `OPTIMIZER == "fp32"`, `optim` is megatron's FP32Optimizer and builds its own part.
+    """
     model_sd = model.sharded_state_dict()
+    if OPTIMIZER == "fp32":
+        optim_sd = optim.sharded_state_dict(model_sd, is_loading=is_loading)
+        return {"model": model_sd, "optimizer": optim_sd, "iteration": 7}
     params = [p for group in optim.param_groups for p in group["params"]]
     id_map = dc_optimizer.get_param_id_to_sharded_param_map(model_sd, params)
     optim_sd = optim.state_dict()
@@ -145,7 +189,7 @@ def request(kind: str, tp: int, dc_optimizer: Any) -> Dict[str, Any]:
     else:
         _reinit_parallel_state(tp)
     model, optim = _TARGETS[(kind, tp)]
-    sd = sharded_state(model, optim, dc_optimizer)
+    sd = sharded_state(model, optim, dc_optimizer, is_loading=True)
     for leaf in our_nested_values(sd):
         data = getattr(leaf, "data", None)
         if isinstance(data, torch.Tensor) and hasattr(leaf, "global_shape"):
@@ -154,10 +198,28 @@ def request(kind: str, tp: int, dc_optimizer: Any) -> Dict[str, Any]:
     return sd
 
 
-def worker(rank: int, world: int, port: int, mode: str, workdir: str, kinds: List[str]) -> None:
+def observe(kind: str, tp: int, loaded: Dict[str, Any]) -> Dict[str, Any]:
+    """What is compared after a load at TP=`tp`: the loaded tree's leaves, and with
+    `OPTIMIZER == "fp32"` also megatron's FP32Optimizer state after `load_state_dict` of it."""
+    out = flatten(loaded)
+    if OPTIMIZER == "fp32":
+        _model, optim = _TARGETS[(kind, tp)]
+        optim.load_state_dict(copy.deepcopy(loaded["optimizer"]))
+        out.update(flatten(optim.state_dict(), "/applied"))
+    return out
+
+
+def worker(
+    rank: int, world: int, port: int, mode: str, workdir: str, kinds: List[str], optimizer: str
+) -> None:
+    global OPTIMIZER
+    OPTIMIZER = optimizer
     import torch
     import torch.distributed as dist
 
+    if OPTIMIZER == "fp32" and torch.cuda.is_available():
+        # FP32Optimizer's own CUDA tensor: every rank shares the one GPU (no NCCL involved)
+        torch.cuda.set_device(0)
     # megatron-core calls these on CPU paths (see the interop tests' README notes); in
     # this test process only, never in the library
     torch.cuda.synchronize = lambda *a, **k: None
@@ -196,6 +258,13 @@ def worker(rank: int, world: int, port: int, mode: str, workdir: str, kinds: Lis
             # megatron's model code built our objects through the alias
             model, optim = build(kind, 2, seed=1)
             sd = sharded_state(model, optim, m_optimizer)
+            if OPTIMIZER == "fp32":
+                results[f"{kind}: optimizer state built by megatron's FP32Optimizer"] = (
+                    "ok"
+                    if type(optim).__name__ == "FP32Optimizer"
+                    and "common_step" in sd["optimizer"]["state"]
+                    else f"got {type(optim).__name__}, {sorted(sd['optimizer']['state'])[:3]}"
+                )
             leaf = next(v for v in sd["model"].values() if hasattr(v, "global_shape"))
             results[f"{kind}: model code builds our ShardedTensor"] = (
                 "ok"
@@ -211,6 +280,13 @@ def worker(rank: int, world: int, port: int, mode: str, workdir: str, kinds: Lis
         elif mode == "megatron":
             model, optim = build(kind, 2, seed=1)
             sd = sharded_state(model, optim, m_optimizer)
+            if OPTIMIZER == "fp32":
+                results[f"{kind}: optimizer state built by megatron's FP32Optimizer"] = (
+                    "ok"
+                    if type(optim).__name__ == "FP32Optimizer"
+                    and "common_step" in sd["optimizer"]["state"]
+                    else f"got {type(optim).__name__}, {sorted(sd['optimizer']['state'])[:3]}"
+                )
             if rank == 0:
                 os.makedirs(mc, exist_ok=True)
             dist.barrier()
@@ -223,7 +299,7 @@ def worker(rank: int, world: int, port: int, mode: str, workdir: str, kinds: Lis
                 lambda sd=sd, path=ours_objects: (ours.save(sd, path), "ok")[1],
             )
             for tp in TP_SIZES:
-                ref = flatten(mdc.load(request(kind, tp, m_optimizer), mc))
+                ref = observe(kind, tp, mdc.load(request(kind, tp, m_optimizer), mc))
                 torch.save(ref, os.path.join(base, f"ref_tp{tp}.{rank}.pt"))
                 untouched = [
                     k
@@ -254,7 +330,7 @@ def worker(rank: int, world: int, port: int, mode: str, workdir: str, kinds: Lis
                     check(
                         f"{kind}: {who} loads {name} at tp{tp}",
                         lambda fn=fn, path=path, tp=tp, ref=ref, kind=kind: compare(
-                            flatten(fn(request(kind, tp, m_optimizer), path)), ref
+                            observe(kind, tp, fn(request(kind, tp, m_optimizer), path)), ref
                         ),
                     )
     with open(os.path.join(workdir, f"result.{rank}.json"), "w") as f:
@@ -267,4 +343,6 @@ if __name__ == "__main__":
     import torch.multiprocessing as mp
 
     mode, workdir, kinds = sys.argv[1], sys.argv[2], sys.argv[3].split(",")
-    mp.spawn(worker, args=(2, _port(), mode, workdir, kinds), nprocs=2, join=True)
+    optimizer = sys.argv[4] if len(sys.argv) > 4 else "adam"
+    assert optimizer in OPTIMIZERS, optimizer
+    mp.spawn(worker, args=(2, _port(), mode, workdir, kinds, optimizer), nprocs=2, join=True)

@@ -6,12 +6,6 @@ megatron-core runs in its own interpreter (`DIST_CKPT_MCORE_PYTHON`, e.g. a venv
 
 from __future__ import annotations
 
-import importlib.util
-import json
-import os
-import signal
-import subprocess
-import sys
 from typing import Any, Dict
 
 import pytest
@@ -20,24 +14,11 @@ import torch.distributed as dist
 
 import dist_checkpointing as dc
 from dist_checkpointing import ShardedObject, ShardedTensor
+from tests.interop import _launch
 
 pytestmark = [pytest.mark.interop, pytest.mark.timeout(300)]
-SIDE = os.path.join(os.path.dirname(__file__), "mcore_side.py")
-
-
-def _mcore_python() -> str | None:
-    candidate = os.environ.get("DIST_CKPT_MCORE_PYTHON")
-    if not candidate and importlib.util.find_spec("megatron") is not None:
-        candidate = sys.executable
-    if not candidate:
-        return None
-    probe = subprocess.run(
-        [candidate, "-c", "import megatron.core.dist_checkpointing"], capture_output=True
-    )
-    return candidate if probe.returncode == 0 else None
-
-
-MCORE_PYTHON = _mcore_python()
+SIDE = _launch.side_script("mcore_side.py")
+MCORE_PYTHON = _launch.mcore_python()
 requires_mcore = pytest.mark.skipif(
     MCORE_PYTHON is None,
     reason="megatron-core is not installed: set DIST_CKPT_MCORE_PYTHON to a python with megatron-core==0.16.1 and psutil (.ci/run does)",
@@ -45,22 +26,9 @@ requires_mcore = pytest.mark.skipif(
 
 
 def _run_mcore(mode: str, ckpt: str, result: str) -> Dict[str, Any]:
-    proc = subprocess.Popen(
-        [MCORE_PYTHON, SIDE, mode, ckpt, result],  # type: ignore[list-item]
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,  # megatron leaves helper processes behind; we end the whole group
-    )
-    try:
-        out, _ = proc.communicate(timeout=240)
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    assert proc.returncode == 0, out.decode(errors="replace")[-4000:]
-    with open(result) as f:
-        return json.load(f)
+    assert MCORE_PYTHON is not None
+    _launch.run_side(MCORE_PYTHON, [SIDE, mode, ckpt, result], timeout=240)
+    return _launch.read_json(result)
 
 
 def _expected():

@@ -8,9 +8,6 @@ and 4 ranks, unflattened and flat with other ranges, and list their original sha
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
 from typing import Dict, List
 
 import pytest
@@ -19,28 +16,12 @@ import torch.distributed as dist
 
 import dist_checkpointing as dc
 from dist_checkpointing import ShardedTensor
+from tests.interop import _launch
 from tests.interop.mcore013_side import expected
 
 pytestmark = [pytest.mark.interop, pytest.mark.timeout(900)]
-SIDE = os.path.join(os.path.dirname(__file__), "mcore013_side.py")
-
-
-def _mcore013_python() -> str | None:
-    candidate = os.environ.get("DIST_CKPT_MCORE013_PYTHON")
-    if not candidate:
-        return None
-    probe = subprocess.run(
-        [
-            candidate,
-            "-c",
-            "import megatron.core.package_info as p; assert p.__version__.startswith('0.13')",
-        ],
-        capture_output=True,
-    )
-    return candidate if probe.returncode == 0 else None
-
-
-MCORE013_PYTHON = _mcore013_python()
+SIDE = _launch.side_script("mcore013_side.py")
+MCORE013_PYTHON = _launch.mcore013_python()
 requires_mcore013 = pytest.mark.skipif(
     MCORE013_PYTHON is None,
     reason="megatron-core 0.13 is not installed: set DIST_CKPT_MCORE013_PYTHON to a python with "
@@ -50,21 +31,10 @@ requires_mcore013 = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def mcore013_checkpoint(tmp_path_factory) -> str:
+    assert MCORE013_PYTHON is not None
     ckpt = str(tmp_path_factory.mktemp("mcore013") / "ckpt")
-    proc = subprocess.Popen(
-        [MCORE013_PYTHON, SIDE, ckpt],  # type: ignore[list-item]
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,  # megatron leaves helper processes behind; we end the group
-    )
-    try:
-        out, _ = proc.communicate(timeout=600)  # megatron 0.13 saves slowly on a loaded CPU
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    assert proc.returncode == 0, out.decode(errors="replace")[-4000:]
+    # megatron 0.13 saves slowly on a loaded CPU
+    _launch.run_side(MCORE013_PYTHON, [SIDE, ckpt], timeout=600)
     return ckpt
 
 

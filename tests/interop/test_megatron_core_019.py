@@ -13,35 +13,16 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-from typing import Any, Dict, Optional
+from typing import Any, Dict
 
 import pytest
 
 import dist_checkpointing as dc
+from tests.interop import _launch
 from tests.interop.test_megatron_core import SIDE, load_mcore_checkpoint_resharded, save_for_mcore
 
 pytestmark = [pytest.mark.interop, pytest.mark.timeout(600)]
-
-
-def _mcore19() -> Optional[Dict[str, str]]:
-    python, path = (
-        os.environ.get("DIST_CKPT_MCORE19_PYTHON"),
-        os.environ.get("DIST_CKPT_MCORE19_PATH"),
-    )
-    if not python or not path:
-        return None
-    env = {**os.environ, "PYTHONPATH": path}
-    probe = subprocess.run(
-        [python, "-c", "import megatron.core.dist_checkpointing.strategies.torch"],
-        capture_output=True,
-        env=env,
-    )
-    return {"python": python, "path": path} if probe.returncode == 0 else None
-
-
-MCORE19 = _mcore19()
+MCORE19 = _launch.mcore19()
 requires_mcore19 = pytest.mark.skipif(
     MCORE19 is None,
     reason="megatron-core 0.19.2 is not set up: set DIST_CKPT_MCORE19_PYTHON (python 3.11 with "
@@ -53,23 +34,13 @@ requires_mcore19 = pytest.mark.skipif(
 
 def _run(mode: str, ckpt: str, result: str) -> Dict[str, Any]:
     assert MCORE19 is not None
-    proc = subprocess.Popen(
-        [MCORE19["python"], SIDE, mode, ckpt, result],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        env={**os.environ, "PYTHONPATH": MCORE19["path"]},
-        start_new_session=True,  # megatron leaves helper processes behind; end the group
+    _launch.run_side(
+        MCORE19["python"],
+        [SIDE, mode, ckpt, result],
+        timeout=500,
+        env={"PYTHONPATH": MCORE19["path"]},
     )
-    try:
-        out, _ = proc.communicate(timeout=500)
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    assert proc.returncode == 0, out.decode(errors="replace")[-4000:]
-    with open(result) as f:
-        return json.load(f)
+    return _launch.read_json(result)
 
 
 @requires_mcore19

@@ -1,85 +1,97 @@
-"""Megatron-core's real GPTModel (dense and MoE) plus Adam state, saved and loaded through us.
+"""Megatron-core's real GPTModel (dense and MoE) plus optimizer state, saved and loaded through us.
 
-megatron-core and our package run in the same interpreter (`DIST_CKPT_MCORE_PYTHON` with
-this repository on PYTHONPATH; .ci/run installs it), 2 gloo ranks, TP=2, reloaded at TP=2
-and TP=1. The reference for every check is megatron's own save + load of the same steps;
-`mcore_model_side.py` documents the modes. Both wirings a user may choose are covered:
-megatron's objects handed to our save/load, and our package installed in place of
-`megatron.core.dist_checkpointing`.
+megatron-core and our package run in the same interpreter (`DIST_CKPT_MCORE_PYTHON`, or this
+interpreter when it imports megatron-core, with this repository put first on PYTHONPATH;
+.ci/run installs one), 2 gloo ranks, TP=2, reloaded at TP=2 and TP=1. The reference for
+every check is megatron's own save + load of the same steps; `mcore_model_side.py` documents
+the modes. Both wirings a user may choose are covered: megatron's objects handed to our
+save/load, and our package installed in place of `megatron.core.dist_checkpointing`.
+
+Two optimizer variants: `adam` (CPU; torch Adam state made sharded with the
+`dist_checkpointing.optimizer` helpers) and `fp32`, megatron's own `FP32Optimizer`, which
+allocates a CUDA tensor and so runs only with a GPU (marked `gpu`; both ranks on `cuda:0`,
+still over gloo): `pytest -m gpu tests/interop/test_megatron_model.py`.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import signal
-import subprocess
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import pytest
+import torch
 
-from tests.interop.test_megatron_core import MCORE_PYTHON
+from tests.interop import _launch
 
-pytestmark = [pytest.mark.interop, pytest.mark.timeout(900)]
-SIDE = os.path.join(os.path.dirname(__file__), "mcore_model_side.py")
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+pytestmark = [pytest.mark.interop, pytest.mark.timeout(1200)]
+SIDE = _launch.side_script("mcore_model_side.py")
 KINDS = ("dense", "moe")
+MODES = ("megatron", "installed", "megatron_load")
 
 
-def _same_interpreter_python() -> str | None:
+def _same_interpreter_python() -> Optional[str]:
     """The megatron python if it can also import our package from this checkout."""
-    if MCORE_PYTHON is None:
-        return None
-    probe = subprocess.run(
-        [MCORE_PYTHON, "-c", "import megatron.core.dist_checkpointing, dist_checkpointing.utils"],
-        capture_output=True,
-        env={**os.environ, "PYTHONPATH": REPO},
-    )
-    return MCORE_PYTHON if probe.returncode == 0 else None
+    python = _launch.mcore_python()
+    code = "import megatron.core.dist_checkpointing, dist_checkpointing.utils"
+    env = {"PYTHONPATH": _launch.pythonpath(_launch.REPO)}
+    return python if _launch.probe(python, code, env) else None
 
 
 PYTHON = _same_interpreter_python()
 requires_mcore_and_us = pytest.mark.skipif(
     PYTHON is None,
     reason="needs a python with megatron-core==0.16.1, psutil, numpy and xxhash "
-    "(DIST_CKPT_MCORE_PYTHON; .ci/run makes one) that imports this checkout",
+    "(DIST_CKPT_MCORE_PYTHON, or this one if it imports megatron.core; .ci/run makes one) "
+    "that imports this checkout",
 )
+OPTIMIZERS = [
+    "adam",
+    pytest.param(
+        "fp32",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(
+                not torch.cuda.is_available(),
+                reason="megatron's FP32Optimizer allocates a CUDA tensor: needs a GPU",
+            ),
+        ],
+    ),
+]
 
 
-def _run(mode: str, workdir: str) -> Dict[str, str]:
+def _run(mode: str, workdir: str, optimizer: str) -> Dict[str, str]:
     assert PYTHON is not None
     for rank in range(2):
         path = os.path.join(workdir, f"result.{rank}.json")
         if os.path.exists(path):
             os.remove(path)
-    proc = subprocess.Popen(
-        [PYTHON, SIDE, mode, workdir, ",".join(KINDS)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        env={**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"},
-        start_new_session=True,  # megatron leaves helper processes behind; end the group
+    _launch.run_side(
+        PYTHON,
+        [SIDE, mode, workdir, ",".join(KINDS), optimizer],
+        timeout=540,
+        env={"PYTHONPATH": _launch.pythonpath(_launch.REPO), "OMP_NUM_THREADS": "1"},
     )
-    try:
-        out, _ = proc.communicate(timeout=420)
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    assert proc.returncode == 0, out.decode(errors="replace")[-4000:]
     merged: Dict[str, str] = {}
     for rank in range(2):
-        with open(os.path.join(workdir, f"result.{rank}.json")) as f:
-            for name, outcome in json.load(f).items():
-                merged[f"rank {rank}: {name}"] = outcome
+        for name, outcome in _launch.read_json(
+            os.path.join(workdir, f"result.{rank}.json")
+        ).items():
+            merged[f"rank {rank}: {name}"] = outcome
     return merged
 
 
-@pytest.fixture(scope="module")
-def outcomes(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Dict[str, str]]:
+@pytest.fixture(scope="module", params=OPTIMIZERS)
+def outcomes(request, tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Dict[str, str]]:
     """Runs the three modes in order (each needs the checkpoints of the previous ones)."""
-    workdir = str(tmp_path_factory.mktemp("mcore_model"))
-    return {mode: _run(mode, workdir) for mode in ("megatron", "installed", "megatron_load")}
+    if PYTHON is None:  # the tests skip too; no side run
+        pytest.skip("megatron-core is not available (see requires_mcore_and_us)")
+    optimizer = request.param
+    workdir = str(tmp_path_factory.mktemp(f"mcore_model_{optimizer}"))
+    runs = {mode: _run(mode, workdir, optimizer) for mode in MODES}
+    if optimizer == "fp32":
+        built = [k for k in runs["megatron"] if "built by megatron's FP32Optimizer" in k]
+        assert len(built) == 2 * len(KINDS), sorted(runs["megatron"])
+    return runs
 
 
 def _failures(results: Dict[str, str], must_contain: List[str]) -> List[str]:
@@ -90,7 +102,11 @@ def _failures(results: Dict[str, str], must_contain: List[str]) -> List[str]:
 
 @requires_mcore_and_us
 def test_megatron_objects_saved_by_megatron_load_in_ours_equal_megatrons_load(outcomes):
-    results = {k: v for k, v in outcomes["megatron"].items() if "loads mc" in k or "reference" in k}
+    results = {
+        k: v
+        for k, v in outcomes["megatron"].items()
+        if "loads mc" in k or "reference" in k or "FP32Optimizer" in k
+    }
     needles = [f"{kind}: ours loads mc at tp{tp}" for kind in KINDS for tp in (2, 1)]
     assert not _failures(results, needles + ["reference load at tp1 filled"])
 

@@ -1,0 +1,121 @@
+"""Finding and launching megatron-core beside our tests (shared by every interop test).
+
+megatron-core never runs inside the pytest process: each interop test starts a side script
+(`mcore_side.py`, `mcore013_side.py`, `mcore_model_side.py`) with an interpreter that has
+the wanted megatron-core version, in its own process group (megatron leaves helper
+processes behind; the whole group is ended), and reads back what it wrote.
+
+Interpreters, each probed once at import; a test skips with a reason when its one is missing:
+- megatron-core 0.16: `DIST_CKPT_MCORE_PYTHON`, else this interpreter when it can import
+  `megatron.core` (e.g. megatron-core installed in a folder on PYTHONPATH).
+- megatron-core 0.13: `DIST_CKPT_MCORE013_PYTHON`.
+- megatron-core 0.19: `DIST_CKPT_MCORE19_PYTHON` with `DIST_CKPT_MCORE19_PATH` (its unpacked
+  wheels) as PYTHONPATH.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+from typing import Any, Dict, Mapping, Optional, Sequence
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+
+
+def side_script(name: str) -> str:
+    """Path of a side script in this folder."""
+    return os.path.join(HERE, name)
+
+
+def pythonpath(*first: str) -> str:
+    """`first` folders, then the current PYTHONPATH (kept: megatron may be installed there)."""
+    current = os.environ.get("PYTHONPATH")
+    return os.pathsep.join([*first, *([current] if current else [])])
+
+
+def probe(python: Optional[str], code: str, env: Optional[Mapping[str, str]] = None) -> bool:
+    """Whether `python -c code` succeeds (with `env` added to this process' environment)."""
+    if not python:
+        return False
+    proc = subprocess.run(
+        [python, "-c", code], capture_output=True, env={**os.environ, **(env or {})}
+    )
+    return proc.returncode == 0
+
+
+def mcore_python() -> Optional[str]:
+    """The interpreter with megatron-core 0.16 (see the module docstring), or None."""
+    candidate = os.environ.get("DIST_CKPT_MCORE_PYTHON")
+    if not candidate and importlib.util.find_spec("megatron") is not None:
+        candidate = sys.executable
+    return candidate if probe(candidate, "import megatron.core.dist_checkpointing") else None
+
+
+def mcore013_python() -> Optional[str]:
+    """`DIST_CKPT_MCORE013_PYTHON` if it imports megatron-core 0.13, else None."""
+    candidate = os.environ.get("DIST_CKPT_MCORE013_PYTHON")
+    code = "import megatron.core.package_info as p; assert p.__version__.startswith('0.13')"
+    return candidate if probe(candidate, code) else None
+
+
+def mcore19() -> Optional[Dict[str, str]]:
+    """`{"python", "path"}` of megatron-core 0.19 (see the module docstring), or None."""
+    python = os.environ.get("DIST_CKPT_MCORE19_PYTHON")
+    path = os.environ.get("DIST_CKPT_MCORE19_PATH")
+    if not python or not path:
+        return None
+    code = "import megatron.core.dist_checkpointing.strategies.torch"
+    return {"python": python, "path": path} if probe(python, code, {"PYTHONPATH": path}) else None
+
+
+def run_side(
+    python: str,
+    args: Sequence[str],
+    *,
+    timeout: float,
+    env: Optional[Mapping[str, str]] = None,
+) -> str:
+    """Runs `python args...` in its own process group, ends the group, returns its output.
+
+    Args:
+        python: the interpreter.
+        args: script and arguments.
+        timeout: seconds before the run counts as hung (then it is killed and the test fails).
+        env: variables added to this process' environment.
+
+    Returns:
+        stdout and stderr together.
+
+    Raises:
+        AssertionError: the run failed (its last output in the message).
+        subprocess.TimeoutExpired: it ran past `timeout`.
+    """
+    proc = subprocess.Popen(
+        [python, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, **(env or {})},
+        start_new_session=True,  # megatron leaves helper processes behind; end the whole group
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+    text = out.decode(errors="replace")
+    assert proc.returncode == 0, text[-4000:]
+    return text
+
+
+def read_json(path: str) -> Any:
+    """The JSON document at `path`."""
+    with open(path) as f:
+        return json.load(f)
