@@ -34,6 +34,7 @@ __all__ = [
     "distribute_shards_to_ranks",
     "compute_distribution",
     "exchange_shards",
+    "IN_FLIGHT_BYTES",
     "distribute",
     "without_data",
 ]
@@ -41,6 +42,10 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 #: A shard of a global tensor: `(key, global_offset)`.
+
+#: Bytes a rank posts to the shard exchange before waiting for them to arrive: bounds the
+#: host copies of CUDA shards in flight (CPU shards arrive in the buffers they are kept in).
+IN_FLIGHT_BYTES = 1 << 30
 ShardId = Tuple[str, Tuple[int, ...]]
 
 
@@ -165,16 +170,23 @@ def exchange_shards(
 ) -> int:
     """Collective: fetches into `tensors` the wanted shards this rank lacks.
 
-    Every rank learns who holds and who wants what; then shards move in one global order
-    (sorted by shard id, then receiver), each from the lowest rank holding it, over the
-    library's gloo group as host tensors (CUDA tensors are copied to the host to send and
-    back to their device on arrival). Processing the same order on every rank cannot
-    deadlock: the first unfinished transfer always has both of its ends waiting on it.
+    Every rank learns who holds and who wants what; then every rank posts its sends and
+    receives without blocking (so transfers between different pairs of ranks run
+    concurrently), waiting for them whenever `IN_FLIGHT_BYTES` are posted (which bounds
+    the host copies of CUDA shards) and at the end. Each shard comes from the lowest rank
+    holding it, over the library's gloo group as a host tensor (a CUDA tensor is copied to
+    the host once, however many ranks receive it, and arrives back on the receiver's
+    device). Both ends of a pair post their messages in the same global order (sorted by
+    shard id, then receiver), which is how the receiver's buffers match the sender's
+    messages. No deadlock: a rank waits only on transfers it posted, all earlier in that
+    order than any it has not posted, so the earliest unfinished transfer always has both
+    ends posted (or about to post) it.
 
     Args:
         tensors: shard id -> tensor this rank holds (None: lacks); filled in place.
-        wanted: the ShardedTensors this rank needs; received shards go to their `data`
-            device (CPU when they have none).
+        wanted: the ShardedTensors this rank needs; a received shard arrives in the
+            first one's `data` when that is a contiguous CPU tensor of the sent shape and
+            dtype, else in a new tensor on its `data` device (CPU when it has none).
 
     Returns:
         Bytes this rank sent.
@@ -188,6 +200,11 @@ def exchange_shards(
         shard_id(sh): sh.data.device if sh.data is not None else torch.device("cpu")
         for sh in wanted
     }
+    # the first destination tensor of each wanted shard: received into directly when it can
+    into: Dict[ShardId, torch.Tensor] = {}
+    for sh in wanted:
+        if sh.data is not None:
+            into.setdefault(shard_id(sh), sh.data)
     have = {sid: (tuple(t.shape), t.dtype) for sid, t in tensors.items() if t is not None}
     everyone = _dist.all_gather_object((have, need))
     source: Dict[ShardId, int] = {}
@@ -203,20 +220,68 @@ def exchange_shards(
     transfers = sorted((sid, rank) for rank, (_, needed) in enumerate(everyone) for sid in needed)
     group = _dist._group(None)
     moved = 0
+    host: Dict[ShardId, torch.Tensor] = {}  # one host copy per sent shard, for every receiver
+    received: Dict[ShardId, torch.Tensor] = {}
+    pending: List[dist.Work] = []
+    in_flight = 0
+
+    def finish_window() -> None:
+        with _dist._collective("shard exchange"):
+            for work in pending:
+                work.wait()
+        for rid, buf in received.items():
+            tensors[rid] = buf.to(devices[rid])
+        pending.clear()
+        received.clear()
+        host.clear()
+
     for sid, dst in transfers:
         src = source[sid]
         if me == src:
-            t = tensors[sid]
-            assert t is not None
-            with _dist._collective("send"):
-                dist.send(t.detach().to("cpu").contiguous(), dst=dst, group=group)
-            moved += t.numel() * t.element_size()
+            if sid not in host:
+                t = tensors[sid]
+                assert t is not None
+                host[sid] = t.detach().to("cpu").contiguous()
+            with _dist._collective("shard exchange"):
+                pending.append(_posted(dist.isend(host[sid], dst=dst, group=group)))
+            nbytes = host[sid].numel() * host[sid].element_size()
+            moved += nbytes
         elif me == dst:
             shape, dtype = everyone[src][0][sid]
-            buf = torch.empty(shape, dtype=dtype)
-            with _dist._collective("recv"):
-                dist.recv(buf, src=src, group=group)
-            tensors[sid] = buf.to(devices[sid])
+            received[sid] = _receive_buffer(into.get(sid), shape, dtype)
+            with _dist._collective("shard exchange"):
+                pending.append(_posted(dist.irecv(received[sid], src=src, group=group)))
+            nbytes = received[sid].numel() * received[sid].element_size()
+        else:
+            continue
+        in_flight += nbytes
+        if in_flight >= IN_FLIGHT_BYTES:
+            finish_window()
+            in_flight = 0
+    finish_window()
     if moved:
         logger.debug("rank %d sent %d bytes of shards", me, moved)
     return moved
+
+
+def _receive_buffer(
+    destination: Optional[torch.Tensor], shape: Tuple[int, ...], dtype: torch.dtype
+) -> torch.Tensor:
+    """`destination` itself when the shard can arrive in it (a contiguous CPU tensor of the
+    sender's shape and dtype: saves copying every received byte again), else a new buffer."""
+    if (
+        destination is not None
+        and destination.device.type == "cpu"
+        and destination.is_contiguous()
+        and tuple(destination.shape) == tuple(shape)
+        and destination.dtype == dtype
+    ):
+        return destination.detach()
+    return torch.empty(shape, dtype=dtype)
+
+
+def _posted(work: Optional[dist.Work]) -> dist.Work:
+    """A point-to-point operation's handle (torch types it Optional; it is None only for
+    ranks outside the group, which never post here)."""
+    assert work is not None
+    return work

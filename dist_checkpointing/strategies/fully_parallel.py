@@ -56,7 +56,16 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: megatron-core's exchange algorithms; all move shards point to point here.
+#: megatron-core's names for its load exchanges (0.13-0.19; `--ckpt-fully-parallel-load-
+#: exchange-algo`), all accepted. In megatron they differ in how shards travel: "broadcast"
+#: (its default) broadcasts each shard from its reader to the group, "gather_rounds" all-
+#: gathers shards in rounds per dtype (both on CUDA tensors only), "gather_object" all-
+#: gathers every loaded shard as Python objects (each rank receives all of them; the one
+#: that works on CPU). Here each name gives the same result by the same exchange: every
+#: shard goes point to point from its reader to only the ranks that asked for it, as host
+#: tensors over the library's gloo group, so a rank receives no shard it does not need and
+#: every name works on CPU and CUDA tensors alike. The name is kept (`exchange_algo`) and
+#: logged; an unknown one raises.
 EXCHANGE_ALGOS = ("broadcast", "gather_rounds", "gather_object")
 
 
@@ -205,9 +214,11 @@ class FullyParallelLoadStrategyWrapper(LoadShardedStrategy):
         parallelization_group: the ranks that share the reading (default: all ranks).
         do_cache_distribution: reuse the distribution while the request structure is
             unchanged.
-        exchange_algo: one of megatron-core's names ("broadcast", "gather_rounds",
-            "gather_object"), accepted for compatibility; shards always move point to
-            point from the rank that read them.
+        exchange_algo: one of megatron-core's names (`EXCHANGE_ALGOS`: "broadcast",
+            "gather_rounds", "gather_object"), accepted so megatron-LM's arguments carry
+            over. Each gives the same loaded tensors by the same exchange here: shards
+            move point to point from the rank that read them to the ranks that asked for
+            them (see `EXCHANGE_ALGOS` for what megatron does differently per name).
 
     Raises:
         CheckpointingException: an unknown `exchange_algo`, or a node-local strategy.
@@ -229,7 +240,8 @@ class FullyParallelLoadStrategyWrapper(LoadShardedStrategy):
             )
         if exchange_algo not in EXCHANGE_ALGOS:
             raise CheckpointingException(
-                f"Unknown exchange_algo {exchange_algo!r}; expected one of {EXCHANGE_ALGOS}"
+                f"FullyParallelLoadStrategyWrapper: unknown exchange_algo {exchange_algo!r}; "
+                f"megatron-core's names are {EXCHANGE_ALGOS} (each exchanges point to point here)"
             )
         self.base_strategy = strategy
         self.parallelization_group = parallelization_group
@@ -268,6 +280,7 @@ class FullyParallelLoadStrategyWrapper(LoadShardedStrategy):
         Returns:
             The loaded state dict, as the wrapped strategy would return it.
         """
+        logger.debug("fully parallel load, exchange_algo=%r (point to point)", self.exchange_algo)
         # ShardedTensors without destinations still count as wanted: give them data
         request = _with_destinations(sharded_state_dict)
         distribution = self._cache.get(request, self.parallelization_group, False)

@@ -78,9 +78,15 @@ def save(ckpt: str, fully_parallel: bool, split_axis: int = 0) -> None:
     dc.save(state(load=False, split_axis=split_axis), ckpt, sharded_strategy=strategy)
 
 
-def load(ckpt: str, fully_parallel: bool, split_axis: int) -> Tuple[List[str], list]:
+def load(
+    ckpt: str, fully_parallel: bool, split_axis: int, exchange_algo: str = "broadcast"
+) -> Tuple[List[str], list]:
     inner: LoadShardedStrategy = CountingLoad()
-    strategy: Any = FullyParallelLoadStrategyWrapper(inner) if fully_parallel else inner
+    strategy: Any = (
+        FullyParallelLoadStrategyWrapper(inner, exchange_algo=exchange_algo)
+        if fully_parallel
+        else inner
+    )
     request = state(load=True, split_axis=split_axis)
     out = dc.load(request, ckpt, sharded_strategy=strategy)
     bad = check(out, split_axis)
@@ -90,3 +96,37 @@ def load(ckpt: str, fully_parallel: bool, split_axis: int) -> Tuple[List[str], l
     if out["obj"] != {"r": dist.get_rank()}:
         bad.append("obj")
     return bad, CountingLoad.read
+
+
+def exchange(in_flight_bytes: int) -> List[str]:
+    """Every rank holds some shards (of different sizes) and wants all of them; the exchange
+    runs with `IN_FLIGHT_BYTES` set to `in_flight_bytes` (1: a wait after every transfer).
+
+    Returns what arrived wrong on this rank."""
+    from dist_checkpointing import exchange_utils
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def shard(i: int) -> torch.Tensor:
+        return torch.arange(7 * (i + 1), dtype=torch.float32) + 100 * i
+
+    keys = range(3 * world)
+    wanted = [ShardedTensor.from_rank_offsets(f"x{i}", torch.zeros(7 * (i + 1))) for i in keys]
+    tensors: Dict[Any, Any] = {
+        exchange_utils.shard_id(sh): (shard(i) if i % world == rank else None)
+        for i, sh in zip(keys, wanted)
+    }
+    saved, exchange_utils.IN_FLIGHT_BYTES = exchange_utils.IN_FLIGHT_BYTES, in_flight_bytes
+    try:
+        sent = exchange_utils.exchange_shards(tensors, wanted)
+    finally:
+        exchange_utils.IN_FLIGHT_BYTES = saved
+    bad = [
+        f"x{i}"
+        for i, sh in zip(keys, wanted)
+        if not torch.equal(tensors[exchange_utils.shard_id(sh)], shard(i))
+    ]
+    mine = sum(shard(i).numel() * 4 for i in keys if i % world == rank)
+    if sent != mine * (world - 1):
+        bad.append(f"sent {sent} bytes, expected {mine * (world - 1)}")
+    return bad

@@ -1,4 +1,5 @@
-"""Fully parallel save/load wrappers on gloo worlds of 2 and 4 ranks (CPU tensors).
+"""Fully parallel save/load wrappers on gloo worlds of 2 and 4 ranks (CPU tensors; GPU-marked
+variants run `_fp_nccl.py` with CUDA tensors).
 
 Each replicated shard is written by exactly one rank (read from DCP's `.metadata`: the file
 holding each chunk names its writer), with bytes balanced over the ranks; on load each shard
@@ -17,7 +18,10 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 
 from dist_checkpointing.errors import CheckpointingException
-from dist_checkpointing.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
+from dist_checkpointing.strategies.fully_parallel import (
+    EXCHANGE_ALGOS,
+    FullyParallelLoadStrategyWrapper,
+)
 from dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
 from tests.distributed import _fp_fns
 
@@ -85,19 +89,84 @@ def test_fully_parallel_round_trip_resharded(world_factory, tmp_path, world, fp_
 
 
 def test_fully_parallel_load_rejects_unknown_exchange_algo():
-    with pytest.raises(CheckpointingException, match="exchange_algo"):
+    with pytest.raises(CheckpointingException, match="exchange_algo 'magic'.*gather_object"):
         FullyParallelLoadStrategyWrapper(TorchDistLoadShardedStrategy(), exchange_algo="magic")
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_fully_parallel_round_trip_with_cuda_tensors_on_nccl(tmp_path):
+def test_fully_parallel_load_accepts_exactly_megatrons_exchange_algo_names():
+    assert set(EXCHANGE_ALGOS) == {"broadcast", "gather_rounds", "gather_object"}
+    for name in EXCHANGE_ALGOS:
+        wrapper = FullyParallelLoadStrategyWrapper(
+            TorchDistLoadShardedStrategy(), exchange_algo=name
+        )
+        assert wrapper.exchange_algo == name
+    for wrong in ("Broadcast", "", "gather"):
+        with pytest.raises(CheckpointingException, match=repr(wrong)):
+            FullyParallelLoadStrategyWrapper(TorchDistLoadShardedStrategy(), exchange_algo=wrong)
+
+
+@pytest.mark.parametrize("exchange_algo", ["broadcast", "gather_rounds", "gather_object"])
+def test_fully_parallel_load_gives_same_tensors_each_read_once_for_every_exchange_algo(
+    world_factory, tmp_path, exchange_algo
+):
+    ckpt = str(tmp_path / "c")
+    w = world_factory(2)
+    w.run_ok(_fp_fns.save, ckpt, False, 0, timeout=120)
+    results = w.run_ok(_fp_fns.load, ckpt, True, 1, exchange_algo, timeout=120)
+    assert [bad for bad, _ in results] == [[], []]
+    reads = collections.Counter(s for _, read in results for s in read if s[0].startswith("rep"))
+    assert set(reads.values()) == {1} and len(reads) == len(_fp_fns.SIZES)
+    # each rank read only part of the replicated shards: the rest came through the exchange
+    assert all(0 < sum(s[0].startswith("rep") for s in read) < len(reads) for _, read in results)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("in_flight_bytes", [1, 200, 1 << 30], ids=["each", "windows", "all"])
+def test_shard_exchange_delivers_every_wanted_shard_when_waiting_in_windows(
+    world_factory, world, in_flight_bytes
+):
+    results = world_factory(world).run_ok(_fp_fns.exchange, in_flight_bytes, timeout=120)
+    assert results == [[]] * world
+
+
+def _run_cuda_script(tmp_path, backend: str, world: int) -> None:
     import subprocess
     import sys
 
     script = os.path.join(os.path.dirname(__file__), "_fp_nccl.py")
     proc = subprocess.run(
-        [sys.executable, script, str(tmp_path)], capture_output=True, text=True, timeout=240
+        [sys.executable, script, str(tmp_path), backend, str(world)],
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "OK" in proc.stdout
+
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.skipif(
+    torch.cuda.device_count() < 2,
+    reason="NCCL needs one GPU per rank (2 ranks on one GPU: 'Duplicate GPU detected'); "
+    "the one-GPU variants below cover the CUDA paths",
+)
+def test_fully_parallel_round_trip_with_cuda_tensors_on_nccl(tmp_path):
+    _run_cuda_script(tmp_path, "nccl", 2)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_fully_parallel_round_trip_with_cuda_tensors_on_nccl_when_one_rank(tmp_path):
+    _run_cuda_script(tmp_path, "nccl", 1)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_fully_parallel_round_trip_with_cuda_tensors_on_gloo_when_ranks_share_one_gpu(tmp_path):
+    # the exchange sends every replicated shard read by one rank to the other: CUDA to host,
+    # over gloo, back to cuda:0
+    _run_cuda_script(tmp_path, "gloo", 2)
