@@ -2,7 +2,8 @@
 
 Every rank holds the same `--total-mib` MiB of fp32 tensors (data-parallel replicas; rank 0's
 copy is the main replica). Per world size, medians over `--repeats` (wall time from a barrier
-until every rank finished; page cache dropped before loads when possible):
+until every rank finished; page cache dropped before loads when possible; the order of the
+methods alternates between repeats; `--methods` picks them):
 - plain: `TorchDistSaveShardedStrategy` (rank 0 writes everything) and
   `TorchDistLoadShardedStrategy` (every rank reads everything);
 - ours, fully parallel: `FullyParallelSaveStrategyWrapper` / `FullyParallelLoadStrategyWrapper`
@@ -59,8 +60,8 @@ def _worker(rank: int, world: int, args: argparse.Namespace, port: int, queue: A
         TorchDistSaveShardedStrategy,
     )
 
-    methods = [m for m in METHODS if m != "megatron_fully_parallel" or args.with_megatron]
-    if args.with_megatron:
+    methods = [m for m in args.methods if m != "megatron_fully_parallel" or args.with_megatron]
+    if "megatron_fully_parallel" in methods:
         # megatron-core calls these on CPU paths; patched in this benchmark process only
         torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
         torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
@@ -69,7 +70,8 @@ def _worker(rank: int, world: int, args: argparse.Namespace, port: int, queue: A
         from megatron.core.dist_checkpointing.strategies import torch as mtorch
     times: Dict[str, Dict[str, List[float]]] = {m: {"save": [], "load": []} for m in methods}
     for rep in range(args.repeats):
-        for method in methods:
+        # alternate the order (A/B, then B/A) so that drifting machine load favours no method
+        for method in methods if rep % 2 == 0 else methods[::-1]:
             ckpt = os.path.join(args.dir, f"{method}_{world}_{rep}")
             if rank == 0:
                 shutil.rmtree(ckpt, ignore_errors=True)
@@ -123,8 +125,17 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--dir", default="bench_out/fully_parallel")
     parser.add_argument("--json", default=None)
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        choices=METHODS,
+        default=list(METHODS),
+        help="methods to run (megatron's only where megatron-core is importable); plain is "
+        "always run, as the baseline of the ratios",
+    )
     args = parser.parse_args()
     args.with_megatron = importlib.util.find_spec("megatron") is not None
+    args.methods = ["plain", *(m for m in args.methods if m != "plain")]
     os.makedirs(args.dir, exist_ok=True)
     rows = []
     for world in args.world_sizes:
