@@ -10,17 +10,14 @@ here; everything specific to node-local checkpoints is in this module.
 from __future__ import annotations
 
 import logging
-import time
 from pathlib import Path
 from typing import Callable, Optional, Set, Tuple, Union
 
-from . import _dist
-from ._prepare import prepare_load_request
+from ._prepare import finish_load, prepare_load_request
 from ._save_pipeline import SavePlan
 from ._types import ShardedStateDict, StateDict
 from .async_save import AsyncRequest
 from .dict_utils import merge
-from .mapping import apply_factory_merges
 from .strategies.base import NodeLocalLoadShardedStrategy, NodeLocalSaveShardedStrategy
 from .validation import StrictHandling
 
@@ -77,14 +74,7 @@ def load(
     )
     common_state_dict, loaded = sharded.load_rank_state(prepared.sharded, ckpt)
     merge(common_state_dict, prepared.nonpersistent)
-    merge(common_state_dict, loaded)
-    apply_factory_merges(common_state_dict, prepared.factories)
-    _dist.log_rank0(
-        logger, logging.INFO, "Loaded checkpoint %s in %.2f s", ckpt, time.perf_counter() - start
-    )
-    if StrictHandling.requires_returning_mismatch_keys(strict):
-        return common_state_dict, prepared.missing_keys, prepared.unexpected_keys
-    return common_state_dict
+    return finish_load(prepared, common_state_dict, loaded, strict, logger, ckpt, start)
 
 
 def load_common_state_dict(sharded: NodeLocalLoadShardedStrategy, ckpt: Path) -> StateDict:

@@ -8,19 +8,22 @@ validation the same way.
 from __future__ import annotations
 
 import copy
+import logging
+import time
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Set, Tuple
+from typing import Any, Callable, List, Optional, Set, Tuple, Union
 
 from . import _dist
 from ._flat import expand_flat_shards
 from ._types import CommonStateDict, ShardedStateDict, StateDict
-from .dict_utils import dict_list_map_inplace, extract_matching_values, nested_values
+from .dict_utils import dict_list_map_inplace, extract_matching_values, merge, nested_values
 from .mapping import (
     LocalNonpersistentObject,
     ShardedBase,
     ShardedTensor,
     ShardedTensorFactory,
     apply_factories,
+    apply_factory_merges,
 )
 from .megatron_compat import convert_sharded_state_dict
 from .validation import StrictHandling, validate_integrity_and_strict_load
@@ -28,6 +31,7 @@ from .validation import StrictHandling, validate_integrity_and_strict_load
 __all__ = [
     "CONTENT_METADATA_KEY",
     "LoadRequest",
+    "finish_load",
     "nested_sharded",
     "prepare_load_request",
     "save_preprocess",
@@ -159,3 +163,36 @@ def prepare_load_request(
         request, strict, validate_access_integrity, local_md, global_md, ckpt_metadata
     )
     return LoadRequest(request, nonpersistent, factories, missing, unexpected)
+
+
+def finish_load(
+    prepared: LoadRequest,
+    result: StateDict,
+    loaded: StateDict,
+    strict: StrictHandling,
+    log: logging.Logger,
+    ckpt: Any,
+    start: float,
+) -> Union[StateDict, Tuple[StateDict, Set[str], Set[str]]]:
+    """The load epilogue every flow shares: merge, factory merges, the INFO line, the result.
+
+    Args:
+        prepared: the request `prepare_load_request` returned.
+        result: the common state, the non-persistent values already merged into it.
+        loaded: what the sharded strategy loaded; merged into `result`.
+        strict: key mismatch handling (decides the return form).
+        log: the logger of the entry point (its name shows in the INFO line).
+        ckpt: the checkpoint directory, for the INFO line.
+        start: `time.perf_counter()` at the start of the load.
+
+    Returns:
+        `result`, or `(result, missing_keys, unexpected_keys)` when `strict` returns them.
+    """
+    merge(result, loaded)
+    apply_factory_merges(result, prepared.factories)
+    _dist.log_rank0(
+        log, logging.INFO, "Loaded checkpoint %s in %.2f s", ckpt, time.perf_counter() - start
+    )
+    if StrictHandling.requires_returning_mismatch_keys(strict):
+        return result, prepared.missing_keys, prepared.unexpected_keys
+    return result

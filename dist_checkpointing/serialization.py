@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Callable, Dict, Optional, Set, Tuple, Union
 
 from . import _dist, _node_local_flow
-from ._prepare import CONTENT_METADATA_KEY, prepare_load_request
+from ._prepare import CONTENT_METADATA_KEY, finish_load, prepare_load_request
 from ._save_pipeline import SavePlan, agree_on_preparation, make_commit, prepare_save, save_common
 from ._strategy_selection import select_load_strategies, verify_checkpoint_and_load_strategy
 from ._types import CommonStateDict, ShardedStateDict, StateDict
@@ -27,7 +27,7 @@ from .core import check_is_distributed_checkpoint
 from .dict_utils import extract_matching_values, merge
 from .dtypes import lossy_conversion_allowed
 from .errors import CheckpointingException
-from .mapping import ShardedObject, ShardedTensor, apply_factory_merges
+from .mapping import ShardedObject, ShardedTensor
 from .strategies.base import (
     AsyncSaveShardedStrategy,
     LoadCommonStrategy,
@@ -275,14 +275,7 @@ def _load(
         )
         merge(common_state_dict, loaded_objects)
     loaded = sharded.load(request, ckpt)
-    merge(common_state_dict, loaded)
-    apply_factory_merges(common_state_dict, prepared.factories)
-    _dist.log_rank0(
-        logger, logging.INFO, "Loaded checkpoint %s in %.2f s", ckpt, time.perf_counter() - start
-    )
-    if StrictHandling.requires_returning_mismatch_keys(strict):
-        return common_state_dict, prepared.missing_keys, prepared.unexpected_keys
-    return common_state_dict
+    return finish_load(prepared, common_state_dict, loaded, strict, logger, ckpt, start)
 
 
 def _sharded_metadata(
