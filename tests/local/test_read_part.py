@@ -30,11 +30,13 @@ def _write(tmp_path) -> str:
     return path
 
 
+@pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("direct", [False, True])
-def test_read_part_is_bit_exact_through_either_read_path(tmp_path, monkeypatch, direct):
+def test_read_part_is_bit_exact_through_either_read_path(tmp_path, monkeypatch, direct, threads):
     path = _write(tmp_path)
     monkeypatch.setattr(_read, "prefer_direct_reads", lambda p: direct)
     monkeypatch.setattr(_read, "REQUEST", 1 << 20)
+    monkeypatch.setattr(_read, "reader_threads", lambda n: threads)
     part = _read.read_part(path)
     with open(path, "rb") as f:
         assert part.buffer.numpy().tobytes() == f.read()
@@ -44,7 +46,9 @@ def test_read_part_is_bit_exact_through_either_read_path(tmp_path, monkeypatch, 
     assert all(torch.equal(state.state_dict[k], want[k]) for k in ("big", "empty", "half"))
 
 
-def test_read_part_names_the_damaged_tensor(tmp_path):
+@pytest.mark.parametrize("threads", [1, 3])
+def test_read_part_names_the_damaged_tensor(tmp_path, monkeypatch, threads):
+    monkeypatch.setattr(_read, "reader_threads", lambda n: threads)
     path = _write(tmp_path)
     with open(path, "r+b") as f:
         f.seek(3 << 20)
@@ -74,3 +78,13 @@ def test_read_part_refuses_a_damaged_header(tmp_path):
         f.write(bytes(data))
     with pytest.raises(CheckpointCorruptedError, match="header or checksum table"):
         _read.read_part(path)
+
+
+def test_reader_threads_follow_the_cores_per_rank(monkeypatch):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    monkeypatch.setattr(_read.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    assert _read.reader_threads(4 << 30) == 4  # a GPU node: 16 cores for one rank
+    assert _read.reader_threads(100 << 20) == 1  # under 64 MiB per thread
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setattr(_read.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert _read.reader_threads(4 << 30) == 1  # this CI machine kind: 2 cores, 2 ranks
