@@ -342,9 +342,14 @@ def main() -> None:
         ["GiB", "ranks", "method"] + [f"{k} GB/s" for k in KINDS] + [f"{k} x ceil" for k in KINDS]
     )
     for world in args.world_sizes:
-        res = run_world(_worker, world, args)
-        raw[str(world)] = res
-        done = _rows(res, world)
+        done = []
+        for size in args.sizes_mib:  # one world per size: a finished size is kept if a later
+            # one fails (e.g. runs out of memory)
+            res = run_world(
+                _worker, world, argparse.Namespace(**{**vars(args), "sizes_mib": [size]})
+            )
+            raw.setdefault(str(world), {}).update(res)
+            done += _rows(res, world)
         rows += done
         # each world size's table as soon as it is measured (a long run shows progress,
         # and an interrupted one keeps what it measured)
