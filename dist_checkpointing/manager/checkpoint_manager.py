@@ -164,8 +164,8 @@ class CheckpointManager:
         """Hands a background save to the queue; `on_commit` runs when it is finalized."""
 
         def committed() -> None:
+            on_commit()  # if this raises, `_finalize` takes the entry as the failed save
             self._in_flight.popleft()
-            on_commit()
 
         request.add_finalize_fn(committed)
         self._in_flight.append((step, tier))

@@ -37,16 +37,19 @@ def test_failed_background_write_follows_the_policy_on_every_rank(
         assert f"rank {world_size - 1}" in first["error"] and "No space left" in first["error"]
     else:
         assert first["raised_at"] is None and first["failed_saves"] == [4]
-    # the failed step 4 is never recorded, its directory is gone
-    assert first["latest_after_failure"] == 2
+    # the failed step 4 is never recorded, its directory is gone (a step-6 save scheduled
+    # while 4 was in flight may have been committed right after, in the same call)
+    assert first["latest_after_failure"] in (2, 6)
     assert 4 not in first["steps_after_failure"] and 2 in first["steps_after_failure"]
     if where == "close":  # nothing saved after it: a restart loads step 2
         assert first["steps_final"] == [2] and first["latest_final"] == 2
         assert first["loaded"] == 2
     else:  # the next due saves ran normally; retention keeps the 2 newest
+        # (a `save` that raised saved nothing itself, so its step may be missing)
         last = first["last_step"] - first["last_step"] % 2
-        assert first["steps_final"] == [last - 2, last] and first["latest_final"] == last
-        assert first["loaded"] == last
+        final = first["steps_final"]
+        assert len(final) == 2 and final[-1] == last and 4 not in final, final
+        assert first["latest_final"] == last and first["loaded"] == last
 
 
 @pytest.mark.parametrize("on_error", ["raise", "continue"])
