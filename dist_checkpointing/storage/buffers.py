@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import mmap
 import threading
+import weakref
 from collections import OrderedDict
 from typing import Any, Dict, List, Protocol, Sequence, Tuple
 
@@ -125,6 +126,14 @@ class Layout(Protocol):
     def signature(self) -> Tuple[Any, ...]: ...
 
 
+def _unpin_all(pinned: Dict[int, torch.Tensor], lock: threading.Lock) -> None:
+    with lock:
+        bufs = list(pinned.values())
+        pinned.clear()
+    for b in bufs:
+        _pinned.unpin(b)
+
+
 class ImagePool:
     """Shared, page-aligned host buffers holding whole file images, reused across saves.
 
@@ -155,6 +164,10 @@ class ImagePool:
         self._free: OrderedDict[Tuple[Any, ...], List[Any]] = OrderedDict()
         self._pinned: Dict[int, torch.Tensor] = {}  # data_ptr -> buffer
         self._lock = threading.Lock()
+        # a pool that goes away (a strategy made per save) must unregister its buffers
+        # before their memory is unmapped: the driver keeps a registration of a freed range,
+        # and pinning whatever is mapped there next fails
+        weakref.finalize(self, _unpin_all, self._pinned, self._lock)
         self.max_free = max_free
         self.max_signatures = max_signatures
         self.allocated_bytes = 0

@@ -7,6 +7,7 @@ no-ops returning False on machines without CUDA, so CPU runs take the same code 
 
 from __future__ import annotations
 
+import ctypes
 import logging
 
 import torch
@@ -37,8 +38,26 @@ def pin(buf: torch.Tensor) -> bool:
         logger.warning("could not pin a %d-byte staging buffer (%s)", nbytes, e)
         return False
     if not ok:
+        # the failed call left CUDA's per-thread "last error" set: the next kernel launch of
+        # the training step would raise it as its own failure
+        _clear_last_cuda_error()
         logger.warning("could not pin a %d-byte staging buffer; copies will be synchronous", nbytes)
     return ok
+
+
+def _clear_last_cuda_error() -> None:
+    """Resets CUDA's last error through the runtime library torch loaded (best effort).
+
+    torch exposes no binding for `cudaGetLastError`; the library is found among the
+    process's mappings, so the call reaches the runtime instance torch itself uses.
+    """
+    try:
+        with open("/proc/self/maps") as maps:
+            libs = {line.split()[-1] for line in maps if "libcudart" in line}
+        for lib in libs:
+            ctypes.CDLL(lib).cudaGetLastError()
+    except Exception as e:  # no /proc, or a static runtime: nothing we can reset
+        logger.debug("could not reset CUDA's last error: %s", e)
 
 
 def unpin(buf: torch.Tensor) -> None:

@@ -158,7 +158,7 @@ def test_consecutive_async_saves_reuse_every_staging_buffer(
     # the default file count of a 16-core node with one rank, whatever this machine has
     monkeypatch.setattr(save_module, "default_file_count", lambda cuda: 4)
     strategy = TorchDistSaveShardedStrategy(thread_count=thread_count)
-    pool = strategy._images
+    strategy._images = pool = ImagePool()  # counters of this test's saves only
     counts = []
     for step in range(3):
         req = dc.save(
@@ -178,3 +178,52 @@ def test_consecutive_async_saves_reuse_every_staging_buffer(
         req = {k: dc.ShardedTensor.from_rank_offsets(k, torch.empty(256, 1024)) for k in want}
         got = dc.load(req, tmp_path / f"c{step}")
         assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_strategies_made_per_save_share_the_staging_buffers(tmp_path):
+    """megatron's training loop builds a save strategy per save: the second strategy's
+    async save reuses the first one's staging images instead of allocating (and pinning)."""
+    import dist_checkpointing as dc
+    from dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    first, second = TorchDistSaveShardedStrategy(), TorchDistSaveShardedStrategy()
+    assert first._images is second._images
+    pool = first._images
+    for step, strategy in enumerate([first, second]):
+        before = pool.allocations
+        req = dc.save(
+            _equal_tensors("cpu", step),
+            tmp_path / f"c{step}",
+            sharded_strategy=strategy,
+            async_sharded_save=True,
+        )
+        req.execute_sync()
+        if step == 1:
+            assert pool.allocations == before, "the second strategy allocated new images"
+
+
+def test_a_pool_that_goes_away_unpins_its_buffers(monkeypatch):
+    """Memory must never be unmapped while registered with the driver (the next
+    registration of that range fails, and its error surfaces in the next CUDA call)."""
+    import gc
+
+    from dist_checkpointing.storage import buffers
+
+    pinned, unpinned = set(), []
+    monkeypatch.setattr(buffers._pinned, "pin", lambda b: pinned.add(b.data_ptr()) or True)
+    monkeypatch.setattr(buffers._pinned, "unpin", lambda b: unpinned.append(b.data_ptr()))
+
+    class _Plan:
+        size = 8192
+        signature = ("p",)
+
+    pool = ImagePool()
+    kept = pool.acquire(_Plan(), pin=True)
+    pool.release(_Plan(), kept)
+    held = pool.acquire(_Plan(), pin=True)  # the same buffer, still in use
+    in_use = pool.acquire(_Plan(), pin=True)  # a second one
+    assert len(pinned) == 2 and not unpinned
+    del pool, kept, held
+    gc.collect()
+    assert sorted(unpinned) == sorted(pinned)
+    del in_use

@@ -47,6 +47,10 @@ __all__ = ["TorchDistSaveShardedStrategy"]
 logger = logging.getLogger(__name__)
 
 
+#: staging images of every torch_dist save strategy in this process
+_SHARED_IMAGES = ImagePool()
+
+
 class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
     """Saves ShardedTensors and ShardedObjects in PyTorch DCP's format.
 
@@ -97,7 +101,9 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         self.checksums = checksums
         self.cached_metadata = cached_metadata
         self.separation_hint = separation_hint
-        self._images = ImagePool()
+        # process-wide: callers that build a strategy per save (megatron's training loop)
+        # still reuse the staging buffers, pinned once, of the saves before
+        self._images = _SHARED_IMAGES
         self.direct_io = direct_io
         self._finalizer = SaveFinalizer()
 
