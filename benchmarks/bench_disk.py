@@ -12,8 +12,9 @@ on rows across ranks, same directory, page cache dropped before each load):
 - `ours`: `dist_checkpointing` with the default ('torch_dist', 1) backend, checksums on.
 
 Two resharded loads: `reshard rows` asks every rank for a block of rows shifted by half a
-stored block (each request spans two stored chunks, half of each; DTensor and megatron
-cannot express it), `reshard cols` asks for column blocks (each rank needs a slice of
+stored block (each request spans two stored chunks, half of each; the last rank's block
+wraps around to the first half block, so every row is read by exactly one rank; DTensor and
+megatron cannot express it), `reshard cols` asks for column blocks (each rank needs a slice of
 every stored chunk). GB/s counts the state size once; ratios are against the ceiling of
 the same run (write for saves, read for loads).
 
@@ -78,9 +79,9 @@ def _blocks(shape: tuple, rank: int, world: int, kind: str) -> tuple:
     b = rows // world
     if kind == "rows":
         return rank * b, (rank + 1) * b, 0, cols
-    if kind == "shifted":
-        start = rank * b + b // 2 if rank < world - 1 else b // 4
-        return start, start + b, 0, cols
+    if kind == "shifted":  # the last rank's block wraps: its rows past the end (see _ours_sd)
+        start = rank * b + b // 2
+        return start, min(rows, start + b), 0, cols
     c = cols // world
     return 0, rows, rank * c, (rank + 1) * c
 
@@ -94,6 +95,11 @@ def _ours_sd(shapes: List[tuple], kind: str, data: bool) -> Dict[str, Any]:
         r0, r1, c0, c1 = _blocks(s, r, w, kind)
         t = _piece(i, s, r0, r1, c0, c1) if data else torch.empty(r1 - r0, c1 - c0)
         out[f"t{i}"] = ShardedTensor(f"t{i}", t, t.dtype, tuple(t.shape), s, (r0, c0), None)
+        if kind == "shifted" and r == w - 1:  # the wrapped part: the first half block
+            h = s[0] // w // 2
+            t0 = torch.empty(h, s[1])
+            wrap = ShardedTensor(f"t{i}", t0, t0.dtype, tuple(t0.shape), s, (0, 0), None)
+            out[f"t{i}"] = [out[f"t{i}"], wrap]
     return out
 
 
