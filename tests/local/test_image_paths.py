@@ -17,6 +17,7 @@ from dist_checkpointing.local._image import (
 )
 from dist_checkpointing.local.basic_state_dict import BasicTensorAwareStateDict
 from dist_checkpointing.local.ckpt_managers.local_manager import LocalCheckpointManager
+from tests._devices import CPU_AND_CUDA
 
 
 def _state(device: str = "cpu") -> dict:
@@ -80,16 +81,7 @@ def test_reused_pool_buffer_leaves_no_bytes_of_an_earlier_image(tmp_path):
 
 @pytest.mark.parametrize(
     "device",
-    [
-        "cpu",
-        pytest.param(
-            "cuda",
-            marks=[
-                pytest.mark.gpu,
-                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-            ],
-        ),
-    ],
+    CPU_AND_CUDA,
 )
 @pytest.mark.parametrize("fsync", [True, False])
 @pytest.mark.parametrize("is_async", [False, True])

@@ -9,6 +9,7 @@ import torch
 
 from dist_checkpointing.storage import pinned as _pinned
 from dist_checkpointing.storage.buffers import ALIGN, ImagePool
+from tests._devices import CPU_AND_CUDA
 
 
 def _plan(sig: str, size: int = 10_000) -> SimpleNamespace:
@@ -64,16 +65,7 @@ def test_pin_is_a_no_op_without_cuda():
 
 @pytest.mark.parametrize(
     "device",
-    [
-        "cpu",
-        pytest.param(
-            "cuda",
-            marks=[
-                pytest.mark.gpu,
-                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-            ],
-        ),
-    ],
+    CPU_AND_CUDA,
 )
 def test_async_save_stages_before_returning_pinned_for_cuda_sources(tmp_path, monkeypatch, device):
     import dist_checkpointing as dc
@@ -135,16 +127,7 @@ def _equal_tensors(device: str, step: int) -> dict:
 @pytest.mark.parametrize("thread_count", [4, None])
 @pytest.mark.parametrize(
     "device",
-    [
-        "cpu",
-        pytest.param(
-            "cuda",
-            marks=[
-                pytest.mark.gpu,
-                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-            ],
-        ),
-    ],
+    CPU_AND_CUDA,
 )
 def test_consecutive_async_saves_reuse_every_staging_buffer(
     tmp_path, monkeypatch, device, thread_count

@@ -5,25 +5,16 @@ test of the GPU benchmark; on CPU it checks that the script itself works where n
 from __future__ import annotations
 
 import pytest
-import torch
 
 from benchmarks import bench_gpu
+from tests._devices import CUDA
 
 pytestmark = pytest.mark.timeout(600)
 
 
 @pytest.mark.parametrize(
     "device",
-    [
-        pytest.param(
-            "cuda",
-            marks=[
-                pytest.mark.gpu,
-                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-            ],
-        ),
-        "cpu",
-    ],
+    [CUDA, "cpu"],
 )
 def test_gpu_benchmark_runs_every_row_and_checks_loads(device, tmp_path):
     args = bench_gpu.parser().parse_args(
