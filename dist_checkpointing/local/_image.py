@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import io
 import struct
+import threading
 from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
 
@@ -56,6 +57,32 @@ def _aligned(n: int) -> int:
 
 #: pooled, page-aligned image buffers (pinned when filled from CUDA), reused across saves
 _POOL = ImagePool(max_free=1, max_signatures=2)
+
+# torch's `safe_globals` context swaps a process-wide set and restores its own snapshot on
+# exit: two threads inside it at once (parts read in parallel during a recovery) can each
+# drop the other's classes, and a header then fails to unpickle. One header at a time.
+_HEADER_LOCK = threading.Lock()
+
+
+def load_header(data: bytes, what: str, weights_only: bool = True) -> Any:
+    """Unpickles a local file's header with the hollow-state classes allowed.
+
+    Args:
+        data: the header's bytes (checksum already verified).
+        what: names the file in error messages.
+        weights_only: False allows arbitrary unpickling (trusted files only).
+
+    Returns:
+        The header object.
+
+    Raises:
+        UnsafeCheckpointError, CheckpointCorruptedError: as `torch_load`.
+    """
+    # our own classes are allowed here whatever the process-wide allowlist holds
+    with _HEADER_LOCK, torch.serialization.safe_globals(list(hollow_state_classes())):  # type: ignore[arg-type]
+        return torch_load(io.BytesIO(data), what, weights_only)
+
+
 _POOL_GRANULE = 1 << 20  # sizes rounded up to this, so equal structures share buffers
 
 
@@ -297,11 +324,7 @@ def decode_image(
     table_bytes = flat[table_off : table_off + 8 * count]
     if checksum(table_bytes) != t_sum:
         raise CheckpointCorruptedError(f"{where}: checksum table mismatch")
-    # our own classes are allowed here whatever the process-wide allowlist holds
-    with torch.serialization.safe_globals(list(hollow_state_classes())):  # type: ignore[arg-type]
-        header = torch_load(
-            io.BytesIO(flat[h_off:table_off].tobytes()), f"{where} (header)", weights_only
-        )
+    header = load_header(flat[h_off:table_off].tobytes(), f"{where} (header)", weights_only)
     if not isinstance(header, dict) or header.get("format") != FORMAT_VERSION:
         raise CheckpointCorruptedError(
             f"{where}: unsupported local checkpoint header (format "

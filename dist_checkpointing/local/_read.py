@@ -15,7 +15,6 @@ saves stage into), from which the device copies run asynchronously; it is handed
 from __future__ import annotations
 
 import concurrent.futures
-import io
 import os
 import threading
 from dataclasses import dataclass
@@ -25,12 +24,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .._safe_load import torch_load
 from ..errors import CheckpointCorruptedError
 from ..integrity import checksum, new_hasher
 from ..storage import ALIGN, prefer_direct_reads, read_region
-from ._image import _FOOTER, _POOL, _POOL_GRANULE, FORMAT_VERSION, MAGIC, _Layout
-from .base_state_dict import hollow_state_classes
+from ._image import _FOOTER, _POOL, _POOL_GRANULE, FORMAT_VERSION, MAGIC, _Layout, load_header
 
 __all__ = ["Part", "read_part", "release_part"]
 
@@ -209,8 +206,7 @@ def read_part(path: str, own: bool = True) -> Part:
     header_bytes, table = end[:h_len], np.frombuffer(end[h_len : h_len + 8 * count], "<u8")
     if checksum(header_bytes) != h_sum or checksum(table) != t_sum:
         raise CheckpointCorruptedError(f"{path}: header or checksum table mismatch")
-    with torch.serialization.safe_globals(list(hollow_state_classes())):  # type: ignore[arg-type]
-        header = torch_load(io.BytesIO(header_bytes), f"{path} (header)", True)
+    header = load_header(header_bytes, f"{path} (header)", True)
     entries = header.get("tensors") if isinstance(header, dict) else None
     if header.get("format") != FORMAT_VERSION or not isinstance(entries, list):
         raise CheckpointCorruptedError(f"{path}: unsupported local checkpoint header")
