@@ -13,6 +13,7 @@ import logging
 from pathlib import Path
 from typing import Callable, Optional, Set, Tuple, Union
 
+from . import _dist
 from ._prepare import finish_load, prepare_load_request
 from ._save_pipeline import SavePlan
 from ._types import ShardedStateDict, StateDict
@@ -69,8 +70,19 @@ def load(
     Returns:
         As `serialization.load`.
     """
+
+    def every_ranks_metadata() -> Optional[ShardedStateDict]:
+        # each rank stores only its own part: the checkpoint's keys are the union of the
+        # parts (else a key stored by another rank would never count as missing). Called
+        # by the collective preamble on every rank when the strict mode compares keys.
+        parts = _dist.all_gather_object(stored_metadata())
+        union: ShardedStateDict = {}
+        for part in parts:
+            union.update(part or {})
+        return union
+
     prepared = prepare_load_request(
-        sharded_state_dict, strict, validate_access_integrity, stored_metadata
+        sharded_state_dict, strict, validate_access_integrity, every_ranks_metadata
     )
     common_state_dict, loaded = sharded.load_rank_state(prepared.sharded, ckpt)
     merge(common_state_dict, prepared.nonpersistent)

@@ -136,16 +136,7 @@ def _check_strict(mode: str, rank: int, res: Dict[str, Any]) -> None:
 
 
 def _strict_params() -> List[Any]:
-    known = pytest.mark.xfail(
-        strict=True,
-        reason="known defect: ('local', 2) computes missing keys from each rank's own part, "
-        "so RETURN_ALL misses the other ranks' pieces of per-rank ShardedObjects",
-    )
-    return [
-        pytest.param(b, m.name, marks=[known] if (b, m.name) == ("local", "RETURN_ALL") else [])
-        for b in BACKENDS
-        for m in StrictHandling
-    ]
+    return [pytest.param(b, m.name) for b in BACKENDS for m in StrictHandling]
 
 
 @pytest.mark.parametrize(("backend", "mode"), _strict_params())
