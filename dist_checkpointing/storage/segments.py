@@ -21,9 +21,10 @@ from __future__ import annotations
 import mmap
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
+import torch
 
 from .buffers import ALIGN, CHUNK, ChunkBuffers
 from .direct import FileWriter, PathLike
@@ -88,46 +89,90 @@ def write_segments(
     return size
 
 
+class ChunkStream:
+    """Appends bytes to a file through two aligned chunk buffers: filling one overlaps the
+    write of the other (one writer thread). `finish()` writes the padded tail and waits;
+    `close()` (always, in a `finally`) waits for a write in flight and frees the buffers.
+
+    Args:
+        out: the file being written.
+        file_pos: where the first byte goes (aligned).
+        pin: page-lock the buffers (device tensors are copied into them).
+        progress: called with the bytes of each chunk handed to the disk.
+    """
+
+    def __init__(
+        self,
+        out: FileWriter,
+        file_pos: int = 0,
+        pin: bool = False,
+        progress: Optional[Callable[[int], None]] = None,
+    ) -> None:
+        self._out, self._pos, self._progress = out, file_pos, progress
+        self._bufs = ChunkBuffers.acquire(pin=pin)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dc-chunk-io")
+        self._pending: Optional[Future] = None
+        self._which, self._fill = 0, 0
+
+    def _flush(self, final: bool) -> None:
+        fill = self._fill
+        if fill == 0:
+            return
+        n = -(-fill // ALIGN) * ALIGN if final else fill
+        buf = self._bufs[self._which]
+        if n > fill:
+            buf[fill:n] = 0
+        if self._pending is not None:
+            self._pending.result()  # the write that used the buffer we switch to next
+        self._pending = self._pool.submit(self._out.write, memoryview(buf[:n]), self._pos)  # type: ignore[arg-type]
+        if self._progress is not None:
+            self._progress(fill)
+        self._pos += fill
+        self._which, self._fill = 1 - self._which, 0
+
+    def put(self, data: Any, on_copied: Optional[Callable[[np.ndarray], None]] = None) -> None:
+        """Appends `data` (a uint8 array, or a device tensor's uint8 bytes); `on_copied`
+        sees each piece as it lands in a buffer (e.g. to checksum it)."""
+        is_tensor = isinstance(data, torch.Tensor)
+        pos, size = 0, int(data.numel() if is_tensor else data.size)
+        while pos < size:
+            if self._fill == CHUNK:
+                self._flush(False)
+            n = min(CHUNK - self._fill, size - pos)
+            dst = self._bufs[self._which][self._fill : self._fill + n]
+            if is_tensor:
+                torch.from_numpy(dst).copy_(data[pos : pos + n])
+            else:
+                dst[:] = data[pos : pos + n]
+            if on_copied is not None:
+                on_copied(dst)
+            self._fill += n
+            pos += n
+
+    def finish(self) -> None:
+        """Writes the last (zero-padded) chunk and waits for every write."""
+        self._flush(True)
+        if self._pending is not None:
+            self._pending.result()
+
+    def close(self) -> None:
+        """Waits for a write in flight (its error was or will be raised elsewhere) and frees
+        the buffers."""
+        if self._pending is not None:
+            self._pending.exception()
+        self._pool.shutdown(wait=True)
+        ChunkBuffers.release(self._bufs)
+
+
 def _stream(out: FileWriter, segments: Sequence[np.ndarray], file_pos: int = 0) -> None:
-    """Streams segments through two aligned chunk buffers (copy overlaps the write), from
-    `file_pos` (aligned) on."""
-    bufs = ChunkBuffers.acquire()
-    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dc-seg-io")
-    pending: Optional[Future] = None
-    which, fill = 0, 0
+    """Streams segments through `ChunkStream`, from `file_pos` (aligned) on."""
+    stream = ChunkStream(out, file_pos)
     try:
-
-        def flush(final: bool) -> None:
-            nonlocal which, fill, file_pos, pending
-            if fill == 0:
-                return
-            n = -(-fill // ALIGN) * ALIGN if final else fill
-            buf = bufs[which]
-            if n > fill:
-                buf[fill:n] = 0
-            if pending is not None:
-                pending.result()
-            pending = pool.submit(out.write, memoryview(buf[:n]), file_pos)  # type: ignore[arg-type]
-            file_pos += fill
-            which, fill = 1 - which, 0
-
         for seg in segments:
-            pos = 0
-            while pos < seg.size:
-                if fill == CHUNK:
-                    flush(False)
-                n = min(CHUNK - fill, seg.size - pos)
-                bufs[which][fill : fill + n] = seg[pos : pos + n]
-                fill += n
-                pos += n
-        flush(True)
-        if pending is not None:
-            pending.result()
+            stream.put(seg)
+        stream.finish()
     finally:
-        if pending is not None:
-            pending.exception()
-        pool.shutdown(wait=True)
-        ChunkBuffers.release(bufs)
+        stream.close()
 
 
 class StreamedFile:

@@ -31,19 +31,7 @@ def shard_of(case: Case, box: Box, global_tensor: Optional[torch.Tensor]) -> Sha
         index = tuple(slice(o, o + s) for o, s in zip(offset, size))
         data = global_tensor[index].clone().reshape(local_shape)
     if flat is not None:  # a flat shard: that range of the flattened box
-        return ShardedTensor(
-            case.key,
-            data.flatten()[flat[0] : flat[1]].clone(),
-            case.dtype,
-            local_shape,
-            case.global_shape,
-            offset,
-            None,
-            replica,
-            case.prepend_axis_num,
-            False,
-            slice(*flat),
-        )
+        data = data.flatten()[flat[0] : flat[1]].clone()
     return ShardedTensor(
         case.key,
         data,
@@ -54,6 +42,8 @@ def shard_of(case: Case, box: Box, global_tensor: Optional[torch.Tensor]) -> Sha
         None,
         replica,
         case.prepend_axis_num,
+        False,
+        slice(*flat) if flat is not None else None,
     )
 
 

@@ -32,8 +32,9 @@ from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
 from ...integrity import BlockSums, ItemSum, blocked_sum, checksum, new_hasher
-from ...storage import ALIGN, ChunkBuffers, FileWriter, ImagePool, fsync_dir
+from ...storage import ALIGN, FileWriter, ImagePool, fsync_dir
 from ...storage.buffers import CHUNK
+from ...storage.segments import ChunkStream
 from .plan import WriteEntry
 from .zipformat import zip_item_layout
 
@@ -199,47 +200,10 @@ def write_streamed(
         Write results and item checksums.
     """
     out = FileWriter(directory / plan.name, plan.size, direct)
-    bufs = ChunkBuffers.acquire(pin=any(_on_device(src) for src in sources))
+    stream = ChunkStream(out, pin=any(_on_device(src) for src in sources), progress=progress)
     sums: List[ItemChecksum] = []
-    pending: Optional[Any] = None
-    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dc-write-io")
+    put = stream.put
     try:
-        which, fill, file_pos = 0, 0, 0
-
-        def flush(final: bool) -> None:
-            nonlocal which, fill, file_pos, pending
-            if fill == 0:
-                return
-            n = fill if not final else -(-fill // ALIGN) * ALIGN
-            buf = bufs[which]
-            if n > fill:
-                buf[fill:n] = 0
-            if pending is not None:
-                pending.result()
-            pending = pool.submit(out.write, memoryview(buf[:n]), file_pos)  # type: ignore[arg-type]
-            if progress is not None:
-                progress(fill)
-            file_pos += fill
-            which, fill = 1 - which, 0
-
-        def put(data: Any, blocks: Optional[BlockSums] = None) -> None:
-            """Appends `data` (host bytes, or a device tensor's bytes) to the chunks."""
-            nonlocal fill
-            pos, size = 0, int(data.numel() if isinstance(data, torch.Tensor) else data.size)
-            while pos < size:
-                if fill == CHUNK:
-                    flush(False)  # waits for the write that used the buffer we switch to
-                n = min(CHUNK - fill, size - pos)
-                dst = bufs[which][fill : fill + n]
-                if isinstance(data, torch.Tensor):
-                    torch.from_numpy(dst).copy_(data[pos : pos + n])
-                else:
-                    dst[:] = data[pos : pos + n]
-                if blocks is not None:
-                    blocks.update(dst)
-                fill += n
-                pos += n
-
         for p, src in zip(plan.items, sources):
             if p.payload is not None:
                 put(np.frombuffer(p.payload, dtype=np.uint8))
@@ -248,7 +212,7 @@ def write_streamed(
             elif _on_device(src) and p.data_nbytes and src.is_contiguous():
                 blocks = BlockSums() if checksums else None
                 put(np.frombuffer(p.head, dtype=np.uint8))
-                put(_device_bytes(src), blocks)
+                put(_device_bytes(src), blocks.update if blocks is not None else None)
                 put(np.frombuffer(p.tail, dtype=np.uint8))
                 if blocks is not None:
                     sums.append((plan.name, p.offset, blocks.item_sum(p.length, p.head, p.tail)))
@@ -259,18 +223,13 @@ def write_streamed(
                 put(np.frombuffer(p.tail, dtype=np.uint8))
                 if checksums:
                     sums.append((plan.name, p.offset, _item_sum(p, p.head, data, p.tail)))
-        flush(True)
-        if pending is not None:
-            pending.result()
+        stream.finish()
         out.finish()
     except BaseException:
-        if pending is not None:
-            pending.exception()
+        stream.close()
         out.abort()
         raise
-    finally:
-        pool.shutdown(wait=True)
-        ChunkBuffers.release(bufs)
+    stream.close()
     return _results(plan), sums
 
 
