@@ -3,6 +3,7 @@ the page-cache residency check that keeps cached chunks off O_DIRECT."""
 
 from __future__ import annotations
 
+import mmap
 import os
 import threading
 import time
@@ -163,3 +164,99 @@ def test_resharded_loads_advise_huge_pages_on_their_destinations(tmp_path, monke
     req = {"w": ShardedTensor("w", dest, w.dtype, (512, 1024), (512, 2048), (0, 1024), None)}
     got = dc.load(req, tmp_path / "c", validate_access_integrity=False)
     assert torch.equal(got["w"], w[:, 1024:]) and advised == [dest.data_ptr()]
+
+
+@pytest.mark.parametrize("use_direct", [False, True])
+def test_read_region_keeps_one_request_in_flight_through_the_page_cache_and_more_with_o_direct(
+    tmp_path, monkeypatch, use_direct
+):
+    data = os.urandom(1 << 20)
+    (tmp_path / "f").write_bytes(data)
+    depths: list = []
+    real = direct.read_in_flight
+
+    def spy(fd, offset, out, path, progress, request, depth):
+        depths.append(depth)
+        return real(fd, offset, out, path, progress, request, depth)
+
+    monkeypatch.setattr(direct, "read_in_flight", spy)
+    out = np.frombuffer(mmap.mmap(-1, 1 << 20), dtype=np.uint8)  # page-aligned
+    direct.read_region(str(tmp_path / "f"), 0, out, use_direct)
+    assert out.tobytes() == data
+    if use_direct and not direct.direct_allowed(str(tmp_path)):
+        pytest.skip("this file system refuses O_DIRECT")
+    assert depths == [inflight.DEPTH if use_direct else direct.BUFFERED_DEPTH]
+    assert direct.BUFFERED_DEPTH == 1 < inflight.DEPTH
+
+
+def _three_file_checkpoint(tmp_path):
+    """6 tensors in 3 data files, two each (one process writing with 3 threads)."""
+    from dist_checkpointing.strategies.torch_dist import TorchDistSaveShardedStrategy
+
+    ws = [torch.randn(64, 256) for _ in range(6)]
+    sd = {f"w{i}": ShardedTensor.from_rank_offsets(f"w{i}", w) for i, w in enumerate(ws)}
+    dc.save(sd, tmp_path / "c", TorchDistSaveShardedStrategy(thread_count=3))
+    assert len(list((tmp_path / "c").glob("*.distcp"))) == 3
+    return ws
+
+
+@pytest.fixture
+def data_reads(monkeypatch):
+    """`(thread name, file name, offset)` of every data-file read request, in order."""
+    calls: list = []
+    real = faults.check
+
+    def check(op, path, offset, nbytes, use_direct):
+        if op == "read" and path.endswith(".distcp"):
+            calls.append((threading.current_thread().name, os.path.basename(path), offset))
+        return real(op, path, offset, nbytes, use_direct)
+
+    monkeypatch.setattr(faults, "check", check)
+    return calls
+
+
+@pytest.mark.parametrize("first_file", [0, 1, 5])
+def test_each_file_is_read_front_to_back_starting_at_first_file(tmp_path, data_reads, first_file):
+    from dist_checkpointing.strategies.torch_dist.metadata_file import read_metadata
+    from dist_checkpointing.strategies.torch_dist.plan import TensorRequest, plan_tensor_reads
+    from dist_checkpointing.strategies.torch_dist.reader import read_tensor_items
+
+    ws = _three_file_checkpoint(tmp_path)
+    ckpt = tmp_path / "c"
+    md = read_metadata(ckpt)
+    dests = [torch.zeros_like(w) for w in ws]
+    reads = []
+    for i, w in enumerate(ws):
+        req = TensorRequest(f"w{i}", i, (0, 0), tuple(w.shape))
+        reads += plan_tensor_reads(req, md.state_dict_metadata[f"w{i}"])
+    read_tensor_items(
+        ckpt, md, reads, lambda r: dests[r.dest_index.index], thread_count=1, first_file=first_file
+    )
+    assert all(torch.equal(d, w) for d, w in zip(dests, ws))
+    names = sorted(p.name for p in ckpt.glob("*.distcp"))
+    k = first_file % 3
+    files = [f for _, f, _ in data_reads]
+    # whole files one after another, from the rotated start, each in file order
+    assert [f for i, f in enumerate(files) if i == 0 or f != files[i - 1]] == names[k:] + names[:k]
+    for name in names:
+        offsets = [o for _, f, o in data_reads if f == name]
+        assert offsets == sorted(offsets)
+
+
+def test_files_are_read_in_parallel_each_by_a_single_thread(tmp_path, data_reads):
+    ws = _three_file_checkpoint(tmp_path)
+    req = {
+        f"w{i}": ShardedTensor.from_rank_offsets(f"w{i}", torch.zeros_like(w))
+        for i, w in enumerate(ws)
+    }
+    with faults.injected(faults.Fault("*.distcp", ops=("read",), delay_s=0.05)):  # a slow disk
+        got = dc.load(req, tmp_path / "c", TorchDistLoadShardedStrategy(thread_count=2))
+    assert all(torch.equal(got[f"w{i}"], w) for i, w in enumerate(ws))
+    by_file: dict = {}
+    for thread, name, offset in data_reads:
+        by_file.setdefault(name, []).append((thread, offset))
+    assert len(by_file) == 3
+    for seen in by_file.values():
+        assert len({t for t, _ in seen}) == 1  # a file is never split between threads
+        assert [o for _, o in seen] == sorted(o for _, o in seen)
+    assert len({t for t, _, _ in data_reads}) == 2

@@ -88,7 +88,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
     Args:
         weights_only: keep True (the default) to refuse arbitrary pickled ShardedObjects;
             set False only for trusted checkpoints.
-        thread_count: stored chunks read in parallel.
+        thread_count: data files read in parallel (each front to back, by one thread).
         verify_checksums: verify everything read against `checksums.json` when the
             checkpoint has one (a mismatch raises `CheckpointCorruptedError`).
         direct_io: how whole chunks are read straight into their destinations: True with
@@ -239,6 +239,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                 checksums,
                 self.direct_io,
                 progress,
+                first_file=get_rank(),
             )
         apply_copies(copies, dests)
         files = {str(_item_file(metadata, r.storage_index)) for r in reads}

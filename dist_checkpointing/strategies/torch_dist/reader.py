@@ -122,20 +122,30 @@ def read_tensor_items(
     checksums: Optional[Checksums] = None,
     direct_io: Optional[bool] = None,
     progress: Optional[Callable[[int], None]] = None,
+    first_file: int = 0,
 ) -> int:
     """Reads each needed stored chunk once and copies the requested regions out of it.
+
+    Each data file is read front to back, its chunks in file order, one request in flight
+    through the page cache (which reads ahead on its own; see `storage.BUFFERED_DEPTH`);
+    several files are read at once, one thread each.
 
     Args:
         checkpoint_dir: the checkpoint directory.
         metadata: its DCP metadata.
         reads: planned reads (see `plan_tensor_reads`).
         resolve: returns the destination view for a read item.
-        thread_count: chunks loaded in parallel.
+        thread_count: files read in parallel.
         checksums: when given, every item read is verified against it.
         direct_io: read whole chunks with O_DIRECT (through aligned bounce buffers, True)
             or through the page cache (False); None: whichever measured faster on the
             file system (`storage.prefer_direct_reads`).
         progress: called with the bytes of each chunk read (from the reading threads).
+        first_file: start with the file at this position (modulo the number of files) of
+            the sorted files this rank reads, then go round: ranks that all read the same
+            files (a resharded load) pass their rank, so the disk serves one stream per rank
+            and each file, once read by its first rank, comes to the others from the
+            page cache.
 
     Returns:
         Tensor data bytes read from storage: a resharded load reads only the rows it
@@ -169,14 +179,25 @@ def read_tensor_items(
             progress(nread)
         return nread
 
-    ordered = sorted(groups.values(), key=lambda g: (str(g.info.relative_path), g.info.offset))
-    if thread_count <= 1 or len(ordered) <= 1:
+    by_file: Dict[str, List[_ChunkGroup]] = {}
+    for g in sorted(groups.values(), key=lambda g: (str(g.info.relative_path), g.info.offset)):
+        by_file.setdefault(str(g.info.relative_path), []).append(g)
+    names = sorted(by_file)
+    if names:
+        k = first_file % len(names)
+        names = names[k:] + names[:k]
+
+    def load_file(name: str) -> int:
+        return sum(load_group(g) for g in by_file[name])
+
+    if thread_count <= 1 or len(names) <= 1:
         try:
-            return sum(load_group(g) for g in ordered)
+            return sum(load_file(name) for name in names)
         finally:
             _scratch_local.buf = None  # do not keep a chunk-sized buffer after the load
-    with ThreadPoolExecutor(max_workers=thread_count, thread_name_prefix="dc-read") as pool:
-        return sum(pool.map(load_group, ordered))
+    workers = min(thread_count, len(names))
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="dc-read") as pool:
+        return sum(pool.map(load_file, names))
 
 
 def _pairs(
