@@ -11,8 +11,10 @@ Modules:
     pinned: page-locking host buffers in place.
     fileio: atomic replace and fsync helpers.
     faults: the documented, test-facing fault seam consulted by every read and write.
-    segments: writing a file from byte segments; `StreamedFile` for chunks as they arrive.
+    segments: writing a file from byte segments (`ChunkStream` through aligned buffers,
+        `BufferedStream` from the bytes' own memory); `StreamedFile` for chunks as they arrive.
     probe: the read path (page cache or O_DIRECT) chosen by measurement per file system.
+    write_probe: the same for a synchronous save's writes (O_DIRECT or page cache + fsync).
     inflight: several read requests of one region in flight, completions reported in order.
 """
 

@@ -27,9 +27,9 @@ import numpy as np
 import torch
 
 from .buffers import ALIGN, CHUNK, ChunkBuffers
-from .direct import FileWriter, PathLike
+from .direct import FileWriter, PathLike, start_writeback
 
-__all__ = ["StreamedFile", "write_segments"]
+__all__ = ["BufferedStream", "ChunkStream", "StreamedFile", "write_segments"]
 
 
 def _aligned(buf: np.ndarray) -> bool:
@@ -162,6 +162,65 @@ class ChunkStream:
             self._pending.exception()
         self._pool.shutdown(wait=True)
         ChunkBuffers.release(self._bufs)
+
+
+class BufferedStream:
+    """Appends host bytes to a buffered file straight from their own memory (no staging
+    copy: the kernel's copy into the page cache is the only one), starting the disk's
+    writeback of every `WRITEBACK` bytes as soon as they are written (`start_writeback`),
+    so the final fsync finds little left to write. Same interface as `ChunkStream`, for
+    host memory only (device tensors go through `ChunkStream`'s pinned buffers).
+
+    Args:
+        out: the file being written (opened without O_DIRECT).
+        file_pos: where the first byte goes.
+        progress: called with the bytes of each request handed to the kernel.
+    """
+
+    #: bytes written between two writeback starts
+    WRITEBACK = 16 << 20
+
+    def __init__(
+        self,
+        out: FileWriter,
+        file_pos: int = 0,
+        progress: Optional[Callable[[int], None]] = None,
+    ) -> None:
+        self._out, self._pos, self._progress = out, file_pos, progress
+        self._started = file_pos  # writeback was started for [.., _started)
+
+    def put(self, data: Any, on_copied: Optional[Callable[[np.ndarray], None]] = None) -> None:
+        """Writes `data` (a flat uint8 array in host memory); `on_copied` sees each written
+        piece (e.g. to checksum it).
+
+        Raises:
+            TypeError: `data` is a tensor (device bytes need `ChunkStream`).
+            OSError: a write failed.
+        """
+        if isinstance(data, torch.Tensor):
+            raise TypeError(
+                "BufferedStream writes host arrays; stream device tensors with ChunkStream"
+            )
+        view = memoryview(data)  # type: ignore[arg-type]
+        for start in range(0, int(data.size), CHUNK):
+            piece = view[start : start + CHUNK]
+            self._out.write(piece, self._pos)
+            if on_copied is not None:
+                on_copied(data[start : start + CHUNK])
+            self._pos += len(piece)
+            if self._progress is not None:
+                self._progress(len(piece))
+            if self._pos - self._started >= self.WRITEBACK:
+                start_writeback(self._out.fd, self._started, self._pos - self._started)
+                self._started = self._pos
+
+    def finish(self) -> None:
+        """Starts the writeback of what is left (the caller's fsync waits for all of it)."""
+        start_writeback(self._out.fd, self._started, self._pos - self._started)
+        self._started = self._pos
+
+    def close(self) -> None:
+        """Nothing to wait for or free (writes are synchronous); for `ChunkStream` parity."""
 
 
 def _stream(out: FileWriter, segments: Sequence[np.ndarray], file_pos: int = 0) -> None:

@@ -27,6 +27,7 @@ from ...dict_utils import nested_values
 from ...errors import CheckpointingException
 from ...mapping import ShardedBase, ShardedObject, ShardedTensor, is_main_replica
 from ...storage import ImagePool
+from ...storage.write_probe import prefer_direct_writes
 from ..base import AsyncSaveShardedStrategy, CheckpointDir
 from . import writer
 from .finalize import SaveFinalizer
@@ -72,8 +73,12 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         background_thread_count: threads of an async save's background writer. One thread
             keeps the writer's CPU use (and its competition with training) lowest; the file
             layout is the same as a sync save's.
-        direct_io: write with O_DIRECT where the file system supports it (falls back to
-            buffered writes by itself, logged once per directory).
+        direct_io: True: write with O_DIRECT where the file system supports it (falls
+            back to buffered writes by itself, logged once per directory); False: write
+            through the page cache from the tensors' own memory, then fsync. None (the
+            default): a sync save uses whichever a small probe of the file system measured
+            faster (`storage.write_probe`: O_DIRECT unless buffered writes are clearly
+            faster; once per process and file system), an async save O_DIRECT.
         checksums: record an xxh3-64 of every stored item, of `.metadata` and of
             `common.pt` in `checksums.json` (verified by default on load; other readers
             ignore the file).
@@ -90,7 +95,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         *,
         background_thread_count: int = 1,
         checksums: bool = True,
-        direct_io: bool = True,
+        direct_io: Optional[bool] = None,
     ) -> None:
         super().__init__(backend, version)
         if thread_count is not None and thread_count < 1:
@@ -166,9 +171,12 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
                 for name, es in self._plan_files(entries)
             ]
             total = sum(plan.size for plan, _, _ in jobs)
+            direct = self.direct_io
+            if direct is None:
+                direct = bool(jobs) and prefer_direct_writes(ckpt, total)
             with byte_progress(f"save {ckpt.name}", total) as progress:
                 written = writer.write_files(
-                    ckpt, jobs, self._file_count(entries), self.checksums, self.direct_io, progress
+                    ckpt, jobs, self._file_count(entries), self.checksums, direct, progress
                 )
         except Exception as e:  # reported to rank 0 and re-raised on every rank
             error = e
@@ -214,7 +222,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         items = [e.item for e in entries]
         request = AsyncRequest(
             writer.write_files,
-            (ckpt, jobs, self.background_thread_count, self.checksums, self.direct_io),
+            (ckpt, jobs, self.background_thread_count, self.checksums, self.direct_io is not False),
             [],
             description=f"torch_dist save to {ckpt}",
         )

@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from ...integrity import BlockSums, ItemSum, blocked_sum, checksum, new_hasher
 from ...storage import ALIGN, FileWriter, ImagePool, fsync_dir
 from ...storage.buffers import CHUNK
-from ...storage.segments import ChunkStream
+from ...storage.segments import BufferedStream, ChunkStream
 from .plan import WriteEntry
 from .zipformat import zip_item_layout
 
@@ -199,8 +199,13 @@ def write_streamed(
     Returns:
         Write results and item checksums.
     """
-    out = FileWriter(directory / plan.name, plan.size, direct)
-    stream = ChunkStream(out, pin=any(_on_device(src) for src in sources), progress=progress)
+    on_device = any(_on_device(src) for src in sources)
+    out = FileWriter(directory / plan.name, plan.size, direct, preallocate=direct)
+    stream: Any
+    if out.direct or on_device:
+        stream = ChunkStream(out, pin=on_device, progress=progress)
+    else:  # buffered, host tensors: written from their own memory, no staging copy
+        stream = BufferedStream(out, progress=progress)
     sums: List[ItemChecksum] = []
     put = stream.put
     try:

@@ -1,0 +1,189 @@
+"""Choosing the write path of a synchronous save (O_DIRECT or page cache + fsync) by measuring it.
+
+Which path writes a checkpoint faster depends on the machine: O_DIRECT skips the copy into
+the page cache (a third of the CPU time of a buffered write on this project's CI VM) and
+keeps the cache for the training job, but each request waits for the device; buffered
+writes queue the whole file at once and let the kernel write it back in large requests
+(`start_writeback` starts that as the file is written; the final fsync waits for it). On
+the 2-core CI VM the two measured within the run-to-run noise of each other, on a GPU node's
+local NVMe O_DIRECT reached 0.75x the disk with 4 files per rank. So the first synchronous
+save into a file system writes a small scratch file both ways, alternating, each write
+followed by its fsync, and keeps the answer for every later save on that file system (keyed
+by device number) in this process.
+
+O_DIRECT stays the choice unless the page cache is clearly faster: by `BUFFERED_MARGIN` in
+total and in every pair of probes (one probe on a busy machine is noisy; the same rule as
+the read probe, `storage.probe`, with the roles swapped because O_DIRECT costs less CPU).
+The probe writes `2 * ROUNDS * PROBE_BYTES` (16 MiB) once per process and file system, at
+the first save writing at least `MIN_PROBED_SAVE` bytes there, into a
+scratch file in the checkpoint directory that is removed before the save goes on. Its
+writes bypass the `faults` seam: they are measurements, no checkpoint data.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+from . import buffers
+from .direct import PathLike, direct_allowed, refuse_direct
+
+__all__ = [
+    "BUFFERED_MARGIN",
+    "MIN_PROBED_SAVE",
+    "PROBE_BYTES",
+    "ROUNDS",
+    "WriteProbe",
+    "forget_write_probes",
+    "prefer_direct_writes",
+    "write_probe_result",
+]
+
+logger = logging.getLogger(__name__)
+
+#: bytes of each probe write (one request, then fsync)
+PROBE_BYTES = 4 << 20
+#: pairs of probes (one O_DIRECT and one buffered write each, in alternating order)
+ROUNDS = 2
+#: buffered writes are chosen only when faster than O_DIRECT by this factor
+BUFFERED_MARGIN = 0.9
+#: a save writing fewer bytes than this (per rank) does not probe: it uses an earlier
+#: measurement of its file system, else O_DIRECT (the probe would cost a large share of it)
+MIN_PROBED_SAVE = 64 << 20
+
+
+@dataclass(frozen=True)
+class WriteProbe:
+    """One file system's measurement: seconds per (O_DIRECT, buffered) pair of writes."""
+
+    pairs: Tuple[Tuple[float, float], ...]
+    nbytes: int  # bytes written by each probe
+
+    @property
+    def direct_s(self) -> float:
+        """Total seconds of the O_DIRECT probes."""
+        return sum(d for d, _ in self.pairs)
+
+    @property
+    def buffered_s(self) -> float:
+        """Total seconds of the buffered probes."""
+        return sum(b for _, b in self.pairs)
+
+    @property
+    def prefer_direct(self) -> bool:
+        """False only when buffered writes were clearly faster: in total and in every pair."""
+        if not self.pairs:
+            return True
+        if not self.buffered_s < BUFFERED_MARGIN * self.direct_s:
+            return True
+        return not all(b < BUFFERED_MARGIN * d for d, b in self.pairs)
+
+
+_results: Dict[int, WriteProbe] = {}
+_lock = threading.Lock()
+
+
+def _write_once(path: str, view: memoryview, direct: bool) -> float:
+    """Seconds to create `path`, write `view` in one request and fsync it."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0)
+    t0 = time.perf_counter()
+    fd = os.open(path, flags, 0o600)
+    try:
+        done = 0
+        while done < len(view):
+            done += os.pwrite(fd, view[done:], done)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return time.perf_counter() - t0
+
+
+def _measure(directory: str) -> WriteProbe:
+    """Writes the scratch file both ways, alternating; removes it."""
+    path = os.path.join(directory, f".write_probe.{os.getpid()}.{threading.get_ident()}")
+    buf = buffers.bounce()  # aligned, as O_DIRECT needs
+    try:
+        data = buf[:PROBE_BYTES]
+        data[:] = 0x5A  # not zeros: some virtual disks skip writing zero blocks
+        view = memoryview(data)  # type: ignore[arg-type]
+        pairs: List[Tuple[float, float]] = []
+        for i in range(ROUNDS):
+            if i % 2 == 0:
+                d = _write_once(path, view, True)
+                b = _write_once(path, view, False)
+            else:
+                b = _write_once(path, view, False)
+                d = _write_once(path, view, True)
+            pairs.append((d, b))
+    finally:
+        buffers.give_back(buf)
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+    return WriteProbe(tuple(pairs), PROBE_BYTES)
+
+
+def prefer_direct_writes(directory: PathLike, nbytes: int = MIN_PROBED_SAVE) -> bool:
+    """Whether a synchronous save into `directory` should write with O_DIRECT, by measurement.
+
+    Measured on the first call for a file system (see the module docstring) and remembered.
+    False where O_DIRECT is unavailable or was refused in `directory` (then the refusal is
+    recorded, as a failed O_DIRECT write would).
+
+    Args:
+        directory: an existing directory the save writes into.
+        nbytes: the bytes the save writes here; below `MIN_PROBED_SAVE` nothing is
+            measured (an earlier measurement is used, else O_DIRECT).
+
+    Returns:
+        True unless buffered writes measured clearly faster (or O_DIRECT is not usable).
+
+    Raises:
+        OSError: the directory cannot be written (the save would fail the same way).
+    """
+    d = os.fspath(directory)
+    if not hasattr(os, "O_DIRECT") or not direct_allowed(d):
+        return False
+    dev = os.stat(d).st_dev
+    with _lock:  # one probe per file system, also when several threads ask at once
+        result = _results.get(dev)
+        if result is None and nbytes < MIN_PROBED_SAVE:
+            return True
+        if result is None:
+            try:
+                result = _measure(d)
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                refuse_direct(d, e, "writes")
+                return False
+            _results[dev] = result
+            logger.info(
+                "write path for %s's file system: %s (probe of %d x %d MiB each way, with "
+                "fsync: O_DIRECT %.2f GB/s, page cache %.2f GB/s)",
+                d,
+                "O_DIRECT" if result.prefer_direct else "page cache",
+                len(result.pairs),
+                result.nbytes >> 20,
+                result.nbytes * len(result.pairs) / max(result.direct_s, 1e-9) / 1e9,
+                result.nbytes * len(result.pairs) / max(result.buffered_s, 1e-9) / 1e9,
+            )
+    return result.prefer_direct
+
+
+def write_probe_result(directory: PathLike) -> Optional[WriteProbe]:
+    """The measurement kept for `directory`'s file system, or None if not measured yet."""
+    with _lock:
+        return _results.get(os.stat(os.fspath(directory)).st_dev)
+
+
+def forget_write_probes() -> None:
+    """Forgets every measurement (tests; a remounted or reconfigured file system)."""
+    with _lock:
+        _results.clear()

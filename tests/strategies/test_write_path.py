@@ -1,0 +1,168 @@
+"""The sync save's write path: the O_DIRECT / page-cache probe, and buffered streaming."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import dist_checkpointing as dc
+from dist_checkpointing import ShardedTensor
+from dist_checkpointing.storage import FileWriter, direct, segments, write_probe
+from dist_checkpointing.storage.write_probe import WriteProbe
+from dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+
+@pytest.fixture(autouse=True)
+def _fresh_probes():
+    write_probe.forget_write_probes()
+    direct.reset_direct_fallbacks()
+    yield
+    write_probe.forget_write_probes()
+    direct.reset_direct_fallbacks()
+
+
+@pytest.mark.parametrize(
+    "pairs, direct_wins",
+    [
+        (((1.0, 0.5), (1.0, 0.5)), False),  # buffered clearly faster every time
+        (((1.0, 0.5), (1.0, 0.95)), True),  # one pair within the margin: noise, keep O_DIRECT
+        (((1.0, 0.2), (0.3, 1.0)), True),  # faster in total, slower in one pair
+        (((1.0, 1.0), (1.0, 1.0)), True),  # a tie keeps O_DIRECT (less CPU)
+        (((0.5, 1.0), (0.5, 1.0)), True),
+        ((), True),  # nothing measured
+    ],
+)
+def test_write_probe_prefers_o_direct_unless_buffered_is_clearly_faster_in_every_pair(
+    pairs, direct_wins
+):
+    assert WriteProbe(pairs, 1 << 20).prefer_direct is direct_wins
+
+
+def test_write_probe_measures_once_per_file_system_and_leaves_no_file(tmp_path, monkeypatch):
+    calls = []
+    real = write_probe._measure
+
+    def counting(d):
+        calls.append(d)
+        return real(d)
+
+    monkeypatch.setattr(write_probe, "_measure", counting)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    first = write_probe.prefer_direct_writes(tmp_path / "a", 1 << 30)
+    second = write_probe.prefer_direct_writes(tmp_path / "b", 1 << 30)
+    assert first == second and len(calls) == 1
+    assert os.listdir(tmp_path / "a") == [] and os.listdir(tmp_path / "b") == []
+    result = write_probe.write_probe_result(tmp_path / "b")
+    assert result is not None and len(result.pairs) == write_probe.ROUNDS
+    assert all(d > 0 and b > 0 for d, b in result.pairs)
+
+
+def test_write_probe_is_skipped_for_small_saves_until_a_large_one_measured(tmp_path, monkeypatch):
+    measured = WriteProbe(((1.0, 0.1), (1.0, 0.1)), 1 << 20)
+    monkeypatch.setattr(write_probe, "_measure", lambda d: measured)
+    small = write_probe.MIN_PROBED_SAVE - 1
+    assert write_probe.prefer_direct_writes(tmp_path, small) is True
+    assert write_probe.write_probe_result(tmp_path) is None
+    assert write_probe.prefer_direct_writes(tmp_path, write_probe.MIN_PROBED_SAVE) is False
+    assert write_probe.prefer_direct_writes(tmp_path, small) is False  # the kept measurement
+
+
+def test_write_probe_chooses_buffered_where_o_direct_is_refused(tmp_path, monkeypatch):
+    real_open = os.open
+
+    def no_direct(path, flags, *args):
+        if flags & os.O_DIRECT:
+            raise OSError(22, "Invalid argument")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", no_direct)
+    assert write_probe.prefer_direct_writes(tmp_path, 1 << 30) is False
+    assert not direct.direct_allowed(str(tmp_path))
+    assert os.listdir(tmp_path) == []
+
+
+def test_buffered_stream_writes_the_exact_bytes_and_starts_writeback_of_all_of_them(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setattr(segments, "CHUNK", 1000)
+    monkeypatch.setattr(segments.BufferedStream, "WRITEBACK", 2500)
+    started = []
+    monkeypatch.setattr(
+        segments, "start_writeback", lambda fd, off, n: started.append((off, n)) if n else None
+    )
+    rng = np.random.default_rng(0)
+    pieces = [rng.integers(0, 256, n, dtype=np.uint8) for n in (0, 7, 3000, 1, 999, 4096)]
+    want = np.concatenate(pieces)
+    out = FileWriter(tmp_path / "f", want.size, direct=False, preallocate=False)
+    stream = segments.BufferedStream(out)
+    seen = []
+    for p in pieces:
+        stream.put(p, seen.append)
+    stream.finish()
+    stream.close()
+    out.finish()
+    assert (tmp_path / "f").read_bytes() == want.tobytes()
+    assert b"".join(s.tobytes() for s in seen) == want.tobytes()
+    assert max(s.size for s in seen) <= 1000
+    pos = 0
+    for off, n in started:  # contiguous ranges covering the file
+        assert off == pos
+        pos += n
+    assert pos == want.size and len(started) > 1
+
+
+def test_buffered_stream_refuses_device_tensors(tmp_path):
+    out = FileWriter(tmp_path / "f", 4, direct=False)
+    try:
+        with pytest.raises(TypeError):
+            segments.BufferedStream(out).put(torch.zeros(4, dtype=torch.uint8))
+    finally:
+        out.abort(remove=True)
+
+
+def _spy_writers(monkeypatch):
+    opened = []
+    real_init = FileWriter.__init__
+
+    def init(self, path, size, direct, *args, **kwargs):
+        real_init(self, path, size, direct, *args, **kwargs)
+        if str(path).endswith(".distcp"):
+            opened.append(self.direct)
+
+    monkeypatch.setattr(FileWriter, "__init__", init)
+    return opened
+
+
+@pytest.mark.parametrize(
+    "probe_says_direct, direct_io, expect_direct",
+    [(False, None, False), (True, None, True), (False, True, True), (True, False, False)],
+)
+def test_sync_save_writes_the_way_the_probe_or_the_caller_chose_and_loads_bit_exactly(
+    tmp_path, monkeypatch, probe_says_direct, direct_io, expect_direct
+):
+    pair = (0.1, 1.0) if probe_says_direct else (1.0, 0.1)
+    monkeypatch.setattr(write_probe, "_measure", lambda d: WriteProbe((pair, pair), 1 << 20))
+    monkeypatch.setattr(write_probe, "MIN_PROBED_SAVE", 0)
+    opened = _spy_writers(monkeypatch)
+    sd = {
+        "big": torch.randn(1100, 300),  # over 1 MiB: data on a 4096-byte offset
+        "odd": torch.arange(0, 777, dtype=torch.int16),
+        "empty": torch.zeros(0, 5),
+        "strided": torch.randn(40, 60).t(),
+    }
+    strategy = TorchDistSaveShardedStrategy(thread_count=2, direct_io=direct_io)
+    dc.save(
+        {k: ShardedTensor.from_rank_offsets(k, v) for k, v in sd.items()},
+        tmp_path / "c",
+        sharded_strategy=strategy,
+    )
+    assert opened and all(d is expect_direct for d in opened), opened
+    assert write_probe.write_probe_result(tmp_path / "c") is not None or direct_io is not None
+    req = {k: ShardedTensor.from_rank_offsets(k, torch.zeros_like(v)) for k, v in sd.items()}
+    got = dc.load(req, tmp_path / "c")  # checksums are verified by default
+    for k, v in sd.items():
+        assert torch.equal(got[k], v), k
