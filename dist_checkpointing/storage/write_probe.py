@@ -1,12 +1,13 @@
 """Choosing the write path of a synchronous save (O_DIRECT or page cache + fsync) by measuring it.
 
 Which path writes a checkpoint faster depends on the machine: O_DIRECT skips the copy into
-the page cache (a third of the CPU time of a buffered write on this project's CI VM) and
-keeps the cache for the training job, but each request waits for the device; buffered
-writes queue the whole file at once and let the kernel write it back in large requests
-(`start_writeback` starts that as the file is written; the final fsync waits for it). On
-the 2-core CI VM the two measured within the run-to-run noise of each other, on a GPU node's
-local NVMe O_DIRECT reached 0.75x the disk with 4 files per rank. So the first synchronous
+the page cache (0.5-0.8x the CPU seconds of a buffered save of 1 GiB on this project's
+2-core CI VM) and leaves the cache to the training job, but each request waits for the device;
+buffered writes queue the whole file at once and let the kernel write it back in large
+requests (`start_writeback` starts that as the file is written; the final fsync waits for
+it). On the CI VM the two measured within the run-to-run noise of each other
+(`benchmarks/bench_save.py`); on a GPU node's local NVMe, O_DIRECT saves with 4 files per
+rank took 0.75x the time of one raw O_DIRECT stream. So the first synchronous
 save into a file system writes a small scratch file both ways, alternating, each write
 followed by its fsync, and keeps the answer for every later save on that file system (keyed
 by device number) in this process.
@@ -14,7 +15,7 @@ by device number) in this process.
 O_DIRECT stays the choice unless the page cache is clearly faster: by `BUFFERED_MARGIN` in
 total and in every pair of probes (one probe on a busy machine is noisy; the same rule as
 the read probe, `storage.probe`, with the roles swapped because O_DIRECT costs less CPU).
-The probe writes `2 * ROUNDS * PROBE_BYTES` (16 MiB) once per process and file system, at
+The probe writes `2 * ROUNDS * PROBE_BYTES` (24 MiB) once per process and file system, at
 the first save writing at least `MIN_PROBED_SAVE` bytes there, into a
 scratch file in the checkpoint directory that is removed before the save goes on. Its
 writes bypass the `faults` seam: they are measurements, no checkpoint data.
@@ -49,7 +50,7 @@ logger = logging.getLogger(__name__)
 #: bytes of each probe write (one request, then fsync)
 PROBE_BYTES = 4 << 20
 #: pairs of probes (one O_DIRECT and one buffered write each, in alternating order)
-ROUNDS = 2
+ROUNDS = 3
 #: buffered writes are chosen only when faster than O_DIRECT by this factor
 BUFFERED_MARGIN = 0.9
 #: a save writing fewer bytes than this (per rank) does not probe: it uses an earlier
@@ -111,6 +112,9 @@ def _measure(directory: str) -> WriteProbe:
         data = buf[:PROBE_BYTES]
         data[:] = 0x5A  # not zeros: some virtual disks skip writing zero blocks
         view = memoryview(data)  # type: ignore[arg-type]
+        # untimed: creating the file (and committing that with the first fsync) cost
+        # 4x a probe write here, and would land on whichever path went first
+        _write_once(path, view[: buffers.ALIGN], False)
         pairs: List[Tuple[float, float]] = []
         for i in range(ROUNDS):
             if i % 2 == 0:
