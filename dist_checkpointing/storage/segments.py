@@ -124,11 +124,16 @@ class ChunkStream:
             buf[fill:n] = 0
         if self._pending is not None:
             self._pending.result()  # the write that used the buffer we switch to next
-        self._pending = self._pool.submit(self._out.write, memoryview(buf[:n]), self._pos)  # type: ignore[arg-type]
+        self._pending = self._pool.submit(self._write, memoryview(buf[:n]), self._pos)  # type: ignore[arg-type]
         if self._progress is not None:
             self._progress(fill)
         self._pos += fill
         self._which, self._fill = 1 - self._which, 0
+
+    def _write(self, view: memoryview, pos: int) -> None:
+        self._out.write(view, pos)
+        if not self._out.direct:  # buffered (chosen, or O_DIRECT refused): see BufferedStream
+            start_writeback(self._out.fd, pos, len(view))
 
     def put(self, data: Any, on_copied: Optional[Callable[[np.ndarray], None]] = None) -> None:
         """Appends `data` (a uint8 array, or a device tensor's uint8 bytes); `on_copied`

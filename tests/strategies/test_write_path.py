@@ -166,3 +166,21 @@ def test_sync_save_writes_the_way_the_probe_or_the_caller_chose_and_loads_bit_ex
     got = dc.load(req, tmp_path / "c")  # checksums are verified by default
     for k, v in sd.items():
         assert torch.equal(got[k], v), k
+
+
+def test_chunk_stream_into_a_buffered_file_starts_writeback_of_each_chunk(tmp_path, monkeypatch):
+    """The path of CUDA sources when the probe chose the page cache (no CUDA needed)."""
+    started = []
+    monkeypatch.setattr(segments, "start_writeback", lambda fd, off, n: started.append((off, n)))
+    data = np.random.default_rng(1).integers(0, 256, segments.CHUNK + 5000, dtype=np.uint8)
+    out = FileWriter(tmp_path / "f", data.size, direct=False, preallocate=False)
+    stream = segments.ChunkStream(out)
+    try:
+        stream.put(data)
+        stream.finish()
+    finally:
+        stream.close()
+    out.finish()
+    assert (tmp_path / "f").read_bytes() == data.tobytes()
+    assert [off for off, _ in started] == [0, segments.CHUNK]
+    assert started[0][1] == segments.CHUNK and started[1][1] >= 5000
