@@ -1,7 +1,10 @@
 """Local checkpoints against our global checkpoint, torch.save and nvidia-resiliency-ext.
 
 Each rank holds `--total-mib / world` MiB of fp32 tensors and writes to its own "node"
-directory. In one run, per world size, medians over `--repeats` (max over ranks):
+directory. In one run, per world size, medians over `--repeats` rounds (at least 3; each
+sample is the max over ranks). The rows alternate within each round (every row measured
+once per round), so the machine's drift hits them alike; the JSON keeps every sample, the
+CPU seconds (user + system, max over ranks) of each, and the load average before and after:
 - `torch.save` + fsync per rank (a baseline);
 - our `torch_dist` sync save, its load (page cache dropped), and async save: how long
   `save()` + `schedule_async_request` block the caller and when the save is committed;
@@ -9,7 +12,9 @@ directory. In one run, per world size, medians over `--repeats` (max over ranks)
   (jump 1), synchronous;
 - local load (a fresh manager's find_latest + load, page cache dropped) and recovery after
   one rank's directory is deleted (its part comes from its replica holder);
-- local async save (factor 2): blocking time and commit time;
+- local async save (factor 2): blocking time and commit time; one untimed warm-up async
+  save of each kind (ours torch_dist and local) comes first, so one-time costs (pools,
+  threads) are not counted, and the timed saves of the two kinds alternate;
 - with `--nvrx-python PY` (a Python with nvidia-resiliency-ext 0.4.1 and torch, e.g. a side
   venv): its LocalCheckpointManager with replication factor 2, run by
   `benchmarks/nvrx_local_side.py` in that interpreter, in the same run (our package never
@@ -25,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -47,11 +53,38 @@ from benchmarks._common import (
 _N_TENSORS = 8
 
 
-def _timed(fn: Callable[[], Any]) -> float:
-    dist.barrier()
-    t0 = time.perf_counter()
-    fn()
-    return max_over_ranks(time.perf_counter() - t0)
+def _cpu_seconds() -> float:
+    """CPU seconds (user + system) of this process, all its threads, so far."""
+    use = resource.getrusage(resource.RUSAGE_SELF)
+    return use.ru_utime + use.ru_stime
+
+
+class _Samples:
+    """Per-row samples: wall seconds (max over ranks) and CPU seconds (max over ranks)."""
+
+    def __init__(self) -> None:
+        self.wall: Dict[str, List[float]] = {}
+        self.cpu: Dict[str, List[float]] = {}
+
+    def timed(self, key: str, fn: Callable[[], Any]) -> None:
+        """Collective: times `fn` from a barrier until the slowest rank finished it."""
+        dist.barrier()
+        c0, t0 = _cpu_seconds(), time.perf_counter()
+        fn()
+        wall, cpu = time.perf_counter() - t0, _cpu_seconds() - c0
+        self.add(key, max_over_ranks(wall), max_over_ranks(cpu))
+
+    def add(self, key: str, wall: float, cpu: float = float("nan")) -> None:
+        self.wall.setdefault(key, []).append(wall)
+        self.cpu.setdefault(key, []).append(cpu)
+
+    def results(self) -> Dict[str, Any]:
+        out: Dict[str, Any] = {k: median(v) for k, v in self.wall.items()}
+        out["samples"] = {k: [round(x, 3) for x in v] for k, v in self.wall.items()}
+        out["cpu s per rank (max)"] = {
+            k: [round(x, 2) for x in v] for k, v in self.cpu.items() if all(x == x for x in v)
+        }
+        return out
 
 
 def _drop_cache(rank: int) -> None:
@@ -78,9 +111,10 @@ def _worker(rank: int, world: int, args: argparse.Namespace, port: int, queue: A
     }
     root = os.path.join(args.dir, f"w{world}")
     node = os.path.join(root, f"node{rank}")
+    shared = os.path.join(root, "global")
     os.makedirs(node, exist_ok=True)
     repl = CliqueReplicationStrategy.from_replication_params(1, 2)
-    out: Dict[str, Any] = {"GB per rank": sum(t.numel() * 4 for t in tensors.values()) / 1e9}
+    s = _Samples()
     reps = range(args.repeats)
 
     def sharded(fill: bool = True) -> Dict[str, Any]:
@@ -99,86 +133,79 @@ def _worker(rank: int, world: int, args: argparse.Namespace, port: int, queue: A
             os.fsync(f.fileno())
         os.remove(path)
 
-    out["torch.save s"] = median([_timed(lambda i=i: torch_save(i)) for i in reps])
-
-    # ---- our global checkpoint (torch_dist) ----
-    shared = os.path.join(root, "global")
-    saves, loads = [], []
-    for i in reps:
-        ckpt = os.path.join(shared, f"sync_{i}")
-        saves.append(_timed(lambda: dc.save(sharded(), ckpt)))
-        _drop_cache(rank)
-        request = sharded(fill=False)
-        loads.append(_timed(lambda: dc.load(request, ckpt)))
-        assert torch.equal(request["t0"].data, tensors["t0"])
+    def remove_global(ckpt: str) -> None:
         dist.barrier()
         if rank == 0:
             shutil.rmtree(ckpt)
-    out["torch_dist save s"], out["torch_dist load s"] = median(saves), median(loads)
-    q = AsyncCallsQueue()
-    blocked, final = [], []
-    for i in reps:
-        ckpt = os.path.join(shared, f"async_{i}")
         dist.barrier()
-        t0 = time.perf_counter()
-        q.schedule_async_request(dc.save(sharded(), ckpt, async_sharded_save=True))
-        blocked.append(max_over_ranks(time.perf_counter() - t0))
-        q.maybe_finalize_async_calls(blocking=True)
-        final.append(max_over_ranks(time.perf_counter() - t0))
-        dist.barrier()
-        if rank == 0:
-            shutil.rmtree(ckpt)
-    out["torch_dist async blocks s"], out["torch_dist async final s"] = (
-        median(blocked),
-        median(final),
-    )
 
-    # ---- local checkpoints ----
-    for factor, strategy in ((1, None), (2, repl)):
-        m = LocalCheckpointManager(node, f"f{factor}", strategy)
-        out[f"local f{factor} s"] = median(
-            [
-                _timed(lambda i=i: m.save(BasicTensorAwareStateDict(dict(tensors)), i + 1))
-                for i in reps
-            ]
-        )
+    def state() -> Any:
+        return BasicTensorAwareStateDict(dict(tensors))
+
+    managers = {f: LocalCheckpointManager(node, f"f{f}", repl if f == 2 else None) for f in (1, 2)}
 
     def load_local() -> None:
         fresh = LocalCheckpointManager(node, "f2", repl)
         fresh.find_latest()
-        state, _ = fresh.load()
-        assert torch.equal(state.state_dict["t0"], tensors["t0"])
+        loaded, _ = fresh.load()
+        for k, t in tensors.items():
+            assert torch.equal(loaded.state_dict[k], t), k
 
-    loads = []
-    for _ in reps:
-        _drop_cache(rank)
-        loads.append(_timed(load_local))
-    out["local load s"] = median(loads)
-    recoveries = []
+    # Every row is measured once per round, rows alternating within a round, so that the
+    # machine's drift (other users, the disk's state) hits every row alike.
     for i in reps:
+        s.timed("torch.save s", lambda: torch_save(i))
+        ckpt = os.path.join(shared, f"sync_{i}")
+        s.timed("torch_dist save s", lambda: dc.save(sharded(), ckpt))
+        for f, m in managers.items():
+            s.timed(f"local f{f} s", lambda: m.save(state(), i + 1))
+        _drop_cache(rank)
+        request = sharded(fill=False)
+        s.timed("torch_dist load s", lambda: dc.load(request, ckpt))
+        for k, t in tensors.items():
+            assert torch.equal(request[k].data, t), k
+        remove_global(ckpt)
+        _drop_cache(rank)
+        s.timed("local load s", load_local)
         dist.barrier()
         if rank == world - 1:
             shutil.rmtree(os.path.join(node, "f2"))
         _drop_cache(rank)
-        recoveries.append(_timed(load_local))
-        # restore the lost copy for the next round
-        LocalCheckpointManager(node, "f2", repl).save(
-            BasicTensorAwareStateDict(dict(tensors)), 100 + i
-        )
-    out["recovery s"] = median(recoveries)
-    m = LocalCheckpointManager(node, "async", repl)
-    blocked, final = [], []
-    for i in reps:
+        s.timed("recovery s", load_local)
         dist.barrier()
-        t0 = time.perf_counter()
-        q.schedule_async_request(
-            m.save(BasicTensorAwareStateDict(dict(tensors)), i + 1, is_async=True)
-        )
-        blocked.append(max_over_ranks(time.perf_counter() - t0))
+
+    # async saves: a warm-up save of each kind first (one-time costs: pools, groups,
+    # threads), then the timed saves, alternating
+    q = AsyncCallsQueue()
+    m_async = LocalCheckpointManager(node, "async", repl)
+
+    def async_save(kind: str, i: int, timed: bool) -> None:
+        ckpt = os.path.join(shared, f"async_{i}")
+        dist.barrier()
+        c0, t0 = _cpu_seconds(), time.perf_counter()
+        if kind == "torch_dist":
+            request = dc.save(sharded(), ckpt, async_sharded_save=True)
+        else:
+            request = m_async.save(state(), i + 1, is_async=True)
+        q.schedule_async_request(request)
+        blocked = max_over_ranks(time.perf_counter() - t0)
         q.maybe_finalize_async_calls(blocking=True)
-        final.append(max_over_ranks(time.perf_counter() - t0))
+        final = max_over_ranks(time.perf_counter() - t0)
+        cpu = max_over_ranks(_cpu_seconds() - c0)
+        if timed:
+            s.add(f"{kind} async blocks s", blocked)
+            s.add(f"{kind} async final s", final, cpu)
+        if kind == "torch_dist":
+            remove_global(ckpt)
+
+    for kind in ("torch_dist", "local"):
+        async_save(kind, 0, timed=False)
+    for i in reps:
+        for kind in ("torch_dist", "local"):
+            async_save(kind, i + 1, timed=True)
     q.close()
-    out["local async blocks s"], out["local async final s"] = median(blocked), median(final)
+    out = s.results()
+    out["GB per rank"] = sum(t.numel() * 4 for t in tensors.values()) / 1e9
     dist.barrier()
     if rank == 0:
         queue.put(out)
@@ -255,6 +282,10 @@ def _table(res: Dict[str, Any]) -> List[Dict[str, Any]]:
     return rows
 
 
+def _loads(avg: Any) -> str:
+    return "/".join(f"{x:.2f}" for x in avg)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -270,16 +301,23 @@ def main() -> None:
     )
     parser.add_argument("--json", default="")
     args = parser.parse_args()
+    if args.repeats < 3:
+        print(f"--repeats {args.repeats}: taking 3, the fewest a median means anything with")
+        args.repeats = 3
     results: Dict[str, Any] = {}
     for world in args.world_sizes:
         shutil.rmtree(args.dir, ignore_errors=True)
+        before = os.getloadavg()
         res = run_world(_worker, world, args)
         if args.nvrx_python:
             res.update(_nvrx(args, world))
         shutil.rmtree(args.dir, ignore_errors=True)
+        after = os.getloadavg()
+        res["load average before"], res["load average after"] = before, after
         results[str(world)] = res
         print_table(
-            f"local checkpoints, {world} ranks, {args.total_mib} MiB fp32 in all, medians of {args.repeats}",
+            f"local checkpoints, {world} ranks, {args.total_mib} MiB fp32 in all, medians of "
+            f"{args.repeats}; load average (1/5/15 min) before {_loads(before)}, after {_loads(after)}",
             _table(res),
             ["what", "s", "x torch.save", "ratio"],
         )
