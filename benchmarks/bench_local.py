@@ -151,28 +151,38 @@ def _worker(rank: int, world: int, args: argparse.Namespace, port: int, queue: A
         for k, t in tensors.items():
             assert torch.equal(loaded.state_dict[k], t), k
 
+    saves, loads = "saves" in args.phases, "loads" in args.phases
+    # a warm-up round first (untimed): one-time costs (pools, probes, threads) of every
+    # kind of save are paid before the timed rounds
+    if saves or loads:
+        dc.save(sharded(), os.path.join(shared, "warm-up"))
+        remove_global(os.path.join(shared, "warm-up"))
+        for m in managers.values():
+            m.save(state(), 1)
     # Every row is measured once per round, rows alternating within a round, so that the
     # machine's drift (other users, the disk's state) hits every row alike.
-    for i in reps:
-        s.timed("torch.save s", lambda: torch_save(i))
+    for i in reps if saves or loads else ():
+        if saves:
+            s.timed("torch.save s", lambda: torch_save(i))
         ckpt = os.path.join(shared, f"sync_{i}")
         s.timed("torch_dist save s", lambda: dc.save(sharded(), ckpt))
         for f, m in managers.items():
-            s.timed(f"local f{f} s", lambda: m.save(state(), i + 1))
-        _drop_cache(rank)
-        request = sharded(fill=False)
-        s.timed("torch_dist load s", lambda: dc.load(request, ckpt))
-        for k, t in tensors.items():
-            assert torch.equal(request[k].data, t), k
+            if saves or f == 2:
+                s.timed(f"local f{f} s", lambda: m.save(state(), i + 2))
+        if loads:
+            _drop_cache(rank)
+            request = sharded(fill=False)
+            s.timed("torch_dist load s", lambda: dc.load(request, ckpt))
+            for k, t in tensors.items():
+                assert torch.equal(request[k].data, t), k
+            _drop_cache(rank)
+            s.timed("local load s", load_local)
+            dist.barrier()
+            if rank == world - 1:
+                shutil.rmtree(os.path.join(node, "f2"))
+            _drop_cache(rank)
+            s.timed("recovery s", load_local)
         remove_global(ckpt)
-        _drop_cache(rank)
-        s.timed("local load s", load_local)
-        dist.barrier()
-        if rank == world - 1:
-            shutil.rmtree(os.path.join(node, "f2"))
-        _drop_cache(rank)
-        s.timed("recovery s", load_local)
-        dist.barrier()
 
     # async saves: a warm-up save of each kind first (one-time costs: pools, groups,
     # threads), then the timed saves, alternating
@@ -198,9 +208,9 @@ def _worker(rank: int, world: int, args: argparse.Namespace, port: int, queue: A
         if kind == "torch_dist":
             remove_global(ckpt)
 
-    for kind in ("torch_dist", "local"):
+    for kind in ("torch_dist", "local") if "async" in args.phases else ():
         async_save(kind, 0, timed=False)
-    for i in reps:
+    for i in reps if "async" in args.phases else ():
         for kind in ("torch_dist", "local"):
             async_save(kind, i + 1, timed=True)
     q.close()
@@ -263,9 +273,9 @@ def _table(res: Dict[str, Any]) -> List[Dict[str, Any]]:
         row: Dict[str, Any] = {
             "what": what,
             "s": res[key],
-            "x torch.save": res[key] / res["torch.save s"],
+            "x torch.save": res[key] / res["torch.save s"] if "torch.save s" in res else "",
         }
-        if target is not None:
+        if target is not None and target[0] in res:
             row["ratio"] = (
                 f"{res[key] / res[target[0]]:.2f} x {target[0].removesuffix(' s')} (goal {target[1]})"
             )
@@ -295,6 +305,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dir", default="/tmp/dist_ckpt_bench_local")
     parser.add_argument(
+        "--phases",
+        nargs="+",
+        choices=["saves", "loads", "async"],
+        default=["saves", "loads", "async"],
+        help="what to measure (default all; loads also time the saves they load)",
+    )
+    parser.add_argument(
         "--nvrx-python",
         default=os.environ.get("DIST_CKPT_NVRX_PYTHON", ""),
         help="Python with nvidia-resiliency-ext 0.4.1 (default $DIST_CKPT_NVRX_PYTHON; empty: skip)",
@@ -309,7 +326,7 @@ def main() -> None:
         shutil.rmtree(args.dir, ignore_errors=True)
         before = os.getloadavg()
         res = run_world(_worker, world, args)
-        if args.nvrx_python:
+        if args.nvrx_python and "saves" in args.phases:
             res.update(_nvrx(args, world))
         shutil.rmtree(args.dir, ignore_errors=True)
         after = os.getloadavg()

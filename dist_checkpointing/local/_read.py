@@ -29,7 +29,7 @@ from ..integrity import checksum, new_hasher
 from ..storage import ALIGN, prefer_direct_reads, read_region
 from ._image import _FOOTER, _POOL, _POOL_GRANULE, FORMAT_VERSION, MAGIC, _Layout, load_header
 
-__all__ = ["Part", "read_part", "release_part"]
+__all__ = ["Part", "FilePartSource", "read_part", "release_part"]
 
 #: bytes per read request (each request's bytes are hashed at once)
 REQUEST = 8 << 20
@@ -52,6 +52,31 @@ def release_part(part: Part) -> None:
     if part.pooled is not None:
         pooled, part.pooled = part.pooled, None
         _POOL.release(_Layout(int(pooled.numel())), pooled)
+
+
+class FilePartSource:
+    """A part file read piece by piece (to stream it to another rank), each piece with one
+    request in flight, front to back: no read-ahead beyond what the caller asks for.
+
+    Args:
+        path: the file.
+
+    Raises:
+        OSError: the file cannot be found (FileNotFoundError) or examined.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.size = os.stat(path).st_size
+        self.direct = prefer_direct_reads(path)
+
+    def read(self, offset: int, out: np.ndarray) -> None:
+        """Fills `out` with the file's bytes from `offset`.
+
+        Raises:
+            CheckpointCorruptedError: the file is shorter, or the read failed.
+        """
+        read_region(self.path, offset, out, self.direct, None, max(ALIGN, out.size), depth=1)
 
 
 def _devices(state: Any) -> List[str]:

@@ -55,12 +55,13 @@ from ...errors import (
 from .._image import LocalImage, decode_image, finish_image, release_image, start_image
 from .._read import Part, release_part
 from ..base_state_dict import TensorAwareStateDict
+from ..replication._retrieve import MemorySource, PartSource, stream_transfers
 from ..replication.strategies import (
     CkptID,
+    ExchangePlan,
     ImageSink,
     ReplicationStrategy,
     describe_id,
-    execute_plan,
     host_group,
     plan_retrieval,
 )
@@ -206,6 +207,17 @@ class BaseCheckpointManager(ABC):
         """
         image, where = self._load_image(ckpt_id)
         return Part(image), where, False
+
+    def _part_source(self, ckpt_id: CkptID) -> PartSource:
+        """Opens a committed part held here for sending it to another rank at load.
+
+        This default reads the whole part with `_load_image`; subclasses that store files
+        read it piece by piece as it is sent.
+
+        Raises:
+            CheckpointingException: the part cannot be opened.
+        """
+        return MemorySource(self._load_image(ckpt_id)[0])
 
     @abstractmethod
     def _save_image(self, image: LocalImage, ckpt_id: CkptID) -> None:
@@ -447,6 +459,59 @@ class BaseCheckpointManager(ABC):
             f"part of rank(s) {lost} (session {self.session_id!r})"
         )
 
+    def _retrieve(
+        self,
+        plan: ExchangePlan,
+        wanted: CkptID,
+        parts: Dict[CkptID, Part],
+        received: Dict[CkptID, torch.Tensor],
+    ) -> List[Tuple[int, CkptID]]:
+        """Collective: one attempt at `plan`. Reads and verifies the parts kept here (into
+        `parts`) while the parts other ranks need are streamed from their files and the
+        parts this rank needs arrive (verified, into `received`); see `_retrieve.py`.
+
+        Returns:
+            The copies found unusable here, as `(holder rank, id)`.
+        """
+        me = self.rank
+        keep = [
+            id_
+            for s, r, id_ in plan.transfers
+            if s == r == me and id_ not in parts and id_ not in received
+        ]
+        bad: List[Tuple[int, CkptID]] = []
+        with concurrent.futures.ThreadPoolExecutor(1, "dc-local-keep") as pool:
+            kept = pool.submit(lambda: [(i, self._checked_part(i, wanted)) for i in keep])
+            try:
+                got, unsent = stream_transfers(host_group(), plan.transfers, me, self._part_source)
+            finally:
+                outcomes = kept.result()
+        for id_, outcome in outcomes:
+            if isinstance(outcome, Part):
+                parts[id_] = outcome
+            else:
+                logger.warning(
+                    "local checkpoint part %s unusable, trying another copy: %s",
+                    describe_id(id_),
+                    outcome,
+                )
+                bad.append((me, id_))
+        bad += [(me, id_) for id_ in unsent]
+        for id_, (sender, buffer) in got.items():
+            try:
+                decode_image(
+                    buffer,
+                    f"local checkpoint part {describe_id(id_)} (sent by rank {sender})",
+                    verify=True,
+                    weights_only=self.weights_only,
+                )
+            except CheckpointingException as e:
+                logger.warning("copy from rank %d unusable, trying another: %s", sender, e)
+                bad.append((sender, id_))
+                continue
+            received[id_] = buffer
+        return bad
+
     def load(self) -> Tuple[TensorAwareStateDict, CkptID]:
         """Collective: loads this rank's part of the newest complete iteration.
 
@@ -473,41 +538,27 @@ class BaseCheckpointManager(ABC):
         }
         # every rank wants its own part of the same iteration: no need to ask
         everyone = {r: [(iteration, r, self.session_id)] for r in range(_dist.get_world_size())}
-        cache: Dict[CkptID, torch.Tensor] = {}  # parts read here, already verified
-        parts: Dict[CkptID, Part] = {}
+        parts: Dict[CkptID, Part] = {}  # parts read here, verified
+        received: Dict[CkptID, torch.Tensor] = {}  # copies from other ranks, verified
         try:
             while True:
                 plan = plan_retrieval(available, everyone)  # type: ignore[arg-type]
-                todo = [i for i in plan.required_ids(self.rank) if i not in cache]
-                # the parts this rank provides are read at once (its own and those it sends)
-                if len(todo) > 1:
-                    with concurrent.futures.ThreadPoolExecutor(len(todo)) as pool:
-                        outcomes = list(pool.map(lambda i: self._checked_part(i, wanted), todo))
-                else:
-                    outcomes = [self._checked_part(i, wanted) for i in todo]
-                bad: List[CkptID] = []
-                for ckpt_id, outcome in zip(todo, outcomes):
-                    if isinstance(outcome, Part):
-                        parts[ckpt_id], cache[ckpt_id] = outcome, outcome.buffer
-                    else:
-                        logger.warning(
-                            "local checkpoint part %s unusable, trying another copy: %s",
-                            describe_id(ckpt_id),
-                            outcome,
-                        )
-                        bad.append(ckpt_id)
-                all_bad = _dist.all_gather_object(bad)
-                if not any(all_bad):
+                bad = self._retrieve(plan, wanted, parts, received)
+                reports = _dist.all_gather_object((bad, sorted(received)))
+                if not any(b for b, _ in reports):
                     break
-                for rank, ids in enumerate(all_bad):
-                    gone = {tuple(i) for i in ids}
-                    available[rank] = [i for i in available[rank] if i not in gone]
-            received = execute_plan(plan, cache, host_group())
-            image = received[wanted]
+                # unusable copies are dropped, copies now in memory count as held there
+                for rank, (b, got) in enumerate(reports):
+                    for holder, id_ in b:
+                        available[holder] = [i for i in available[holder] if i != tuple(id_)]
+                    for id_ in got:
+                        if tuple(id_) not in available[rank]:
+                            available[rank].append(tuple(id_))
+            image = parts[wanted].buffer if wanted in parts else received[wanted]
             _, state = decode_image(
                 image,
                 f"local checkpoint part {describe_id(wanted)}",
-                verify=wanted not in cache,  # a part kept here was verified when read
+                verify=False,  # verified as it was read, or as it was received
                 weights_only=self.weights_only,
             )
             own = parts.get(wanted)

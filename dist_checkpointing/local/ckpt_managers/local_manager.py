@@ -21,7 +21,7 @@ from ..._fileio import fsync_dir
 from ...errors import CheckpointCorruptedError, CheckpointingException
 from ...storage import StreamedFile
 from .._image import LocalImage, read_image, write_image
-from .._read import Part, read_part
+from .._read import FilePartSource, Part, read_part
 from ..replication.strategies import CkptID, ReplicationStrategy
 from .base_manager import BaseCheckpointManager, SameMachineReplicationException
 
@@ -105,6 +105,15 @@ class LocalCheckpointManager(BaseCheckpointManager):
         path = self._path(ckpt_id)
         try:
             return read_part(str(path), own), str(path), True
+        except FileNotFoundError as e:
+            raise CheckpointCorruptedError(f"{path}: local checkpoint file is missing") from e
+        except OSError as e:
+            raise CheckpointCorruptedError(f"{path}: cannot be read: {e}") from e
+
+    def _part_source(self, ckpt_id: CkptID) -> FilePartSource:
+        path = self._path(ckpt_id)
+        try:
+            return FilePartSource(str(path))
         except FileNotFoundError as e:
             raise CheckpointCorruptedError(f"{path}: local checkpoint file is missing") from e
         except OSError as e:
