@@ -18,7 +18,7 @@ import concurrent.futures
 import os
 import threading
 from dataclasses import dataclass
-from typing import Any, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -33,6 +33,8 @@ __all__ = ["Part", "FilePartSource", "read_part", "release_part"]
 
 #: bytes per read request (each request's bytes are hashed at once)
 REQUEST = 8 << 20
+#: read requests in flight per reading thread
+DEPTH = 4
 
 
 @dataclass
@@ -55,8 +57,9 @@ def release_part(part: Part) -> None:
 
 
 class FilePartSource:
-    """A part file read piece by piece (to stream it to another rank), each piece with one
-    request in flight, front to back: no read-ahead beyond what the caller asks for.
+    """A part file, read front to back (to stream it to another rank) the way `read_part`
+    reads one (`REQUEST`-sized requests, `DEPTH` in flight), without verifying it (the
+    receiver does).
 
     Args:
         path: the file.
@@ -70,13 +73,14 @@ class FilePartSource:
         self.size = os.stat(path).st_size
         self.direct = prefer_direct_reads(path)
 
-    def read(self, offset: int, out: np.ndarray) -> None:
-        """Fills `out` with the file's bytes from `offset`.
+    def read_into(self, out: np.ndarray, progress: Callable[[int], None]) -> None:
+        """Fills `out` with the file's first `out.size` bytes, `progress(filled)` after
+        each request.
 
         Raises:
             CheckpointCorruptedError: the file is shorter, or the read failed.
         """
-        read_region(self.path, offset, out, self.direct, None, max(ALIGN, out.size), depth=1)
+        read_region(self.path, 0, out, self.direct, progress, REQUEST, DEPTH)
 
 
 def _devices(state: Any) -> List[str]:
@@ -150,7 +154,7 @@ def _read_parallel(path: str, out: np.ndarray, direct: bool, hashes: _Hashes, th
     hash holds the interpreter lock; the reads do not, so they overlap it).
     """
     if threads <= 1:
-        read_region(path, 0, out, direct, hashes, REQUEST)
+        read_region(path, 0, out, direct, hashes, REQUEST, DEPTH)
         return
     step = -(-out.size // threads // ALIGN) * ALIGN
     bounds = [(lo, min(out.size, lo + step)) for lo in range(0, out.size, step)]
@@ -165,7 +169,7 @@ def _read_parallel(path: str, out: np.ndarray, direct: bool, hashes: _Hashes, th
                 filled[k] = n
                 cond.notify()
 
-        read_region(path, lo, out[lo:hi], direct, progress, REQUEST)
+        read_region(path, lo, out[lo:hi], direct, progress, REQUEST, DEPTH)
         progress(hi - lo)
 
     def prefix() -> int:

@@ -3,10 +3,10 @@
 A recovery plan (`plan_retrieval`) names, for each rank that lost its part, a holder that
 sends a copy. `stream_transfers` runs the plan's transfers between different ranks:
 
-- Sender: reads the part front to back, one chunk of `CHUNK_BYTES` at a time (one request
-  in flight, sequential: what the VM disks we measured read fastest), into a small ring of
-  page-aligned buffers, and posts each chunk's send as soon as it is read; a buffer is
-  reused once its send completed. The part is read once and never held whole here.
+- Sender: reads the part front to back into one page-aligned buffer, through the same read
+  path and request depth as a part loaded here (`.._read`: several requests in flight;
+  measured 1.5-3x faster than one at a time for these reads on the CI VM), and posts each
+  chunk's send (`CHUNK_BYTES`) as soon as the read has filled it. The part is read once.
 - Receiver: posts every chunk's receive at once, into one buffer (the part's final memory).
 
 So the holder's disk, the wire and the receiver run at the same time, instead of the
@@ -19,8 +19,6 @@ read to the end (the rest is sent as zeros, so every posted receive completes).
 from __future__ import annotations
 
 import logging
-import mmap
-from collections import deque
 from typing import Any, Callable, Dict, List, Protocol, Sequence, Tuple
 
 import numpy as np
@@ -29,6 +27,7 @@ import torch.distributed as dist
 
 from ... import _dist
 from ...errors import CheckpointingException
+from ...storage import ALIGN
 
 __all__ = ["PartSource", "MemorySource", "stream_transfers", "CHUNK_BYTES"]
 
@@ -36,8 +35,6 @@ logger = logging.getLogger(__name__)
 
 #: bytes per chunk read and sent
 CHUNK_BYTES = 16 << 20
-#: chunk buffers per part being sent (reads ahead of the sends)
-RING = 3
 #: tags of one transfer's chunks: transfer index * _TAG_SPAN + chunk index
 _TAG_SPAN = 1 << 20
 
@@ -47,12 +44,13 @@ Transfer = Tuple[int, int, CkptID]
 
 
 class PartSource(Protocol):
-    """A stored part, read in pieces."""
+    """A stored part, read front to back."""
 
     size: int
 
-    def read(self, offset: int, out: np.ndarray) -> None:
-        """Fills `out` (flat uint8) with the part's bytes from `offset`.
+    def read_into(self, out: np.ndarray, progress: Callable[[int], None]) -> None:
+        """Fills `out` (flat uint8, `size` bytes) with the part's bytes, calling
+        `progress(filled)` with the growing number of leading bytes filled.
 
         Raises:
             CheckpointingException, OSError: the bytes cannot be read.
@@ -67,8 +65,9 @@ class MemorySource:
         self.flat = image.numpy()
         self.size = int(self.flat.size)
 
-    def read(self, offset: int, out: np.ndarray) -> None:
-        out[:] = self.flat[offset : offset + out.size]
+    def read_into(self, out: np.ndarray, progress: Callable[[int], None]) -> None:
+        out[:] = self.flat
+        progress(self.size)
 
 
 #: opens a part held here (raises CheckpointingException or OSError when it cannot)
@@ -80,33 +79,32 @@ def _chunks(size: int) -> List[Tuple[int, int]]:
 
 
 def _send(group: Any, receiver: int, tag: int, source: PartSource, what: str) -> bool:
-    """Reads `source` chunk by chunk, sending each as it is read; False if a read failed
-    (the remaining chunks are then sent as zeros, so the receiver's posts complete)."""
+    """Reads `source`, sending each chunk as soon as it is read; False if the read failed
+    (the chunks not yet sent are then sent as zeros, so the receiver's posts complete)."""
     chunks = _chunks(source.size)
-    ring = [
-        np.frombuffer(mmap.mmap(-1, CHUNK_BYTES), dtype=np.uint8)
-        for _ in range(min(RING, len(chunks)))
-    ]
-    works: deque = deque()
+    spare = torch.empty(source.size + ALIGN, dtype=torch.uint8)
+    skip = (-spare.data_ptr()) % ALIGN  # page-aligned: O_DIRECT reads land in place
+    flat = spare[skip : skip + source.size]
+    works: List[Any] = []
+
+    def post(filled: int) -> None:
+        while len(works) < len(chunks) and chunks[len(works)][1] <= filled:
+            lo, hi = chunks[len(works)]
+            works.append(dist.isend(flat[lo:hi], dst=receiver, group=group, tag=tag + len(works)))
+
     ok = True
     try:
-        for k, (lo, hi) in enumerate(chunks):
-            buf = ring[k % len(ring)]
-            if len(works) == len(ring):  # the buffer's previous chunk must be on its way
-                works.popleft().wait()
-            view = buf[: hi - lo]
-            if ok:
-                try:
-                    source.read(lo, view)
-                except (CheckpointingException, OSError) as e:
-                    logger.warning("cannot read %s to send it to rank %d: %s", what, receiver, e)
-                    ok = False
-            if not ok:
-                view[:] = 0
-            works.append(dist.isend(torch.from_numpy(view), dst=receiver, group=group, tag=tag + k))
+        try:
+            source.read_into(flat.numpy(), post)
+        except (CheckpointingException, OSError) as e:
+            logger.warning("cannot read %s to send it to rank %d: %s", what, receiver, e)
+            ok = False
+            flat[chunks[len(works)][0] if len(works) < len(chunks) else 0 :].zero_()
+        post(source.size)
     finally:
-        while works:
-            works.popleft().wait()
+        for w in works:
+            if w is not None:
+                w.wait()
     return ok
 
 
