@@ -184,3 +184,19 @@ def test_chunk_stream_into_a_buffered_file_starts_writeback_of_each_chunk(tmp_pa
     assert (tmp_path / "f").read_bytes() == data.tobytes()
     assert [off for off, _ in started] == [0, segments.CHUNK]
     assert started[0][1] == segments.CHUNK and started[1][1] >= 5000
+
+
+def test_sync_save_with_fewer_cores_than_ranks_writes_buffered_without_probing(
+    tmp_path, monkeypatch
+):
+    from dist_checkpointing.strategies.torch_dist import threads
+
+    monkeypatch.setattr(threads, "cores_per_local_rank", lambda cuda, *a, **k: 0.5)
+    monkeypatch.setattr(write_probe, "MIN_PROBED_SAVE", 0)
+    monkeypatch.setattr(write_probe, "_measure", lambda d: pytest.fail("probed"))
+    opened = _spy_writers(monkeypatch)
+    w = torch.randn(700, 500)
+    dc.save({"w": ShardedTensor.from_rank_offsets("w", w)}, tmp_path / "c")
+    assert opened == [False]
+    got = dc.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros_like(w))}, tmp_path / "c")
+    assert torch.equal(got["w"], w)

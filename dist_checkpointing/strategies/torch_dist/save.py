@@ -41,11 +41,15 @@ from .plan import (
     split_into_files,
     tensor_write_item,
 )
-from .threads import default_file_count
+from .threads import default_direct_writes, default_file_count
 
 __all__ = ["TorchDistSaveShardedStrategy"]
 
 logger = logging.getLogger(__name__)
+
+
+def _cuda_sources(entries: List[WriteEntry]) -> bool:
+    return any(isinstance(e.data, torch.Tensor) and e.data.is_cuda for e in entries)
 
 
 #: staging images of every torch_dist save strategy in this process
@@ -76,9 +80,11 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         direct_io: True: write with O_DIRECT where the file system supports it (falls
             back to buffered writes by itself, logged once per directory); False: write
             through the page cache from the tensors' own memory, then fsync. None (the
-            default): a sync save uses whichever a small probe of the file system measured
-            faster (`storage.write_probe`: O_DIRECT unless buffered writes are clearly
-            faster; once per process and file system), an async save O_DIRECT.
+            default): a sync save writes buffered where the node has fewer cores than
+            ranks and the tensors are on the host (`torch_dist.threads`), else uses
+            whichever a small probe of the file system measured faster
+            (`storage.write_probe`: O_DIRECT unless buffered writes are clearly faster;
+            once per process and file system); an async save uses O_DIRECT.
         checksums: record an xxh3-64 of every stored item, of `.metadata` and of
             `common.pt` in `checksums.json` (verified by default on load; other readers
             ignore the file).
@@ -142,8 +148,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         """`thread_count`, or the machine's default (`torch_dist.threads`) when None."""
         if self.thread_count is not None:
             return self.thread_count
-        cuda = any(isinstance(e.data, torch.Tensor) and e.data.is_cuda for e in entries)
-        return default_file_count(cuda)
+        return default_file_count(_cuda_sources(entries))
 
     def _plan_files(self, entries: List[WriteEntry]) -> List[Tuple[str, List[WriteEntry]]]:
         rank = get_rank()
@@ -172,6 +177,8 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             ]
             total = sum(plan.size for plan, _, _ in jobs)
             direct = self.direct_io
+            if direct is None:  # the machine's rule, else a measurement of the file system
+                direct = default_direct_writes(_cuda_sources(entries))
             if direct is None:
                 direct = bool(jobs) and prefer_direct_writes(ckpt, total)
             with byte_progress(f"save {ckpt.name}", total) as progress:
