@@ -1,4 +1,5 @@
-"""How many files (one writer thread each) a rank's synchronous `torch_dist` save writes.
+"""How many files (one writer thread each) a rank's synchronous `torch_dist` save writes,
+and, where a rule decides it, whether it writes them with O_DIRECT (`default_direct_writes`).
 
 The rule, from what the machine has:
 
