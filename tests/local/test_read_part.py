@@ -87,4 +87,7 @@ def test_reader_threads_follow_the_cores_per_rank(monkeypatch):
     assert _read.reader_threads(100 << 20) == 1  # under 64 MiB per thread
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     monkeypatch.setattr(_read.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
-    assert _read.reader_threads(4 << 30) == 1  # this CI machine kind: 2 cores, 2 ranks
+    assert _read.reader_threads(4 << 30) == 2  # this CI machine kind: 2 cores, 2 ranks
+    assert _read.reader_threads(100 << 20) == 1
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert _read.reader_threads(4 << 30) == 1  # 2 cores, 4 ranks
