@@ -144,12 +144,17 @@ def _worker(rank: int, world: int, args: argparse.Namespace, port: int, queue: A
 
     managers = {f: LocalCheckpointManager(node, f"f{f}", repl if f == 2 else None) for f in (1, 2)}
 
+    loaded: List[Any] = []
+
     def load_local() -> None:
         fresh = LocalCheckpointManager(node, "f2", repl)
         fresh.find_latest()
-        loaded, _ = fresh.load()
+        loaded.append(fresh.load()[0])
+
+    def check_local() -> None:  # outside the timed region, as for torch_dist
+        state = loaded.pop()
         for k, t in tensors.items():
-            assert torch.equal(loaded.state_dict[k], t), k
+            assert torch.equal(state.state_dict[k], t), k
 
     saves, loads = "saves" in args.phases, "loads" in args.phases
     # a warm-up round first (untimed): one-time costs (pools, probes, threads) of every
@@ -177,11 +182,13 @@ def _worker(rank: int, world: int, args: argparse.Namespace, port: int, queue: A
                 assert torch.equal(request[k].data, t), k
             _drop_cache(rank)
             s.timed("local load s", load_local)
+            check_local()
             dist.barrier()
             if rank == world - 1:
                 shutil.rmtree(os.path.join(node, "f2"))
             _drop_cache(rank)
             s.timed("recovery s", load_local)
+            check_local()
         remove_global(ckpt)
 
     # async saves: a warm-up save of each kind first (one-time costs: pools, groups,
