@@ -13,6 +13,7 @@ from dist_checkpointing import ShardedTensor
 from dist_checkpointing.storage import FileWriter, direct, segments, write_probe
 from dist_checkpointing.storage.write_probe import WriteProbe
 from dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+from tests.strategies.test_disk_io import _refuse_o_direct
 
 
 @pytest.fixture(autouse=True)
@@ -72,14 +73,7 @@ def test_write_probe_is_skipped_for_small_saves_until_a_large_one_measured(tmp_p
 
 
 def test_write_probe_chooses_buffered_where_o_direct_is_refused(tmp_path, monkeypatch):
-    real_open = os.open
-
-    def no_direct(path, flags, *args):
-        if flags & os.O_DIRECT:
-            raise OSError(22, "Invalid argument")
-        return real_open(path, flags, *args)
-
-    monkeypatch.setattr(os, "open", no_direct)
+    _refuse_o_direct(monkeypatch)
     assert write_probe.prefer_direct_writes(tmp_path, 1 << 30) is False
     assert not direct.direct_allowed(str(tmp_path))
     assert os.listdir(tmp_path) == []
