@@ -31,10 +31,13 @@ from ._image import _FOOTER, _POOL, _POOL_GRANULE, FORMAT_VERSION, MAGIC, _Layou
 
 __all__ = ["Part", "FilePartSource", "read_part", "release_part"]
 
-#: bytes per read request (each request's bytes are hashed at once)
+#: bytes per read request (each request's bytes are hashed at once), as `torch_dist` loads
 REQUEST = 8 << 20
-#: read requests in flight per reading thread
-DEPTH = 4
+#: read requests in flight per reading thread; None: `storage.read_region`'s default, the
+#: same rule as `torch_dist` loads (one through the page cache, whose readahead keeps the
+#: disk busy, `storage.inflight.DEPTH` with O_DIRECT). Measured for local parts with
+#: `benchmarks/bench_read_patterns.py` (docs/performance.md, issue 14).
+DEPTH: Optional[int] = None
 
 
 @dataclass

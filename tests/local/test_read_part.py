@@ -10,6 +10,8 @@ from dist_checkpointing.errors import CheckpointCorruptedError
 from dist_checkpointing.local import _read
 from dist_checkpointing.local._image import decode_image, finish_image, start_image, write_image
 from dist_checkpointing.local.basic_state_dict import BasicTensorAwareStateDict
+from dist_checkpointing.storage import direct as storage_direct
+from dist_checkpointing.storage import inflight
 
 
 def _state() -> dict:
@@ -91,3 +93,28 @@ def test_reader_threads_follow_the_cores_per_rank(monkeypatch):
     assert _read.reader_threads(100 << 20) == 1
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     assert _read.reader_threads(4 << 30) == 1  # 2 cores, 4 ranks
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("use_direct", [False, True])
+def test_read_part_keeps_the_storage_default_requests_in_flight(
+    tmp_path, monkeypatch, use_direct, threads
+):
+    # the same rule as torch_dist loads: one request through the page cache, more with O_DIRECT
+    path = _write(tmp_path)
+    depths: list = []
+    real = storage_direct.read_in_flight
+
+    def spy(fd, offset, out, where, progress, request, depth):
+        depths.append(depth)
+        return real(fd, offset, out, where, progress, request, depth)
+
+    monkeypatch.setattr(storage_direct, "read_in_flight", spy)
+    monkeypatch.setattr(_read, "prefer_direct_reads", lambda p: use_direct)
+    monkeypatch.setattr(_read, "reader_threads", lambda n: threads)
+    part = _read.read_part(path)
+    with open(path, "rb") as f:
+        assert part.buffer.numpy().tobytes() == f.read()
+    if use_direct and not storage_direct.direct_allowed(str(tmp_path)):
+        pytest.skip("this file system refuses O_DIRECT")
+    assert depths == [inflight.DEPTH if use_direct else storage_direct.BUFFERED_DEPTH] * threads
