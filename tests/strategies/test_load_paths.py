@@ -16,7 +16,7 @@ import dist_checkpointing as dc
 from dist_checkpointing import ShardedTensor, integrity
 from dist_checkpointing.errors import CheckpointCorruptedError
 from dist_checkpointing.storage import direct, faults, probe
-from dist_checkpointing.strategies.torch_dist import reader
+from dist_checkpointing.strategies.torch_dist import reader, zipformat
 from dist_checkpointing.strategies.torch_dist.load import TorchDistLoadShardedStrategy
 from dist_checkpointing.strategies.torch_dist.metadata_file import read_metadata
 from dist_checkpointing.strategies.torch_dist.reader import open_range
@@ -289,3 +289,62 @@ def test_resharded_rows_reach_their_destinations_request_by_request():
     assert torch.equal(a[:2], stored[2:4, 1:3]) and not a[2].any() and not b.any()
     scatter(8 + 40 * 8)
     assert torch.equal(a, stored[2:5, 1:3]) and torch.equal(b, stored[5:9])
+
+
+def test_head_layout_locates_the_data_from_the_records_before_it():
+    layout = zipformat.zip_item_layout(torch.bfloat16, (3, 5000), 12345)
+    assert layout is not None
+    n = len(layout.head)
+    got = zipformat.head_layout(layout.head, n, layout.data_nbytes)
+    assert got == zipformat.ChunkLayout(n, torch.bfloat16, (3, 5000))
+    assert zipformat.head_layout(layout.head[:100], 100, layout.data_nbytes) is None  # cut pickle
+    assert zipformat.head_layout(layout.head, n + 1, layout.data_nbytes) is None
+    assert zipformat.head_layout(layout.head, n, layout.data_nbytes + 2) is None
+    assert zipformat.head_layout(b"\0" * n, n, layout.data_nbytes) is None
+
+
+def test_checksummed_chunks_are_read_front_to_back(tmp_path, monkeypatch):
+    """The zip directory at an item's end is not read before its data (a random read per
+    chunk): the layout comes from the records before the data, the tail is checked after."""
+    w = torch.randn(200, 1000)
+    _save_blocked(tmp_path, monkeypatch, w)
+    ckpt = tmp_path / "c"
+    path, data0 = _data_offset(ckpt)
+
+    def no_directory(item):
+        raise AssertionError("the directory was parsed")
+
+    monkeypatch.setattr(reader, "chunk_layout", no_directory)
+    with faults.injected(faults.Fault("*.distcp", ops=("read",))) as (spy,):
+        got = dc.load(_request(w, [(0, 200)]), ckpt, validate_access_integrity=False)
+    assert torch.equal(got["p0"], w)
+    assert spy.calls and spy.calls[0].offset == data0
+    # without checksums there is no recorded data offset: the directory is parsed
+    with pytest.raises(Exception, match="directory was parsed"):
+        dc.load(
+            _request(w, [(0, 200)]),
+            ckpt,
+            sharded_strategy=TorchDistLoadShardedStrategy(verify_checksums=False),
+            validate_access_integrity=False,
+        )
+
+
+@pytest.mark.parametrize("where", ["pickle", "directory"])
+@pytest.mark.parametrize("rows", [(0, 200), (40, 90)])
+def test_damaged_zip_records_are_found_after_a_front_to_back_read(
+    tmp_path, monkeypatch, where, rows
+):
+    w = torch.randn(200, 1000)
+    _save_blocked(tmp_path, monkeypatch, w)
+    ckpt = tmp_path / "c"
+    md = read_metadata(ckpt)
+    (info,) = [i for k, i in md.storage_data.items() if k.fqn == "w"]
+    path, data0 = _data_offset(ckpt)
+    data = open(path, "rb").read()
+    if where == "pickle":  # the stored shape's first digit: 200 -> a different shape
+        at = data.index(b"K\xc8", info.offset, data0)  # BININT1 200
+        _flip(path, at + 1)
+    else:
+        _flip(path, info.offset + info.length - 30)
+    with pytest.raises(CheckpointCorruptedError, match="w"):
+        dc.load(_request(w, [rows]), ckpt, validate_access_integrity=False)

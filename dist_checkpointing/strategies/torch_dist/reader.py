@@ -24,14 +24,14 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem
 
 from ..._safe_load import torch_load
 from ...errors import CheckpointCorruptedError
 from ...integrity import Checksums, ItemSum, new_hasher
 from ...storage import cached, prefer_direct_reads, read_region
-from .zipformat import chunk_layout
+from .zipformat import chunk_layout, head_layout
 
 __all__ = ["read_tensor_items", "read_byte_items", "open_range", "READ_REQUEST"]
 
@@ -111,6 +111,20 @@ def open_range(path: Path, info: _StorageInfo) -> Iterator[io.BufferedReader]:
 class _ChunkGroup:
     info: _StorageInfo
     reads: List[ReadItem]
+    #: the chunk's size and dtype as the metadata records them (None: not recorded)
+    stored: Optional[Tuple[Tuple[int, ...], torch.dtype]] = None
+
+
+def _stored_chunk(
+    metadata: Metadata, index: MetadataIndex
+) -> Optional[Tuple[Tuple[int, ...], torch.dtype]]:
+    md = metadata.state_dict_metadata.get(index.fqn)
+    if not isinstance(md, TensorStorageMetadata) or index.offset is None:
+        return None
+    for chunk in md.chunks:
+        if tuple(chunk.offsets) == tuple(index.offset):
+            return tuple(int(s) for s in chunk.sizes), md.properties.dtype
+    return None
 
 
 def read_tensor_items(
@@ -159,7 +173,8 @@ def read_tensor_items(
     for r in reads:
         info = _storage_info(metadata, r.storage_index)
         groups.setdefault(
-            (str(info.relative_path), info.offset), _ChunkGroup(info, [])
+            (str(info.relative_path), info.offset),
+            _ChunkGroup(info, [], _stored_chunk(metadata, r.storage_index)),
         ).reads.append(r)
 
     def load_group(group: _ChunkGroup) -> int:
@@ -270,12 +285,23 @@ def _mismatch(what: str, info: _StorageInfo) -> CheckpointCorruptedError:
     )
 
 
+def _read_exact(raw: Any, offset: int, n: int) -> bytes:
+    """`n` bytes of the item from `offset` (fewer only at the item's end)."""
+    raw.seek(offset)
+    parts, got = [], 0
+    while got < n:
+        part = raw.read(n - got)
+        if not part:
+            break
+        parts.append(part)
+        got += len(part)
+    return b"".join(parts)
+
+
 def _frame(raw: Any, layout: Any, length: int) -> Tuple[bytes, bytes]:
     """The item's bytes before and after its data (its zip records)."""
-    raw.seek(0)
-    head = raw.read(layout.data_offset)
-    raw.seek(layout.data_offset + layout.nbytes)
-    return head, raw.read(length - layout.data_offset - layout.nbytes)
+    end = layout.data_offset + layout.nbytes
+    return _read_exact(raw, 0, layout.data_offset), _read_exact(raw, end, length - end)
 
 
 def _frame_matches(raw: Any, layout: Any, length: int, expected: ItemSum) -> bool:
@@ -312,7 +338,14 @@ def _read_stored(
     item are read whole to be verified. Other chunks go through `torch.load`.
     """
     raw = stream.raw
-    layout = chunk_layout(raw)  # type: ignore[arg-type]
+    layout = None
+    if expected is not None and expected.blocked:
+        # everything sequential: the head now, the frame's tail once the data is read
+        layout = head_layout(
+            _read_exact(raw, 0, expected.data_off), expected.data_off, expected.data_len
+        )
+    if layout is None:
+        layout = chunk_layout(raw)  # type: ignore[arg-type]
     if layout is None:
         stream.seek(0)
         payload = stream.read()
@@ -327,16 +360,47 @@ def _read_stored(
             dest.copy_(src)
         return len(payload)
     shape = layout.shape
+    if group.stored is not None and group.stored != (tuple(shape), layout.dtype):
+        # before any data is read into a destination: the zip records say another shape
+        # or dtype than the metadata (a damaged record; the frame digest is checked later)
+        raise CheckpointCorruptedError(
+            f"{what}: the item holds a {layout.dtype} chunk of shape {tuple(shape)}, the "
+            f"metadata says {group.stored[1]} of shape {group.stored[0]}"
+        )
     nrows = shape[0] if shape else 0
     row0, row1 = 0, nrows
     if (expected is None or expected.blocked) and nrows > 0:
         row0 = min(int(r.storage_offsets[0]) for r in group.reads)
         row1 = max(int(r.storage_offsets[0]) + int(r.lengths[0]) for r in group.reads)
     row_bytes = (math.prod(shape[1:]) if shape else 1) * layout.dtype.itemsize
-    data_file_off = group.info.offset + layout.data_offset
+    nread = _read_data(
+        raw, group, layout, resolve, what, expected, path, direct_io, row0, row1, nrows, row_bytes
+    )
+    # checked after the data so that the item is read front to back; a mismatch raises
+    # before the load returns anything
     if expected is not None and expected.blocked:
         if not _frame_matches(raw, layout, group.info.length, expected):
             raise _mismatch(what, group.info)
+    return nread
+
+
+def _read_data(
+    raw: Any,
+    group: _ChunkGroup,
+    layout: Any,
+    resolve: Callable[[ReadItem], torch.Tensor],
+    what: str,
+    expected: Optional[ItemSum],
+    path: str,
+    direct_io: Optional[bool],
+    row0: int,
+    row1: int,
+    nrows: int,
+    row_bytes: int,
+) -> int:
+    """Reads rows `row0:row1` of a parsed contiguous chunk into the reads' destinations."""
+    shape = layout.shape
+    data_file_off = group.info.offset + layout.data_offset
     whole = (row0, row1) == (0, nrows)
     if whole and len(group.reads) == 1:
         r = group.reads[0]
