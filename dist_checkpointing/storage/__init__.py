@@ -16,9 +16,10 @@ Modules:
     probe: the read path (page cache or O_DIRECT) chosen by measurement per file system.
     write_probe: the same for a synchronous save's writes (O_DIRECT or page cache + fsync).
     inflight: several read requests of one region in flight, completions reported in order.
+    mapped: part of a region read through a mapping of the page cache (no copy of the rest).
 """
 
-from . import faults
+from . import faults, mapped
 from .buffers import ALIGN, ChunkBuffers, ImagePool, host_buffer
 from .direct import (
     FileWriter,
@@ -45,6 +46,7 @@ __all__ = [
     "cached",
     "direct_allowed",
     "faults",
+    "mapped",
     "forget_probes",
     "fsync_dir",
     "host_buffer",

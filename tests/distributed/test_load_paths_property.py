@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 import dist_checkpointing as dc
 from dist_checkpointing import integrity
+from dist_checkpointing.storage import mapped
 from dist_checkpointing.strategies.torch_dist import reader
 from dist_checkpointing.strategies.torch_dist.load import TorchDistLoadShardedStrategy
 from tests._sharding import Case, bitwise_equal, cases, make_global
@@ -26,8 +27,14 @@ SETTINGS = settings(
     max_examples=2, deadline=None, suppress_health_check=list(HealthCheck), database=None
 )
 
-#: direct_io of the load strategy: the page cache, O_DIRECT, and the measured choice
-PATHS = {"page cache": False, "O_DIRECT": True, "measured": None}
+#: (direct_io of the load strategy, page-cache mappings allowed): the page cache (partial
+#: reads mapped, or copied where mappings are unavailable), O_DIRECT, the measured choice
+PATHS = {
+    "page cache": (False, True),
+    "page cache, partial reads copied": (False, False),
+    "O_DIRECT": (True, True),
+    "measured": (None, True),
+}
 
 
 def save_small_blocks(batch: List[Case], root: str) -> None:
@@ -40,10 +47,13 @@ def save_small_blocks(batch: List[Case], root: str) -> None:
         integrity.BLOCK = saved
 
 
-def load_in_small_requests(batch: List[Case], root: str, direct_io: Optional[bool]) -> List[str]:
+def load_in_small_requests(
+    batch: List[Case], root: str, direct_io: Optional[bool], mapping: bool = True
+) -> List[str]:
     """Loads the batch in 48-byte requests through one read path; returns the differences."""
-    saved = reader.READ_REQUEST
+    saved, saved_mapping = reader.READ_REQUEST, mapped._supported
     reader.READ_REQUEST = 48
+    mapped._supported = mapped.available() and mapping
     try:
         loaded = dc.load(
             state_for(batch, "load", False),
@@ -51,7 +61,7 @@ def load_in_small_requests(batch: List[Case], root: str, direct_io: Optional[boo
             sharded_strategy=TorchDistLoadShardedStrategy(direct_io=direct_io),
         )
     finally:
-        reader.READ_REQUEST = saved
+        reader.READ_REQUEST, mapped._supported = saved, saved_mapping
     problems = []
     r = rank()
     for i, case in enumerate(batch):
@@ -110,9 +120,9 @@ def test_random_shardings_load_bitwise_through_every_read_path(
     def run(batch: List[Case]) -> None:
         root = str(tmp_path_factory.mktemp("paths"))
         world_factory(save_world).run_ok(save_small_blocks, batch, root, timeout=120)
-        for name, direct_io in PATHS.items():
+        for name, (direct_io, mapping) in PATHS.items():
             problems = world_factory(load_world).run_ok(
-                load_in_small_requests, batch, root, direct_io, timeout=120
+                load_in_small_requests, batch, root, direct_io, mapping, timeout=120
             )
             assert problems == [[]] * load_world, (name, problems)
 

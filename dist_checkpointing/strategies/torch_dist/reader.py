@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 from ..._safe_load import torch_load
 from ...errors import CheckpointCorruptedError
 from ...integrity import Checksums, ItemSum, new_hasher
-from ...storage import cached, prefer_direct_reads, read_region
+from ...storage import cached, mapped, prefer_direct_reads, read_region
 from .zipformat import chunk_layout, head_layout
 
 __all__ = ["read_tensor_items", "read_byte_items", "open_range", "READ_REQUEST"]
@@ -422,28 +422,52 @@ def _read_data(
             _read_verified(path, data_file_off, dest, direct, verifier)
             return layout.nbytes
     # Reads that other ranks of the node likely repeat (several regions of one chunk, or part
-    # of it: resharding) go through the page cache, which the ranks share.
+    # of it: resharding) go through the page cache, which the ranks share: mapped where the
+    # kernel allows (each rank hashes and copies out only what it uses), else read into a
+    # per-thread scratch buffer.
     start, stop = row0 * row_bytes, row1 * row_bytes
     if expected is not None and not whole:  # widen to whole checksum blocks
         start = start - start % expected.block
         stop = min(layout.nbytes, -(-stop // expected.block) * expected.block)
     if whole:
         start, stop = 0, layout.nbytes
-    region = _scratch(stop - start)
-    skip = row0 * row_bytes - start
-    if shape:
-        rows = region[skip : skip + (row1 - row0) * row_bytes].view(layout.dtype)
-        stored = rows.view((row1 - row0,) + tuple(shape[1:]))
-    else:  # a 0-d tensor
-        stored = region.view(layout.dtype).view(())
-    pairs = _pairs(stored, row0, group, resolve, what)
-    streamed = len(shape) >= 1 and row_bytes > 0 and (expected is None or expected.blocked)
-    scatter = _Scatter(pairs, row0, row1 - row0, row_bytes, skip) if streamed else None
-    verifier = _Verifier(raw, layout, region, start, group, expected, what, scatter)
-    _read_verified(path, data_file_off + start, region, False, verifier)
-    if scatter is None:  # one digest for the whole item: copy once it is verified
-        for src, dest, _ in pairs:
-            dest.copy_(src)
+    with contextlib.ExitStack() as stack:
+        fill: Callable[[Optional[Callable[[int], None]]], None]
+        if mapped.available() and stop > start:
+            m = stack.enter_context(mapped.mapped_region(path, data_file_off + start, stop - start))
+            region = torch.from_numpy(m.array)
+
+            def fill(progress: Optional[Callable[[int], None]]) -> None:
+                m.populate(progress, READ_REQUEST)
+
+        else:
+            region = _scratch(stop - start)
+
+            def fill(progress: Optional[Callable[[int], None]]) -> None:
+                read_region(
+                    path,
+                    data_file_off + start,
+                    _flat_bytes(region),
+                    direct=False,
+                    progress=progress,
+                    request=READ_REQUEST,
+                )
+
+        skip = row0 * row_bytes - start
+        if shape:
+            rows = region[skip : skip + (row1 - row0) * row_bytes].view(layout.dtype)
+            stored = rows.view((row1 - row0,) + tuple(shape[1:]))
+        else:  # a 0-d tensor
+            stored = region.view(layout.dtype).view(())
+        pairs = _pairs(stored, row0, group, resolve, what)
+        streamed = len(shape) >= 1 and row_bytes > 0 and (expected is None or expected.blocked)
+        scatter = _Scatter(pairs, row0, row1 - row0, row_bytes, skip) if streamed else None
+        verifier = _Verifier(raw, layout, region, start, group, expected, what, scatter)
+        fill(verifier if verifier.expected is not None or verifier.consume else None)
+        verifier.finish()
+        if scatter is None:  # one digest for the whole item: copy once it is verified
+            for src, dest, _ in pairs:
+                dest.copy_(src)
     return stop - start
 
 
