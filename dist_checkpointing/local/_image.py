@@ -19,6 +19,7 @@ host memory: `start_image` (caller) copies the tensors and the header into one b
 from __future__ import annotations
 
 import io
+import os
 import struct
 import threading
 from dataclasses import dataclass
@@ -32,6 +33,8 @@ from ..errors import CheckpointCorruptedError, CheckpointingException
 from ..integrity import checksum
 from ..storage import ALIGN, ImagePool, read_file
 from ..storage.segments import write_segments
+from ..storage.write_probe import prefer_direct_writes
+from ..strategies.torch_dist.threads import default_direct_writes
 from .base_state_dict import TensorAwareStateDict, hollow_state_classes
 from .basic_state_dict import BasicTensorAwareStateDict  # noqa: F401  (registers its classes)
 
@@ -372,20 +375,39 @@ def decode_image(
     return tuple(header.get("id", ())), state
 
 
+def _direct_writes(image: LocalImage, path: str) -> bool:
+    """The write path of a durable (fsync'd) image: the one a `torch_dist` sync save takes.
+
+    A staged image (async save, CUDA sources) goes out with O_DIRECT straight from its
+    aligned buffer, as `torch_dist` async saves do. An unstaged one (a sync save of CPU
+    tensors) follows `torch_dist`'s sync rule: buffered with fewer cores than ranks on the
+    node (`default_direct_writes`), else the file system's write probe (`prefer_direct_writes`).
+    """
+    if image.staged:
+        return True
+    rule = default_direct_writes(cuda_sources=False)
+    if rule is not None:
+        return rule
+    return prefer_direct_writes(os.path.dirname(path) or ".", image.nbytes)
+
+
 def write_image(image: LocalImage, path: str, fsync: bool = True) -> None:
     """Writes a finished image to `path` (created, must not exist).
 
-    Through the shared I/O layer (`storage.write_segments`): with `fsync`, O_DIRECT where
-    the file system allows it (a staged image straight from its aligned buffer, an unstaged
-    one through the pooled chunk buffers) and the file is fsync'd; without, buffered writes
-    from the image's own memory and no fsync (the durability policy, see the manager).
+    Through the shared I/O layer (`storage.write_segments`). With `fsync` (the durability
+    policy, see the manager) the file is fsync'd, written the way a `torch_dist` sync save
+    writes (`_direct_writes`): with O_DIRECT (a staged image straight from its aligned
+    buffer, an unstaged one through the pooled chunk buffers), or buffered from the image's
+    own memory with the disk's writeback started as it is written. Without `fsync`,
+    buffered writes from the image's own memory and no fsync.
 
     Raises:
         FileExistsError: `path` exists.
         OSError: the write failed (the partial file is removed).
     """
     assert image.finished, "finish_image must run before write_image"
-    write_segments(path, image.segments(), direct=fsync, fsync=fsync, padded=image.padded())
+    direct = fsync and _direct_writes(image, path)
+    write_segments(path, image.segments(), direct=direct, fsync=fsync, padded=image.padded())
 
 
 def read_image(path: str) -> torch.Tensor:

@@ -9,7 +9,8 @@ and header segments (no full copy of the state is made).
   pair of aligned chunk buffers (`ChunkBuffers`), the copy of one chunk overlapping the
   write of the other, as the torch_dist backend's synchronous save does.
 - Buffered (`direct=False`): each segment is written from its own memory (the kernel's
-  page-cache copy is the only copy).
+  page-cache copy is the only copy); with `fsync`, through `BufferedStream`, which starts
+  the disk's writeback as the file is written, as the torch_dist sync save's buffered path.
 - `fsync` decides whether the file is made durable before returning.
 
 `StreamedFile` is the other way in: a new file filled by positional writes of chunks as they
@@ -71,6 +72,11 @@ def write_segments(
                 out.write(view[start : start + CHUNK], start)
         elif out.direct:
             _stream(out, segments)
+        elif fsync:  # writeback started as written: the fsync finds little left to write
+            stream = BufferedStream(out)
+            for seg in segments:
+                stream.put(seg)
+            stream.finish()
         else:
             pos = 0
             for seg in segments:

@@ -98,3 +98,53 @@ def test_manager_round_trip_is_bit_exact_on_every_path(tmp_path, device, fsync, 
     got = state.state_dict
     assert all(got[k].device.type == device for k in got if isinstance(got[k], torch.Tensor))
     assert _equal(_state(device), got)
+
+
+@pytest.mark.parametrize(
+    "cores, probe, want_direct",
+    [(0.5, True, False), (2.0, True, True), (2.0, False, False)],
+    ids=["fewer-cores-than-ranks", "probe-o-direct", "probe-page-cache"],
+)
+def test_durable_sync_image_takes_the_torch_dist_sync_write_path(
+    tmp_path, monkeypatch, cores, probe, want_direct
+):
+    from dist_checkpointing.local import _image
+    from dist_checkpointing.storage import direct as storage_direct
+    from dist_checkpointing.storage import segments
+    from dist_checkpointing.strategies.torch_dist import threads
+
+    monkeypatch.setattr(threads, "cores_per_local_rank", lambda cuda_sources: cores)
+    monkeypatch.setattr(_image, "prefer_direct_writes", lambda directory, nbytes: probe)
+    calls: list = []
+    real_write, real_finish = _image.write_segments, storage_direct.FileWriter.finish
+    monkeypatch.setattr(
+        _image,
+        "write_segments",
+        lambda *a, **k: (calls.append(("write", k["direct"], k["fsync"])), real_write(*a, **k))[1],
+    )
+    monkeypatch.setattr(
+        segments,
+        "start_writeback",
+        lambda fd, off, n: calls.append(("writeback",)),
+    )
+    monkeypatch.setattr(
+        storage_direct.FileWriter,
+        "finish",
+        lambda self: (calls.append(("fsync",)), real_finish(self))[1],
+    )
+    files = []
+    for stage in (False, True):
+        image = finish_image(
+            start_image(BasicTensorAwareStateDict(_state()), (1, 0, ""), stage=stage)
+        )
+        write_image(image, str(tmp_path / f"{stage}.pt"), fsync=True)
+        release_image(image)
+        files.append((tmp_path / f"{stage}.pt").read_bytes())
+    unstaged = calls[: calls.index(("fsync",)) + 1]
+    assert unstaged[0] == ("write", want_direct, True) and unstaged[-1] == ("fsync",)
+    # buffered: the disk's writeback is started as the file is written, as torch_dist does
+    assert (("writeback",) in unstaged) == (not want_direct)
+    assert calls[len(unstaged)] == ("write", True, True)  # staged (async): O_DIRECT always
+    assert files[0] == files[1]
+    _, state = decode_image(read_image(str(tmp_path / "False.pt")), "x")
+    assert _equal(_state(), state.state_dict)
