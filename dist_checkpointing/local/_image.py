@@ -23,14 +23,14 @@ import os
 import struct
 import threading
 from dataclasses import dataclass
-from typing import Any, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import numpy as np
 import torch
 
 from .._safe_load import torch_load
 from ..errors import CheckpointCorruptedError, CheckpointingException
-from ..integrity import checksum
+from ..integrity import checksum, new_hasher
 from ..storage import ALIGN, ImagePool, read_file
 from ..storage.segments import write_segments
 from ..storage.write_probe import prefer_direct_writes
@@ -130,16 +130,20 @@ class LocalImage:
 
     def segments(self) -> List[np.ndarray]:
         """The image's bytes as consecutive flat uint8 arrays."""
+        return [seg for seg, _ in self._owned_segments()]
+
+    def _owned_segments(self) -> List[Tuple[np.ndarray, Optional[int]]]:
+        """The segments, each with the index of the tensor whose bytes it is (or None)."""
         if self.buffer is not None:
-            return [self.buffer.numpy()]
+            return [(self.buffer.numpy(), None)]
         assert self.sources is not None and self.tail is not None
-        out: List[np.ndarray] = []
-        for (off, n), src in zip(self.slots, self.sources):
-            out.append(src)
+        out: List[Tuple[np.ndarray, Optional[int]]] = []
+        for k, ((off, n), src) in enumerate(zip(self.slots, self.sources)):
+            out.append((src, k))
             pad = _aligned(off + n) - (off + n)
             if pad:
-                out.append(np.zeros(pad, dtype=np.uint8))
-        out.append(self.tail)
+                out.append((np.zeros(pad, dtype=np.uint8), None))
+        out.append((self.tail, None))
         return out
 
     def padded(self) -> Optional[np.ndarray]:
@@ -254,17 +258,24 @@ def start_image(
     )
 
 
-def finish_image(image: LocalImage) -> LocalImage:
-    """Computes the checksums and writes the footer (runs in the background)."""
+def finish_image(image: LocalImage, sums: Optional[List[int]] = None) -> LocalImage:
+    """Computes the checksums and writes the footer (runs in the background).
+
+    Args:
+        image: the image (returned).
+        sums: the tensors' checksums when already computed (e.g. as they were written).
+    """
     if image.finished:
         return image
     if image.buffer is not None:
         flat = image.buffer.numpy()
-        sums = [checksum(flat[off : off + n]) for off, n in image.slots]
+        if sums is None:
+            sums = [checksum(flat[off : off + n]) for off, n in image.slots]
         tail = flat[image.header_offset :]
     else:
         assert image.sources is not None and image.tail is not None
-        sums = [checksum(src) for src in image.sources]
+        if sums is None:
+            sums = [checksum(src) for src in image.sources]
         tail = image.tail
     table = np.array(sums, dtype="<u8").view(np.uint8)
     t0 = image.header_len
@@ -392,7 +403,13 @@ def _direct_writes(image: LocalImage, path: str) -> bool:
 
 
 def write_image(image: LocalImage, path: str, fsync: bool = True) -> None:
-    """Writes a finished image to `path` (created, must not exist).
+    """Writes an image to `path` (created, must not exist), finishing it first if needed.
+
+    An unfinished unstaged image (a sync save of CPU tensors, not replicated) is finished
+    while it is written: each tensor is hashed piece by piece as it is written (the pieces
+    still in the CPU caches, the hashing overlapping the disk's work, as the `torch_dist`
+    sync save does), and the checksum table and footer are filled in just before the tail
+    is written. Otherwise `finish_image` runs first.
 
     Through the shared I/O layer (`storage.write_segments`). With `fsync` (the durability
     policy, see the manager) the file is fsync'd, written the way a `torch_dist` sync save
@@ -405,9 +422,21 @@ def write_image(image: LocalImage, path: str, fsync: bool = True) -> None:
         FileExistsError: `path` exists.
         OSError: the write failed (the partial file is removed).
     """
-    assert image.finished, "finish_image must run before write_image"
     direct = fsync and _direct_writes(image, path)
-    write_segments(path, image.segments(), direct=direct, fsync=fsync, padded=image.padded())
+    if image.finished or image.staged:
+        finish_image(image)
+        write_segments(path, image.segments(), direct=direct, fsync=fsync, padded=image.padded())
+        return
+    owned = image._owned_segments()
+    hashers = [new_hasher() for _ in image.slots]
+
+    def prepare(i: int) -> Optional[Callable[[np.ndarray], None]]:
+        if i == len(owned) - 1:  # the tail: every tensor was hashed
+            finish_image(image, [h.intdigest() for h in hashers])
+        k = owned[i][1]
+        return hashers[k].update if k is not None else None
+
+    write_segments(path, [seg for seg, _ in owned], direct=direct, fsync=fsync, prepare=prepare)
 
 
 def read_image(path: str) -> torch.Tensor:

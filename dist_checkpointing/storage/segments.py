@@ -45,6 +45,7 @@ def write_segments(
     fsync: bool,
     exclusive: bool = True,
     padded: Optional[np.ndarray] = None,
+    prepare: Optional[Callable[[int], Optional[Callable[[np.ndarray], None]]]] = None,
 ) -> int:
     """Writes the concatenation of `segments` (flat uint8 arrays) to a new file.
 
@@ -55,7 +56,12 @@ def write_segments(
         fsync: make the file durable before returning.
         exclusive: refuse an existing file.
         padded: when `segments` is a single buffer, the same buffer extended to a multiple
-            of `ALIGN` with zeros (page-aligned memory): written directly with O_DIRECT.
+            of `ALIGN` with zeros (page-aligned memory): written directly with O_DIRECT
+            (not with `prepare`).
+        prepare: called with a segment's index just before the segment is written (so it
+            may still fill a later segment's bytes); may return a callback that sees each
+            piece of that segment as it is written (e.g. to checksum it while the bytes are
+            in the CPU caches: no separate pass).
 
     Returns:
         The number of bytes written.
@@ -66,23 +72,32 @@ def write_segments(
     size = int(sum(s.size for s in segments))
     out = FileWriter(path, size, direct=direct, exclusive=exclusive, preallocate=direct)
     try:
-        if out.direct and padded is not None and _aligned(padded) and padded.size % ALIGN == 0:
+        if (
+            out.direct
+            and prepare is None
+            and padded is not None
+            and _aligned(padded)
+            and padded.size % ALIGN == 0
+        ):
             view = memoryview(padded)  # type: ignore[arg-type]
             for start in range(0, padded.size, CHUNK):
                 out.write(view[start : start + CHUNK], start)
         elif out.direct:
-            _stream(out, segments)
+            _stream(out, segments, prepare=prepare)
         elif fsync:  # writeback started as written: the fsync finds little left to write
             stream = BufferedStream(out)
-            for seg in segments:
-                stream.put(seg)
+            for i, seg in enumerate(segments):
+                stream.put(seg, prepare(i) if prepare is not None else None)
             stream.finish()
         else:
             pos = 0
-            for seg in segments:
+            for i, seg in enumerate(segments):
+                seen = prepare(i) if prepare is not None else None
                 view = memoryview(seg)  # type: ignore[arg-type]
                 for start in range(0, seg.size, CHUNK):
                     out.write(view[start : start + CHUNK], pos + start)
+                    if seen is not None:
+                        seen(seg[start : start + CHUNK])
                 pos += seg.size
         if fsync:
             out.finish()
@@ -234,12 +249,18 @@ class BufferedStream:
         """Nothing to wait for or free (writes are synchronous); for `ChunkStream` parity."""
 
 
-def _stream(out: FileWriter, segments: Sequence[np.ndarray], file_pos: int = 0) -> None:
-    """Streams segments through `ChunkStream`, from `file_pos` (aligned) on."""
+def _stream(
+    out: FileWriter,
+    segments: Sequence[np.ndarray],
+    file_pos: int = 0,
+    prepare: Optional[Callable[[int], Optional[Callable[[np.ndarray], None]]]] = None,
+) -> None:
+    """Streams segments through `ChunkStream`, from `file_pos` (aligned) on (`prepare`: as
+    in `write_segments`)."""
     stream = ChunkStream(out, file_pos)
     try:
-        for seg in segments:
-            stream.put(seg)
+        for i, seg in enumerate(segments):
+            stream.put(seg, prepare(i) if prepare is not None else None)
         stream.finish()
     finally:
         stream.close()

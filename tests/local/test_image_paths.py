@@ -44,24 +44,32 @@ def _equal(a: dict, b: dict) -> bool:
 
 @pytest.mark.parametrize("small_chunks", [False, True])
 @pytest.mark.parametrize("fsync", [True, False])
+@pytest.mark.parametrize("direct", [True, False])
 def test_staged_and_unstaged_images_write_the_same_bytes(
-    tmp_path, monkeypatch, fsync, small_chunks
+    tmp_path, monkeypatch, fsync, small_chunks, direct
 ):
+    from dist_checkpointing.local import _image
+
     if small_chunks:  # many chunk boundaries, inside and across segments
         from dist_checkpointing.storage import segments
 
         monkeypatch.setattr(segments, "CHUNK", 3 * 4096)
+    # the sync write path (O_DIRECT or buffered), forced either way
+    monkeypatch.setattr(_image, "_direct_writes", lambda image, path: direct or image.staged)
     files = []
-    for stage in (True, False):
-        image = finish_image(
-            start_image(BasicTensorAwareStateDict(_state()), (1, 0, ""), stage=stage)
-        )
-        path = tmp_path / f"{stage}.pt"
+    # staged; unstaged finished first (as before replication); unstaged finished while
+    # written (each tensor hashed as it is written)
+    for name, stage, finish_first in (("s", True, True), ("u", False, True), ("w", False, False)):
+        image = start_image(BasicTensorAwareStateDict(_state()), (1, 0, ""), stage=stage)
+        if finish_first:
+            finish_image(image)
+        path = tmp_path / f"{name}.pt"
         write_image(image, str(path), fsync=fsync)
+        assert image.finished
         release_image(image)
         files.append(path.read_bytes())
-    assert files[0] == files[1]
-    _, state = decode_image(read_image(str(tmp_path / "True.pt")), "x")
+    assert files[0] == files[1] == files[2]
+    _, state = decode_image(read_image(str(tmp_path / "w.pt")), "x")  # checksums verified
     assert _equal(_state(), state.state_dict)
     assert state.state_dict["meta"] == {"step": 5, "names": ["a", "b"]}
 
@@ -134,9 +142,8 @@ def test_durable_sync_image_takes_the_torch_dist_sync_write_path(
     )
     files = []
     for stage in (False, True):
-        image = finish_image(
-            start_image(BasicTensorAwareStateDict(_state()), (1, 0, ""), stage=stage)
-        )
+        # unfinished: the sync save's part is hashed as it is written
+        image = start_image(BasicTensorAwareStateDict(_state()), (1, 0, ""), stage=stage)
         write_image(image, str(tmp_path / f"{stage}.pt"), fsync=True)
         release_image(image)
         files.append((tmp_path / f"{stage}.pt").read_bytes())

@@ -11,7 +11,8 @@ Save (collective):
    are sent from the tensors themselves), queue the rest on the manager's one background thread, in call
    order (so background exchanges run in the same order on every rank).
 2. Background: remove the committed parts of I held here, if any (a job restarted from an
-   older checkpoint reaches I again: the new save overwrites the old one), then checksums;
+   older checkpoint reaches I again: the new save overwrites the old one), then checksums
+   (without replication: computed as the part is written, `write_image`);
    the write of this rank's own part as a dirty file (created exclusively) runs while the
    replication exchange sends it and receives the peers' parts, each written to its own
    dirty file chunk by chunk as it arrives (`_open_image`). Whether
@@ -385,10 +386,10 @@ class BaseCheckpointManager(ABC):
                     len(old),
                 )
                 self._cleanup_failed_save(iteration)
-            finish_image(image)
-            if self.repl_strategy is None:
+            if self.repl_strategy is None:  # checksums computed as the part is written
                 self._save_image(image, image.ckpt_id)
                 return image.nbytes
+            finish_image(image)  # before any byte is sent: replicas carry the same checksums
             own = _io_threads().submit(self._save_image, image, image.ckpt_id)
             try:
                 received = self.repl_strategy.replicate_stream(
