@@ -20,7 +20,8 @@ that many ranks on the node, each tensor hashed as it lands):
   default, one request in flight through the page cache, as `torch_dist` loads);
 - `local part, 4 in flight`: the same with `local._read.DEPTH = 4` (what it used before).
 
-Prints the median wall time of the slowest process and every sample.
+Prints the median wall time of the slowest process, every sample, and the median of the
+largest CPU seconds (user + system) a process spent on a read.
 
     python -m benchmarks.bench_read_patterns --processes 2 4 --total-mib 1024 --rounds 5
     python -m benchmarks.bench_read_patterns --processes 2 4 --total-mib 1024 --rounds 4 --local
@@ -31,6 +32,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import resource
 import shutil
 import statistics
 import time
@@ -72,7 +74,19 @@ def _read_local(path: str, pattern: str) -> float:
     return time.perf_counter() - start
 
 
-def _read(args: Tuple[str, int, str]) -> float:
+def _cpu() -> float:
+    use = resource.getrusage(resource.RUSAGE_SELF)
+    return use.ru_utime + use.ru_stime
+
+
+def _read(args: Tuple[str, int, str]) -> Tuple[float, float]:
+    """(wall seconds, CPU seconds of this process) of one read."""
+    c0 = _cpu()
+    wall = _read_wall(args)
+    return wall, _cpu() - c0
+
+
+def _read_wall(args: Tuple[str, int, str]) -> float:
     path, size, pattern = args
     if pattern in LOCAL_PATTERNS:
         return _read_local(path + ".local", pattern)
@@ -135,13 +149,14 @@ def main() -> None:
             # read_part's reader threads follow the ranks on the node
             os.environ["LOCAL_WORLD_SIZE"] = str(n)
             times: Dict[str, List[float]] = {p: [] for p in patterns}
+            cpus: Dict[str, List[float]] = {p: [] for p in patterns}
             for _ in range(args.rounds):
                 for pattern in patterns:
                     drop_page_cache()
                     with ctx.Pool(n) as pool:
-                        times[pattern].append(
-                            max(pool.map(_read, [(p, size, pattern) for p in paths]))
-                        )
+                        got = pool.map(_read, [(p, size, pattern) for p in paths])
+                    times[pattern].append(max(wall for wall, _ in got))
+                    cpus[pattern].append(max(cpu for _, cpu in got))
             print(
                 f"{n} processes x {size >> 20} MiB, {time.strftime('%Y-%m-%d %H:%M:%S')}, "
                 f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}, "
@@ -150,8 +165,10 @@ def main() -> None:
             for pattern in patterns:
                 med = statistics.median(times[pattern])
                 samples = ", ".join(f"{t:.2f}" for t in times[pattern])
+                cpu = statistics.median(cpus[pattern])
                 print(
-                    f"  {pattern:26s} {med:6.3f} s  {n * size / med / 1e9:5.2f} GB/s  [{samples}]"
+                    f"  {pattern:26s} {med:6.3f} s  {n * size / med / 1e9:5.2f} GB/s  "
+                    f"CPU {cpu:.2f} s/process  [{samples}]"
                 )
     finally:
         shutil.rmtree(args.dir, ignore_errors=True)
