@@ -51,8 +51,8 @@ def load_in_small_requests(
     batch: List[Case], root: str, direct_io: Optional[bool], mapping: bool = True
 ) -> List[str]:
     """Loads the batch in 48-byte requests through one read path; returns the differences."""
-    saved, saved_mapping = reader.READ_REQUEST, mapped._supported
-    reader.READ_REQUEST = 48
+    saved, saved_mapping, saved_min = reader.READ_REQUEST, mapped._supported, reader.MAP_MIN
+    reader.READ_REQUEST, reader.MAP_MIN = 48, 1  # tiny items: mapped too, when allowed
     mapped._supported = mapped.available() and mapping
     try:
         loaded = dc.load(
@@ -61,7 +61,7 @@ def load_in_small_requests(
             sharded_strategy=TorchDistLoadShardedStrategy(direct_io=direct_io),
         )
     finally:
-        reader.READ_REQUEST, mapped._supported = saved, saved_mapping
+        reader.READ_REQUEST, mapped._supported, reader.MAP_MIN = saved, saved_mapping, saved_min
     problems = []
     r = rank()
     for i, case in enumerate(batch):

@@ -72,6 +72,7 @@ def _column_load(ckpt, w: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("mapping", [True, False])
 def test_column_slices_load_exactly_mapped_or_copied(tmp_path, monkeypatch, mapping):
     monkeypatch.setattr(mapped, "_supported", mapping)
+    monkeypatch.setattr(reader, "MAP_MIN", 1)
     w = torch.randn(300, 11)
     dc.save({"w": ShardedTensor.from_rank_offsets("w", w)}, tmp_path / "c")
     maps = []
@@ -89,6 +90,16 @@ def test_a_failed_mapped_read_fails_the_load_naming_the_file(tmp_path, monkeypat
     w = torch.randn(300, 11)
     dc.save({"w": ShardedTensor.from_rank_offsets("w", w)}, tmp_path / "c")
     monkeypatch.setattr(reader, "READ_REQUEST", 4096)
+    monkeypatch.setattr(reader, "MAP_MIN", 1)
     with faults.injected(faults.Fault("*.distcp", ops=("read",), error=OSError(5, "EIO"))):
         with pytest.raises(Exception, match="EIO"):
             _column_load(tmp_path / "c", w)
+
+
+def test_small_partial_reads_are_copied_not_mapped(tmp_path, monkeypatch):
+    w = torch.randn(300, 11)  # 13 KiB: below MAP_MIN
+    dc.save({"w": ShardedTensor.from_rank_offsets("w", w)}, tmp_path / "c")
+    monkeypatch.setattr(
+        mapped, "mapped_region", lambda *a: pytest.fail("a small region was mapped")
+    )
+    assert torch.equal(_column_load(tmp_path / "c", w), w[:, 5:8])

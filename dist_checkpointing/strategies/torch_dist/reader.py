@@ -40,6 +40,10 @@ __all__ = ["read_tensor_items", "read_byte_items", "open_range", "READ_REQUEST"]
 #: large enough that requests cost nothing next to the transfer
 READ_REQUEST = 8 << 20
 
+#: partial or shared reads of at least this many bytes map the page cache (`storage.mapped`);
+#: smaller ones are copied, which costs less than setting up and tearing down a mapping
+MAP_MIN = 1 << 20
+
 
 def _storage_info(metadata: Metadata, index: MetadataIndex) -> _StorageInfo:
     try:
@@ -433,7 +437,7 @@ def _read_data(
         start, stop = 0, layout.nbytes
     with contextlib.ExitStack() as stack:
         fill: Callable[[Optional[Callable[[int], None]]], None]
-        if mapped.available() and stop > start:
+        if stop - start >= max(1, MAP_MIN) and mapped.available():
             m = stack.enter_context(mapped.mapped_region(path, data_file_off + start, stop - start))
             region = torch.from_numpy(m.array)
 
