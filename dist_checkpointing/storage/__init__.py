@@ -23,7 +23,6 @@ from . import faults, mapped
 from .buffers import ALIGN, ChunkBuffers, ImagePool, host_buffer
 from .direct import (
     FileWriter,
-    advise_huge_pages,
     direct_allowed,
     pwrite_all,
     read_file,
@@ -41,7 +40,6 @@ __all__ = [
     "FileWriter",
     "ImagePool",
     "StreamedFile",
-    "advise_huge_pages",
     "atomic_write",
     "cached",
     "direct_allowed",

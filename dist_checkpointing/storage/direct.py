@@ -22,7 +22,6 @@ from __future__ import annotations
 import ctypes
 import errno
 import logging
-import mmap
 import os
 import sys
 import threading
@@ -42,7 +41,6 @@ __all__ = [
     "BUFFERED_DEPTH",
     "read_region",
     "read_file",
-    "advise_huge_pages",
     "direct_allowed",
     "refuse_direct",
     "reset_direct_fallbacks",
@@ -107,38 +105,6 @@ def reset_direct_fallbacks() -> None:
 
 
 # ---- reads -------------------------------------------------------------------------------
-
-_HUGE = 2 << 20
-_libc: Optional[Any] = None
-
-
-def _madvise() -> Optional[Any]:
-    global _libc
-    if _libc is None and sys.platform.startswith("linux"):
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-            _libc = libc
-        except (OSError, AttributeError):
-            _libc = False
-    return _libc.madvise if _libc else None
-
-
-def advise_huge_pages(out: np.ndarray) -> None:
-    """Asks for transparent huge pages on the 2 MiB pages lying wholly inside `out`.
-
-    A read into fresh memory (a destination allocated for the load) otherwise takes one page
-    fault per 4 KiB page, which on the VMs we measured cost more CPU than the copy itself;
-    with huge pages it takes one per 2 MiB. Memory already populated is left as it is. Only
-    for memory that is about to be overwritten whole; best effort (ignored where unsupported).
-    """
-    madvise = _madvise()
-    if madvise is None or out.size < 2 * _HUGE:
-        return
-    start = -(-out.ctypes.data // _HUGE) * _HUGE
-    end = (out.ctypes.data + out.size) // _HUGE * _HUGE
-    if end > start:
-        madvise(start, end - start, getattr(mmap, "MADV_HUGEPAGE", 14))
 
 
 def _buffered(
@@ -231,7 +197,6 @@ def read_region(
     if out.size == 0:
         return
     faults.check("read", path, offset, out.size, direct)
-    advise_huge_pages(out)
     directory = os.path.dirname(path)
     use_direct = direct and direct_allowed(directory)
     try:

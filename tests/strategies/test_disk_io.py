@@ -181,20 +181,3 @@ def test_load_strategy_refuses_a_thread_count_below_one():
 
     with pytest.raises(CheckpointingException, match="thread_count"):
         TorchDistLoadShardedStrategy(thread_count=0)
-
-
-def test_huge_page_advice_covers_only_whole_huge_pages_inside_the_destination(monkeypatch):
-    import numpy as np
-
-    calls = []
-    monkeypatch.setattr(direct, "_madvise", lambda: lambda a, n, adv: calls.append((a, n)))
-    mib = 1 << 20
-    small = np.empty(3 * mib, dtype=np.uint8)
-    direct.advise_huge_pages(small)  # under two huge pages: not worth a call
-    assert calls == []
-    big = np.empty(37 * mib + 123, dtype=np.uint8)[5:]
-    direct.advise_huge_pages(big)
-    [(start, n)] = calls
-    lo, hi = big.ctypes.data, big.ctypes.data + big.size
-    assert start % (2 * mib) == 0 and n % (2 * mib) == 0
-    assert lo <= start and start + n <= hi and n >= big.size - 4 * mib

@@ -150,22 +150,6 @@ def test_a_chunk_in_the_page_cache_is_read_from_it_even_where_o_direct_measured_
     assert [c.direct for c in spy.calls] == [not resident]
 
 
-def test_resharded_loads_advise_huge_pages_on_their_destinations(tmp_path, monkeypatch):
-    from dist_checkpointing.strategies.torch_dist import load as load_module
-
-    w = torch.randn(512, 2048)  # 4 MiB
-    dc.save({"w": ShardedTensor.from_rank_offsets("w", w)}, tmp_path / "c")
-    dest = torch.empty(512, 1024)  # a column slice: rows are copied into it
-    advised: list = []
-    real = load_module.advise_huge_pages
-    monkeypatch.setattr(
-        load_module, "advise_huge_pages", lambda a: (advised.append(a.ctypes.data), real(a))
-    )
-    req = {"w": ShardedTensor("w", dest, w.dtype, (512, 1024), (512, 2048), (0, 1024), None)}
-    got = dc.load(req, tmp_path / "c", validate_access_integrity=False)
-    assert torch.equal(got["w"], w[:, 1024:]) and advised == [dest.data_ptr()]
-
-
 @pytest.mark.parametrize("use_direct", [False, True])
 def test_read_region_keeps_one_request_in_flight_through_the_page_cache_and_more_with_o_direct(
     tmp_path, monkeypatch, use_direct

@@ -33,7 +33,6 @@ from ...dtypes import check_dtype_conversion
 from ...errors import CheckpointCorruptedError, CheckpointingException, close_matches
 from ...integrity import Checksums, read_checksums
 from ...mapping import ShardedBase, ShardedObject, ShardedTensor
-from ...storage import advise_huge_pages
 from ..base import CheckpointDir, LoadShardedStrategy, require_backend, require_version
 from .finalize import gbps
 from .legacy_flat import FlatCopy, apply_copies, plan_reformulated_reads, reformulated_shapes
@@ -211,13 +210,6 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                 raise CheckpointingException(
                     f"{self} cannot load {type(sh).__name__} {sh.key!r}; apply factories first"
                 )
-
-        for dest in dests:
-            # memory not touched yet (fresh tensors) faults in 2 MiB pages rather than 4 KiB
-            # ones when the reads fill it: a resharded load copying rows into fresh tensors
-            # took 131k faults per 512 MiB; the advice changes no data
-            if dest.device.type == "cpu" and dest.is_contiguous() and dest.numel():
-                advise_huge_pages(dest.reshape(-1).view(torch.uint8).numpy())
 
         def resolve(r: ReadItem) -> torch.Tensor:
             view = dests[r.dest_index.index]  # type: ignore[index]
