@@ -9,8 +9,7 @@ CPU seconds (user + system, max over ranks) of each, and the load average before
 - our `torch_dist` sync save, its load (page cache dropped), and async save: how long
   `save()` + `schedule_async_request` block the caller and when the save is committed;
 - local saves (LocalCheckpointManager) without replication and with replication factor 2
-  (jump 1), synchronous; each followed by a wait for the removal of the parts it
-  superseded, which runs in the background after the commit (its own row);
+  (jump 1), synchronous;
 - local load (a fresh manager's find_latest + load, page cache dropped) and recovery after
   one rank's directory is deleted (its part comes from its replica holder);
 - local async save (factor 2): blocking time and commit time; one untimed warm-up async
@@ -101,7 +100,6 @@ def _worker(rank: int, world: int, args: argparse.Namespace, port: int, queue: A
     import dist_checkpointing as dc
     from dist_checkpointing import ShardedTensor
     from dist_checkpointing.local.basic_state_dict import BasicTensorAwareStateDict
-    from dist_checkpointing.local.ckpt_managers._removals import wait_for_removals
     from dist_checkpointing.local.ckpt_managers.local_manager import LocalCheckpointManager
     from dist_checkpointing.local.replication.strategies import CliqueReplicationStrategy
     from dist_checkpointing.strategies.async_utils import AsyncCallsQueue
@@ -176,10 +174,6 @@ def _worker(rank: int, world: int, args: argparse.Namespace, port: int, queue: A
         for f, m in managers.items():
             if saves or f == 2:
                 s.timed(f"local f{f} s", lambda: m.save(state(), i + 2))
-                # the parts it superseded are removed in the background after the commit:
-                # waited for here, outside the row above, so that this disk work does not
-                # land on the next row (as the global checkpoints' removal, `remove_global`)
-                s.timed(f"local f{f} removal s", wait_for_removals)
         if loads:
             _drop_cache(rank)
             request = sharded(fill=False)
@@ -220,8 +214,6 @@ def _worker(rank: int, world: int, args: argparse.Namespace, port: int, queue: A
             s.add(f"{kind} async final s", final, cpu)
         if kind == "torch_dist":
             remove_global(ckpt)
-        else:
-            wait_for_removals()  # the superseded parts' removal, before the next save
 
     for kind in ("torch_dist", "local") if "async" in args.phases else ():
         async_save(kind, 0, timed=False)
@@ -265,9 +257,7 @@ _ROWS = [
     ("torch_dist async blocks s", "ours torch_dist async: save() blocks", None),
     ("torch_dist async final s", "ours torch_dist async: committed", None),
     ("local f1 s", "local save, no replication", ("torch_dist save s", "<= 0.8")),
-    ("local f1 removal s", "  then: older parts' removal, after save() returned", None),
     ("local f2 s", "local save, replication factor 2", ("local f1 s", "<= 1.3")),
-    ("local f2 removal s", "  then: older parts' removal, after save() returned", None),
     ("local load s", "local load", ("torch_dist load s", "<= 0.8")),
     ("recovery s", "recovery after losing a rank's dir", ("local load s", "<= 1.5")),
     (

@@ -8,7 +8,6 @@ from __future__ import annotations
 import errno
 import os
 import shutil
-import threading
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -17,7 +16,6 @@ import torch.distributed as dist
 import dist_checkpointing as dc
 from dist_checkpointing import ShardedObject, ShardedTensor
 from dist_checkpointing.local.basic_state_dict import BasicTensorAwareStateDict
-from dist_checkpointing.local.ckpt_managers._removals import wait_for_removals
 from dist_checkpointing.local.ckpt_managers.local_manager import LocalCheckpointManager
 from dist_checkpointing.local.replication.strategies import (
     CliqueReplicationStrategy,
@@ -101,7 +99,6 @@ def save_iterations(
     if queue is not None:
         queue.maybe_finalize_async_calls(blocking=True)
         queue.close()
-    wait_for_removals()  # older iterations are removed in the background after the commit
     return sorted(os.listdir(m.local_ckpt_dir))
 
 
@@ -311,38 +308,3 @@ def dc_load_in_place(tmp: str) -> bool:
     given = request["w"].data
     got = dc.load(request, local_dir(tmp))
     return got["w"] is given and torch.equal(given, sharded_state()["w"].data)
-
-
-def deferred_removal(tmp: str) -> Tuple[List[str], int, List[str], List[str], List[str]]:
-    """Saves 1, then 2 with the removal of 1 held back; then 3 with a failing removal, then 4.
-
-    Returns the files listed while the removal of 1 is held (the save of 2 returned), the
-    latest iteration found once it is let go, the files after that, after the save of 3
-    (whose removal failed) and after the save of 4.
-    """
-    m = manager(tmp)
-    m.save(make_state(1), 1)
-    gate = threading.Event()
-    real = m._cleanup
-
-    def held(iteration: int) -> None:
-        assert gate.wait(60)
-        real(iteration)
-
-    def failing(iteration: int) -> None:
-        raise OSError(errno.EIO, "injected removal failure")
-
-    m._cleanup = held  # type: ignore[method-assign]
-    m.save(make_state(2), 2)  # returns although the removal of 1 has not run
-    during = sorted(os.listdir(m.local_ckpt_dir))
-    gate.set()
-    latest = m.find_latest()  # waits for the removal
-    after = sorted(os.listdir(m.local_ckpt_dir))
-    m._cleanup = failing  # type: ignore[method-assign]
-    m.save(make_state(3), 3)  # committed; the failed removal is only logged
-    wait_for_removals()
-    left = sorted(os.listdir(m.local_ckpt_dir))
-    m._cleanup = real  # type: ignore[method-assign]
-    m.save(make_state(4), 4)  # removes everything older than 4, 2 included
-    wait_for_removals()
-    return during, latest, after, left, sorted(os.listdir(m.local_ckpt_dir))

@@ -139,15 +139,3 @@ def test_local_backend_refuses_a_larger_world(world_factory, tmp_path):
     _values(world_factory(2), F.dc_save, tmp, 1, 1, False)
     for name, message in _values(world_factory(4), F.dc_load_error, tmp):
         assert name == "IncompatibleCheckpointError" and "torch_dist" in message
-
-
-def test_save_returns_before_older_iterations_are_removed(world_factory, tmp_path):
-    world = world_factory(2)
-    for rank, (during, latest, after, left, final) in enumerate(
-        _values(world, F.deferred_removal, str(tmp_path))
-    ):
-        name = "iter_{:07d}_" + f"{rank}_local.pt"
-        assert during == [name.format(1), name.format(2)]
-        assert latest == 2 and after == [name.format(2)]
-        assert left == [name.format(2), name.format(3)]  # a failed removal is left for the next
-        assert final == [name.format(4)]

@@ -20,10 +20,9 @@ Save (collective):
    old parts before the agreement that precedes any commit, so old and new parts of I
    never coexist committed: a failure or crash leaves I incomplete, never mixed.
 3. Finalize (collective, after every rank's background work succeeded): commit (rename)
-   the parts, agree that every rank committed, then hand the removal of older iterations to
-   a thread of its own (`_removals`: the save does not wait for the disk to free their
-   blocks). If any rank failed, every rank removes the iteration's files and raises; the
-   previous checkpoint stays.
+   the parts, agree that every rank committed, then remove older iterations. If any rank
+   failed, every rank removes the iteration's files and raises; the previous checkpoint
+   stays.
 
 `find_latest` (collective) returns, on every rank alike, the newest iteration whose every
 part is held by some rank (by its owner only, without replication), or -1. `load`
@@ -67,7 +66,6 @@ from ..replication.strategies import (
     host_group,
     plan_retrieval,
 )
-from ._removals import schedule_removal, wait_for_removals
 
 __all__ = [
     "BaseCheckpointManager",
@@ -252,8 +250,7 @@ class BaseCheckpointManager(ABC):
 
     @abstractmethod
     def _cleanup(self, iteration: int) -> None:
-        """After `iteration` committed everywhere: removes older parts and stray dirty ones
-        (on the removal thread: must not use collectives)."""
+        """After `iteration` committed everywhere: removes older parts and stray dirty ones."""
 
     @abstractmethod
     def _cleanup_failed_save(self, iteration: int) -> None:
@@ -279,7 +276,6 @@ class BaseCheckpointManager(ABC):
 
     def find_latest(self) -> int:
         """Collective: the newest complete iteration (see the module docstring), or -1."""
-        wait_for_removals()  # list settled files
         if self.latest_iteration != -1:
             return self.latest_iteration
         local = sorted(set(self._my_ckpt_ids()))
@@ -423,9 +419,7 @@ class BaseCheckpointManager(ABC):
             self._cleanup_failed_save(iteration)
             raise
         self._newest_committed = iteration
-        schedule_removal(
-            lambda: self._cleanup(iteration), f"local checkpoints older than iteration {iteration}"
-        )
+        self._cleanup(iteration)
         self.latest_iteration = -1
 
     def _checked_part(self, ckpt_id: CkptID, wanted: CkptID) -> Any:
