@@ -381,8 +381,8 @@ class _Bench:
                 for k, t in tensors.items()
             }
 
+        from dist_checkpointing.storage.threads import default_file_count
         from dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
-        from dist_checkpointing.strategies.torch_dist.threads import default_file_count
 
         ckpt = os.path.join(self.root, "ours")
         self.out["ours default files per rank"] = default_file_count(self.device.type == "cuda")

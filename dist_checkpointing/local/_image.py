@@ -33,8 +33,8 @@ from ..errors import CheckpointCorruptedError, CheckpointingException
 from ..integrity import checksum, new_hasher
 from ..storage import ALIGN, ImagePool, read_file
 from ..storage.segments import write_segments
+from ..storage.threads import default_direct_writes
 from ..storage.write_probe import prefer_direct_writes
-from ..strategies.torch_dist.threads import default_direct_writes
 from .base_state_dict import TensorAwareStateDict, hollow_state_classes
 from .basic_state_dict import BasicTensorAwareStateDict  # noqa: F401  (registers its classes)
 

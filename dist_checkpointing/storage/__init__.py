@@ -17,6 +17,8 @@ Modules:
     write_probe: the same for a synchronous save's writes (O_DIRECT or page cache + fsync).
     inflight: several read requests of one region in flight, completions reported in order.
     mapped: part of a region read through a mapping of the page cache (no copy of the rest).
+    threads: save rules from the machine (files per rank, write path by rule), for
+        torch_dist and local saves.
 """
 
 from . import faults, mapped

@@ -118,8 +118,7 @@ def test_durable_sync_image_takes_the_torch_dist_sync_write_path(
 ):
     from dist_checkpointing.local import _image
     from dist_checkpointing.storage import direct as storage_direct
-    from dist_checkpointing.storage import segments
-    from dist_checkpointing.strategies.torch_dist import threads
+    from dist_checkpointing.storage import segments, threads
 
     monkeypatch.setattr(threads, "cores_per_local_rank", lambda cuda_sources: cores)
     monkeypatch.setattr(_image, "prefer_direct_writes", lambda directory, nbytes: probe)

@@ -183,7 +183,7 @@ def test_chunk_stream_into_a_buffered_file_starts_writeback_of_each_chunk(tmp_pa
 def test_sync_save_with_fewer_cores_than_ranks_writes_buffered_without_probing(
     tmp_path, monkeypatch
 ):
-    from dist_checkpointing.strategies.torch_dist import threads
+    from dist_checkpointing.storage import threads
 
     monkeypatch.setattr(threads, "cores_per_local_rank", lambda cuda, *a, **k: 0.5)
     monkeypatch.setattr(write_probe, "MIN_PROBED_SAVE", 0)

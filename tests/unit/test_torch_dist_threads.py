@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dist_checkpointing.strategies.torch_dist import threads
+from dist_checkpointing.storage import threads
 from dist_checkpointing.strategies.torch_dist.save import TorchDistSaveShardedStrategy
 
 

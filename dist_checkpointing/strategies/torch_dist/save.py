@@ -27,6 +27,7 @@ from ...dict_utils import nested_values
 from ...errors import CheckpointingException
 from ...mapping import ShardedBase, ShardedObject, ShardedTensor, is_main_replica
 from ...storage import ImagePool
+from ...storage.threads import default_direct_writes, default_file_count
 from ...storage.write_probe import prefer_direct_writes
 from ..base import AsyncSaveShardedStrategy, CheckpointDir
 from . import writer
@@ -41,7 +42,6 @@ from .plan import (
     split_into_files,
     tensor_write_item,
 )
-from .threads import default_direct_writes, default_file_count
 
 __all__ = ["TorchDistSaveShardedStrategy"]
 
@@ -67,7 +67,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         thread_count: files per rank, written in parallel (one thread each). None (the
             default) chooses from the machine: 1 with fewer than 4 cores per local rank,
             else up to 4 (cores // 2 for CUDA sources, cores // 4 for CPU sources); see
-            `torch_dist.threads`. One file per rank measured best on 2 cores with 2-4 ranks
+            `storage.threads`. One file per rank measured best on 2 cores with 2-4 ranks
             (0.85x the O_DIRECT ceiling against 0.71x with two files at 4 ranks).
         cached_metadata: accepted for API compatibility. Plans are always cached: this
             strategy exchanges no plan before writing, and at finalization a rank whose
@@ -81,7 +81,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             back to buffered writes by itself, logged once per directory); False: write
             through the page cache from the tensors' own memory, then fsync. None (the
             default): a sync save writes buffered where the node has fewer cores than
-            ranks and the tensors are on the host (`torch_dist.threads`), else uses
+            ranks and the tensors are on the host (`storage.threads`), else uses
             whichever a small probe of the file system measured faster
             (`storage.write_probe`: O_DIRECT unless buffered writes are clearly faster;
             once per process and file system); an async save uses O_DIRECT.
@@ -145,7 +145,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         return entries
 
     def _file_count(self, entries: List[WriteEntry]) -> int:
-        """`thread_count`, or the machine's default (`torch_dist.threads`) when None."""
+        """`thread_count`, or the machine's default (`storage.threads`) when None."""
         if self.thread_count is not None:
             return self.thread_count
         return default_file_count(_cuda_sources(entries))

@@ -1,5 +1,7 @@
 """How many files (one writer thread each) a rank's synchronous `torch_dist` save writes,
-and, where a rule decides it, whether it writes them with O_DIRECT (`default_direct_writes`).
+and, where a rule decides it, whether it writes them with O_DIRECT (`default_direct_writes`,
+also the write path of durable local images). In the I/O layer so that both backends use
+one rule without the local tier importing a strategy.
 
 The rule, from what the machine has:
 
@@ -32,7 +34,7 @@ from typing import Optional
 
 import torch
 
-from ... import _dist
+from .. import _dist
 
 __all__ = ["cores_per_local_rank", "default_direct_writes", "default_file_count"]
 
