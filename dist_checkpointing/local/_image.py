@@ -402,7 +402,7 @@ def _direct_writes(image: LocalImage, path: str) -> bool:
     return prefer_direct_writes(os.path.dirname(path) or ".", image.nbytes)
 
 
-def write_image(image: LocalImage, path: str, fsync: bool = True) -> None:
+def write_image(image: LocalImage, path: str, fsync: bool = True, overwrite: bool = False) -> None:
     """Writes an image to `path` (created, must not exist), finishing it first if needed.
 
     An unfinished unstaged image (a sync save of CPU tensors, not replicated) is finished
@@ -418,14 +418,24 @@ def write_image(image: LocalImage, path: str, fsync: bool = True) -> None:
     own memory with the disk's writeback started as it is written. Without `fsync`,
     buffered writes from the image's own memory and no fsync.
 
+    With `overwrite`, `path` is an existing file (a recycled part, see the manager) written
+    over in place and truncated to the image's size.
+
     Raises:
-        FileExistsError: `path` exists.
+        FileExistsError: `path` exists (without `overwrite`).
         OSError: the write failed (the partial file is removed).
     """
     direct = fsync and _direct_writes(image, path)
     if image.finished or image.staged:
         finish_image(image)
-        write_segments(path, image.segments(), direct=direct, fsync=fsync, padded=image.padded())
+        write_segments(
+            path,
+            image.segments(),
+            direct=direct,
+            fsync=fsync,
+            overwrite=overwrite,
+            padded=image.padded(),
+        )
         return
     owned = image._owned_segments()
     hashers = [new_hasher() for _ in image.slots]
@@ -436,7 +446,14 @@ def write_image(image: LocalImage, path: str, fsync: bool = True) -> None:
         k = owned[i][1]
         return hashers[k].update if k is not None else None
 
-    write_segments(path, [seg for seg, _ in owned], direct=direct, fsync=fsync, prepare=prepare)
+    write_segments(
+        path,
+        [seg for seg, _ in owned],
+        direct=direct,
+        fsync=fsync,
+        overwrite=overwrite,
+        prepare=prepare,
+    )
 
 
 def read_image(path: str) -> torch.Tensor:

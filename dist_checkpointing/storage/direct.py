@@ -315,6 +315,9 @@ class FileWriter:
         exclusive: create the file, failing with FileExistsError if it exists (otherwise an
             existing file is truncated).
         preallocate: reserve `size` bytes up front.
+        overwrite: the file must exist and is written over in place, not truncated first
+            (its blocks are reused; `finish` truncates it to `size`). FileNotFoundError if
+            it does not exist.
     """
 
     def __init__(
@@ -324,10 +327,14 @@ class FileWriter:
         direct: bool,
         exclusive: bool = False,
         preallocate: bool = True,
+        overwrite: bool = False,
     ) -> None:
         self.path, self.size = os.fspath(path), size
         self._directory = os.path.dirname(self.path)
-        flags = os.O_WRONLY | os.O_CREAT | (os.O_EXCL if exclusive else os.O_TRUNC)
+        if overwrite:
+            flags = os.O_WRONLY
+        else:
+            flags = os.O_WRONLY | os.O_CREAT | (os.O_EXCL if exclusive else os.O_TRUNC)
         self.direct = False
         self.fd = -1
         if direct and direct_allowed(self._directory):
@@ -335,7 +342,7 @@ class FileWriter:
                 self.fd = os.open(self.path, flags | os.O_DIRECT, 0o644)
                 self.direct = True
             except OSError as e:
-                if exclusive and isinstance(e, FileExistsError):
+                if isinstance(e, (FileExistsError, FileNotFoundError)):
                     raise
                 refuse_direct(self._directory, e, "writes")
         if self.fd < 0:

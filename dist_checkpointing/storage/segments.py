@@ -44,6 +44,7 @@ def write_segments(
     direct: bool,
     fsync: bool,
     exclusive: bool = True,
+    overwrite: bool = False,
     padded: Optional[np.ndarray] = None,
     prepare: Optional[Callable[[int], Optional[Callable[[np.ndarray], None]]]] = None,
 ) -> int:
@@ -55,6 +56,8 @@ def write_segments(
         direct: try O_DIRECT (falls back to buffered writes where refused).
         fsync: make the file durable before returning.
         exclusive: refuse an existing file.
+        overwrite: write over the existing file `path` in place (its blocks reused, no
+            truncation before; truncated to the written size at the end).
         padded: when `segments` is a single buffer, the same buffer extended to a multiple
             of `ALIGN` with zeros (page-aligned memory): written directly with O_DIRECT
             (not with `prepare`).
@@ -70,7 +73,9 @@ def write_segments(
         OSError: the write failed (the partial file is removed).
     """
     size = int(sum(s.size for s in segments))
-    out = FileWriter(path, size, direct=direct, exclusive=exclusive, preallocate=direct)
+    out = FileWriter(
+        path, size, direct=direct, exclusive=exclusive, preallocate=direct, overwrite=overwrite
+    )
     try:
         if (
             out.direct
@@ -283,6 +288,7 @@ class StreamedFile:
         fsync: fsync the file in `close`.
         direct: try O_DIRECT.
         exclusive: refuse an existing file.
+        overwrite: write over the existing file `path` in place (see `FileWriter`).
 
     Raises:
         FileExistsError: `path` exists and `exclusive`.
@@ -297,9 +303,12 @@ class StreamedFile:
         fsync: bool,
         direct: bool = False,
         exclusive: bool = True,
+        overwrite: bool = False,
     ) -> None:
         self.size, self.fsync = size, fsync
-        self._out = FileWriter(path, size, direct=direct, exclusive=exclusive, preallocate=direct)
+        self._out = FileWriter(
+            path, size, direct=direct, exclusive=exclusive, preallocate=direct, overwrite=overwrite
+        )
         self._pos = 0  # bytes written so far (the next chunk's offset)
         self._held = 0  # bytes of the partial page at the end of the file held in `_page`
         self._page = np.frombuffer(mmap.mmap(-1, ALIGN), dtype=np.uint8) if direct else None

@@ -20,13 +20,17 @@ def _values(world, fn, *args, timeout=90):
 def test_round_trip_sync_and_async(world_factory, tmp_path, size, factor):
     world = world_factory(size)
     files = _values(world, F.save_iterations, str(tmp_path / "sync"), [1, 2], 1, factor, False)
-    for rank, names in enumerate(files):
-        # only the newest iteration is kept; with replication each rank also holds its peer's part
+    for rank, all_names in enumerate(files):
+        # only the newest iteration is kept; with replication each rank also holds its peer's
+        # part; the superseded parts are kept as spares for the next save to write over
+        names = [n for n in all_names if not n.startswith("spare_")]
         assert f"iter_0000002_{rank}_local.pt" in names
         assert len(names) == factor and all(n.startswith("iter_0000002_") for n in names)
+        assert len(all_names) - len(names) == factor
     for it, same, _ in _values(world, F.load_latest, str(tmp_path / "sync"), 1, factor):
         assert (it, same) == (2, True)
     files = _values(world, F.save_iterations, str(tmp_path / "async"), [4, 5, 6], 1, factor, True)
+    files = [[x for x in n if not x.startswith("spare_")] for n in files]
     assert all(len(n) == factor and all(x.startswith("iter_0000006_") for x in n) for n in files)
     results = _values(world, F.load_latest, str(tmp_path / "async"), 1, factor)
     assert [r[:2] for r in results] == [(6, True)] * size

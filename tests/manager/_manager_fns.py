@@ -129,7 +129,11 @@ def train_damage_and_resume(
     dist.barrier()
     if replicated:
         rank, world = dist.get_rank(), dist.get_world_size()
-        held = sorted(p.name for p in (local_root / "dist_ckpt" / str(rank)).iterdir())
+        held = sorted(
+            p.name
+            for p in (local_root / "dist_ckpt" / str(rank)).iterdir()
+            if not p.name.startswith("spare_")  # superseded parts kept for the next save
+        )
         owners = sorted({rank, _peer(rank, world)})
         assert held == [f"iter_0000007_{o}_local.pt" for o in owners], held
         _damage_replicated(root, local_root, kind)
@@ -161,7 +165,7 @@ def nothing_usable(base: str) -> str:
     if dist.get_rank() == 0:
         for p in (root / "iter_0000002").glob("*.distcp"):
             os.truncate(p, 10)
-    part = next((local_root / "dist_ckpt" / str(dist.get_rank())).iterdir())
+    part = next((local_root / "dist_ckpt" / str(dist.get_rank())).glob("iter_*_local.pt"))
     _flip(part, 64)
     dist.barrier()
     manager = CheckpointManager(root, _options(str(local_root)))

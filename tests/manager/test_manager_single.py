@@ -61,8 +61,11 @@ def test_save_policy_persistent_every_n_local_every_m(tmp_path, async_save):
     assert started == [s % 3 == 0 or s % 2 == 0 for s in range(1, 10)]
     assert _steps(root) == [3, 6, 9] and read_latest(root) == 9
     assert manager.latest_step() == 9
-    # the local tier keeps its newest step (8) on this rank
-    assert [p.name for p in (local / "dist_ckpt" / "0").iterdir()] == ["iter_0000008_0_local.pt"]
+    # the local tier keeps its newest step (8) on this rank (and the superseded part as a
+    # spare for the next save to write over)
+    held = sorted(p.name for p in (local / "dist_ckpt" / "0").iterdir())
+    assert held[0] == "iter_0000008_0_local.pt" and len(held) == 2
+    assert held[1].startswith("spare_")
 
 
 class _Untouchable(dict):
@@ -191,7 +194,7 @@ def test_load_prefers_the_local_tier_and_falls_back_to_persistent(tmp_path):
     assert (step, manager.last_restore.tier) == (6, "local")
     assert torch.equal(state["w"], torch.full((4, 3), 6.0))
     manager.close()
-    part = next((tmp_path / "l" / "dist_ckpt" / "0").iterdir())
+    part = next((tmp_path / "l" / "dist_ckpt" / "0").glob("iter_*_local.pt"))
     raw = bytearray(part.read_bytes())
     raw[100] ^= 0xFF
     part.write_bytes(bytes(raw))

@@ -49,6 +49,7 @@ import torch
 from ... import _dist
 from ...async_save import AsyncRequest
 from ...errors import (
+    CheckpointCorruptedError,
     CheckpointingException,
     NoReplicasAvailableError,
     SameMachineReplicationException,
@@ -114,6 +115,23 @@ def _stop_background_thread() -> None:
     if _executor is not None:
         _executor.shutdown(wait=True)
         _executor = None
+
+
+def _check_id(held: Tuple[Any, ...], expected: CkptID, where: str) -> None:
+    """Raises when a part's header names another part than the one its name says.
+
+    A file recycled for a newer save holds an older part's bytes, with valid checksums,
+    until it is written over; a machine crash (without fsync) can leave a committed file
+    that still does.
+
+    Raises:
+        CheckpointCorruptedError: the ids differ.
+    """
+    if tuple(held) != tuple(expected):
+        raise CheckpointCorruptedError(
+            f"{where}: holds local checkpoint part {tuple(held)}, expected {tuple(expected)} "
+            "(an older part's bytes: torn by a crash?)"
+        )
 
 
 class _MemorySink:
@@ -427,9 +445,10 @@ class BaseCheckpointManager(ABC):
         try:
             part, where, verified = self._read_part(ckpt_id, own=ckpt_id == wanted)
             try:
-                decode_image(
+                held, _ = decode_image(
                     part.buffer, where, verify=not verified, weights_only=self.weights_only
                 )
+                _check_id(held, ckpt_id, where)
             except BaseException:
                 release_part(part)
                 raise
@@ -499,13 +518,10 @@ class BaseCheckpointManager(ABC):
                 bad.append((me, id_))
         bad += [(me, id_) for id_ in unsent]
         for id_, (sender, buffer) in got.items():
+            where = f"local checkpoint part {describe_id(id_)} (sent by rank {sender})"
             try:
-                decode_image(
-                    buffer,
-                    f"local checkpoint part {describe_id(id_)} (sent by rank {sender})",
-                    verify=True,
-                    weights_only=self.weights_only,
-                )
+                held, _ = decode_image(buffer, where, verify=True, weights_only=self.weights_only)
+                _check_id(held, id_, where)
             except CheckpointingException as e:
                 logger.warning("copy from rank %d unusable, trying another: %s", sender, e)
                 bad.append((sender, id_))

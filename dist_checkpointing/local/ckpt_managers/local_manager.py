@@ -5,6 +5,19 @@ Layout (the reference layout, so operators' scripts keep working):
 first as `..._local.dirty.pt` and renamed at commit; with `fsync` (the default without
 replication) the file is fsync'd before and the directory after the rename.
 The files are our byte images (see `.._image`), not pickles: loading one never runs code.
+
+Superseded parts are recycled, not deleted: once a newer iteration is committed, up to as
+many older parts as that iteration has here are renamed to `spare_<hex>.bin` (a name no
+scan takes for a part), and the next save moves a spare to its dirty name and writes over
+it in place (truncated to size). Writing over allocated blocks skips the file system's
+block allocation and, on a disk mounted with `discard`, the freeing of the old blocks: on
+the CI VM (ext4, discard) two processes replacing a 512 MiB part each took 1.51 s median
+(12 alternated samples, buffered with writeback + fsync) against 2.85 s for unlink +
+new file, and 1.84 s against 3.14 s with O_DIRECT (docs/performance.md, issue 14). The
+directory therefore also holds the spares between saves (the space a save needs anyway).
+A recycled file holds an older part's bytes until it is written over: the dirty name is
+never loaded, and a committed file torn by a machine crash (no fsync) can hold an older
+part's bytes with valid checksums, which `load` rejects by the part id in its header.
 """
 
 from __future__ import annotations
@@ -12,6 +25,8 @@ from __future__ import annotations
 import logging
 import os
 import re
+import threading
+import uuid
 from pathlib import Path
 from typing import Iterable, List, Optional, Tuple, Union
 
@@ -30,6 +45,10 @@ __all__ = ["LocalCheckpointManager"]
 logger = logging.getLogger(__name__)
 
 _NAME = re.compile(r"iter_(\d{7,})_(\d+)_local(\.dirty)?\.pt")
+#: a superseded part kept for the next save to write over (never a checkpoint)
+_SPARE = re.compile(r"spare_[0-9a-f]{32}\.bin")
+#: a spare being moved to a dirty name by process <pid> (left only by a crash)
+_CLAIM = re.compile(r"claim_(\d+)_\d+\.bin")
 
 
 class LocalCheckpointManager(BaseCheckpointManager):
@@ -57,6 +76,7 @@ class LocalCheckpointManager(BaseCheckpointManager):
         self.root_local_ckpt_dir = Path(root_local_ckpt_dir)
         if session_id and (os.sep in session_id or session_id in (".", "..")):
             raise CheckpointingException(f"session_id must be a plain name, got {session_id!r}")
+        self._spare_lock = threading.Lock()  # the own part and replicas are written at once
 
     @property
     def local_ckpt_dir(self) -> Path:
@@ -119,13 +139,53 @@ class LocalCheckpointManager(BaseCheckpointManager):
         except OSError as e:
             raise CheckpointCorruptedError(f"{path}: cannot be read: {e}") from e
 
+    def _spares(self) -> List[Path]:
+        try:
+            return sorted(p for p in self.local_ckpt_dir.iterdir() if _SPARE.fullmatch(p.name))
+        except FileNotFoundError:
+            return []
+
+    def _claim_spare(self, dirty: Path) -> bool:
+        """Moves a spare to the (new) dirty name `dirty`; False when there is none.
+
+        Exclusive like creating the file: a spare is first renamed to a name of this
+        thread's own (two claimers cannot both get it), then linked to `dirty`, which
+        fails if `dirty` exists.
+
+        Raises:
+            FileExistsError: `dirty` exists (another writer of this part).
+        """
+        if dirty.exists():
+            raise FileExistsError(str(dirty))
+        with self._spare_lock:
+            for spare in self._spares():
+                claim = dirty.parent / f"claim_{os.getpid()}_{threading.get_ident()}.bin"
+                try:
+                    os.rename(spare, claim)
+                except FileNotFoundError:  # taken by another writer meanwhile
+                    continue
+                try:
+                    os.link(claim, dirty)
+                except FileExistsError:
+                    os.replace(claim, spare)  # still a spare
+                    raise
+                except OSError as e:  # no hard links here: write a new file
+                    logger.debug("cannot recycle %s (%s); writing a new file", spare, e)
+                    os.unlink(claim)
+                    return False
+                os.unlink(claim)
+                return True
+        return False
+
     def _save_image(self, image: LocalImage, ckpt_id: CkptID) -> None:
         self.local_ckpt_dir.mkdir(parents=True, exist_ok=True)
         dirty = self._path(ckpt_id, dirty=True)
         try:
-            # created exclusively, as the reference opens it with "bx": an existing dirty
-            # file belongs to another writer (or an interrupted save) and is left alone
-            write_image(image, str(dirty), fsync=self.fsync)
+            # created exclusively (a spare moved there exclusively), as the reference opens
+            # it with "bx": an existing dirty file belongs to another writer (or an
+            # interrupted save) and is left alone
+            reused = self._claim_spare(dirty)
+            write_image(image, str(dirty), fsync=self.fsync, overwrite=reused)
         except FileExistsError as e:
             raise SameMachineReplicationException(ckpt_id) from e
 
@@ -134,8 +194,9 @@ class LocalCheckpointManager(BaseCheckpointManager):
         try:
             # O_DIRECT: a replica is read only after its owner is lost; the page cache and
             # the CPU are left to this rank's own part and to training
-            path = str(self._path(ckpt_id, dirty=True))
-            return StreamedFile(path, nbytes, fsync=self.fsync, direct=True)
+            dirty = self._path(ckpt_id, dirty=True)
+            reused = self._claim_spare(dirty)
+            return StreamedFile(str(dirty), nbytes, fsync=self.fsync, direct=True, overwrite=reused)
         except FileExistsError as e:
             raise SameMachineReplicationException(ckpt_id) from e
 
@@ -155,7 +216,34 @@ class LocalCheckpointManager(BaseCheckpointManager):
 
     def _cleanup(self, iteration: int) -> None:
         # newer dirty files may belong to a save still running in the background
-        self._remove(p for ckpt_id, _, p in self._scan() if ckpt_id[0] < iteration)
+        scan = self._scan()
+        older = sorted((ckpt_id, dirty, p) for ckpt_id, dirty, p in scan if ckpt_id[0] < iteration)
+        # as many spares as the next save writes here (its parts of `iteration`)
+        wanted = sum(1 for ckpt_id, dirty, _ in scan if ckpt_id[0] == iteration and not dirty)
+        room = max(0, wanted - len(self._spares()))
+        recycled = False
+        for _, dirty, path in reversed(older):  # the newest older parts: likely the same sizes
+            if room and not dirty:
+                spare = self.local_ckpt_dir / f"spare_{uuid.uuid4().hex}.bin"
+                logger.debug("keeping %s as %s for the next save", path, spare.name)
+                os.rename(path, spare)
+                room, recycled = room - 1, True
+        self._remove([p for _, _, p in older if p.exists()] + [p for p in self._stale_claims()])
+        if recycled:
+            fsync_dir(self.local_ckpt_dir)
+
+    def _stale_claims(self) -> List[Path]:
+        """Spares left half-moved by a process that died (not this one) in `_claim_spare`."""
+        try:
+            entries = list(self.local_ckpt_dir.iterdir())
+        except FileNotFoundError:
+            return []
+        out = []
+        for p in entries:
+            m = _CLAIM.fullmatch(p.name)
+            if m and int(m.group(1)) != os.getpid():
+                out.append(p)
+        return out
 
     def _cleanup_failed_save(self, iteration: int) -> None:
         self._remove(p for ckpt_id, _, p in self._scan() if ckpt_id[0] == iteration)
