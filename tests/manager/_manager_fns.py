@@ -72,7 +72,7 @@ def _damage(root: Path, local_root: Path, kind: str) -> None:
         for p in mine.iterdir():
             p.unlink()
     if kind == "local_damaged" and rank == 1:
-        part = next(mine.iterdir())
+        part = next(p for p in mine.iterdir() if p.name.endswith("_local.pt"))  # not a spare
         _flip(part, part.stat().st_size // 2)
     if kind == "persistent_incomplete" and rank == 0:
         (root / "iter_0000006" / "metadata.json").unlink()

@@ -134,7 +134,7 @@ def test_probe_prefers_o_direct_only_when_every_pair_agrees():
 def test_a_chunk_in_the_page_cache_is_read_from_it_even_where_o_direct_measured_faster(
     tmp_path, monkeypatch, resident
 ):
-    w = torch.randn(256, 1024)
+    w = torch.randn(4096, 2048)  # 32 MiB: larger than the readahead of the header read
     dc.save({"w": ShardedTensor.from_rank_offsets("w", w)}, tmp_path / "c")
     monkeypatch.setattr(
         probe, "_measure", lambda path: probe.ReadProbe(0.1, 1.0, 1, ((0.05, 0.5), (0.05, 0.5)))
