@@ -139,11 +139,16 @@ class LocalCheckpointManager(BaseCheckpointManager):
         except OSError as e:
             raise CheckpointCorruptedError(f"{path}: cannot be read: {e}") from e
 
-    def _spares(self) -> List[Path]:
+    def _named(self, pattern: re.Pattern[str]) -> List[Tuple[Path, re.Match[str]]]:
+        """This rank's files whose names match `pattern`, sorted, with their matches."""
         try:
-            return sorted(p for p in self.local_ckpt_dir.iterdir() if _SPARE.fullmatch(p.name))
+            entries = sorted(self.local_ckpt_dir.iterdir())
         except FileNotFoundError:
             return []
+        return [(p, m) for p in entries for m in [pattern.fullmatch(p.name)] if m]
+
+    def _spares(self) -> List[Path]:
+        return [p for p, _ in self._named(_SPARE)]
 
     def _claim_spare(self, dirty: Path) -> bool:
         """Moves a spare to the (new) dirty name `dirty`; False when there is none.
@@ -228,22 +233,13 @@ class LocalCheckpointManager(BaseCheckpointManager):
                 logger.debug("keeping %s as %s for the next save", path, spare.name)
                 os.rename(path, spare)
                 room, recycled = room - 1, True
-        self._remove([p for _, _, p in older if p.exists()] + [p for p in self._stale_claims()])
+        self._remove([p for _, _, p in older if p.exists()] + self._stale_claims())
         if recycled:
             fsync_dir(self.local_ckpt_dir)
 
     def _stale_claims(self) -> List[Path]:
         """Spares left half-moved by a process that died (not this one) in `_claim_spare`."""
-        try:
-            entries = list(self.local_ckpt_dir.iterdir())
-        except FileNotFoundError:
-            return []
-        out = []
-        for p in entries:
-            m = _CLAIM.fullmatch(p.name)
-            if m and int(m.group(1)) != os.getpid():
-                out.append(p)
-        return out
+        return [p for p, m in self._named(_CLAIM) if int(m.group(1)) != os.getpid()]
 
     def _cleanup_failed_save(self, iteration: int) -> None:
         self._remove(p for ckpt_id, _, p in self._scan() if ckpt_id[0] == iteration)
