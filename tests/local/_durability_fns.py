@@ -65,7 +65,11 @@ def crash_after_commit(tmp: str, fsync: bool, factor: int, damage: str) -> Tuple
 
 
 def fsync_calls(tmp: str, fsync: Any, factor: int) -> Tuple[bool, int]:
-    """(the manager's policy, os.fsync calls during one save)."""
+    """(the manager's policy, os.fsync calls during three saves).
+
+    The second and third saves recycle the parts they supersede (renames) and remove the
+    rest: without the policy's fsync, that cleanup must not fsync the directory either.
+    """
     m = LocalCheckpointManager(node_root(tmp), "f", repl(1, factor), fsync=fsync)
     calls = []
     real = os.fsync
@@ -76,7 +80,9 @@ def fsync_calls(tmp: str, fsync: Any, factor: int) -> Tuple[bool, int]:
 
     os.fsync = counting  # type: ignore[assignment]
     try:
-        m.save(BasicTensorAwareStateDict(_state(1)), 1)
+        for iteration in (1, 2, 3):
+            m.save(BasicTensorAwareStateDict(_state(iteration)), iteration)
     finally:
         os.fsync = real  # type: ignore[assignment]
+    assert any(p.name.startswith("spare_") for p in m.local_ckpt_dir.iterdir())
     return m.fsync, len(calls)

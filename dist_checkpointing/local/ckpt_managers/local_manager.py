@@ -210,13 +210,15 @@ class LocalCheckpointManager(BaseCheckpointManager):
         if self.fsync:
             fsync_dir(self.local_ckpt_dir)
 
-    def _remove(self, paths: Iterable[Path]) -> None:
+    def _remove(self, paths: Iterable[Path], durable: bool = True) -> None:
+        """Unlinks `paths`; with `durable`, the directory is fsync'd after (the unlinks
+        survive a machine crash)."""
         removed = False
         for path in paths:
             logger.debug("removing %s", path)
             path.unlink(missing_ok=True)
             removed = True
-        if removed:
+        if removed and durable:
             fsync_dir(self.local_ckpt_dir)
 
     def _cleanup(self, iteration: int) -> None:
@@ -233,8 +235,14 @@ class LocalCheckpointManager(BaseCheckpointManager):
                 logger.debug("keeping %s as %s for the next save", path, spare.name)
                 os.rename(path, spare)
                 room, recycled = room - 1, True
-        self._remove([p for _, _, p in older if p.exists()] + self._stale_claims())
-        if recycled:
+        # Durable only with `fsync`: without it (a replica elsewhere), a machine crash that
+        # loses these renames and unlinks brings back an older iteration's name, whose file
+        # is either complete (older than the newest complete one, so never chosen) or holds
+        # a newer part's bytes (recycled), which `load` rejects by the part id in its
+        # header. The directory fsync also flushes the disk's write cache (the replicas just
+        # written): 0.26-0.48 s of a 1.0-1.3 s replicated save at 2 ranks x 128 MiB here.
+        self._remove([p for _, _, p in older if p.exists()] + self._stale_claims(), self.fsync)
+        if recycled and self.fsync:
             fsync_dir(self.local_ckpt_dir)
 
     def _stale_claims(self) -> List[Path]:
@@ -242,4 +250,7 @@ class LocalCheckpointManager(BaseCheckpointManager):
         return [p for p, m in self._named(_CLAIM) if int(m.group(1)) != os.getpid()]
 
     def _cleanup_failed_save(self, iteration: int) -> None:
+        # always durable: this also removes an earlier save's committed parts of `iteration`
+        # before a new save of it commits anywhere (old and new parts must never both
+        # survive a crash, whatever the durability policy)
         self._remove(p for ckpt_id, _, p in self._scan() if ckpt_id[0] == iteration)
