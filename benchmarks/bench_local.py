@@ -10,8 +10,13 @@ CPU seconds (user + system, max over ranks) of each, and the load average before
   `save()` + `schedule_async_request` block the caller and when the save is committed;
 - local saves (LocalCheckpointManager) without replication and with replication factor 2
   (jump 1), synchronous;
-- local load (a fresh manager's find_latest + load, page cache dropped) and recovery after
-  one rank's directory is deleted (its part comes from its replica holder);
+- local load (a fresh manager's find_latest + load, page cache dropped; it and the
+  `torch_dist` load take turns going first) and recovery after one rank's directory is
+  lost (its part comes from its replica holder; the directory is moved aside and put back
+  afterwards, so later saves still find their spares);
+- every timed local save writes over the parts its predecessor superseded (recycled), as
+  every save of a training run after the first does: two untimed saves per manager come
+  first;
 - local async save (factor 2): blocking time and commit time; one untimed warm-up async
   save of each kind (ours torch_dist and local) comes first, so one-time costs (pools,
   threads) are not counted, and the timed saves of the two kinds alternate;
@@ -51,6 +56,8 @@ from benchmarks._common import (
 )
 
 _N_TENSORS = 8
+#: iterations of the untimed local saves before the timed ones (see `_worker`)
+_WARM_UP = (1, 2)
 
 
 def _cpu_seconds() -> float:
@@ -159,11 +166,14 @@ def _worker(rank: int, world: int, args: argparse.Namespace, port: int, queue: A
     saves, loads = "saves" in args.phases, "loads" in args.phases
     # a warm-up round first (untimed): one-time costs (pools, probes, threads) of every
     # kind of save are paid before the timed rounds
+    # Two local saves per manager: the second recycles the first's parts, as every save of
+    # a training run after its first does, so each timed save writes over spares.
     if saves or loads:
         dc.save(sharded(), os.path.join(shared, "warm-up"))
         remove_global(os.path.join(shared, "warm-up"))
         for m in managers.values():
-            m.save(state(), 1)
+            for it in _WARM_UP:
+                m.save(state(), it)
     # Every row is measured once per round, rows alternating within a round, so that the
     # machine's drift (other users, the disk's state) hits every row alike.
     for i in reps if saves or loads else ():
@@ -173,26 +183,40 @@ def _worker(rank: int, world: int, args: argparse.Namespace, port: int, queue: A
         s.timed("torch_dist save s", lambda: dc.save(sharded(), ckpt))
         for f, m in managers.items():
             if saves or f == 2:
-                s.timed(f"local f{f} s", lambda: m.save(state(), i + 2))
+                s.timed(f"local f{f} s", lambda: m.save(state(), i + len(_WARM_UP) + 1))
         if loads:
-            _drop_cache(rank)
-            request = sharded(fill=False)
-            s.timed("torch_dist load s", lambda: dc.load(request, ckpt))
-            for k, t in tensors.items():
-                assert torch.equal(request[k].data, t), k
-            _drop_cache(rank)
-            s.timed("local load s", load_local)
-            check_local()
+            # the two loads of the same bytes take turns going first
+            for kind in ("torch_dist", "local") if i % 2 == 0 else ("local", "torch_dist"):
+                _drop_cache(rank)
+                if kind == "torch_dist":
+                    request = sharded(fill=False)
+                    s.timed("torch_dist load s", lambda: dc.load(request, ckpt))
+                    for k, t in tensors.items():
+                        assert torch.equal(request[k].data, t), k
+                else:
+                    s.timed("local load s", load_local)
+                    check_local()
+            # the last rank loses its directory: moved aside (not deleted) and put back
+            # after the recovery, so the next round's saves still write over spares
+            lost, aside = os.path.join(node, "f2"), os.path.join(node, "f2.lost")
             dist.barrier()
             if rank == world - 1:
-                shutil.rmtree(os.path.join(node, "f2"))
+                os.rename(lost, aside)
             _drop_cache(rank)
             s.timed("recovery s", load_local)
             check_local()
+            dist.barrier()
+            if rank == world - 1:
+                shutil.rmtree(lost, ignore_errors=True)
+                os.rename(aside, lost)
         remove_global(ckpt)
 
-    # async saves: a warm-up save of each kind first (one-time costs: pools, groups,
-    # threads), then the timed saves, alternating
+    # the sync sessions' files are not needed any more (disk space)
+    dist.barrier()
+    for f in managers:
+        shutil.rmtree(os.path.join(node, f"f{f}"), ignore_errors=True)
+    # async saves: warm-up saves first (one-time costs: pools, groups, threads; two local
+    # ones, so that the timed ones write over spares), then the timed saves, alternating
     q = AsyncCallsQueue()
     m_async = LocalCheckpointManager(node, "async", repl)
 
@@ -216,10 +240,11 @@ def _worker(rank: int, world: int, args: argparse.Namespace, port: int, queue: A
             remove_global(ckpt)
 
     for kind in ("torch_dist", "local") if "async" in args.phases else ():
-        async_save(kind, 0, timed=False)
+        for i in range(len(_WARM_UP) if kind == "local" else 1):
+            async_save(kind, i, timed=False)
     for i in reps if "async" in args.phases else ():
         for kind in ("torch_dist", "local"):
-            async_save(kind, i + 1, timed=True)
+            async_save(kind, i + len(_WARM_UP), timed=True)
     q.close()
     out = s.results()
     out["GB per rank"] = sum(t.numel() * 4 for t in tensors.values()) / 1e9
