@@ -16,7 +16,7 @@ CPU seconds (user + system, max over ranks) of each, and the load average before
   afterwards, so later saves still find their spares);
 - every timed local save writes over the parts its predecessor superseded (recycled), as
   every save of a training run after the first does: two untimed saves per manager come
-  first;
+  first (and one untimed load of each kind: the read-path probe, threads);
 - local async save (factor 2): blocking time and commit time; one untimed warm-up async
   save of each kind (ours torch_dist and local) comes first, so one-time costs (pools,
   threads) are not counted, and the timed saves of the two kinds alternate;
@@ -168,12 +168,19 @@ def _worker(rank: int, world: int, args: argparse.Namespace, port: int, queue: A
     # kind of save are paid before the timed rounds
     # Two local saves per manager: the second recycles the first's parts, as every save of
     # a training run after its first does, so each timed save writes over spares.
+    # With loads, one untimed load of each kind too (the read-path probe, reader threads),
+    # which the first timed load of either kind would otherwise pay alone.
     if saves or loads:
         dc.save(sharded(), os.path.join(shared, "warm-up"))
+        if loads:
+            dc.load(sharded(fill=False), os.path.join(shared, "warm-up"))
         remove_global(os.path.join(shared, "warm-up"))
         for m in managers.values():
             for it in _WARM_UP:
                 m.save(state(), it)
+        if loads:
+            load_local()
+            check_local()
     # Every row is measured once per round, rows alternating within a round, so that the
     # machine's drift (other users, the disk's state) hits every row alike.
     for i in reps if saves or loads else ():
