@@ -21,6 +21,11 @@ megatron cannot express it), `reshard cols` asks for column blocks (each rank ne
 every stored chunk). GB/s counts the state size once; ratios are against the ceiling of
 the same run (write for saves, read for loads).
 
+Loads fill destination tensors written once before (resident, as a model's parameters are
+when a checkpoint is loaded into it, and as the ceiling's read buffers are);
+`--fresh-destinations` loads into never-touched tensors instead, so every method also pays the
+kernel's zeroing of each page it fills (torch.load always allocates its own).
+
     python -m benchmarks.bench_disk --world-sizes 2 4 --sizes-mib 1024 4096 --repeats 2
 """
 
@@ -92,6 +97,16 @@ def _blocks(shape: tuple, rank: int, world: int, kind: str) -> tuple:
     return 0, rows, rank * c, (rank + 1) * c
 
 
+#: load destinations are written once before the load (resident, as a model's parameters are
+#: when a checkpoint is loaded into it, and as the ceiling's buffers are); `--fresh-destinations`
+#: leaves them untouched, so the load also pays the kernel's zeroing of every page it fills
+FRESH_DESTINATIONS = False
+
+
+def _dest(rows: int, cols: int) -> torch.Tensor:
+    return torch.empty(rows, cols) if FRESH_DESTINATIONS else torch.zeros(rows, cols)
+
+
 def _ours_sd(shapes: List[tuple], kind: str, data: bool) -> Dict[str, Any]:
     from dist_checkpointing import ShardedTensor
 
@@ -99,11 +114,11 @@ def _ours_sd(shapes: List[tuple], kind: str, data: bool) -> Dict[str, Any]:
     out = {}
     for i, s in enumerate(shapes):
         r0, r1, c0, c1 = _blocks(s, r, w, kind)
-        t = _piece(i, s, r0, r1, c0, c1) if data else torch.empty(r1 - r0, c1 - c0)
+        t = _piece(i, s, r0, r1, c0, c1) if data else _dest(r1 - r0, c1 - c0)
         out[f"t{i}"] = ShardedTensor(f"t{i}", t, t.dtype, tuple(t.shape), s, (r0, c0), None)
         if kind == "shifted" and r == w - 1:  # the wrapped part: the first half block
             h = s[0] // w // 2
-            t0 = torch.empty(h, s[1])
+            t0 = _dest(h, s[1])
             wrap = ShardedTensor(f"t{i}", t0, t0.dtype, tuple(t0.shape), s, (0, 0), None)
             out[f"t{i}"] = [out[f"t{i}"], wrap]
     return out
@@ -117,7 +132,7 @@ def _dtensors(shapes: List[tuple], kind: str, data: bool) -> Dict[str, Any]:
     out = {}
     for i, s in enumerate(shapes):
         r0, r1, c0, c1 = _blocks(s, r, w, kind)
-        t = _piece(i, s, r0, r1, c0, c1) if data else torch.empty(r1 - r0, c1 - c0)
+        t = _piece(i, s, r0, r1, c0, c1) if data else _dest(r1 - r0, c1 - c0)
         out[f"t{i}"] = DTensor.from_local(
             t, mesh, [Shard(0 if kind == "rows" else 1)], run_check=False
         )
@@ -132,7 +147,7 @@ def _mcore_sd(shapes: List[tuple], kind: str, data: bool) -> Dict[str, Any]:
     out = {}
     for i, s in enumerate(shapes):
         r0, r1, c0, c1 = _blocks(s, r, w, kind)
-        t = _piece(i, s, r0, r1, c0, c1) if data else torch.empty(r1 - r0, c1 - c0)
+        t = _piece(i, s, r0, r1, c0, c1) if data else _dest(r1 - r0, c1 - c0)
         out[f"t{i}"] = MST.from_rank_offsets(f"t{i}", t, (axis, r, w))
     return out
 
@@ -288,6 +303,8 @@ def _worker(rank: int, world: int, args: argparse.Namespace, port: int, queue: A
     warnings.filterwarnings("ignore", module="megatron")
     warnings.filterwarnings("ignore", category=FutureWarning)
     init_world(rank, world, port, minutes=60)
+    global FRESH_DESTINATIONS
+    FRESH_DESTINATIONS = args.fresh_destinations
     torch.set_num_threads(1)
     torch.cuda.synchronize = lambda *a, **k: None  # megatron-core calls these on CPU too
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
@@ -348,6 +365,12 @@ def main() -> None:
     parser.add_argument(
         "--methods", nargs="+", default=["ceiling", "torch.save", "dcp", "megatron", "ours"]
     )
+    parser.add_argument(
+        "--fresh-destinations",
+        action="store_true",
+        help="load into never-touched tensors (the load pays their page faults); default: "
+        "into tensors written once before, like a model's parameters",
+    )
     parser.add_argument("--dir", default="/tmp/dist_ckpt_bench_disk")
     parser.add_argument("--json", default="")
     args = parser.parse_args()
@@ -375,7 +398,8 @@ def main() -> None:
         print_table(
             f"{world} ranks, {time.strftime('%Y-%m-%d %H:%M:%S')}, load average "
             f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}: medians of {args.repeats}; "
-            "page cache dropped before loads; x ceil: ratio to the raw ceiling of the same "
+            "page cache dropped before loads; "
+            f"{'fresh' if args.fresh_destinations else 'resident'} load destinations; x ceil: ratio to the raw ceiling of the same "
             "run (loads: the faster raw read path)",
             done,
             cols,
