@@ -89,6 +89,28 @@ def test_probe_measures_once_per_file_system_and_picks_the_faster_path(tmp_path,
     assert probe.probe_result(str(path)) is not None
 
 
+def test_probe_times_each_path_as_loads_read_into_tensors(tmp_path, monkeypatch):
+    # raw O_DIRECT requests into aligned memory won a probe where whole loads, which reach
+    # torch's (64-byte aligned) tensors through a bounce buffer, were slower than the page cache
+    path = tmp_path / "big"
+    path.write_bytes(os.urandom(4 * probe.PROBE_BYTES + 8192))
+    calls: list = []
+
+    def recording(name, real):
+        def call(fd, offset, out, *args):
+            calls.append((name, out.ctypes.data % 512, out.size))
+            return real(fd, offset, out, *args)
+
+        return call
+
+    monkeypatch.setattr(probe, "_direct", recording("direct", probe._direct))
+    monkeypatch.setattr(probe, "_buffered", recording("buffered", probe._buffered))
+    result = probe._measure(str(path))
+    assert result is not None and len(result.pairs) == 2
+    assert [c[0] for c in calls] == ["direct", "buffered"] * 2
+    assert all(misaligned != 0 and size == probe.PROBE_BYTES for _, misaligned, size in calls)
+
+
 def test_probe_is_skipped_where_o_direct_was_refused(tmp_path, monkeypatch):
     path = tmp_path / "big"
     path.write_bytes(b"\0" * (4 * probe.PROBE_BYTES + 8192))
