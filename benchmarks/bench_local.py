@@ -4,7 +4,8 @@ Each rank holds `--total-mib / world` MiB of fp32 tensors and writes to its own 
 directory. In one run, per world size, medians over `--repeats` rounds (at least 3; each
 sample is the max over ranks). The rows alternate within each round (every row measured
 once per round), so the machine's drift hits them alike; the JSON keeps every sample, the
-CPU seconds (user + system, max over ranks) of each, and the load average before and after:
+CPU seconds (user + system, max over ranks) of each, and the load average before and after.
+The save rows rotate their order from round to round, each after an untimed `sync`:
 - `torch.save` + fsync per rank (a baseline);
 - our `torch_dist` sync save, its load (page cache dropped), and async save: how long
   `save()` + `schedule_async_request` block the caller and when the save is committed;
@@ -40,7 +41,7 @@ import shutil
 import subprocess
 import sys
 import time
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -98,6 +99,14 @@ def _drop_cache(rank: int) -> None:
     dist.barrier()
     if rank == 0:
         drop_page_cache()
+    dist.barrier()
+
+
+def _settle(rank: int) -> None:
+    """Collective: writes back every dirty page (untimed), so the next row starts alike."""
+    dist.barrier()
+    if rank == 0:
+        os.sync()
     dist.barrier()
 
 
@@ -184,13 +193,23 @@ def _worker(rank: int, world: int, args: argparse.Namespace, port: int, queue: A
     # Every row is measured once per round, rows alternating within a round, so that the
     # machine's drift (other users, the disk's state) hits every row alike.
     for i in reps if saves or loads else ():
-        if saves:
-            s.timed("torch.save s", lambda: torch_save(i))
         ckpt = os.path.join(shared, f"sync_{i}")
-        s.timed("torch_dist save s", lambda: dc.save(sharded(), ckpt))
+        rows: List[Tuple[str, Callable[[], Any]]] = []
+        if saves:
+            rows.append(("torch.save s", lambda: torch_save(i)))
+        rows.append(("torch_dist save s", lambda: dc.save(sharded(), ckpt)))
         for f, m in managers.items():
             if saves or f == 2:
-                s.timed(f"local f{f} s", lambda: m.save(state(), i + len(_WARM_UP) + 1))
+                it = i + len(_WARM_UP) + 1
+                rows.append((f"local f{f} s", lambda m=m, it=it: m.save(state(), it)))
+        # The save rows take turns going first (a fixed order had the local save always
+        # right after `torch_dist`'s), and each starts with the disk settled (an untimed
+        # sync): no row pays for the writeback an earlier row left behind (the replicated
+        # save's own part is not fsync'd by policy, so its writeback comes after it).
+        turn = i % len(rows)
+        for key, fn in rows[turn:] + rows[:turn]:
+            _settle(rank)
+            s.timed(key, fn)
         if loads:
             # the two loads of the same bytes take turns going first
             for kind in ("torch_dist", "local") if i % 2 == 0 else ("local", "torch_dist"):
