@@ -6,7 +6,8 @@ The I/O layer shared by the torch_dist backend and local checkpoints:
   several in flight (`inflight`): with O_DIRECT (aligned requests into reusable aligned
   bounce buffers, or straight into the destination when it is aligned), else with plain
   `preadv` straight into the destination.
-  Memory used beyond the destination: one bounce buffer per reading thread.
+  Memory used beyond the destination: one bounce buffer per reading thread (cut into one
+  slot per request in flight).
 - `FileWriter` writes a file in large positional requests, preallocated, with O_DIRECT where
   the file system supports it (aligned requests, the last padded and the file truncated
   back), fsync'd once when finished.
@@ -33,7 +34,7 @@ import torch
 from ..errors import CheckpointCorruptedError
 from . import buffers, faults
 from .buffers import ALIGN
-from .inflight import DEPTH, read_in_flight
+from .inflight import DEPTH, read_in_flight, read_through_slots
 
 __all__ = [
     "ALIGN",
@@ -146,23 +147,31 @@ def _direct(
         pos = offset + done
     if done == n:
         return
-    step = max(ALIGN, min(buffers.BOUNCE, request // ALIGN * ALIGN))
+    # the rest through one bounce buffer cut into `depth` slots, several requests in flight
+    # while the calling thread copies the previous ones out (and `progress` verifies them)
+    depth = max(1, min(depth, buffers.BOUNCE // ALIGN))
+    step = max(ALIGN, min(buffers.BOUNCE // depth, request) // ALIGN * ALIGN)
+    start = offset + done
+    pos = start - start % ALIGN
+    length = -(-(end - pos) // ALIGN) * ALIGN
     bounce = buffers.bounce()
+    view = memoryview(bounce)  # type: ignore[arg-type]
+    slots = [view[i * step : (i + 1) * step] for i in range(min(depth, -(-length // step)))]
+
+    def deliver(at: int, data: memoryview) -> None:
+        nonlocal done
+        lo, hi = max(at, offset + done), min(at + len(data), end)
+        if lo != offset + done or hi <= lo:  # the file ends before the region does
+            raise CheckpointCorruptedError(f"{path}: short read at offset {offset + done}")
+        out[done : done + hi - lo] = np.frombuffer(data, dtype=np.uint8)[lo - at : hi - at]
+        done += hi - lo
+        if progress is not None:
+            progress(done)
+
     try:
-        while done < n:
-            want = min(step, -(-(end - pos) // ALIGN) * ALIGN)
-            got = os.preadv(fd, [memoryview(bounce[:want])], pos)  # type: ignore[arg-type]
-            start = offset + done
-            stop = min(pos + got, end)
-            if stop <= start or (got < want and stop < end):  # end of file before the region's end
-                raise CheckpointCorruptedError(
-                    f"{path}: short read at offset {max(start, pos + got)}"
-                )
-            out[done : done + stop - start] = bounce[start - pos : stop - pos]
-            done += stop - start
-            pos += want
-            if progress is not None:
-                progress(done)
+        read_through_slots(fd, pos, length, slots, deliver)
+        if done < n:
+            raise CheckpointCorruptedError(f"{path}: short read at offset {offset + done}")
     finally:
         buffers.give_back(bounce)
 
@@ -187,9 +196,10 @@ def read_region(
             (increasing, the last call with `out.size`), while those bytes are still in the
             CPU caches: lets a caller verify or consume them without a second pass.
         request: bytes per request (with O_DIRECT: rounded down to `ALIGN`, at most `BOUNCE`).
-        depth: requests in flight at once (`inflight.read_in_flight`), except through an
-            O_DIRECT bounce buffer (unaligned destinations), which reads one at a time.
-            None: `DEPTH` with O_DIRECT, one through the page cache (`BUFFERED_DEPTH`).
+        depth: requests in flight at once (`inflight.read_in_flight`; into an unaligned
+            destination with O_DIRECT, through as many slots of one `BOUNCE` buffer:
+            `inflight.read_through_slots`). None: `DEPTH` with O_DIRECT, one through the
+            page cache (`BUFFERED_DEPTH`).
 
     Raises:
         CheckpointCorruptedError: the file is shorter than the region, or cannot be read.

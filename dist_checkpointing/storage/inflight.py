@@ -22,7 +22,7 @@ from typing import Any, Callable, Deque, List, Optional, Tuple
 
 from ..errors import CheckpointCorruptedError
 
-__all__ = ["DEPTH", "read_in_flight"]
+__all__ = ["DEPTH", "read_in_flight", "read_through_slots"]
 
 #: read requests of one region kept in flight
 DEPTH = 4
@@ -129,6 +129,82 @@ def read_in_flight(
             pending.popleft().result()
     finally:
         # on an error, let started requests finish: none may write into `out` afterwards
+        for f in pending:
+            f.cancel()
+        for f in pending:
+            if not f.cancelled():
+                f.exception()
+
+
+def _read_upto(fd: int, offset: int, view: memoryview) -> int:
+    """Reads up to `len(view)` bytes at `offset`; fewer only where the file ends."""
+    done = 0
+    while done < len(view):
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if got <= 0:
+            break
+        done += got
+        if got % 512:  # the file ended inside a block (O_DIRECT cannot go on from there)
+            break
+    return done
+
+
+def read_through_slots(
+    fd: int,
+    offset: int,
+    length: int,
+    slots: List[memoryview],
+    deliver: Callable[[int, memoryview], None],
+) -> None:
+    """Reads `length` bytes at `offset` through reusable slots, `len(slots)` requests in flight.
+
+    For reads that cannot land in their destination directly (O_DIRECT into unaligned
+    memory): each request fills one slot on the request pool while the calling thread hands
+    the previous ones to `deliver`, in file order; a slot is reused once its delivery
+    returns, so the disk keeps `len(slots) - 1` requests or more while bytes are copied out.
+
+    Args:
+        fd: an open file (with O_DIRECT: `offset`, `length` and the slots aligned as it
+            requires).
+        offset: where the region starts.
+        length: bytes to read (the file may end earlier: the last deliveries are short).
+        slots: equal-sized buffers, one per request in flight.
+        deliver: called as `deliver(file_offset, data)` for each request, in order, in the
+            calling thread; `data` is only valid during the call. A request that met the end
+            of the file delivers what it read (possibly nothing) and ends the read.
+
+    Raises:
+        OSError: a request failed (after every started request has finished: nothing
+            writes into a slot once this returns or raises).
+        Exception: whatever `deliver` raised (same guarantee).
+    """
+    size = len(slots[0])
+    starts = list(range(offset, offset + length, size))
+
+    def one(i: int) -> int:
+        n = min(size, offset + length - starts[i])
+        return _read_upto(fd, starts[i], slots[i % len(slots)][:n])
+
+    if len(slots) <= 1 or len(starts) <= 1:
+        for i, at in enumerate(starts):
+            got = one(i)
+            deliver(at, slots[i % len(slots)][:got])
+            if got < min(size, offset + length - at):
+                return
+        return
+    pool = _executor()
+    pending: Deque[Future] = deque()
+    try:
+        nxt = 0
+        for i, at in enumerate(starts):
+            while nxt < len(starts) and nxt < i + len(slots):
+                pending.append(pool.submit(one, nxt))
+                nxt += 1
+            got = pending.popleft().result()
+            deliver(at, slots[i % len(slots)][:got])
+            if got < min(size, offset + length - at):
+                return  # the file ended: later requests read nothing of use
+    finally:
         for f in pending:
             f.cancel()
         for f in pending:

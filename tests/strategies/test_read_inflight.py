@@ -113,6 +113,82 @@ def test_a_progress_error_stops_the_read_and_propagates(tmp_path):
         os.close(fd)
 
 
+@pytest.mark.parametrize("slots", [1, 3])
+@pytest.mark.parametrize("length", [40_960, 10_000 + 4096])  # whole slots; the file ends first
+def test_slots_deliver_every_byte_in_file_order_with_requests_outstanding(
+    tmp_path, monkeypatch, slots, length
+):
+    data = os.urandom(40_960)
+    (tmp_path / "f").write_bytes(data)
+    real = os.preadv
+    busy, most = [0], [0]
+    lock = threading.Lock()
+
+    def slow_preadv(fd, bufs, offset, *flags):
+        with lock:
+            busy[0] += 1
+            most[0] = max(most[0], busy[0])
+        time.sleep(0.01)
+        try:
+            return real(fd, bufs, offset, *flags)
+        finally:
+            with lock:
+                busy[0] -= 1
+
+    monkeypatch.setattr(inflight.os, "preadv", slow_preadv)
+    buf = np.zeros(slots * 4096, dtype=np.uint8)
+    views = [memoryview(buf)[i * 4096 : (i + 1) * 4096] for i in range(slots)]  # type: ignore[arg-type]
+    got: list = []
+    fd = os.open(tmp_path / "f", os.O_RDONLY)
+    try:
+        inflight.read_through_slots(
+            fd, 4096, length, views, lambda at, d: got.append((at, bytes(d)))
+        )
+    finally:
+        os.close(fd)
+    assert [at for at, _ in got] == list(range(4096, 4096 + len(got) * 4096, 4096))
+    assert b"".join(d for _, d in got) == data[4096 : 4096 + length]
+    assert most[0] == min(slots, -(-length // 4096))
+
+
+def test_slots_stop_at_a_delivery_error_with_no_request_left_running(tmp_path):
+    (tmp_path / "f").write_bytes(os.urandom(64 * 1024))
+    buf = np.zeros(4 * 4096, dtype=np.uint8)
+    views = [memoryview(buf)[i * 4096 : (i + 1) * 4096] for i in range(4)]  # type: ignore[arg-type]
+    seen: list = []
+
+    def deliver(at: int, data: memoryview) -> None:
+        seen.append(at)
+        if at >= 2 * 4096:
+            raise CheckpointCorruptedError("damaged block")
+
+    fd = os.open(tmp_path / "f", os.O_RDONLY)
+    try:
+        with pytest.raises(CheckpointCorruptedError, match="damaged block"):
+            inflight.read_through_slots(fd, 0, 64 * 1024, views, deliver)
+    finally:
+        os.close(fd)
+    snapshot = buf.copy()
+    time.sleep(0.05)
+    assert seen == [0, 4096, 8192] and np.array_equal(buf, snapshot)
+
+
+@pytest.mark.parametrize("size", [3 * (1 << 20) + 123, 5000])
+def test_o_direct_into_an_unaligned_destination_goes_through_slots_bit_exactly(tmp_path, size):
+    data = os.urandom(4 << 20)
+    (tmp_path / "f").write_bytes(data)
+    raw = np.zeros(size + 2 * 4096, dtype=np.uint8)
+    out = raw[(-raw.ctypes.data) % 4096 + 64 :][:size]  # as torch places tensors
+    filled: list = []
+    direct.read_region(
+        str(tmp_path / "f"), 777, out, direct=True, progress=filled.append, request=1 << 20
+    )
+    assert out.tobytes() == data[777 : 777 + size] and filled[-1] == size
+    assert filled == sorted(filled)
+    with pytest.raises(CheckpointCorruptedError, match="short read"):
+        direct.read_region(str(tmp_path / "f"), (4 << 20) - 1000, out, direct=True)
+
+
 def test_cached_tells_resident_regions_from_evicted_ones(tmp_path):
     path = tmp_path / "f"
     path.write_bytes(os.urandom(1 << 20))
