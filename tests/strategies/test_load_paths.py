@@ -121,8 +121,16 @@ def test_probe_is_skipped_where_o_direct_was_refused(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("direct_faster", [False, True])
 def test_whole_chunk_loads_take_the_measured_read_path(tmp_path, monkeypatch, direct_faster):
-    w = torch.randn(256, 1024)
+    # 32 MiB: reading the chunk's head starts the kernel's readahead, which made all of a
+    # 1 MiB chunk resident before the residency check (then read from the page cache)
+    w = torch.randn(8192, 1024)
     dc.save({"w": ShardedTensor.from_rank_offsets("w", w)}, tmp_path / "c")
+    for f in (tmp_path / "c").glob("*.distcp"):  # out of the page cache, whichever path the
+        fd = os.open(f, os.O_RDONLY)  # save's writes took
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
     measured = _fixed_probe(monkeypatch, direct_faster)
     req = {"w": ShardedTensor.from_rank_offsets("w", torch.zeros_like(w))}
     with faults.injected(faults.Fault("*.distcp", ops=("read",))) as (spy,):
