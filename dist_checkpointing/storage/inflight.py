@@ -53,6 +53,16 @@ def _read_exact(fd: int, offset: int, view: memoryview, path: str) -> None:
         done += got
 
 
+def _settle(pending: Deque[Future]) -> None:
+    """Cancels the requests not started yet and waits for the others (their errors are
+    the caller's to report, or already superseded by the one being raised)."""
+    for f in pending:
+        f.cancel()
+    for f in pending:
+        if not f.cancelled():
+            f.exception()
+
+
 class _InOrder:
     """Reports the leading bytes filled as requests complete: one call per request, in
     file order, one call at a time."""
@@ -129,11 +139,7 @@ def read_in_flight(
             pending.popleft().result()
     finally:
         # on an error, let started requests finish: none may write into `out` afterwards
-        for f in pending:
-            f.cancel()
-        for f in pending:
-            if not f.cancelled():
-                f.exception()
+        _settle(pending)
 
 
 def _read_upto(fd: int, offset: int, view: memoryview) -> int:
@@ -205,8 +211,4 @@ def read_through_slots(
             if got < min(size, offset + length - at):
                 return  # the file ended: later requests read nothing of use
     finally:
-        for f in pending:
-            f.cancel()
-        for f in pending:
-            if not f.cancelled():
-                f.exception()
+        _settle(pending)

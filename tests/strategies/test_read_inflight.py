@@ -36,6 +36,28 @@ def _evict(path) -> None:
         os.close(fd)
 
 
+def _slow_requests(monkeypatch, delay: float) -> list:
+    """Makes each read request take `delay` s (a device serving it); returns a one-item
+    list holding the most requests seen outstanding at once."""
+    real = os.preadv
+    busy, most = [0], [0]
+    lock = threading.Lock()
+
+    def slow_preadv(fd, bufs, offset, *flags):
+        with lock:
+            busy[0] += 1
+            most[0] = max(most[0], busy[0])
+        time.sleep(delay)
+        try:
+            return real(fd, bufs, offset, *flags)
+        finally:
+            with lock:
+                busy[0] -= 1
+
+    monkeypatch.setattr(inflight.os, "preadv", slow_preadv)
+    return most
+
+
 @pytest.mark.parametrize("depth", [1, 3, 8])
 @pytest.mark.parametrize("offset,size,step", [(0, 50_000, 4096), (77, 12_345, 1000)])
 def test_requests_in_flight_fill_exact_bytes_and_report_each_request_in_order(
@@ -61,22 +83,7 @@ def test_requests_in_flight_fill_exact_bytes_and_report_each_request_in_order(
 
 def test_several_requests_are_outstanding_at_once(tmp_path, monkeypatch):
     (tmp_path / "f").write_bytes(os.urandom(64 * 1024))
-    real = os.preadv
-    busy, most = [0], [0]
-    lock = threading.Lock()
-
-    def slow_preadv(fd, bufs, offset, *flags):
-        with lock:
-            busy[0] += 1
-            most[0] = max(most[0], busy[0])
-        time.sleep(0.02)  # a request the device takes a while to serve
-        try:
-            return real(fd, bufs, offset, *flags)
-        finally:
-            with lock:
-                busy[0] -= 1
-
-    monkeypatch.setattr(inflight.os, "preadv", slow_preadv)
+    most = _slow_requests(monkeypatch, 0.02)
     out = np.zeros(64 * 1024, dtype=np.uint8)
     direct.read_region(str(tmp_path / "f"), 0, out, direct=False, request=4096, depth=4)
     assert out.tobytes() == (tmp_path / "f").read_bytes()
@@ -120,22 +127,7 @@ def test_slots_deliver_every_byte_in_file_order_with_requests_outstanding(
 ):
     data = os.urandom(40_960)
     (tmp_path / "f").write_bytes(data)
-    real = os.preadv
-    busy, most = [0], [0]
-    lock = threading.Lock()
-
-    def slow_preadv(fd, bufs, offset, *flags):
-        with lock:
-            busy[0] += 1
-            most[0] = max(most[0], busy[0])
-        time.sleep(0.01)
-        try:
-            return real(fd, bufs, offset, *flags)
-        finally:
-            with lock:
-                busy[0] -= 1
-
-    monkeypatch.setattr(inflight.os, "preadv", slow_preadv)
+    most = _slow_requests(monkeypatch, 0.01)
     buf = np.zeros(slots * 4096, dtype=np.uint8)
     views = [memoryview(buf)[i * 4096 : (i + 1) * 4096] for i in range(slots)]  # type: ignore[arg-type]
     got: list = []
