@@ -19,13 +19,15 @@ anyone.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import logging
 import os
+import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -121,29 +123,82 @@ def _measure(path: str) -> Optional[ReadProbe]:
     return ReadProbe(sum(times[True]), sum(times[False]), 2 * PROBE_BYTES, pairs)
 
 
-def cached(path: str, offset: int, length: int, samples: int = 8) -> bool:
-    """Whether the region looks resident in the page cache (then it is read from there).
+class _CachestatRange(ctypes.Structure):
+    _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]
 
-    Asks for one byte at `samples` spread offsets with RWF_NOWAIT, which fails instead of
-    going to the disk: a checkpoint loaded a moment ago (or written through the page cache
-    by another tool; our own saves write with O_DIRECT) is read from memory instead of from
-    the disk with O_DIRECT. False where RWF_NOWAIT is unsupported.
+
+class _Cachestat(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_uint64)
+        for name in ("nr_cache", "nr_dirty", "nr_writeback", "nr_evicted", "nr_recently_evicted")
+    ]
+
+
+#: cachestat(2), Linux 6.5+ (new system calls share one number on every architecture)
+_SYS_CACHESTAT = 451
+_syscall: Any = None  # None: not looked up yet; False: unavailable
+
+
+def cached_pages(fd: int, offset: int, length: int) -> Optional[int]:
+    """Pages of the region resident in the page cache, by `cachestat(2)`, which starts no
+    I/O; None where the kernel (before 6.5) or the platform lacks it."""
+    global _syscall
+    if _syscall is None:
+        _syscall = False
+        if sys.platform.startswith("linux"):
+            try:
+                _syscall = ctypes.CDLL(None, use_errno=True).syscall
+            except (OSError, AttributeError):
+                pass
+    if not _syscall:
+        return None
+    rng, stat = _CachestatRange(offset, length), _Cachestat()
+    got = _syscall(
+        ctypes.c_long(_SYS_CACHESTAT),
+        ctypes.c_int(fd),
+        ctypes.byref(rng),
+        ctypes.byref(stat),
+        ctypes.c_uint(0),
+    )
+    if got != 0:
+        if ctypes.get_errno() == errno.ENOSYS:
+            _syscall = False
+        return None
+    return int(stat.nr_cache)
+
+
+def cached(path: str, offset: int, length: int, samples: int = 8) -> bool:
+    """Whether the region is resident in the page cache (then it is read from there).
+
+    A checkpoint loaded a moment ago (or written through the page cache) is read from
+    memory instead of from the disk with O_DIRECT. Counted with `cachestat(2)` where the
+    kernel has it: every page of the region must be resident. Elsewhere, one byte is asked
+    for at `samples` spread offsets with RWF_NOWAIT, which fails instead of waiting for the
+    disk (a miss still starts readahead, which a later sample may find done: an evicted
+    region can then look resident, and is read through the page cache). False where
+    neither is supported.
 
     Args:
         path: the file.
         offset: where the region starts.
         length: its size in bytes.
-        samples: offsets probed.
+        samples: offsets probed without `cachestat`.
     """
-    flag = getattr(os, "RWF_NOWAIT", None)
-    if flag is None or length <= 0:
+    if length <= 0:
         return False
-    one = bytearray(1)
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
         return False
     try:
+        first = offset - offset % _PAGE
+        pages = cached_pages(fd, first, offset + length - first)
+        if pages is not None:
+            return pages >= -(-(offset + length - first) // _PAGE)
+        flag = getattr(os, "RWF_NOWAIT", None)
+        if flag is None:
+            return False
+        one = bytearray(1)
         for i in range(samples):
             at = offset + (length - 1) * i // max(1, samples - 1)
             if os.preadv(fd, [one], at, flag) != 1:
@@ -153,6 +208,9 @@ def cached(path: str, offset: int, length: int, samples: int = 8) -> bool:
     finally:
         os.close(fd)
     return True
+
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 def prefer_direct_reads(path: str) -> bool:
