@@ -285,6 +285,27 @@ def _preallocate(fd: int, size: int) -> None:
             pass
 
 
+def libc_function(name: str, argtypes: Optional[list] = None) -> Optional[Callable[..., int]]:
+    """The C library's function `name` (errors left in `ctypes.get_errno()`), on Linux only.
+
+    Args:
+        name: the symbol, e.g. "sync_file_range".
+        argtypes: its ctypes argument types, when the call needs them converted.
+
+    Returns:
+        The function, or None where the platform is not Linux or its C library lacks it.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = getattr(ctypes.CDLL(None, use_errno=True), name)
+    except (OSError, AttributeError):
+        return None
+    if argtypes is not None:
+        fn.argtypes = argtypes
+    return fn  # type: ignore[no-any-return]
+
+
 _SYNC_FILE_RANGE_WRITE = 2  # linux/fs.h: start writeback of dirty pages, do not wait
 _sync_file_range: Any = None  # None: not looked up yet; False: unavailable
 
@@ -301,14 +322,12 @@ def start_writeback(fd: int, offset: int, length: int) -> None:
     """
     global _sync_file_range
     if _sync_file_range is None:
-        _sync_file_range = False
-        if sys.platform.startswith("linux"):
-            try:
-                fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-                fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-                _sync_file_range = fn
-            except (OSError, AttributeError):
-                pass
+        _sync_file_range = (
+            libc_function(
+                "sync_file_range", [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+            )
+            or False
+        )
     call = _sync_file_range
     if call and length > 0:
         call(fd, offset, length, _SYNC_FILE_RANGE_WRITE)  # errors: the caller's fsync reports them

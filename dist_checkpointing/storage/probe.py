@@ -23,7 +23,6 @@ import ctypes
 import errno
 import logging
 import os
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -32,7 +31,14 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 
 from . import buffers
-from .direct import BUFFERED_DEPTH, _buffered, _direct, direct_allowed, refuse_direct
+from .direct import (
+    BUFFERED_DEPTH,
+    _buffered,
+    _direct,
+    direct_allowed,
+    libc_function,
+    refuse_direct,
+)
 from .inflight import DEPTH
 
 __all__ = [
@@ -144,12 +150,7 @@ def cached_pages(fd: int, offset: int, length: int) -> Optional[int]:
     I/O; None where the kernel (before 6.5) or the platform lacks it."""
     global _syscall
     if _syscall is None:
-        _syscall = False
-        if sys.platform.startswith("linux"):
-            try:
-                _syscall = ctypes.CDLL(None, use_errno=True).syscall
-            except (OSError, AttributeError):
-                pass
+        _syscall = libc_function("syscall") or False
     if not _syscall:
         return None
     rng, stat = _CachestatRange(offset, length), _Cachestat()
