@@ -12,7 +12,11 @@ on rows across ranks, same directory, page cache dropped before each load):
 - `torch.save`: each rank `torch.save`s its shards and fsyncs; loads read them back;
 - `dcp`: stock `torch.distributed.checkpoint` with DTensors;
 - `megatron`: megatron-core's `dist_checkpointing` (torch_dist), when importable;
-- `ours`: `dist_checkpointing` with the default ('torch_dist', 1) backend, checksums on.
+- `ours`: `dist_checkpointing` with the default ('torch_dist', 1) backend, checksums on
+  (the read and write paths its probes chose are printed and kept in the JSON).
+
+The methods take turns within each repeat, in an order rotated every repeat, so a drift of
+the disk's speed over the run (the host's cache, other jobs) falls on each of them alike.
 
 Two resharded loads: `reshard rows` asks every rank for a block of rows shifted by half a
 stored block (each request spans two stored chunks, half of each; the last rank's block
@@ -187,115 +191,133 @@ def _parallel(fns: List[Callable[[], Any]]) -> None:
         t.join()
 
 
-def _run(method: str, shapes: List[tuple], root: str, repeats: int) -> Dict[str, List[float]]:
+def _run(
+    method: str, shapes: List[tuple], root: str, rep: int, times: Dict[str, List[float]]
+) -> None:
+    """One repeat of one method: its save and loads, each time appended to `times`."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    times: Dict[str, List[float]] = {k: [] for k in KINDS + CEILING_READS}
-    for rep in range(repeats):
-        path = os.path.join(root, f"{method.replace('.', '_')}_{rep}")
-        if rank == 0:
-            os.makedirs(path, exist_ok=True)
-        dist.barrier()
-        if method == "ceiling":
-            nbytes = sum(r * c * 4 for r, c in shapes) // world
-            bufs = [_aligned(nbytes // 2) for _ in range(2)]
-            for b in bufs:
-                b[:] = 7
-            files = [os.path.join(path, f"raw_{rank}_{i}") for i in range(2)]
-            times["save"].append(
+    path = os.path.join(root, f"{method.replace('.', '_')}_{rep}")
+    if rank == 0:
+        os.makedirs(path, exist_ok=True)
+    dist.barrier()
+    if method == "ceiling":
+        nbytes = sum(r * c * 4 for r, c in shapes) // world
+        bufs = [_aligned(nbytes // 2) for _ in range(2)]
+        for b in bufs:
+            b[:] = 7
+        files = [os.path.join(path, f"raw_{rank}_{i}") for i in range(2)]
+        times["save"].append(
+            timed(
+                lambda: _parallel([lambda f=f, b=b: _raw_write(f, b) for f, b in zip(files, bufs)])
+            )
+        )
+        _cold()
+        direct_s = timed(
+            lambda: _parallel([lambda f=f, b=b: _raw_read(f, b) for f, b in zip(files, bufs)])
+        )
+        _cold()
+        buffered_s = timed(lambda: [_raw_read(f, b, direct=False) for f, b in zip(files, bufs)])
+        times["load"].append(min(direct_s, buffered_s))
+        times["load O_DIRECT"].append(direct_s)
+        times["load page cache"].append(buffered_s)
+    elif method == "ours":
+        import dist_checkpointing as dc
+        from dist_checkpointing.strategies.torch import (
+            TorchDistLoadShardedStrategy,
+            TorchDistSaveShardedStrategy,
+        )
+
+        saver = TorchDistSaveShardedStrategy(thread_count=OURS_THREADS)
+        loader = TorchDistLoadShardedStrategy(thread_count=OURS_LOAD_THREADS)
+        sd = _ours_sd(shapes, "rows", True)
+        times["save"].append(timed(lambda: dc.save(sd, path, sharded_strategy=saver)))
+        for kind, layout in (
+            ("load", "rows"),
+            ("reshard rows", "shifted"),
+            ("reshard cols", "cols"),
+        ):
+            req = _ours_sd(shapes, layout, False)
+            _cold()
+            times[kind].append(
                 timed(
-                    lambda: _parallel(
-                        [lambda f=f, b=b: _raw_write(f, b) for f, b in zip(files, bufs)]
+                    lambda: dc.load(
+                        req, path, sharded_strategy=loader, validate_access_integrity=False
                     )
                 )
             )
+    elif method == "dcp":
+        import torch.distributed.checkpoint as dcp
+
+        sd = _dtensors(shapes, "rows", True)
+        times["save"].append(timed(lambda: dcp.save(sd, checkpoint_id=path)))
+        for kind, layout in (("load", "rows"), ("reshard cols", "cols")):
+            dreq = _dtensors(shapes, layout, False)
             _cold()
-            direct_s = timed(
-                lambda: _parallel([lambda f=f, b=b: _raw_read(f, b) for f, b in zip(files, bufs)])
-            )
+            times[kind].append(timed(lambda: dcp.load(dreq, checkpoint_id=path)))
+    elif method == "megatron":
+        from megatron.core import dist_checkpointing as mdc
+
+        sd = _mcore_sd(shapes, "rows", True)
+        times["save"].append(timed(lambda: mdc.save(sd, path)))
+        for kind, layout in (("load", "rows"), ("reshard cols", "cols")):
+            mreq = _mcore_sd(shapes, layout, False)
             _cold()
-            buffered_s = timed(lambda: [_raw_read(f, b, direct=False) for f, b in zip(files, bufs)])
-            times["load"].append(min(direct_s, buffered_s))
-            times["load O_DIRECT"].append(direct_s)
-            times["load page cache"].append(buffered_s)
-        elif method == "ours":
-            import dist_checkpointing as dc
-            from dist_checkpointing.strategies.torch import (
-                TorchDistLoadShardedStrategy,
-                TorchDistSaveShardedStrategy,
-            )
+            times[kind].append(timed(lambda: mdc.load(mreq, path)))
+    else:  # torch.save
+        local = {
+            f"t{i}": _piece(i, s, *_blocks(s, rank, world, "rows")) for i, s in enumerate(shapes)
+        }
 
-            saver = TorchDistSaveShardedStrategy(thread_count=OURS_THREADS)
-            loader = TorchDistLoadShardedStrategy(thread_count=OURS_LOAD_THREADS)
-            sd = _ours_sd(shapes, "rows", True)
-            times["save"].append(timed(lambda: dc.save(sd, path, sharded_strategy=saver)))
-            for kind, layout in (
-                ("load", "rows"),
-                ("reshard rows", "shifted"),
-                ("reshard cols", "cols"),
-            ):
-                req = _ours_sd(shapes, layout, False)
-                _cold()
-                times[kind].append(
-                    timed(
-                        lambda: dc.load(
-                            req, path, sharded_strategy=loader, validate_access_integrity=False
-                        )
-                    )
-                )
-        elif method == "dcp":
-            import torch.distributed.checkpoint as dcp
+        def save_each() -> None:
+            with open(os.path.join(path, f"rank{rank}.pt"), "wb") as f:
+                torch.save(local, f)
+                f.flush()
+                os.fsync(f.fileno())
 
-            sd = _dtensors(shapes, "rows", True)
-            times["save"].append(timed(lambda: dcp.save(sd, checkpoint_id=path)))
-            for kind, layout in (("load", "rows"), ("reshard cols", "cols")):
-                dreq = _dtensors(shapes, layout, False)
-                _cold()
-                times[kind].append(timed(lambda: dcp.load(dreq, checkpoint_id=path)))
-        elif method == "megatron":
-            from megatron.core import dist_checkpointing as mdc
+        times["save"].append(timed(save_each))
+        _cold()
+        times["load"].append(
+            timed(lambda: torch.load(os.path.join(path, f"rank{rank}.pt"), weights_only=True))
+        )
 
-            sd = _mcore_sd(shapes, "rows", True)
-            times["save"].append(timed(lambda: mdc.save(sd, path)))
-            for kind, layout in (("load", "rows"), ("reshard cols", "cols")):
-                mreq = _mcore_sd(shapes, layout, False)
-                _cold()
-                times[kind].append(timed(lambda: mdc.load(mreq, path)))
-        else:  # torch.save
-            local = {
-                f"t{i}": _piece(i, s, *_blocks(s, rank, world, "rows"))
-                for i, s in enumerate(shapes)
-            }
+        def gather_cols() -> None:  # one rank file at a time: keep only this rank's columns
+            parts: Dict[int, List[torch.Tensor]] = {i: [] for i in range(len(shapes))}
+            for r in range(world):
+                piece = torch.load(os.path.join(path, f"rank{r}.pt"), weights_only=True)
+                for i, s in enumerate(shapes):
+                    c = s[1] // world
+                    parts[i].append(piece[f"t{i}"][:, rank * c : (rank + 1) * c].clone())
+                del piece
+            for i in parts:
+                torch.cat(parts[i], dim=0)
 
-            def save_each() -> None:
-                with open(os.path.join(path, f"rank{rank}.pt"), "wb") as f:
-                    torch.save(local, f)
-                    f.flush()
-                    os.fsync(f.fileno())
+        _cold()
+        times["reshard cols"].append(timed(gather_cols))
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(path, ignore_errors=True)
+    dist.barrier()
 
-            times["save"].append(timed(save_each))
-            _cold()
-            times["load"].append(
-                timed(lambda: torch.load(os.path.join(path, f"rank{rank}.pt"), weights_only=True))
-            )
 
-            def gather_cols() -> None:  # one rank file at a time: keep only this rank's columns
-                parts: Dict[int, List[torch.Tensor]] = {i: [] for i in range(len(shapes))}
-                for r in range(world):
-                    piece = torch.load(os.path.join(path, f"rank{r}.pt"), weights_only=True)
-                    for i, s in enumerate(shapes):
-                        c = s[1] // world
-                        parts[i].append(piece[f"t{i}"][:, rank * c : (rank + 1) * c].clone())
-                    del piece
-                for i in parts:
-                    torch.cat(parts[i], dim=0)
+def _chosen_paths(root: str) -> Dict[str, Any]:
+    """The read and write paths our probes chose for `root`'s file system in this process,
+    with what they measured (None: that probe did not run)."""
+    from dist_checkpointing.storage import probe, write_probe
 
-            _cold()
-            times["reshard cols"].append(timed(gather_cols))
-        dist.barrier()
-        if rank == 0:
-            shutil.rmtree(path, ignore_errors=True)
-        dist.barrier()
-    return times
+    out: Dict[str, Any] = {}
+    got_read = probe.probe_result(root)
+    if got_read is not None:
+        out["read"] = {
+            "chose": "O_DIRECT" if got_read.prefer_direct else "page cache",
+            "pairs_s": [list(p) for p in got_read.pairs],
+        }
+    got_write = write_probe.write_probe_result(root)
+    if got_write is not None:
+        out["write"] = {
+            "chose": "O_DIRECT" if got_write.prefer_direct else "page cache",
+            "pairs_s": [list(p) for p in got_write.pairs],
+        }
+    return out
 
 
 def _worker(rank: int, world: int, args: argparse.Namespace, port: int, queue: Any) -> None:
@@ -320,13 +342,19 @@ def _worker(rank: int, world: int, args: argparse.Namespace, port: int, queue: A
         import megatron.core.dist_checkpointing  # noqa: F401
     except Exception:
         methods = [m for m in methods if m != "megatron"]
-    out = {}
+    out: Dict[int, Dict[str, Any]] = {}
     for size in args.sizes_mib:
         shapes = _shapes(size << 20, world)
-        out[size] = {
-            m: _run(m, shapes, os.path.join(args.dir, f"w{world}"), args.repeats) for m in methods
-        }
-        out[size]["_bytes"] = sum(r * c * 4 for r, c in shapes)  # type: ignore[assignment]
+        per: Dict[str, Any] = {m: {k: [] for k in KINDS + CEILING_READS} for m in methods}
+        for rep in range(args.repeats):
+            # methods take turns, in an order rotated every repeat: the disk's drift over the
+            # run (the host's cache, other jobs) falls on each of them alike
+            shift = rep % len(methods)
+            for m in methods[shift:] + methods[:shift]:
+                _run(m, shapes, os.path.join(args.dir, f"w{world}"), rep, per[m])
+        per["_bytes"] = sum(r * c * 4 for r, c in shapes)
+        per["_paths"] = _chosen_paths(args.dir)
+        out[size] = per
     if rank == 0:
         queue.put(out)
     dist.destroy_process_group()
@@ -336,9 +364,11 @@ def _rows(res: Dict[int, Any], world: int) -> List[Dict[str, Any]]:
     """Table rows of one world size's results (GB/s and ratios to the ceiling)."""
     rows = []
     for _size, per in res.items():
-        nbytes = per.pop("_bytes")
+        nbytes = per["_bytes"]
         ceil = {k: median(per["ceiling"][k]) for k in ("save", "load")} if "ceiling" in per else {}
         for method, t in per.items():
+            if method.startswith("_"):  # the size's facts (bytes, chosen paths), no method
+                continue
             row: Dict[str, Any] = {
                 "GiB": round(nbytes / 2**30, 2),
                 "ranks": world,
@@ -404,6 +434,8 @@ def main() -> None:
             done,
             cols,
         )
+        for size, per in raw[str(world)].items():
+            print(f"{world} ranks, {size} MiB: our probes chose {per.get('_paths') or 'nothing'}")
         sys.stdout.flush()
     if len(args.world_sizes) > 1:
         print_table(f"all world sizes, medians of {args.repeats}", rows, cols)
