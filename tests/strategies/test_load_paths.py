@@ -168,7 +168,12 @@ PATHS = {
     "whole chunk, O_DIRECT": (lambda w: [(0, w.shape[0])], True),
     "whole chunk, measured": (lambda w: [(0, w.shape[0])], None),
     "whole chunk shared by two requests": (lambda w: [(0, 100), (100, w.shape[0] - 100)], None),
-    "part of a chunk (resharded rows)": (lambda w: [(40, 90)], None),
+    "rows of a chunk (resharded), measured": (lambda w: [(40, 90)], None),
+    "rows of a chunk (resharded), O_DIRECT": (lambda w: [(40, 90)], True),
+    "rows of a chunk (resharded), page cache": (lambda w: [(40, 90)], False),
+    "rows of a chunk from the first row": (lambda w: [(0, 90)], True),
+    "rows of a chunk to the last row": (lambda w: [(40, w.shape[0])], True),
+    "two parts of a chunk (scattered)": (lambda w: [(40, 60), (60, 90)], None),
 }
 
 
@@ -212,6 +217,38 @@ def test_every_read_path_loads_exact_bytes_and_finds_a_damaged_block(
     with pytest.raises(CheckpointCorruptedError, match=f"bytes {lo}-{lo + 4096} of"):
         dc.load(
             _request(w, rows(w)), ckpt, sharded_strategy=strategy, validate_access_integrity=False
+        )
+
+
+@pytest.mark.parametrize("direct_io", [True, False])
+@pytest.mark.parametrize("where", ["before the rows", "after the rows"])
+def test_rows_read_in_place_find_damage_in_their_edge_blocks_outside_the_rows(
+    tmp_path, monkeypatch, direct_io, where
+):
+    # rows 40-90 are data bytes 160000-360000: their first block (39) starts 256 bytes
+    # before them and their last (87) ends 448 bytes after them; those bytes are read only
+    # to verify the blocks, and their damage must still be found
+    monkeypatch.setattr(reader, "READ_REQUEST", 3 * 4096)
+    w = torch.randn(200, 1000)
+    _save_blocked(tmp_path, monkeypatch, w)
+    path, data0 = _data_offset(tmp_path / "c")
+    strategy = TorchDistLoadShardedStrategy(direct_io=direct_io)
+    ok = dc.load(
+        _request(w, [(40, 90)]),
+        tmp_path / "c",
+        sharded_strategy=strategy,
+        validate_access_integrity=False,
+    )
+    assert torch.equal(ok["p0"], w[40:90])
+    bad = 159800 if where == "before the rows" else 360100
+    _flip(path, data0 + bad)
+    lo = data0 + bad // 4096 * 4096
+    with pytest.raises(CheckpointCorruptedError, match=f"bytes {lo}-{lo + 4096} of"):
+        dc.load(
+            _request(w, [(40, 90)]),
+            tmp_path / "c",
+            sharded_strategy=strategy,
+            validate_access_integrity=False,
         )
 
 

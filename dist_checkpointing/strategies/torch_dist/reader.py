@@ -5,9 +5,9 @@ chunk (see `zipformat`) and raw bytes per object; `.metadata` (see `metadata_fil
 where each item lies. Regions are read through the shared I/O layer (`storage`) in large
 requests and verified against `checksums.json` when given.
 
-Why this module is over 400 lines: whole-chunk, partial (row-range scatter) and byte-item
-reads share the per-thread scratch buffers and the per-block verifier; splitting them would
-spread those internals over several modules.
+Why this module is over 400 lines: whole-chunk, in-place row-range, scattered partial and
+byte-item reads share the chunk grouping and the per-thread scratch buffers; the verifiers
+live in `verify`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -29,9 +29,20 @@ from torch.distributed.checkpoint.planner import ReadItem
 
 from ..._safe_load import torch_load
 from ...errors import CheckpointCorruptedError
-from ...integrity import Checksums, ItemSum, new_hasher
+from ...integrity import Checksums, ItemSum
 from ...storage import cached, mapped, prefer_direct_reads, read_region
+from .verify import (
+    ChunkVerifier,
+    RangeVerifier,
+    flat_bytes,
+    frame_matches,
+    mismatch,
+    read_exact,
+)
 from .zipformat import chunk_layout, head_layout
+
+#: what `_read_verified` reports its progress to
+Verifier = Union[ChunkVerifier, RangeVerifier]
 
 __all__ = ["read_tensor_items", "read_byte_items", "open_range", "READ_REQUEST"]
 
@@ -282,42 +293,6 @@ class _Scatter:
         self.done = rows
 
 
-def _mismatch(what: str, info: _StorageInfo) -> CheckpointCorruptedError:
-    return CheckpointCorruptedError(
-        f"{what}: checksum mismatch in bytes {info.offset}-{info.offset + info.length} of "
-        f"{info.relative_path}: the stored data is damaged"
-    )
-
-
-def _read_exact(raw: Any, offset: int, n: int) -> bytes:
-    """`n` bytes of the item from `offset` (fewer only at the item's end)."""
-    raw.seek(offset)
-    parts, got = [], 0
-    while got < n:
-        part = raw.read(n - got)
-        if not part:
-            break
-        parts.append(part)
-        got += len(part)
-    return b"".join(parts)
-
-
-def _frame(raw: Any, layout: Any, length: int) -> Tuple[bytes, bytes]:
-    """The item's bytes before and after its data (its zip records)."""
-    end = layout.data_offset + layout.nbytes
-    return _read_exact(raw, 0, layout.data_offset), _read_exact(raw, end, length - end)
-
-
-def _frame_matches(raw: Any, layout: Any, length: int, expected: ItemSum) -> bool:
-    """Whether the item's zip records (all bytes around the data) match their digest."""
-    if layout.data_offset != expected.data_off or layout.nbytes != expected.data_len:
-        return False
-    h = new_hasher()
-    for part in _frame(raw, layout, length):
-        h.update(part)
-    return h.intdigest() == expected.digest
-
-
 def _read_stored(
     stream: io.BufferedReader,
     group: _ChunkGroup,
@@ -346,7 +321,7 @@ def _read_stored(
     if expected is not None and expected.blocked:
         # everything sequential: the head now, the frame's tail once the data is read
         layout = head_layout(
-            _read_exact(raw, 0, expected.data_off), expected.data_off, expected.data_len
+            read_exact(raw, 0, expected.data_off), expected.data_off, expected.data_len
         )
     if layout is None:
         layout = chunk_layout(raw)  # type: ignore[arg-type]
@@ -354,7 +329,7 @@ def _read_stored(
         stream.seek(0)
         payload = stream.read()
         if expected is not None and not expected.matches_whole(payload):
-            raise _mismatch(what, group.info)
+            raise mismatch(what, group.info)
         stored = torch_load(io.BytesIO(payload), what)
         if not isinstance(stored, torch.Tensor):
             raise CheckpointCorruptedError(
@@ -383,9 +358,27 @@ def _read_stored(
     # checked after the data so that the item is read front to back; a mismatch raises
     # before the load returns anything
     if expected is not None and expected.blocked:
-        if not _frame_matches(raw, layout, group.info.length, expected):
-            raise _mismatch(what, group.info)
+        if not frame_matches(raw, layout, group.info.length, expected):
+            raise mismatch(what, group.info)
     return nread
+
+
+def _in_place(
+    r: ReadItem, dest: torch.Tensor, layout: Any, row0: int, row1: int, whole: bool
+) -> bool:
+    """Whether read `r` is rows `row0:row1` of the stored chunk, all of each row, into a
+    contiguous host destination of the stored dtype (so its bytes are read straight in)."""
+    shape = tuple(layout.shape)
+    want = shape if whole else (row1 - row0,) + shape[1:]
+    first = 0 if whole else row0
+    return (
+        [int(o) for o in r.storage_offsets] == ([first] + [0] * (len(shape) - 1) if shape else [])
+        and tuple(r.lengths) == want
+        and tuple(dest.shape) == want
+        and dest.dtype == layout.dtype
+        and dest.is_contiguous()
+        and dest.device.type == "cpu"
+    )
 
 
 def _read_data(
@@ -402,29 +395,38 @@ def _read_data(
     nrows: int,
     row_bytes: int,
 ) -> int:
-    """Reads rows `row0:row1` of a parsed contiguous chunk into the reads' destinations."""
+    """Reads rows `row0:row1` of a parsed contiguous chunk into the reads' destinations.
+
+    One read of whole rows into a contiguous destination (a whole chunk, or a resharded
+    load's rows) is read straight into it, in large requests, by the measured path; others
+    go through the page cache and are scattered.
+    """
     shape = layout.shape
     data_file_off = group.info.offset + layout.data_offset
     whole = (row0, row1) == (0, nrows)
-    if whole and len(group.reads) == 1:
-        r = group.reads[0]
-        dest = resolve(r)
-        if (
-            all(o == 0 for o in r.storage_offsets)
-            and tuple(r.lengths) == shape
-            and tuple(dest.shape) == shape
-            and dest.dtype == layout.dtype
-            and dest.is_contiguous()
-            and dest.device.type == "cpu"
-        ):
+    if len(group.reads) == 1 and (whole or row1 > row0):
+        dest = resolve(group.reads[0])
+        if _in_place(group.reads[0], dest, layout, row0, row1, whole):
+            # the read's bytes are one contiguous range of the chunk (the whole chunk, or
+            # whole rows of it): read straight into the destination
+            a, b = (0, layout.nbytes) if whole else (row0 * row_bytes, row1 * row_bytes)
             direct = direct_io
-            if direct is None:  # measured, unless the chunk is in the page cache already
-                direct = prefer_direct_reads(path) and not cached(
-                    path, data_file_off, layout.nbytes
+            if direct is None:  # measured, unless the range is in the page cache already
+                direct = prefer_direct_reads(path) and not cached(path, data_file_off + a, b - a)
+            verifier: Verifier
+            if whole or expected is None:
+                verifier = ChunkVerifier(raw, layout, dest, a, group.info, expected, what)
+            else:
+                verifier = RangeVerifier(
+                    lambda off, n: read_exact(raw, layout.data_offset + off, n),
+                    dest,
+                    a,
+                    group.info,
+                    expected,
+                    what,
                 )
-            verifier = _Verifier(raw, layout, dest, 0, group, expected, what)
-            _read_verified(path, data_file_off, dest, direct, verifier)
-            return layout.nbytes
+            _read_verified(path, data_file_off + a, dest, direct, verifier)
+            return b - a + (verifier.edge_bytes if isinstance(verifier, RangeVerifier) else 0)
     # Reads that other ranks of the node likely repeat (several regions of one chunk, or part
     # of it: resharding) go through the page cache, which the ranks share: mapped where the
     # kernel allows (each rank hashes and copies out only what it uses), else read into a
@@ -451,7 +453,7 @@ def _read_data(
                 read_region(
                     path,
                     data_file_off + start,
-                    _flat_bytes(region),
+                    flat_bytes(region),
                     direct=False,
                     progress=progress,
                     request=READ_REQUEST,
@@ -466,8 +468,8 @@ def _read_data(
         pairs = _pairs(stored, row0, group, resolve, what)
         streamed = len(shape) >= 1 and row_bytes > 0 and (expected is None or expected.blocked)
         scatter = _Scatter(pairs, row0, row1 - row0, row_bytes, skip) if streamed else None
-        verifier = _Verifier(raw, layout, region, start, group, expected, what, scatter)
-        fill(verifier if verifier.expected is not None or verifier.consume else None)
+        verifier = ChunkVerifier(raw, layout, region, start, group.info, expected, what, scatter)
+        fill(verifier if verifier.needed else None)
         verifier.finish()
         if scatter is None:  # one digest for the whole item: copy once it is verified
             for src, dest, _ in pairs:
@@ -475,91 +477,20 @@ def _read_data(
     return stop - start
 
 
-class _Verifier:
-    """Verifies a chunk's data as `read_region` fills it: never a second pass over memory.
-
-    Called with the number of leading bytes of `data` (data-region bytes from `start`, a
-    block boundary) filled so far; hashes each completed checksum block at once, while its
-    bytes are still in the CPU caches (reads come in `READ_REQUEST`-sized requests). Items
-    with one digest for the whole item feed the digest incrementally instead. `finish`
-    completes the check.
-    """
-
-    def __init__(
-        self,
-        raw: Any,
-        layout: Any,
-        data: torch.Tensor,
-        start: int,
-        group: _ChunkGroup,
-        expected: Optional[ItemSum],
-        what: str,
-        consume: Optional[Callable[[int], None]] = None,
-    ) -> None:
-        self.view = _flat_bytes(data)
-        self.consume = consume
-        self.start, self.group, self.expected, self.what = start, group, expected, what
-        self.done = 0
-        self.hasher: Any = None
-        self.tail = b""
-        if expected is not None and not expected.blocked:
-            head, self.tail = _frame(raw, layout, group.info.length)
-            self.hasher = new_hasher()
-            self.hasher.update(head)
-
-    def __call__(self, filled: int) -> None:
-        expected = self.expected
-        if filled <= self.done:
-            return  # (a restarted read refills bytes already verified)
-        if expected is None:
-            self.done = filled
-        elif self.hasher is not None:
-            self.hasher.update(self.view[self.done : filled])
-            self.done = filled
-        else:
-            self._blocks(expected, filled)
-        if self.consume is not None:
-            self.consume(self.done)
-
-    def _blocks(self, expected: ItemSum, filled: int) -> None:
-        upto = filled if filled >= len(self.view) else filled - filled % expected.block
-        if upto <= self.done:
-            return
-        bad = expected.bad_block(self.view[self.done : upto], self.start + self.done)
-        if bad is not None:
-            info = self.group.info
-            b0 = info.offset + expected.data_off + bad * expected.block
-            raise CheckpointCorruptedError(
-                f"{self.what}: checksum mismatch in bytes {b0}-{b0 + expected.block} of "
-                f"{info.relative_path}: the stored data is damaged"
-            )
-        self.done = upto
-
-    def finish(self) -> None:
-        """Verifies (and consumes) what is left (all of it, if the read reported no progress)."""
-        self(len(self.view))
-        if self.expected is None:
-            return
-        if self.hasher is not None:
-            self.hasher.update(self.tail)
-            if self.hasher.intdigest() != self.expected.digest:
-                raise _mismatch(self.what, self.group.info)
-
-
 def _read_verified(
     path: str,
     offset: int,
     data: torch.Tensor,
     direct: bool,
-    verifier: _Verifier,
+    verifier: Verifier,
 ) -> None:
     """Reads `data`'s bytes from `offset`, verifying each request's bytes as they land."""
     read_region(
         path,
         offset,
-        _flat_bytes(data),
+        flat_bytes(data),
         direct=direct,
-        progress=verifier if verifier.expected is not None or verifier.consume else None,
+        progress=verifier if verifier.needed else None,
         request=READ_REQUEST,
     )
     verifier.finish()
@@ -578,14 +509,6 @@ def _scratch(nbytes: int) -> torch.Tensor:
         buf = torch.empty(max(nbytes, 1 << 20), dtype=torch.uint8)
         _scratch_local.buf = buf
     return buf[:nbytes]
-
-
-def _flat_bytes(t: torch.Tensor) -> Any:
-    import numpy as np
-
-    if t.numel() == 0:
-        return np.empty(0, dtype=np.uint8)
-    return t.reshape(-1).view(torch.uint8).numpy()
 
 
 def read_byte_items(
@@ -609,6 +532,6 @@ def read_byte_items(
                 str(info.relative_path), info.offset, info.length, what
             )
             if expected is not None and not expected.matches_whole(data):
-                raise _mismatch(what, info)
+                raise mismatch(what, info)
         out.append(data)
     return out
