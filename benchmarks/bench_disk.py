@@ -3,12 +3,13 @@
 For each world size in --world-sizes and each total size in --sizes-mib (fp32 state split
 on rows across ranks, same directory, page cache dropped before each load):
 
-- `ceiling`: raw O_DIRECT writes of each rank's bytes from aligned buffers (64 MiB
-  requests, two files per rank written in parallel, one fsync each), and reads of them back
-  into the same buffers, cold, both ways: O_DIRECT (64 MiB requests) and through the page
-  cache (16 MiB requests, one file after the other, which on a VM whose host caches the
-  virtual disk can beat O_DIRECT); the load ceiling is the faster of the two, per repeat:
-  what the disk gives;
+- `ceiling`: raw writes of each rank's bytes from aligned buffers (64 MiB requests, two
+  files per rank written in parallel, one fsync each) both ways, O_DIRECT and through the
+  page cache, and reads of them back into the same buffers, cold, three ways: O_DIRECT
+  (64 MiB requests, both files at once) and through the page cache (16 MiB requests, one
+  file after the other, and both files at once), which on a VM whose host caches the
+  virtual disk can beat O_DIRECT. The save and load ceilings are the fastest of these raw
+  paths, per repeat: what the disk gives (each path's own figure is shown too);
 - `torch.save`: each rank `torch.save`s its shards and fsyncs; loads read them back;
 - `dcp`: stock `torch.distributed.checkpoint` with DTensors;
 - `megatron`: megatron-core's `dist_checkpointing` (torch_dist), when importable;
@@ -62,7 +63,10 @@ from benchmarks._common import (
 
 KINDS = ["save", "load", "reshard rows", "reshard cols"]
 #: the ceiling's two raw read paths (its "load" is the faster of them in each repeat)
-CEILING_READS = ["load O_DIRECT", "load page cache"]
+CEILING_READS = ["load O_DIRECT", "load page cache", "load page cache x2"]
+#: the ceiling's two raw write paths (its "save" is the faster of them in each repeat)
+CEILING_WRITES = ["save O_DIRECT", "save page cache"]
+CEILING_KINDS = CEILING_READS + CEILING_WRITES
 OURS_THREADS = int(os.environ.get("DIST_CKPT_BENCH_THREADS", "1"))
 OURS_LOAD_THREADS = int(os.environ.get("DIST_CKPT_BENCH_LOAD_THREADS", "2"))
 
@@ -163,8 +167,9 @@ def _aligned(n: int) -> np.ndarray:
     return np.frombuffer(mmap.mmap(-1, max(4096, -(-n // 4096) * 4096)), dtype=np.uint8)
 
 
-def _raw_write(path: str, buf: np.ndarray) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+def _raw_write(path: str, buf: np.ndarray, direct: bool = True) -> None:
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0)
+    fd = os.open(path, flags, 0o644)
     try:
         for off in range(0, buf.size, 64 << 20):
             os.pwrite(fd, memoryview(buf[off : off + (64 << 20)]), off)  # type: ignore[arg-type]
@@ -206,20 +211,37 @@ def _run(
         for b in bufs:
             b[:] = 7
         files = [os.path.join(path, f"raw_{rank}_{i}") for i in range(2)]
-        times["save"].append(
-            timed(
-                lambda: _parallel([lambda f=f, b=b: _raw_write(f, b) for f, b in zip(files, bufs)])
+        # both write paths, in an order that alternates by repeat; the one written last
+        # stays on disk and is read back (the other's files are removed first)
+        write_s = {}
+        for direct in (True, False) if rep % 2 else (False, True):
+            for f in files:
+                if os.path.exists(f):
+                    os.unlink(f)
+            dist.barrier()
+            write_s[direct] = timed(
+                lambda d=direct: _parallel(
+                    [lambda f=f, b=b: _raw_write(f, b, d) for f, b in zip(files, bufs)]
+                )
             )
-        )
-        _cold()
-        direct_s = timed(
-            lambda: _parallel([lambda f=f, b=b: _raw_read(f, b) for f, b in zip(files, bufs)])
-        )
-        _cold()
-        buffered_s = timed(lambda: [_raw_read(f, b, direct=False) for f, b in zip(files, bufs)])
-        times["load"].append(min(direct_s, buffered_s))
-        times["load O_DIRECT"].append(direct_s)
-        times["load page cache"].append(buffered_s)
+        times["save O_DIRECT"].append(write_s[True])
+        times["save page cache"].append(write_s[False])
+        times["save"].append(min(write_s.values()))
+        reads = {
+            "load O_DIRECT": lambda: _parallel(
+                [lambda f=f, b=b: _raw_read(f, b) for f, b in zip(files, bufs)]
+            ),
+            "load page cache": lambda: [_raw_read(f, b, direct=False) for f, b in zip(files, bufs)],
+            "load page cache x2": lambda: _parallel(
+                [lambda f=f, b=b: _raw_read(f, b, direct=False) for f, b in zip(files, bufs)]
+            ),
+        }
+        order = list(reads)
+        order = order[rep % len(order) :] + order[: rep % len(order)]
+        for name in order:
+            _cold()
+            times[name].append(timed(reads[name]))
+        times["load"].append(min(times[name][-1] for name in reads))
     elif method == "ours":
         import dist_checkpointing as dc
         from dist_checkpointing.strategies.torch import (
@@ -345,7 +367,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace, port: int, queue: A
     out: Dict[int, Dict[str, Any]] = {}
     for size in args.sizes_mib:
         shapes = _shapes(size << 20, world)
-        per: Dict[str, Any] = {m: {k: [] for k in KINDS + CEILING_READS} for m in methods}
+        per: Dict[str, Any] = {m: {k: [] for k in KINDS + CEILING_KINDS} for m in methods}
         for rep in range(args.repeats):
             # methods take turns, in an order rotated every repeat: the disk's drift over the
             # run (the host's cache, other jobs) falls on each of them alike
@@ -374,7 +396,7 @@ def _rows(res: Dict[int, Any], world: int) -> List[Dict[str, Any]]:
                 "ranks": world,
                 "method": method,
             }
-            for kind in KINDS + CEILING_READS:
+            for kind in KINDS + CEILING_KINDS:
                 if t.get(kind):
                     s = median(t[kind])
                     row[f"{kind} GB/s"] = nbytes / s / 1e9
@@ -410,7 +432,7 @@ def main() -> None:
     raw: Dict[str, Any] = {}
     cols = (
         ["GiB", "ranks", "method"]
-        + [f"{k} GB/s" for k in KINDS + CEILING_READS]
+        + [f"{k} GB/s" for k in KINDS + CEILING_KINDS]
         + [f"{k} x ceil" for k in KINDS]
     )
     for world in args.world_sizes:
@@ -430,7 +452,7 @@ def main() -> None:
             f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}: medians of {args.repeats}; "
             "page cache dropped before loads; "
             f"{'fresh' if args.fresh_destinations else 'resident'} load destinations; x ceil: ratio to the raw ceiling of the same "
-            "run (loads: the faster raw read path)",
+            "run (the fastest raw path of each repeat)",
             done,
             cols,
         )
