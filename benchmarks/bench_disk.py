@@ -196,6 +196,21 @@ def _parallel(fns: List[Callable[[], Any]]) -> None:
         t.join()
 
 
+def torch_save_fn(shapes: List[tuple], path: str) -> Callable[[], None]:
+    """A function that `torch.save`s this rank's row block of every tensor into
+    `path/rank<r>.pt` and fsyncs it (the state is built here, outside the timing)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local = {f"t{i}": _piece(i, s, *_blocks(s, rank, world, "rows")) for i, s in enumerate(shapes)}
+
+    def save_each() -> None:
+        with open(os.path.join(path, f"rank{rank}.pt"), "wb") as f:
+            torch.save(local, f)
+            f.flush()
+            os.fsync(f.fileno())
+
+    return save_each
+
+
 def _run(
     method: str, shapes: List[tuple], root: str, rep: int, times: Dict[str, List[float]]
 ) -> None:
@@ -286,17 +301,7 @@ def _run(
             _cold()
             times[kind].append(timed(lambda: mdc.load(mreq, path)))
     else:  # torch.save
-        local = {
-            f"t{i}": _piece(i, s, *_blocks(s, rank, world, "rows")) for i, s in enumerate(shapes)
-        }
-
-        def save_each() -> None:
-            with open(os.path.join(path, f"rank{rank}.pt"), "wb") as f:
-                torch.save(local, f)
-                f.flush()
-                os.fsync(f.fileno())
-
-        times["save"].append(timed(save_each))
+        times["save"].append(timed(torch_save_fn(shapes, path)))
         _cold()
         times["load"].append(
             timed(lambda: torch.load(os.path.join(path, f"rank{rank}.pt"), weights_only=True))

@@ -36,14 +36,13 @@ import torch.distributed as dist
 from benchmarks._common import init_world, median, run_world
 from benchmarks.bench_disk import (
     _aligned,
-    _blocks,
     _dtensors,
     _mcore_sd,
     _ours_sd,
     _parallel,
-    _piece,
     _raw_write,
     _shapes,
+    torch_save_fn,
 )
 
 
@@ -73,17 +72,7 @@ def _save_fn(method: str, shapes: List[tuple], path: str) -> Callable[[], Any]:
         files = [os.path.join(path, f"raw_{rank}_{i}") for i in range(2)]
         return lambda: _parallel([lambda f=f, b=b: _raw_write(f, b) for f, b in zip(files, bufs)])
     if method == "torch.save":
-        local = {
-            f"t{i}": _piece(i, s, *_blocks(s, rank, world, "rows")) for i, s in enumerate(shapes)
-        }
-
-        def save_each() -> None:
-            with open(os.path.join(path, f"rank{rank}.pt"), "wb") as f:
-                torch.save(local, f)
-                f.flush()
-                os.fsync(f.fileno())
-
-        return save_each
+        return torch_save_fn(shapes, path)
     if method == "dcp":
         import torch.distributed.checkpoint as dcp
 
