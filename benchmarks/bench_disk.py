@@ -45,7 +45,7 @@ import sys
 import threading
 import time
 import warnings
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Tuple
 
 import numpy as np
 import torch
@@ -196,6 +196,17 @@ def _parallel(fns: List[Callable[[], Any]]) -> None:
         t.join()
 
 
+def ceiling_files(shapes: List[tuple], path: str) -> Tuple[List[np.ndarray], List[str]]:
+    """The ceiling's two aligned, filled buffers holding this rank's bytes and the two files
+    they are written to in `path`."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    nbytes = sum(r * c * 4 for r, c in shapes) // world
+    bufs = [_aligned(nbytes // 2) for _ in range(2)]
+    for b in bufs:
+        b[:] = 7
+    return bufs, [os.path.join(path, f"raw_{rank}_{i}") for i in range(2)]
+
+
 def torch_save_fn(shapes: List[tuple], path: str) -> Callable[[], None]:
     """A function that `torch.save`s this rank's row block of every tensor into
     `path/rank<r>.pt` and fsyncs it (the state is built here, outside the timing)."""
@@ -221,11 +232,7 @@ def _run(
         os.makedirs(path, exist_ok=True)
     dist.barrier()
     if method == "ceiling":
-        nbytes = sum(r * c * 4 for r, c in shapes) // world
-        bufs = [_aligned(nbytes // 2) for _ in range(2)]
-        for b in bufs:
-            b[:] = 7
-        files = [os.path.join(path, f"raw_{rank}_{i}") for i in range(2)]
+        bufs, files = ceiling_files(shapes, path)
         # both write paths, in an order that alternates by repeat; the one written last
         # stays on disk and is read back (the other's files are removed first)
         write_s = {}

@@ -35,13 +35,13 @@ import torch.distributed as dist
 
 from benchmarks._common import init_world, median, run_world
 from benchmarks.bench_disk import (
-    _aligned,
     _dtensors,
     _mcore_sd,
     _ours_sd,
     _parallel,
     _raw_write,
     _shapes,
+    ceiling_files,
     torch_save_fn,
 )
 
@@ -63,13 +63,8 @@ def _ours_options(method: str) -> Dict[str, Any]:
 
 def _save_fn(method: str, shapes: List[tuple], path: str) -> Callable[[], Any]:
     """A function saving the state once with `method` into `path` (state built outside it)."""
-    rank, world = dist.get_rank(), dist.get_world_size()
     if method == "ceiling":
-        nbytes = sum(r * c * 4 for r, c in shapes) // world
-        bufs = [_aligned(nbytes // 2) for _ in range(2)]
-        for b in bufs:
-            b[:] = 7
-        files = [os.path.join(path, f"raw_{rank}_{i}") for i in range(2)]
+        bufs, files = ceiling_files(shapes, path)
         return lambda: _parallel([lambda f=f, b=b: _raw_write(f, b) for f, b in zip(files, bufs)])
     if method == "torch.save":
         return torch_save_fn(shapes, path)
