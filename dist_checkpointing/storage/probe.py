@@ -140,6 +140,8 @@ class _Cachestat(ctypes.Structure):
     ]
 
 
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
 #: cachestat(2), Linux 6.5+ (new system calls share one number on every architecture)
 _SYS_CACHESTAT = 451
 _syscall: Any = None  # None: not looked up yet; False: unavailable
@@ -209,9 +211,6 @@ def cached(path: str, offset: int, length: int, samples: int = 8) -> bool:
     finally:
         os.close(fd)
     return True
-
-
-_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 def prefer_direct_reads(path: str) -> bool:

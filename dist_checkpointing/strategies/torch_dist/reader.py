@@ -20,7 +20,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -34,15 +34,13 @@ from ...storage import cached, mapped, prefer_direct_reads, read_region
 from .verify import (
     ChunkVerifier,
     RangeVerifier,
+    Verifier,
     flat_bytes,
     frame_matches,
     mismatch,
     read_exact,
 )
 from .zipformat import chunk_layout, head_layout
-
-#: what `_read_verified` reports its progress to
-Verifier = Union[ChunkVerifier, RangeVerifier]
 
 __all__ = ["read_tensor_items", "read_byte_items", "open_range", "READ_REQUEST"]
 
@@ -426,7 +424,7 @@ def _read_data(
                     what,
                 )
             _read_verified(path, data_file_off + a, dest, direct, verifier)
-            return b - a + (verifier.edge_bytes if isinstance(verifier, RangeVerifier) else 0)
+            return b - a + verifier.extra_bytes
     # Reads that other ranks of the node likely repeat (several regions of one chunk, or part
     # of it: resharding) go through the page cache, which the ranks share: mapped where the
     # kernel allows (each rank hashes and copies out only what it uses), else read into a

@@ -11,17 +11,18 @@ outside it.
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple, Union
 
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from ...errors import CheckpointCorruptedError
-from ...integrity import ItemSum, checksum, new_hasher
+from ...integrity import ItemSum, new_hasher
 
 __all__ = [
     "ChunkVerifier",
     "RangeVerifier",
+    "Verifier",
     "flat_bytes",
     "frame",
     "frame_matches",
@@ -131,6 +132,9 @@ class ChunkVerifier:
         """Whether the read must report its progress to this verifier."""
         return self.expected is not None or self.consume is not None
 
+    #: bytes read beyond `data` to verify it (none: `data` starts on a block boundary)
+    extra_bytes = 0
+
     def __call__(self, filled: int) -> None:
         expected = self.expected
         if filled <= self.done:
@@ -187,6 +191,9 @@ class RangeVerifier:
         CheckpointCorruptedError: (when called) on a damaged block, naming its bytes.
     """
 
+    #: the read always reports its progress here (every block is checked)
+    needed = True
+
     def __init__(
         self,
         read_edge: Callable[[int, int], bytes],
@@ -204,7 +211,7 @@ class RangeVerifier:
         self.end = -(-self.b // block) if self.b > a else self.first  # blocks [first, end)
         self.next = self.first
         self.read_edge = read_edge
-        self.head, self.tail = b"", b""
+        self.head, self.tail, self.tail_len = b"", b"", 0
         if self.end == self.first:  # an empty range touches no block
             return
         if a % block:
@@ -220,11 +227,9 @@ class RangeVerifier:
         return got
 
     @property
-    def edge_bytes(self) -> int:
+    def extra_bytes(self) -> int:
         """Bytes read outside the range, to complete its first and last blocks."""
         return len(self.head) + len(self.tail)
-
-    needed = True
 
     def _pieces(self, k: int) -> List[Any]:
         block = self.expected.block
@@ -247,18 +252,17 @@ class RangeVerifier:
             hi = min(self.expected.data_len, (k + 1) * block)
             if min(hi, self.b) - self.a > filled:
                 return
-            parts = self._pieces(k)
-            if len(parts) == 1:
-                digest = checksum(parts[0])
-            else:
-                h = new_hasher()
-                for part in parts:
-                    h.update(part)
-                digest = h.intdigest()
-            if k >= len(self.expected.blocks) or digest != self.expected.blocks[k]:
+            h = new_hasher()
+            for part in self._pieces(k):
+                h.update(part)
+            if k >= len(self.expected.blocks) or h.intdigest() != self.expected.blocks[k]:
                 raise _block_mismatch(self.what, self.info, self.expected, k)
             self.next = k + 1
 
     def finish(self) -> None:
         """Verifies every block not verified yet (all of them, if no progress was reported)."""
         self(len(self.view))
+
+
+#: what a read reports its progress to
+Verifier = Union[ChunkVerifier, RangeVerifier]
