@@ -48,6 +48,13 @@ def fsync_tree(path: str) -> None:
             os.close(fd)
 
 
+def rotated(items: List[Any], turn: int) -> List[Any]:
+    """`items` rotated left by `turn` (modulo their number): the order of that turn when
+    variants take turns going first."""
+    k = turn % len(items) if items else 0
+    return items[k:] + items[:k]
+
+
 def median(xs: List[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 

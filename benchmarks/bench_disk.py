@@ -56,6 +56,7 @@ from benchmarks._common import (
     init_world,
     median,
     print_table,
+    rotated,
     run_world,
     timed,
     write_json,
@@ -233,34 +234,30 @@ def _run(
     dist.barrier()
     if method == "ceiling":
         bufs, files = ceiling_files(shapes, path)
+
+        def each(op: Callable[[str, np.ndarray], None], parallel: bool = True) -> Callable:
+            """`op` on each of the rank's files: both at once, or one after the other."""
+            calls = [lambda f=f, b=b: op(f, b) for f, b in zip(files, bufs)]
+            return lambda: _parallel(calls) if parallel else [c() for c in calls]
+
         # both write paths, in an order that alternates by repeat; the one written last
         # stays on disk and is read back (the other's files are removed first)
         write_s = {}
-        for direct in (True, False) if rep % 2 else (False, True):
+        for direct in rotated([False, True], rep):
             for f in files:
                 if os.path.exists(f):
                     os.unlink(f)
             dist.barrier()
-            write_s[direct] = timed(
-                lambda d=direct: _parallel(
-                    [lambda f=f, b=b: _raw_write(f, b, d) for f, b in zip(files, bufs)]
-                )
-            )
+            write_s[direct] = timed(each(lambda f, b, d=direct: _raw_write(f, b, d)))
         times["save O_DIRECT"].append(write_s[True])
         times["save page cache"].append(write_s[False])
         times["save"].append(min(write_s.values()))
         reads = {
-            "load O_DIRECT": lambda: _parallel(
-                [lambda f=f, b=b: _raw_read(f, b) for f, b in zip(files, bufs)]
-            ),
-            "load page cache": lambda: [_raw_read(f, b, direct=False) for f, b in zip(files, bufs)],
-            "load page cache x2": lambda: _parallel(
-                [lambda f=f, b=b: _raw_read(f, b, direct=False) for f, b in zip(files, bufs)]
-            ),
+            "load O_DIRECT": each(_raw_read),
+            "load page cache": each(lambda f, b: _raw_read(f, b, direct=False), parallel=False),
+            "load page cache x2": each(lambda f, b: _raw_read(f, b, direct=False)),
         }
-        order = list(reads)
-        order = order[rep % len(order) :] + order[: rep % len(order)]
-        for name in order:
+        for name in rotated(list(reads), rep):
             _cold()
             times[name].append(timed(reads[name]))
         times["load"].append(min(times[name][-1] for name in reads))
@@ -385,8 +382,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace, port: int, queue: A
         for rep in range(args.repeats):
             # methods take turns, in an order rotated every repeat: the disk's drift over the
             # run (the host's cache, other jobs) falls on each of them alike
-            shift = rep % len(methods)
-            for m in methods[shift:] + methods[:shift]:
+            for m in rotated(methods, rep):
                 _run(m, shapes, os.path.join(args.dir, f"w{world}"), rep, per[m])
         per["_bytes"] = sum(r * c * 4 for r, c in shapes)
         per["_paths"] = _chosen_paths(args.dir)

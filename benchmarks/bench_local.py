@@ -52,6 +52,7 @@ from benchmarks._common import (
     max_over_ranks,
     median,
     print_table,
+    rotated,
     run_world,
     write_json,
 )
@@ -206,8 +207,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace, port: int, queue: A
         # right after `torch_dist`'s), and each starts with the disk settled (an untimed
         # sync): no row pays for the writeback an earlier row left behind (the replicated
         # save's own part is not fsync'd by policy, so its writeback comes after it).
-        turn = i % len(rows)
-        for key, fn in rows[turn:] + rows[:turn]:
+        for key, fn in rotated(rows, i):
             _settle(rank)
             s.timed(key, fn)
         if loads:
