@@ -4,6 +4,7 @@ injected faults, and the same load results where mappings are unavailable."""
 from __future__ import annotations
 
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -103,3 +104,91 @@ def test_small_partial_reads_are_copied_not_mapped(tmp_path, monkeypatch):
         mapped, "mapped_region", lambda *a: pytest.fail("a small region was mapped")
     )
     assert torch.equal(_column_load(tmp_path / "c", w), w[:, 5:8])
+
+
+@pytest.mark.parametrize("ahead", [1, 3])
+@pytest.mark.parametrize("through_libc", [True, False])
+def test_populating_ahead_reports_every_step_in_order_within_its_lead(
+    data_file, monkeypatch, ahead, through_libc
+):
+    if not through_libc:  # the C library's madvise missing: mmap's own is used
+        monkeypatch.setattr(mapped, "_madvise", False)
+    path, data = data_file
+    offset, nbytes, request = 12345, (3 << 20) - 12345, 200_000
+    populated = []  # the region's bytes populated after each madvise call
+    real = mapped.MappedRegion._advise
+
+    def advise(self, start, length):
+        populated.append(start + length - self._skip)
+        real(self, start, length)
+
+    monkeypatch.setattr(mapped.MappedRegion, "_advise", advise)
+    seen = []
+    with mapped.mapped_region(path, offset, nbytes) as m:
+
+        def progress(n):
+            told = seen[-1] if seen else 0
+            assert max(populated) >= n  # never told of bytes not yet populated
+            assert max(populated) - told < (ahead + 1) * request  # the helper's lead is bounded
+            assert np.array_equal(m.array[told:n], data[offset + told : offset + n])
+            seen.append(n)
+
+        m.populate(progress, request, ahead)
+    assert seen == [min(nbytes, (k + 1) * request) for k in range(-(-nbytes // request))]
+    assert not [t for t in threading.enumerate() if t.name == "dc-populate"]
+
+
+def test_an_error_raised_by_progress_stops_the_helper_and_propagates(data_file):
+    path, _ = data_file
+    calls = []
+
+    def progress(n):
+        calls.append(n)
+        if len(calls) == 2:
+            raise CheckpointCorruptedError("damaged block")
+
+    with mapped.mapped_region(path, 0, 3 << 20) as m:
+        with pytest.raises(CheckpointCorruptedError, match="damaged block"):
+            m.populate(progress, 1 << 18, 4)
+    assert len(calls) == 2
+    assert not [t for t in threading.enumerate() if t.name == "dc-populate"]
+
+
+@pytest.mark.parametrize("failing_step", [0, 3])
+def test_a_read_error_in_the_helper_reaches_the_caller_after_the_steps_before_it(
+    data_file, monkeypatch, failing_step
+):
+    path, _ = data_file
+    request = 1 << 18
+
+    def check(op, p, offset, nbytes, direct):  # the disk fails from the given step on
+        if offset >= failing_step * request:
+            raise OSError(5, "EIO")
+
+    monkeypatch.setattr(mapped.faults, "check", check)
+    seen = []
+    with mapped.mapped_region(path, 0, 3 << 20) as m:
+        with pytest.raises(OSError, match="EIO"):
+            m.populate(seen.append, request, 2)
+    assert seen == [(k + 1) * request for k in range(failing_step)]
+    assert not [t for t in threading.enumerate() if t.name == "dc-populate"]
+
+
+def test_only_groups_that_leave_out_part_of_each_row_count_as_strided():
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
+
+    def item(offsets, lengths):
+        idx = MetadataIndex("w", torch.Size([0, 0]))
+        return ReadItem(LoadItemType.TENSOR, idx, torch.Size([0, 0]), idx, offsets, lengths)
+
+    stored = ((8, 4), torch.float32)
+
+    def group(*reads):
+        return reader._ChunkGroup(None, list(reads), stored)  # type: ignore[arg-type]
+
+    assert not reader._strided(group(item((0, 0), (8, 4))))  # the whole chunk
+    assert not reader._strided(group(item((2, 0), (3, 4))))  # whole rows
+    assert reader._strided(group(item((0, 1), (8, 2))))  # a column block
+    assert reader._strided(group(item((0, 0), (2, 4)), item((4, 0), (2, 4))))  # two regions
+    assert not reader._strided(reader._ChunkGroup(None, [item((0, 1), (8, 2))], None))
