@@ -114,3 +114,28 @@ def call_load(
 ) -> Any:
     """dc.load(builder(), ckpt, **kwargs) on this rank."""
     return dc.load(builder(), ckpt, **(kwargs or {}))
+
+
+def load_with_fixed_probe(
+    builder: Callable[[], Dict[str, Any]], ckpt: str, direct_wins_on: List[int]
+) -> Optional[bool]:
+    """Loads with this rank's read-path probe stubbed (O_DIRECT faster in every pair on the
+    ranks in `direct_wins_on`, slower elsewhere); returns the path kept for the data files:
+    True for O_DIRECT."""
+    from dist_checkpointing.storage import probe
+
+    fast, slow = (0.1, 1.0), (1.0, 0.1)
+    pair = fast if rank() in direct_wins_on else slow
+    real = probe._measure
+    probe._measure = lambda path: probe.ReadProbe(pair[0] * 2, pair[1] * 2, 1, (pair, pair))
+    probe.forget_probes()
+    try:
+        dc.load(builder(), ckpt)
+        dc.load(builder(), ckpt)  # a second load measures nothing new and keeps the same
+        data = sorted(f for f in os.listdir(ckpt) if f.endswith(".distcp"))
+        kept = probe.probe_result(os.path.join(ckpt, data[0]))
+        assert kept is None or len(kept.pairs) == 2 * dist.get_world_size(), kept
+        return None if kept is None else kept.prefer_direct
+    finally:
+        probe._measure = real
+        probe.forget_probes()

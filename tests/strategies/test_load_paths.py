@@ -415,3 +415,37 @@ def test_damaged_zip_records_are_found_after_a_front_to_back_read(
         _flip(path, info.offset + info.length - 30)
     with pytest.raises(CheckpointCorruptedError, match="w"):
         dc.load(_request(w, [rows]), ckpt, validate_access_integrity=False)
+
+
+def test_combined_probes_prefer_o_direct_only_when_it_won_every_pair_of_every_rank():
+    win = probe.ReadProbe(0.2, 2.0, 8, ((0.1, 1.0), (0.1, 1.0)))
+    lose = probe.ReadProbe(2.0, 0.2, 8, ((1.0, 0.1), (1.0, 0.1)))
+    mixed = probe.ReadProbe(0.5, 1.1, 8, ((0.1, 1.0), (0.4, 0.1)))  # total favours O_DIRECT
+    both = probe.combine([win, win])
+    assert both is not None and both.prefer_direct
+    assert len(both.pairs) == 4 and both.nbytes == 16 and both.direct_s == pytest.approx(0.4)
+    assert not probe.combine([win, lose]).prefer_direct  # type: ignore[union-attr]
+    assert not probe.combine([win, mixed]).prefer_direct  # type: ignore[union-attr]
+    assert probe.combine([None, win]).prefer_direct  # type: ignore[union-attr]
+    assert probe.combine([None, None]) is None and probe.combine([]) is None
+
+
+def test_a_load_measures_once_and_keeps_the_same_result_across_loads(tmp_path, monkeypatch):
+    measured: list = []
+
+    def measure(path: str) -> probe.ReadProbe:
+        measured.append(path)
+        return probe.ReadProbe(0.2, 2.0, 8, ((0.1, 1.0), (0.1, 1.0)))
+
+    monkeypatch.setattr(probe, "_measure", measure)
+    w = torch.randn(64, 8)
+    dc.save({"w": ShardedTensor.from_rank_offsets("w", w)}, tmp_path / "c")
+    for _ in range(3):
+        out = dc.load(
+            {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(64, 8))}, tmp_path / "c"
+        )
+        assert torch.equal(out["w"], w)
+    assert len(measured) == 1
+    data = next(p for p in (tmp_path / "c").iterdir() if p.suffix == ".distcp")
+    kept = probe.probe_result(str(data))
+    assert kept is not None and kept.prefer_direct and len(kept.pairs) == 2  # no growth

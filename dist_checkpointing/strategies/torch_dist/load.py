@@ -7,9 +7,11 @@ the regions it asked for (any sharding: another world size, axis, or number of p
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +35,7 @@ from ...dtypes import check_dtype_conversion
 from ...errors import CheckpointCorruptedError, CheckpointingException, close_matches
 from ...integrity import Checksums, read_checksums
 from ...mapping import ShardedBase, ShardedObject, ShardedTensor
+from ...storage import probe
 from ..base import CheckpointDir, LoadShardedStrategy, require_backend, require_version
 from .finalize import gbps
 from .legacy_flat import FlatCopy, apply_copies, plan_reformulated_reads, reformulated_shapes
@@ -79,6 +82,28 @@ def _log_load(ckpt: Path, stats: List[_LoadStats]) -> None:
         gbps(total, slowest),
         max(s.nbytes for s in stats) / 1e9,
     )
+
+
+def _agree_read_path(ckpt: Path) -> None:
+    """Collective: every rank measures the read paths (`storage.probe`) on one data file,
+    and all keep the combination, so that all read the same way (each rank choosing on its
+    own few reads chose differently, and the load waited for the slowest path).
+
+    Never raises before the exchange: the other ranks wait in it.
+    """
+    path: Optional[str] = None
+    local = None
+    try:
+        names = sorted(n for n in os.listdir(ckpt) if n.endswith(".distcp"))
+        if names:  # rank r probes the r-th file: in a same-layout load, the one it reads
+            path = str(ckpt / names[get_rank() % len(names)])
+            local = probe.local_probe(path)
+    except Exception as e:  # measured on the first read instead, as without agreement
+        logger.debug("no read-path probe on %s: %s", ckpt, e)
+    agreed = probe.combine(all_gather_object(local))
+    if agreed is not None and path is not None:
+        with contextlib.suppress(OSError):
+            probe.keep(path, agreed)
 
 
 class TorchDistLoadShardedStrategy(LoadShardedStrategy):
@@ -154,6 +179,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         result: Optional[StateDict] = None
         stats: Optional[_LoadStats] = None
         error: Optional[BaseException] = None
+        _agree_read_path(ckpt)
         try:
             result, stats = self._load_local(sharded_state_dict, ckpt)
         except Exception as e:  # agreed on below, with the other ranks' statistics
