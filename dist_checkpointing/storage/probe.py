@@ -59,8 +59,14 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: size of each probed region (four are read: two per path, alternating)
-PROBE_BYTES = 8 << 20
+#: size of each probed region (four are read: two per path, alternating): large enough for
+#: the page cache's readahead to reach its pace. With 8 MiB regions the two paths measured
+#: even here, or O_DIRECT 2-3x faster (4 ranks' pairs, all of them, in one benchmark run)
+#: where whole loads read 1.3-2x faster through the page cache; with 32 MiB regions the
+#: page cache measured 1.8-2x faster in 4 of 4 pairs, as whole files read
+PROBE_BYTES = 32 << 20
+#: bytes per probe request: a load's (`torch_dist.reader.READ_REQUEST`)
+PROBE_REQUEST = 8 << 20
 #: O_DIRECT is chosen only when it is faster by this factor (else the page cache, which
 #: ranks of one node share and which costs no aligned bounce buffers)
 DIRECT_MARGIN = 0.9
@@ -112,7 +118,7 @@ def _measure(path: str) -> Optional[ReadProbe]:
     if size < 4 * PROBE_BYTES + buffers.ALIGN:
         return None
     # four aligned regions at the file's end, alternating paths to share the noise; each is
-    # read as a load reads a chunk (the same functions, two requests into a tensor-like
+    # read as a load reads a chunk (the same functions, 8 MiB requests into a tensor-like
     # destination), so O_DIRECT pays its bounce copies and the page cache keeps its
     # readahead: single raw requests into aligned memory favoured O_DIRECT on this
     # project's CI VM where whole loads through it took 1.5-2.1x as long
@@ -128,9 +134,9 @@ def _measure(path: str) -> Optional[ReadProbe]:
                 os.posix_fadvise(fd, offset, PROBE_BYTES, os.POSIX_FADV_DONTNEED)
             t0 = time.perf_counter()
             if use_direct:
-                _direct(fd, offset, out, path, None, PROBE_BYTES // 2, DEPTH)
+                _direct(fd, offset, out, path, None, PROBE_REQUEST, DEPTH)
             else:
-                _buffered(fd, offset, out, path, None, PROBE_BYTES // 2, BUFFERED_DEPTH)
+                _buffered(fd, offset, out, path, None, PROBE_REQUEST, BUFFERED_DEPTH)
             times[use_direct].append(time.perf_counter() - t0)
         finally:
             os.close(fd)
