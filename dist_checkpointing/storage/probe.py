@@ -61,9 +61,10 @@ logger = logging.getLogger(__name__)
 
 #: size of each probed region (four are read: two per path, alternating): large enough for
 #: the page cache's readahead to reach its pace. With 8 MiB regions the two paths measured
-#: even here, or O_DIRECT 2-3x faster (4 ranks' pairs, all of them, in one benchmark run)
-#: where whole loads read 1.3-2x faster through the page cache; with 32 MiB regions the
-#: page cache measured 1.8-2x faster in 4 of 4 pairs, as whole files read
+#: even here, or O_DIRECT 1.7-3x faster (2 ranks' 4 pairs, in one benchmark run)
+#: where whole-file raw reads in the same runs were 1.0-3.4x faster through the page
+#: cache (`benchmarks.bench_disk`'s ceiling); with 32 MiB regions the
+#: page cache measured 1.8-2.1x faster in 8 of 8 pairs, as whole files read
 PROBE_BYTES = 32 << 20
 #: bytes per probe request: a load's (`torch_dist.reader.READ_REQUEST`)
 PROBE_REQUEST = 8 << 20
@@ -261,8 +262,9 @@ def local_probe(path: str) -> Optional[ReadProbe]:
 def combine(probes: List[Optional[ReadProbe]]) -> Optional[ReadProbe]:
     """Every rank's measurements as one: O_DIRECT is preferred only if it won every pair of
     every rank (ranks probing on their own disagreed: on this project's 2-core VM, 4 ranks
-    loading 1 GiB chose O_DIRECT on 1 to 3 of them, which then read for 1.0 s where the
-    others took 0.45-0.6 s through the page cache, and the load waited for the slowest).
+    loading 1 GiB chose O_DIRECT on 1 to 3 of them, which then read for up to 1.05 s where
+    the others took 0.40-0.68 s through the page cache, and the load waited for the
+    slowest).
 
     Returns:
         The combined measurement, or None when no rank measured.
