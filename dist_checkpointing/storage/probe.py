@@ -240,22 +240,12 @@ def local_probe(path: str) -> Optional[ReadProbe]:
         The measurement, or None where none can be made (no O_DIRECT, a small file, an
         error).
     """
-    directory = os.path.dirname(path)
-    if not hasattr(os, "O_DIRECT") or not direct_allowed(directory):
-        return None
-    try:
-        dev = os.stat(path).st_dev
-    except OSError:
+    dev = _probe_device(path)
+    if dev is None:
         return None
     with _lock:
-        if dev in _local:
-            return _local[dev]
-        try:
-            _local[dev] = _measure(path)
-        except OSError as e:
-            if e.errno == errno.EINVAL:
-                refuse_direct(directory, e, "reads")
-            return None
+        if dev not in _local:
+            _local[dev] = _measured(path)
         return _local[dev]
 
 
@@ -287,15 +277,40 @@ def keep(path: str, result: ReadProbe) -> None:
         before = _results.get(dev)
         _results[dev] = result
     if before is None or before.prefer_direct != result.prefer_direct:
-        logger.info(
-            "read path for %s's file system: %s (%d probe pairs: O_DIRECT %.2f GB/s, page "
-            "cache %.2f GB/s)",
-            os.path.dirname(path),
-            "O_DIRECT" if result.prefer_direct else "page cache",
-            len(result.pairs),
-            result.nbytes / max(result.direct_s, 1e-9) / 1e9,
-            result.nbytes / max(result.buffered_s, 1e-9) / 1e9,
-        )
+        _log_choice(os.path.dirname(path), result)
+
+
+def _probe_device(path: str) -> Optional[int]:
+    """`path`'s device number, where O_DIRECT may be probed there; else None."""
+    if not hasattr(os, "O_DIRECT") or not direct_allowed(os.path.dirname(path)):
+        return None
+    try:
+        return os.stat(path).st_dev
+    except OSError:
+        return None
+
+
+def _measured(path: str) -> Optional[ReadProbe]:
+    """`_measure`, or None on an error (a refusal of O_DIRECT is recorded for the directory)."""
+    try:
+        return _measure(path)
+    except OSError as e:
+        if e.errno == errno.EINVAL:
+            refuse_direct(os.path.dirname(path), e, "reads")
+        return None
+
+
+def _log_choice(directory: str, result: ReadProbe) -> None:
+    logger.info(
+        "read path for %s's file system: %s (%d probe pairs of %d MiB: O_DIRECT %.2f GB/s, "
+        "page cache %.2f GB/s)",
+        directory,
+        "O_DIRECT" if result.prefer_direct else "page cache",
+        len(result.pairs),
+        PROBE_BYTES >> 20,
+        result.nbytes / max(result.direct_s, 1e-9) / 1e9,
+        result.nbytes / max(result.buffered_s, 1e-9) / 1e9,
+    )
 
 
 def prefer_direct_reads(path: str) -> bool:
@@ -311,34 +326,17 @@ def prefer_direct_reads(path: str) -> bool:
     Returns:
         True when O_DIRECT measured clearly faster than the page cache on its file system.
     """
-    directory = os.path.dirname(path)
-    if not hasattr(os, "O_DIRECT") or not direct_allowed(directory):
-        return False
-    try:
-        dev = os.stat(path).st_dev
-    except OSError:
+    dev = _probe_device(path)
+    if dev is None:
         return False
     with _lock:  # one probe per file system, also when several threads ask at once
         result = _results.get(dev)
         if result is None:
-            try:
-                result = _measure(path)
-            except OSError as e:
-                if e.errno == errno.EINVAL:
-                    refuse_direct(directory, e, "reads")
-                return False
+            result = _measured(path)
             if result is None:
                 return False
             _results[dev] = result
-            logger.info(
-                "read path for %s's file system: %s (probe of %d MiB: O_DIRECT %.2f GB/s, "
-                "page cache %.2f GB/s)",
-                directory,
-                "O_DIRECT" if result.prefer_direct else "page cache",
-                result.nbytes >> 20,
-                result.nbytes / max(result.direct_s, 1e-9) / 1e9,
-                result.nbytes / max(result.buffered_s, 1e-9) / 1e9,
-            )
+            _log_choice(os.path.dirname(path), result)
     return result.prefer_direct
 
 
