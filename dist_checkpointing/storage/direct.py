@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import logging
 import os
 import sys
@@ -285,8 +286,12 @@ def _preallocate(fd: int, size: int) -> None:
             pass
 
 
-def libc_function(name: str, argtypes: Optional[list] = None) -> Optional[Callable[..., int]]:
+@functools.cache
+def libc_function(
+    name: str, argtypes: Optional[Tuple[Any, ...]] = None
+) -> Optional[Callable[..., int]]:
     """The C library's function `name` (errors left in `ctypes.get_errno()`), on Linux only.
+    Looked up once per `(name, argtypes)`: callers call this where they call the function.
 
     Args:
         name: the symbol, e.g. "sync_file_range".
@@ -307,7 +312,7 @@ def libc_function(name: str, argtypes: Optional[list] = None) -> Optional[Callab
 
 
 _SYNC_FILE_RANGE_WRITE = 2  # linux/fs.h: start writeback of dirty pages, do not wait
-_sync_file_range: Any = None  # None: not looked up yet; False: unavailable
+_SYNC_FILE_RANGE_ARGS = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
 
 
 def start_writeback(fd: int, offset: int, length: int) -> None:
@@ -320,16 +325,8 @@ def start_writeback(fd: int, offset: int, length: int) -> None:
     (the call waits only when the device's queue is full). A no-op where `sync_file_range`
     is missing (not Linux); the caller's fsync makes the file durable either way.
     """
-    global _sync_file_range
-    if _sync_file_range is None:
-        _sync_file_range = (
-            libc_function(
-                "sync_file_range", [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-            )
-            or False
-        )
-    call = _sync_file_range
-    if call and length > 0:
+    call = libc_function("sync_file_range", _SYNC_FILE_RANGE_ARGS)
+    if call is not None and length > 0:
         call(fd, offset, length, _SYNC_FILE_RANGE_WRITE)  # errors: the caller's fsync reports them
 
 

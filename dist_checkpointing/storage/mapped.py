@@ -50,19 +50,8 @@ MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
 
 _supported: Optional[bool] = None
 _lock = threading.Lock()
-_madvise: Any = None  # the C library's madvise; None: not looked up yet, False: unavailable
-
-
-def _libc_madvise() -> Any:
-    """The C library's `madvise`, called through ctypes, which lets go of the GIL while it
-    runs: `mmap.madvise` holds it, so a populate waiting on the disk stopped the process's
-    other reading threads from hashing and copying (measured: a thread spinning beside a
-    cold 1 GiB populate ran at 45% of its idle rate, 100% through ctypes)."""
-    global _madvise
-    if _madvise is None:
-        fn = libc_function("madvise", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int])
-        _madvise = fn if fn is not None else False
-    return _madvise or None
+#: `madvise`'s ctypes argument types (address, length, advice)
+_MADVISE_ARGS = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 
 
 def available() -> bool:
@@ -204,8 +193,14 @@ class MappedRegion:
 
     def _advise(self, start: int, length: int) -> None:
         """`MADV_POPULATE_READ` on `length` bytes of the mapping from `start` (a page
-        boundary), without holding the GIL where the C library's `madvise` can be called."""
-        fn = _libc_madvise()
+        boundary), without holding the GIL where the C library's `madvise` can be called.
+
+        ctypes lets go of the GIL during the call; `mmap.madvise` holds it, so a populate
+        waiting on the disk stopped the process's other reading threads from hashing and
+        copying (a thread spinning beside a cold 1 GiB populate ran at 45% of its idle
+        rate, 100% through ctypes).
+        """
+        fn = libc_function("madvise", _MADVISE_ARGS)
         if fn is None:
             self._mm.madvise(MADV_POPULATE_READ, start, length)
             return

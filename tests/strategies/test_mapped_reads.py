@@ -112,7 +112,7 @@ def test_populating_ahead_reports_every_step_in_order_within_its_lead(
     data_file, monkeypatch, ahead, through_libc
 ):
     if not through_libc:  # the C library's madvise missing: mmap's own is used
-        monkeypatch.setattr(mapped, "_madvise", False)
+        monkeypatch.setattr(mapped, "libc_function", lambda *a: None)
     path, data = data_file
     offset, nbytes, request = 12345, (3 << 20) - 12345, 200_000
     populated = []  # the region's bytes populated after each madvise call
