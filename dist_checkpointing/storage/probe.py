@@ -98,7 +98,7 @@ class ReadProbe:
 
 _results: Dict[int, ReadProbe] = {}
 #: this process's own measurements (`local_probe`), kept apart from the combined results
-_local: Dict[int, Optional[ReadProbe]] = {}
+_local: Dict[int, ReadProbe] = {}
 _lock = threading.Lock()
 
 
@@ -245,7 +245,10 @@ def local_probe(path: str) -> Optional[ReadProbe]:
         return None
     with _lock:
         if dev not in _local:
-            _local[dev] = _measured(path)
+            got = _measured(path)
+            if got is None:  # e.g. a small file: a later, larger one is measured
+                return None
+            _local[dev] = got
         return _local[dev]
 
 

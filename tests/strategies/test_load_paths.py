@@ -453,3 +453,15 @@ def test_a_load_measures_once_and_keeps_the_same_result_across_loads(tmp_path, m
     data = next(p for p in (tmp_path / "c").iterdir() if p.suffix == ".distcp")
     kept = probe.probe_result(str(data))
     assert kept is not None and kept.prefer_direct and len(kept.pairs) == 2  # no growth
+
+
+def test_a_file_too_small_to_probe_leaves_the_file_system_to_a_later_larger_one(
+    tmp_path, monkeypatch
+):
+    (tmp_path / "small").write_bytes(b"x" * 100)
+    assert probe.local_probe(str(tmp_path / "small")) is None  # too small: nothing measured
+    measured = _fixed_probe(monkeypatch, direct_faster=False)
+    (tmp_path / "big").write_bytes(b"x" * 100)  # size does not matter to the stub
+    got = probe.local_probe(str(tmp_path / "big"))
+    assert got is not None and not got.prefer_direct and len(measured) == 1
+    assert probe.local_probe(str(tmp_path / "big")) is got and len(measured) == 1  # kept
