@@ -239,8 +239,10 @@ def read_tensor_items(
 
 
 def _strided(group: _ChunkGroup) -> bool:
-    """Whether the group is read through a page-cache mapping (see `_read_data`): several
-    regions of one stored chunk, or one that leaves out part of each row."""
+    """Whether the group is read through a page-cache mapping (see `_read_data`) because of
+    its shape: several regions of one stored chunk, or one that leaves out part of each row.
+    (Whole rows that cannot be read in place, e.g. into another dtype, are mapped too, and
+    not counted: this only decides how many files are read at once.)"""
     if len(group.reads) > 1:
         return True
     if group.stored is None:
