@@ -9,7 +9,8 @@ on rows across ranks, same directory, page cache dropped before each load):
   (64 MiB requests, both files at once) and through the page cache (16 MiB requests, one
   file after the other, and both files at once), which on a VM whose host caches the
   virtual disk can beat O_DIRECT. The save and load ceilings are the fastest of these raw
-  paths, per repeat: what the disk gives (each path's own figure is shown too);
+  paths, each path's median over the repeats set against the median of every method: what
+  the disk gives (each path's own figure is shown too);
 - `torch.save`: each rank `torch.save`s its shards and fsyncs; loads read them back;
 - `dcp`: stock `torch.distributed.checkpoint` with DTensors;
 - `megatron`: megatron-core's `dist_checkpointing` (torch_dist), when importable;
@@ -18,6 +19,9 @@ on rows across ranks, same directory, page cache dropped before each load):
 
 The methods take turns within each repeat, in an order rotated every repeat, so a drift of
 the disk's speed over the run (the host's cache, other jobs) falls on each of them alike.
+In each repeat every method saves first, then every method loads (in the same order): a
+load reads a checkpoint at rest, as a restarting job does, not one its own save wrote a
+moment before.
 
 Two resharded loads: `reshard rows` asks every rank for a block of rows shifted by half a
 stored block (each request spans two stored chunks, half of each; the last rank's block
@@ -72,11 +76,27 @@ OURS_THREADS = int(os.environ.get("DIST_CKPT_BENCH_THREADS", "1"))
 OURS_LOAD_THREADS = int(os.environ.get("DIST_CKPT_BENCH_LOAD_THREADS", "2"))
 
 
+#: seconds of idle disk before each timed save and load (`--settle`): a virtual disk's host
+#: can still be writing back a previous save's bytes after its fsync returned, and slowed
+#: whichever method ran next (below)
+SETTLE_S = 0.0
+
+
+def _settle() -> None:
+    """Flushes the guest's dirty pages and leaves the disk idle for `SETTLE_S` seconds."""
+    dist.barrier()
+    if dist.get_rank() == 0:
+        os.sync()
+    time.sleep(SETTLE_S)
+    dist.barrier()
+
+
 def _cold() -> None:
     dist.barrier()
     if dist.get_rank() == 0:
         drop_page_cache()
     dist.barrier()
+    _settle()
 
 
 def _shapes(total: int, world: int) -> List[tuple]:
@@ -223,23 +243,22 @@ def torch_save_fn(shapes: List[tuple], path: str) -> Callable[[], None]:
     return save_each
 
 
-def _run(
+def _path(root: str, method: str, rep: int) -> str:
+    return os.path.join(root, f"{method.replace('.', '_')}_{rep}")
+
+
+def _save(
     method: str, shapes: List[tuple], root: str, rep: int, times: Dict[str, List[float]]
-) -> None:
-    """One repeat of one method: its save and loads, each time appended to `times`."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    path = os.path.join(root, f"{method.replace('.', '_')}_{rep}")
+) -> Any:
+    """One repeat of one method's save, its time appended to `times`; returns what its
+    loads need (the ceiling's buffers and files, or None)."""
+    rank = dist.get_rank()
+    path = _path(root, method, rep)
     if rank == 0:
         os.makedirs(path, exist_ok=True)
-    dist.barrier()
+    _settle()
     if method == "ceiling":
         bufs, files = ceiling_files(shapes, path)
-
-        def each(op: Callable[[str, np.ndarray], None], parallel: bool = True) -> Callable:
-            """`op` on each of the rank's files: both at once, or one after the other."""
-            calls = [lambda f=f, b=b: op(f, b) for f, b in zip(files, bufs)]
-            return lambda: _parallel(calls) if parallel else [c() for c in calls]
-
         # both write paths, in an order that alternates by repeat; the one written last
         # stays on disk and is read back (the other's files are removed first)
         write_s = {}
@@ -248,30 +267,73 @@ def _run(
                 if os.path.exists(f):
                     os.unlink(f)
             dist.barrier()
-            write_s[direct] = timed(each(lambda f, b, d=direct: _raw_write(f, b, d)))
+            _settle()
+            write_s[direct] = timed(_each(files, bufs, lambda f, b, d=direct: _raw_write(f, b, d)))
         times["save O_DIRECT"].append(write_s[True])
         times["save page cache"].append(write_s[False])
-        times["save"].append(min(write_s.values()))
+        return bufs, files
+    if method == "ours":
+        import dist_checkpointing as dc
+        from dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+        saver = TorchDistSaveShardedStrategy(thread_count=OURS_THREADS)
+        sd = _ours_sd(shapes, "rows", True)
+        times["save"].append(timed(lambda: dc.save(sd, path, sharded_strategy=saver)))
+    elif method == "dcp":
+        import torch.distributed.checkpoint as dcp
+
+        dsd = _dtensors(shapes, "rows", True)
+        times["save"].append(timed(lambda: dcp.save(dsd, checkpoint_id=path)))
+    elif method == "megatron":
+        from megatron.core import dist_checkpointing as mdc
+
+        msd = _mcore_sd(shapes, "rows", True)
+        times["save"].append(timed(lambda: mdc.save(msd, path)))
+    else:  # torch.save
+        times["save"].append(timed(torch_save_fn(shapes, path)))
+    return None
+
+
+def _each(
+    files: List[str],
+    bufs: List[np.ndarray],
+    op: Callable[[str, np.ndarray], None],
+    parallel: bool = True,
+) -> Callable[[], Any]:
+    """`op` on each of the ceiling's files of this rank: both at once, or one after the other."""
+    calls = [lambda f=f, b=b: op(f, b) for f, b in zip(files, bufs)]
+    return lambda: _parallel(calls) if parallel else [c() for c in calls]
+
+
+def _load(
+    method: str,
+    shapes: List[tuple],
+    root: str,
+    rep: int,
+    times: Dict[str, List[float]],
+    saved: Any,
+) -> None:
+    """One repeat of one method's loads (cold), each time appended to `times`; then its
+    checkpoint is removed."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    path = _path(root, method, rep)
+    if method == "ceiling":
+        bufs, files = saved
         reads = {
-            "load O_DIRECT": each(_raw_read),
-            "load page cache": each(lambda f, b: _raw_read(f, b, direct=False), parallel=False),
-            "load page cache x2": each(lambda f, b: _raw_read(f, b, direct=False)),
+            "load O_DIRECT": _each(files, bufs, _raw_read),
+            "load page cache": _each(
+                files, bufs, lambda f, b: _raw_read(f, b, direct=False), parallel=False
+            ),
+            "load page cache x2": _each(files, bufs, lambda f, b: _raw_read(f, b, direct=False)),
         }
         for name in rotated(list(reads), rep):
             _cold()
             times[name].append(timed(reads[name]))
-        times["load"].append(min(times[name][-1] for name in reads))
     elif method == "ours":
         import dist_checkpointing as dc
-        from dist_checkpointing.strategies.torch import (
-            TorchDistLoadShardedStrategy,
-            TorchDistSaveShardedStrategy,
-        )
+        from dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
 
-        saver = TorchDistSaveShardedStrategy(thread_count=OURS_THREADS)
         loader = TorchDistLoadShardedStrategy(thread_count=OURS_LOAD_THREADS)
-        sd = _ours_sd(shapes, "rows", True)
-        times["save"].append(timed(lambda: dc.save(sd, path, sharded_strategy=saver)))
         for kind, layout in (
             ("load", "rows"),
             ("reshard rows", "shifted"),
@@ -289,8 +351,6 @@ def _run(
     elif method == "dcp":
         import torch.distributed.checkpoint as dcp
 
-        sd = _dtensors(shapes, "rows", True)
-        times["save"].append(timed(lambda: dcp.save(sd, checkpoint_id=path)))
         for kind, layout in (("load", "rows"), ("reshard cols", "cols")):
             dreq = _dtensors(shapes, layout, False)
             _cold()
@@ -298,14 +358,11 @@ def _run(
     elif method == "megatron":
         from megatron.core import dist_checkpointing as mdc
 
-        sd = _mcore_sd(shapes, "rows", True)
-        times["save"].append(timed(lambda: mdc.save(sd, path)))
         for kind, layout in (("load", "rows"), ("reshard cols", "cols")):
             mreq = _mcore_sd(shapes, layout, False)
             _cold()
             times[kind].append(timed(lambda: mdc.load(mreq, path)))
     else:  # torch.save
-        times["save"].append(timed(torch_save_fn(shapes, path)))
         _cold()
         times["load"].append(
             timed(lambda: torch.load(os.path.join(path, f"rank{rank}.pt"), weights_only=True))
@@ -356,8 +413,9 @@ def _worker(rank: int, world: int, args: argparse.Namespace, port: int, queue: A
     warnings.filterwarnings("ignore", module="megatron")
     warnings.filterwarnings("ignore", category=FutureWarning)
     init_world(rank, world, port, minutes=60)
-    global FRESH_DESTINATIONS
+    global FRESH_DESTINATIONS, SETTLE_S
     FRESH_DESTINATIONS = args.fresh_destinations
+    SETTLE_S = args.settle
     torch.set_num_threads(1)
     torch.cuda.synchronize = lambda *a, **k: None  # megatron-core calls these on CPU too
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
@@ -382,8 +440,14 @@ def _worker(rank: int, world: int, args: argparse.Namespace, port: int, queue: A
         for rep in range(args.repeats):
             # methods take turns, in an order rotated every repeat: the disk's drift over the
             # run (the host's cache, other jobs) falls on each of them alike
-            for m in rotated(methods, rep):
-                _run(m, shapes, os.path.join(args.dir, f"w{world}"), rep, per[m])
+            # every method saves, then every method loads: a load reads a checkpoint at
+            # rest, not one whose writes the host may still be flushing (which slowed
+            # whichever load came right after its own save)
+            root = os.path.join(args.dir, f"w{world}")
+            order = rotated(methods, rep)
+            saved = {m: _save(m, shapes, root, rep, per[m]) for m in order}
+            for m in order:
+                _load(m, shapes, root, rep, per[m], saved[m])
         per["_bytes"] = sum(r * c * 4 for r, c in shapes)
         per["_paths"] = _chosen_paths(args.dir)
         out[size] = per
@@ -392,12 +456,27 @@ def _worker(rank: int, world: int, args: argparse.Namespace, port: int, queue: A
     dist.destroy_process_group()
 
 
+def _ceiling(t: Dict[str, List[float]]) -> Dict[str, float]:
+    """The ceiling's save and load seconds: the fastest raw path's median.
+
+    Each path's samples are reduced the way every method's are (the median over repeats)
+    before the fastest is picked: the fastest path of each repeat would be the best of
+    three draws of a noisy disk set against one draw of each method.
+    """
+    out = {}
+    for kind, paths in (("save", CEILING_WRITES), ("load", CEILING_READS)):
+        medians = [median(t[p]) for p in paths if t.get(p)]
+        if medians:
+            out[kind] = min(medians)
+    return out
+
+
 def _rows(res: Dict[int, Any], world: int) -> List[Dict[str, Any]]:
     """Table rows of one world size's results (GB/s and ratios to the ceiling)."""
     rows = []
     for _size, per in res.items():
         nbytes = per["_bytes"]
-        ceil = {k: median(per["ceiling"][k]) for k in ("save", "load")} if "ceiling" in per else {}
+        ceil = _ceiling(per["ceiling"]) if "ceiling" in per else {}
         for method, t in per.items():
             if method.startswith("_"):  # the size's facts (bytes, chosen paths), no method
                 continue
@@ -407,12 +486,16 @@ def _rows(res: Dict[int, Any], world: int) -> List[Dict[str, Any]]:
                 "method": method,
             }
             for kind in KINDS + CEILING_KINDS:
-                if t.get(kind):
+                if method == "ceiling" and kind in ceil:
+                    s = ceil[kind]
+                elif t.get(kind):
                     s = median(t[kind])
-                    row[f"{kind} GB/s"] = nbytes / s / 1e9
-                    ref = ceil.get("save" if kind == "save" else "load")
-                    if ref and kind in KINDS:
-                        row[f"{kind} x ceil"] = ref / s
+                else:
+                    continue
+                row[f"{kind} GB/s"] = nbytes / s / 1e9
+                ref = ceil.get("save" if kind == "save" else "load")
+                if ref and kind in KINDS:
+                    row[f"{kind} x ceil"] = ref / s
             rows.append(row)
     return rows
 
@@ -432,6 +515,14 @@ def main() -> None:
         action="store_true",
         help="load into never-touched tensors (the load pays their page faults); default: "
         "into tensors written once before, like a model's parameters",
+    )
+    parser.add_argument(
+        "--settle",
+        type=float,
+        default=3.0,
+        help="seconds of idle disk before each timed save and load (default 3): with none, "
+        "on the CI VM a method's load or save ran up to 4x slower right after another "
+        "method's save, whose bytes the host was still writing back",
     )
     parser.add_argument("--dir", default="/tmp/dist_ckpt_bench_disk")
     parser.add_argument("--json", default="")
@@ -462,7 +553,7 @@ def main() -> None:
             f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}: medians of {args.repeats}; "
             "page cache dropped before loads; "
             f"{'fresh' if args.fresh_destinations else 'resident'} load destinations; x ceil: ratio to the raw ceiling of the same "
-            "run (the fastest raw path of each repeat)",
+            "run (the fastest raw path's median)",
             done,
             cols,
         )
