@@ -33,7 +33,6 @@ from ..errors import CheckpointCorruptedError, CheckpointingException
 from ..integrity import checksum, new_hasher
 from ..storage import ALIGN, ImagePool, read_file
 from ..storage.segments import write_segments
-from ..storage.threads import default_direct_writes
 from ..storage.write_probe import prefer_direct_writes
 from .base_state_dict import TensorAwareStateDict, hollow_state_classes
 from .basic_state_dict import BasicTensorAwareStateDict  # noqa: F401  (registers its classes)
@@ -391,14 +390,11 @@ def _direct_writes(image: LocalImage, path: str) -> bool:
 
     A staged image (async save, CUDA sources) goes out with O_DIRECT straight from its
     aligned buffer, as `torch_dist` async saves do. An unstaged one (a sync save of CPU
-    tensors) follows `torch_dist`'s sync rule: buffered with fewer cores than ranks on the
-    node (`default_direct_writes`), else the file system's write probe (`prefer_direct_writes`).
+    tensors) takes the file system's measured write path (`prefer_direct_writes`: what the
+    ranks of a `torch_dist` save there agreed on, else this rank's own probe).
     """
     if image.staged:
         return True
-    rule = default_direct_writes(cuda_sources=False)
-    if rule is not None:
-        return rule
     return prefer_direct_writes(os.path.dirname(path) or ".", image.nbytes)
 
 

@@ -1,7 +1,6 @@
-"""How many files (one writer thread each) a rank's synchronous `torch_dist` save writes,
-and, where a rule decides it, whether it writes them with O_DIRECT (`default_direct_writes`,
-also the write path of durable local images). In the I/O layer so that both backends use
-one rule without the local tier importing a strategy.
+"""How many files (one writer thread each) a rank's synchronous `torch_dist` save writes.
+In the I/O layer so that both backends use one rule without the local tier importing a
+strategy. (Whether they are written with O_DIRECT is measured: `storage.write_probe`.)
 
 The rule, from what the machine has:
 
@@ -36,7 +35,7 @@ import torch
 
 from .. import _dist
 
-__all__ = ["cores_per_local_rank", "default_direct_writes", "default_file_count"]
+__all__ = ["cores_per_local_rank", "default_file_count"]
 
 _MAX_FILES = 4
 
@@ -94,26 +93,3 @@ def default_file_count(cuda_sources: bool, cores: Optional[float] = None) -> int
     if c < 4:
         return 1
     return max(1, min(_MAX_FILES, int(c // (2 if cuda_sources else 4))))
-
-
-def default_direct_writes(cuda_sources: bool, cores: Optional[float] = None) -> Optional[bool]:
-    """The write path of a sync save by rule, or None where it is left to measurement.
-
-    With fewer cores than ranks on the node (less than one core per local rank) and host
-    tensors: buffered writes (False). An O_DIRECT request is submitted by the rank's own
-    writer thread, which then has to wait for a core before it can submit the next one,
-    and the disk idles meanwhile; the kernel's writeback of buffered writes does not
-    depend on the ranks being scheduled. On the 2-core CI VM, 1 GiB on 4 ranks: buffered
-    0.38 / 0.32 / 0.32 GB/s against O_DIRECT 0.27 / 0.27 / 0.33 in three alternated runs
-    (`benchmarks/bench_save.py`), while on 2 ranks O_DIRECT was ahead in all three runs.
-    Otherwise (None) the first save probes the file system (`storage.write_probe`). CUDA
-    sources are always left to the probe (GPU nodes have cores to spare).
-
-    Args:
-        cuda_sources: whether any tensor saved by this rank is on CUDA.
-        cores: cores per local rank (default: measured by `cores_per_local_rank`).
-    """
-    if cuda_sources:
-        return None
-    c = cores_per_local_rank(cuda_sources) if cores is None else cores
-    return False if c < 1 else None

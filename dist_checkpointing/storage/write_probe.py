@@ -5,12 +5,15 @@ the page cache (0.5-0.8x the CPU seconds of a buffered save of 1 GiB on this pro
 2-core CI VM) and leaves the cache to the training job, but each request waits for the device;
 buffered writes queue the whole file at once and let the kernel write it back in large
 requests (`start_writeback` starts that as the file is written; the final fsync waits for
-it). On the CI VM the two measured within the run-to-run noise of each other
-(`benchmarks/bench_save.py`); on a GPU node's local NVMe, O_DIRECT saves with 4 files per
-rank took 0.75x the time of one raw O_DIRECT stream. So the first synchronous
-save into a file system writes a small scratch file both ways, alternating, each write
-followed by its fsync, and keeps the answer for every later save on that file system (keyed
-by device number) in this process.
+it). On the CI VM the two measured within the run-to-run noise of each other on one day
+(`benchmarks/bench_save.py`) and O_DIRECT 2x ahead on another (4 ranks x 4 GiB: 1.23 s
+against 2.50 s); on a GPU node's local NVMe, O_DIRECT saves with 4 files per rank took
+0.75x the time of one raw O_DIRECT stream. So the first synchronous save into a file
+system writes a small scratch file both ways, alternating, each write followed by its
+fsync, and keeps the answer for every later save on that file system (keyed by device
+number) in this process. A `torch_dist` save's ranks then exchange their own
+measurements at every save and all keep the combination (`combine`, `keep`), so that all
+write the same way.
 
 O_DIRECT stays the choice unless the page cache is clearly faster: by `BUFFERED_MARGIN` in
 total and in every pair of probes (one probe on a busy machine is noisy; the same rule as
@@ -29,7 +32,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from . import buffers
 from .direct import PathLike, direct_allowed, refuse_direct
@@ -40,7 +43,10 @@ __all__ = [
     "PROBE_BYTES",
     "ROUNDS",
     "WriteProbe",
+    "combine",
     "forget_write_probes",
+    "keep",
+    "local_write_probe",
     "prefer_direct_writes",
     "write_probe_result",
 ]
@@ -85,7 +91,11 @@ class WriteProbe:
         return not all(b < BUFFERED_MARGIN * d for d, b in self.pairs)
 
 
+#: the path in use per file system: this process's own measurement, or what the ranks
+#: agreed on (`combine`, `keep`)
 _results: Dict[int, WriteProbe] = {}
+#: this process's own measurement per file system (what it contributes to an agreement)
+_local: Dict[int, WriteProbe] = {}
 _lock = threading.Lock()
 
 
@@ -155,10 +165,35 @@ def prefer_direct_writes(directory: PathLike, nbytes: int = MIN_PROBED_SAVE) -> 
     if not hasattr(os, "O_DIRECT") or not direct_allowed(d):
         return False
     dev = os.stat(d).st_dev
-    with _lock:  # one probe per file system, also when several threads ask at once
+    with _lock:
         result = _results.get(dev)
+    if result is None:
+        result = local_write_probe(d, nbytes)
+    if result is None:  # not measured: O_DIRECT, unless the probe's write was just refused
+        return direct_allowed(d)
+    return result.prefer_direct
+
+
+def local_write_probe(directory: PathLike, nbytes: int = MIN_PROBED_SAVE) -> Optional[WriteProbe]:
+    """This process's own measurement of `directory`'s file system, measured on the first
+    call (see the module docstring) and remembered; what a rank contributes to `combine`.
+
+    Returns:
+        The measurement, or None where nothing was measured: O_DIRECT is unusable there
+        (refused now, or before), or the save is smaller than `MIN_PROBED_SAVE` and nothing
+        was measured before.
+
+    Raises:
+        OSError: the directory cannot be written (the save would fail the same way).
+    """
+    d = os.fspath(directory)
+    if not hasattr(os, "O_DIRECT") or not direct_allowed(d):
+        return None
+    dev = os.stat(d).st_dev
+    with _lock:  # one probe per file system, also when several threads ask at once
+        result = _local.get(dev)
         if result is None and nbytes < MIN_PROBED_SAVE:
-            return True
+            return None
         if result is None:
             try:
                 result = _measure(d)
@@ -166,19 +201,54 @@ def prefer_direct_writes(directory: PathLike, nbytes: int = MIN_PROBED_SAVE) -> 
                 if e.errno != errno.EINVAL:
                     raise
                 refuse_direct(d, e, "writes")
-                return False
-            _results[dev] = result
-            logger.info(
-                "write path for %s's file system: %s (probe of %d x %d MiB each way, with "
-                "fsync: O_DIRECT %.2f GB/s, page cache %.2f GB/s)",
-                d,
-                "O_DIRECT" if result.prefer_direct else "page cache",
-                len(result.pairs),
-                result.nbytes >> 20,
-                result.nbytes * len(result.pairs) / max(result.direct_s, 1e-9) / 1e9,
-                result.nbytes * len(result.pairs) / max(result.buffered_s, 1e-9) / 1e9,
-            )
-    return result.prefer_direct
+                return None
+            _local[dev] = result
+            _results.setdefault(dev, result)
+            _log_choice(d, "probe", result)
+    return result
+
+
+def _log_choice(directory: str, what: str, result: WriteProbe) -> None:
+    logger.info(
+        "write path for %s's file system: %s (%s of %d x %d MiB each way, with fsync: "
+        "O_DIRECT %.2f GB/s, page cache %.2f GB/s)",
+        directory,
+        "O_DIRECT" if result.prefer_direct else "page cache",
+        what,
+        len(result.pairs),
+        result.nbytes >> 20,
+        result.nbytes * len(result.pairs) / max(result.direct_s, 1e-9) / 1e9,
+        result.nbytes * len(result.pairs) / max(result.buffered_s, 1e-9) / 1e9,
+    )
+
+
+def combine(probes: Sequence[Optional[WriteProbe]]) -> Optional[WriteProbe]:
+    """Every rank's measurements as one: the page cache is chosen only if it was clearly
+    faster in every pair of every rank (`WriteProbe.prefer_direct` over all the pairs).
+
+    A save waits for its slowest rank, and ranks probing on their own can choose
+    differently (as the read probes did, `storage.probe.combine`): on this project's 2-core
+    VM, writes through the page cache of 4 ranks x 4 GiB took 2.50 s against 1.23 s with
+    O_DIRECT (alternated), so one rank writing buffered would set the pace.
+
+    Returns:
+        The combined measurement, or None when no rank measured.
+    """
+    got = [p for p in probes if p is not None]
+    if not got:
+        return None
+    return WriteProbe(tuple(pair for p in got for pair in p.pairs), got[0].nbytes)
+
+
+def keep(directory: PathLike, result: WriteProbe) -> None:
+    """Uses `result` (see `combine`) for `directory`'s file system from now on."""
+    d = os.fspath(directory)
+    dev = os.stat(d).st_dev
+    with _lock:
+        before = _results.get(dev)
+        _results[dev] = result
+    if before is None or before.prefer_direct != result.prefer_direct:
+        _log_choice(d, "all ranks' probes", result)
 
 
 def write_probe_result(directory: PathLike) -> Optional[WriteProbe]:
@@ -191,3 +261,4 @@ def forget_write_probes() -> None:
     """Forgets every measurement (tests; a remounted or reconfigured file system)."""
     with _lock:
         _results.clear()
+        _local.clear()

@@ -139,3 +139,38 @@ def load_with_fixed_probe(
     finally:
         probe._measure = real
         probe.forget_probes()
+
+
+def save_with_fixed_write_probe(
+    builder: Callable[[], Dict[str, Any]], ckpt: str, buffered_wins_on: List[int]
+) -> List[bool]:
+    """Saves twice with this rank's write probe stubbed (buffered writes faster in every
+    pair on the ranks in `buffered_wins_on`, slower elsewhere) and every save measured;
+    returns how this rank opened its data files (True: O_DIRECT), both saves."""
+    from dist_checkpointing.storage import direct as storage_direct
+    from dist_checkpointing.storage import write_probe
+
+    pair = (1.0, 0.1) if rank() in buffered_wins_on else (0.1, 1.0)
+    saved = (write_probe._measure, write_probe.MIN_PROBED_SAVE, storage_direct.FileWriter.__init__)
+    real_init = saved[2]
+    opened: List[bool] = []
+
+    def init(self: Any, path: Any, *args: Any, **kwargs: Any) -> None:
+        real_init(self, path, *args, **kwargs)
+        if str(path).endswith(".distcp"):
+            opened.append(self.direct)
+
+    write_probe._measure = lambda d: write_probe.WriteProbe((pair, pair), 1 << 20)
+    write_probe.MIN_PROBED_SAVE = 0
+    storage_direct.FileWriter.__init__ = init  # type: ignore[method-assign]
+    write_probe.forget_write_probes()
+    try:
+        for i in range(2):  # a second save measures nothing new and keeps the same
+            dc.save(builder(), os.path.join(ckpt, str(i)))
+        kept = write_probe.write_probe_result(ckpt)
+        assert kept is not None and len(kept.pairs) == 2 * dist.get_world_size(), kept
+        return opened
+    finally:
+        write_probe._measure, write_probe.MIN_PROBED_SAVE = saved[0], saved[1]
+        storage_direct.FileWriter.__init__ = real_init  # type: ignore[method-assign]
+        write_probe.forget_write_probes()

@@ -109,18 +109,17 @@ def test_manager_round_trip_is_bit_exact_on_every_path(tmp_path, device, fsync, 
 
 
 @pytest.mark.parametrize(
-    "cores, probe, want_direct",
-    [(0.5, True, False), (2.0, True, True), (2.0, False, False)],
-    ids=["fewer-cores-than-ranks", "probe-o-direct", "probe-page-cache"],
+    "probe, want_direct",
+    [(True, True), (False, False)],
+    ids=["probe-o-direct", "probe-page-cache"],
 )
 def test_durable_sync_image_takes_the_torch_dist_sync_write_path(
-    tmp_path, monkeypatch, cores, probe, want_direct
+    tmp_path, monkeypatch, probe, want_direct
 ):
     from dist_checkpointing.local import _image
     from dist_checkpointing.storage import direct as storage_direct
-    from dist_checkpointing.storage import segments, threads
+    from dist_checkpointing.storage import segments
 
-    monkeypatch.setattr(threads, "cores_per_local_rank", lambda cuda_sources: cores)
     monkeypatch.setattr(_image, "prefer_direct_writes", lambda directory, nbytes: probe)
     calls: list = []
     real_write, real_finish = _image.write_segments, storage_direct.FileWriter.finish

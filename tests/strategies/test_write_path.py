@@ -180,17 +180,55 @@ def test_chunk_stream_into_a_buffered_file_starts_writeback_of_each_chunk(tmp_pa
     assert started[0][1] == segments.CHUNK and started[1][1] >= 5000
 
 
-def test_sync_save_with_fewer_cores_than_ranks_writes_buffered_without_probing(
-    tmp_path, monkeypatch
-):
+def test_sync_save_measures_its_write_path_whatever_the_cores_per_rank(tmp_path, monkeypatch):
+    # a former rule wrote buffered without measuring where the node had fewer cores than
+    # ranks; on a later day's disk that was 2x slower than O_DIRECT (README, "Disk-speed I/O")
     from dist_checkpointing.storage import threads
 
     monkeypatch.setattr(threads, "cores_per_local_rank", lambda cuda, *a, **k: 0.5)
     monkeypatch.setattr(write_probe, "MIN_PROBED_SAVE", 0)
-    monkeypatch.setattr(write_probe, "_measure", lambda d: pytest.fail("probed"))
+    measured: list = []
+    slow_buffered = WriteProbe(((0.1, 1.0),) * write_probe.ROUNDS, 1 << 20)
+    monkeypatch.setattr(write_probe, "_measure", lambda d: measured.append(d) or slow_buffered)
     opened = _spy_writers(monkeypatch)
     w = torch.randn(700, 500)
     dc.save({"w": ShardedTensor.from_rank_offsets("w", w)}, tmp_path / "c")
-    assert opened == [False]
+    assert opened == [True] and len(measured) == 1
     got = dc.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros_like(w))}, tmp_path / "c")
     assert torch.equal(got["w"], w)
+
+
+@pytest.mark.parametrize(
+    "pairs_per_rank, direct",
+    [
+        ([((1.0, 0.5),), ((1.0, 0.5),)], False),  # buffered clearly faster everywhere
+        ([((1.0, 0.5),), ((1.0, 0.95),)], True),  # within the margin on one rank
+        ([((1.0, 0.5),), ((0.5, 1.0),)], True),  # O_DIRECT faster on one rank
+        ([((1.0, 0.5),), None], False),  # a rank that did not measure has no say
+        ([None, None], None),  # nobody measured
+    ],
+)
+def test_combined_write_probes_choose_the_page_cache_only_if_every_rank_measured_it_faster(
+    pairs_per_rank, direct
+):
+    probes = [None if p is None else WriteProbe(p, 1 << 20) for p in pairs_per_rank]
+    got = write_probe.combine(probes)
+    if direct is None:
+        assert got is None
+    else:
+        assert got is not None and got.prefer_direct is direct
+        assert len(got.pairs) == sum(len(p) for p in pairs_per_rank if p is not None)
+
+
+def test_a_kept_agreement_is_used_and_a_rank_contributes_only_its_own_probe(tmp_path, monkeypatch):
+    own = WriteProbe(((1.0, 0.5),) * write_probe.ROUNDS, 1 << 20)  # buffered faster here
+    monkeypatch.setattr(write_probe, "_measure", lambda d: own)
+    assert write_probe.local_write_probe(tmp_path, 1 << 30) is own
+    assert write_probe.prefer_direct_writes(tmp_path, 1 << 30) is False
+    other = WriteProbe(((0.5, 1.0),), 1 << 20)  # another rank: O_DIRECT faster
+    agreed = write_probe.combine([own, other])
+    assert agreed is not None
+    write_probe.keep(tmp_path, agreed)
+    assert write_probe.prefer_direct_writes(tmp_path, 1 << 30) is True
+    assert write_probe.write_probe_result(tmp_path) == agreed
+    assert write_probe.local_write_probe(tmp_path, 1 << 30) is own  # not the combination

@@ -56,20 +56,3 @@ def test_a_container_cpu_quota_caps_the_cores(monkeypatch, tmp_path):
     cpu_max.write_text("max 100000\n")
     assert threads._cpu_quota(str(cpu_max)) is None
     assert threads._cpu_quota(str(tmp_path / "missing")) is None
-
-
-@pytest.mark.parametrize(
-    "cores, cuda, path",
-    [
-        (0.5, False, False),  # this CI machine, 4 ranks: buffered writes by rule
-        (0.99, False, False),
-        (1, False, None),  # 2 ranks on 2 cores: measured (the probe)
-        (16, False, None),
-        (0.5, True, None),  # CUDA sources: always measured
-        (16, True, None),
-    ],
-)
-def test_write_path_rule_picks_buffered_only_with_fewer_cores_than_ranks_for_host_tensors(
-    cores, cuda, path
-):
-    assert threads.default_direct_writes(cuda, cores) is path

@@ -19,16 +19,15 @@ import torch
 from torch.distributed.checkpoint.planner import WriteItem
 from torch.distributed.checkpoint.storage import WriteResult
 
-from ..._dist import get_rank
+from ..._dist import all_gather_object, get_rank
 from ..._progress import byte_progress
 from ..._types import ShardedStateDict
 from ...async_save import AsyncRequest
 from ...dict_utils import nested_values
 from ...errors import CheckpointingException
 from ...mapping import ShardedBase, ShardedObject, ShardedTensor, is_main_replica
-from ...storage import ImagePool
-from ...storage.threads import default_direct_writes, default_file_count
-from ...storage.write_probe import prefer_direct_writes
+from ...storage import ImagePool, write_probe
+from ...storage.threads import default_file_count
 from ..base import AsyncSaveShardedStrategy, CheckpointDir
 from . import writer
 from .finalize import SaveFinalizer
@@ -56,6 +55,34 @@ def _cuda_sources(entries: List[WriteEntry]) -> bool:
 _SHARED_IMAGES = ImagePool()
 
 
+def _agree_write_path(ckpt: Path, nbytes: int) -> bool:
+    """Collective: every rank that writes `nbytes` > 0 by measurement contributes its own
+    probe of the file system (`storage.write_probe`), and all keep the combination, so that
+    all write the same way (ranks choosing on their own can choose differently, and the
+    save waits for the slowest path; see `write_probe.combine`).
+
+    Returns:
+        Whether to write with O_DIRECT (the agreed measurement; O_DIRECT where nobody
+        measured; never where O_DIRECT was refused on this rank's file system).
+
+    Never raises before the exchange: the other ranks wait in it. A failing probe leaves
+    this rank out of it; the save's own writes then meet the failure and report it.
+    """
+    local = None
+    if nbytes > 0:
+        try:
+            local = write_probe.local_write_probe(ckpt, nbytes)
+        except Exception as e:
+            logger.debug("no write-path probe in %s: %s", ckpt, e)
+    agreed = write_probe.combine(all_gather_object(local))
+    try:
+        if agreed is not None:
+            write_probe.keep(ckpt, agreed)
+        return write_probe.prefer_direct_writes(ckpt, 0)  # 0 bytes: measures nothing more
+    except OSError:
+        return True  # the save's own writes meet the failure and report it
+
+
 class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
     """Saves ShardedTensors and ShardedObjects in PyTorch DCP's format.
 
@@ -80,11 +107,11 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         direct_io: True: write with O_DIRECT where the file system supports it (falls
             back to buffered writes by itself, logged once per directory); False: write
             through the page cache from the tensors' own memory, then fsync. None (the
-            default): a sync save writes buffered where the node has fewer cores than
-            ranks and the tensors are on the host (`storage.threads`), else uses
-            whichever a small probe of the file system measured faster
-            (`storage.write_probe`: O_DIRECT unless buffered writes are clearly faster;
-            once per process and file system); an async save uses O_DIRECT.
+            default): a sync save uses whichever small probes of the file system measured
+            faster (`storage.write_probe`: each rank probes once per process and file
+            system, and at every save the ranks exchange their probes and all write the
+            same way: O_DIRECT unless buffered writes were clearly faster in every probe of
+            every rank); an async save uses O_DIRECT.
         checksums: record an xxh3-64 of every stored item, of `.metadata` and of
             `common.pt` in `checksums.json` (verified by default on load; other readers
             ignore the file).
@@ -168,6 +195,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         items: List[WriteItem] = []
         written: Tuple[List[WriteResult], List[Any]] = ([], [])
         error: Optional[BaseException] = None
+        direct: Optional[bool] = self.direct_io
         try:
             entries = self._local_entries(sharded_state_dict)
             items = [e.item for e in entries]
@@ -176,17 +204,24 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
                 for name, es in self._plan_files(entries)
             ]
             total = sum(plan.size for plan, _, _ in jobs)
-            direct = self.direct_io
-            if direct is None:  # the machine's rule, else a measurement of the file system
-                direct = default_direct_writes(_cuda_sources(entries))
-            if direct is None:
-                direct = bool(jobs) and prefer_direct_writes(ckpt, total)
-            with byte_progress(f"save {ckpt.name}", total) as progress:
-                written = writer.write_files(
-                    ckpt, jobs, self._file_count(entries), self.checksums, direct, progress
-                )
         except Exception as e:  # reported to rank 0 and re-raised on every rank
             error = e
+        if direct is None:  # the same on every rank: all take part in the exchange
+            measured = _agree_write_path(ckpt, total if error is None else 0)
+            direct = error is None and bool(jobs) and measured
+        if error is None:
+            try:
+                with byte_progress(f"save {ckpt.name}", total) as progress:
+                    written = writer.write_files(
+                        ckpt,
+                        jobs,
+                        self._file_count(entries),
+                        self.checksums,
+                        bool(direct),
+                        progress,
+                    )
+            except Exception as e:
+                error = e
         self._finalize(ckpt, items, written, error, start)
 
     def async_save(
