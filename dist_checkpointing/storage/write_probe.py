@@ -143,6 +143,18 @@ def _measure(directory: str) -> WriteProbe:
     return WriteProbe(tuple(pairs), PROBE_BYTES)
 
 
+def _direct_device(directory: PathLike) -> Optional[Tuple[str, int]]:
+    """`(directory, its device number)`, or None where O_DIRECT is unusable there.
+
+    Raises:
+        OSError: the directory cannot be examined.
+    """
+    d = os.fspath(directory)
+    if not hasattr(os, "O_DIRECT") or not direct_allowed(d):
+        return None
+    return d, os.stat(d).st_dev
+
+
 def prefer_direct_writes(directory: PathLike, nbytes: int = MIN_PROBED_SAVE) -> bool:
     """Whether a synchronous save into `directory` should write with O_DIRECT, by measurement.
 
@@ -161,10 +173,10 @@ def prefer_direct_writes(directory: PathLike, nbytes: int = MIN_PROBED_SAVE) -> 
     Raises:
         OSError: the directory cannot be written (the save would fail the same way).
     """
-    d = os.fspath(directory)
-    if not hasattr(os, "O_DIRECT") or not direct_allowed(d):
+    where = _direct_device(directory)
+    if where is None:
         return False
-    dev = os.stat(d).st_dev
+    d, dev = where
     with _lock:
         result = _results.get(dev)
     if result is None:
@@ -186,10 +198,10 @@ def local_write_probe(directory: PathLike, nbytes: int = MIN_PROBED_SAVE) -> Opt
     Raises:
         OSError: the directory cannot be written (the save would fail the same way).
     """
-    d = os.fspath(directory)
-    if not hasattr(os, "O_DIRECT") or not direct_allowed(d):
+    where = _direct_device(directory)
+    if where is None:
         return None
-    dev = os.stat(d).st_dev
+    d, dev = where
     with _lock:  # one probe per file system, also when several threads ask at once
         result = _local.get(dev)
         if result is None and nbytes < MIN_PROBED_SAVE:
