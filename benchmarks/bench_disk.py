@@ -256,7 +256,7 @@ def _save(
     path = _path(root, method, rep)
     if rank == 0:
         os.makedirs(path, exist_ok=True)
-    _settle()
+    dist.barrier()
     if method == "ceiling":
         bufs, files = ceiling_files(shapes, path)
         # both write paths, in an order that alternates by repeat; the one written last
@@ -266,12 +266,12 @@ def _save(
             for f in files:
                 if os.path.exists(f):
                     os.unlink(f)
-            dist.barrier()
-            _settle()
+            _settle()  # each write path on an idle disk
             write_s[direct] = timed(_each(files, bufs, lambda f, b, d=direct: _raw_write(f, b, d)))
         times["save O_DIRECT"].append(write_s[True])
         times["save page cache"].append(write_s[False])
         return bufs, files
+    _settle()
     if method == "ours":
         import dist_checkpointing as dc
         from dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
