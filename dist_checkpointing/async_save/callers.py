@@ -1,7 +1,7 @@
 """Callers: run a request's `async_fn` in another process, away from the training loop.
 
 `TemporalAsyncCaller` forks a fresh process per request (no pickling: the child sees the
-host buffers); `PersistentAsyncCaller` keeps one spawned worker fed through a queue (no
+host buffers; a child stuck in the fork is replaced); `PersistentAsyncCaller` keeps one spawned worker fed through a queue (no
 start-up cost per save; host buffers travel as shared memory). Each reports a call's
 outcome once, as a `CallStatus`.
 """
@@ -13,8 +13,10 @@ import logging
 import multiprocessing as mp
 import os
 import sys
+import time
 import traceback
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from types import FrameType
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -121,72 +123,150 @@ def _lower_priority(niceness: int) -> None:
             logger.debug("could not lower writer priority: %s", e)
 
 
+#: the first message of a forked writer: it runs Python, so the fork itself completed
+_STARTED = "started"
+
+
 def _temporal_child(
     fn: Callable[..., Any], args: Tuple[Any, ...], conn: Any, niceness: int
 ) -> None:
+    conn.send(_STARTED)
     _lower_priority(niceness)
     conn.send(_run_and_report(fn, args))
     conn.close()
 
 
+@dataclass
+class _Fork:
+    """One call's forked writer, and what it takes to fork it again."""
+
+    fn: Callable[..., Any]
+    args: Tuple[Any, ...]
+    proc: Any = None
+    recv: Any = None
+    forked_at: float = 0.0
+    started: bool = False
+    attempts: int = 0
+
+
 class TemporalAsyncCaller(AsyncCaller):
     """A fresh forked process per request; it inherits the host buffers without copying.
 
+    A forked child can hang before it runs any Python: CPython up to 3.11 takes, in the
+    child, a runtime lock that another thread of the parent may have held at the moment of
+    the fork (a native thread entering Python holds it briefly without the GIL). Such a
+    child never sends its start message; after `startup_timeout` seconds it is killed and
+    the writer forked again (it had not run any of the request), up to `max_attempts`
+    forks in all, after which the call fails, which fails the save on every rank.
+
     Args:
         niceness: added to the writer's nice value so training keeps the CPU.
+        startup_timeout: seconds a forked writer may take to start running Python.
+        max_attempts: forks per call before the call is failed.
     """
 
-    def __init__(self, niceness: int = 0) -> None:
-        self._calls: Dict[int, Tuple[Any, Any]] = {}
+    def __init__(
+        self, niceness: int = 0, startup_timeout: float = 10.0, max_attempts: int = 3
+    ) -> None:
+        self._calls: Dict[int, _Fork] = {}
         self.niceness = niceness
+        self.startup_timeout = startup_timeout
+        self.max_attempts = max_attempts
 
     def schedule(self, call_idx: int, request: AsyncRequest) -> None:
+        call = _Fork(request.async_fn, request.async_fn_args)  # type: ignore[arg-type]
+        self._fork(call_idx, call)
+        self._calls[call_idx] = call
+
+    def _fork(self, call_idx: int, call: _Fork) -> None:
         ctx = mp.get_context("fork")
         recv, send = ctx.Pipe(duplex=False)
         proc = ctx.Process(
             target=_temporal_child,
-            args=(request.async_fn, request.async_fn_args, send, self.niceness),
+            args=(call.fn, call.args, send, self.niceness),
             daemon=True,
             name=f"dc-async-{call_idx}",
         )
         proc.start()
         send.close()  # so that the child's death shows as EOF here
-        self._calls[call_idx] = (proc, recv)
+        call.proc, call.recv, call.started = proc, recv, False
+        call.forked_at = time.monotonic()
+        call.attempts += 1
+
+    def _died(self, call: _Fork) -> CallStatus:
+        call.proc.join()
+        return (
+            CallState.FAILED,
+            f"background writer (pid {call.proc.pid}) died with exit code {call.proc.exitcode}",
+        )
+
+    def _await_start(self, call_idx: int, call: _Fork, block: bool) -> Optional[CallStatus]:
+        """Waits (with `block`) for the writer's start message, forking again a writer stuck
+        before it; returns a final status when the writer died or never started."""
+        while not call.started:
+            deadline = call.forked_at + self.startup_timeout
+            if call.recv.poll(max(deadline - time.monotonic(), 0.0) if block else 0):
+                try:
+                    call.recv.recv()
+                except EOFError:
+                    return self._died(call)
+                call.started = True
+                return None
+            if time.monotonic() < deadline:  # still within its time to start
+                if block:
+                    continue
+                return (CallState.RUNNING, None)
+            pid = call.proc.pid
+            call.proc.kill()
+            call.proc.join(timeout=30)
+            call.recv.close()
+            if call.attempts >= self.max_attempts:
+                return (
+                    CallState.FAILED,
+                    f"background writer for call {call_idx} did not start within "
+                    f"{self.startup_timeout:g} s, {call.attempts} times (the last, pid {pid}, "
+                    f"was killed); nothing of the request ran",
+                )
+            logger.warning(
+                "background writer for call %d (pid %d) did not start within %g s: killed it "
+                "and forked another (a fork can hang in CPython <= 3.11 when another thread "
+                "enters Python at that moment)",
+                call_idx,
+                pid,
+                self.startup_timeout,
+            )
+            self._fork(call_idx, call)
+        return None
 
     def poll(self, call_idx: int, block: bool) -> CallStatus:
-        proc, recv = self._calls[call_idx]
-        if not block and not recv.poll(0):
-            if proc.is_alive():
+        call = self._calls[call_idx]
+        status = self._await_start(call_idx, call, block)
+        if status is not None:
+            return status if status[0] is CallState.RUNNING else self._finish(call_idx, status)
+        if not block and not call.recv.poll(0):
+            if call.proc.is_alive():
                 return (CallState.RUNNING, None)
-            proc.join()
-            if not recv.poll(0):
-                return self._finish(
-                    call_idx,
-                    (
-                        CallState.FAILED,
-                        f"background writer (pid {proc.pid}) died with exit code {proc.exitcode}",
-                    ),
-                )
+            call.proc.join()
+            if not call.recv.poll(0):
+                return self._finish(call_idx, self._died(call))
         try:
-            status: CallStatus = recv.recv()
+            status = call.recv.recv()
         except EOFError:
-            proc.join()
-            status = (
-                CallState.FAILED,
-                f"background writer (pid {proc.pid}) died with exit code {proc.exitcode}",
-            )
+            status = self._died(call)
         return self._finish(call_idx, status)
 
     def _finish(self, call_idx: int, status: CallStatus) -> CallStatus:
-        proc, recv = self._calls.pop(call_idx)
-        recv.close()
-        proc.join(timeout=30)
+        call = self._calls.pop(call_idx)
+        call.recv.close()
+        call.proc.join(timeout=30)
         return status
 
     def close(self) -> None:
-        for proc, recv in self._calls.values():
-            proc.join(timeout=60)
-            recv.close()
+        for idx, call in list(self._calls.items()):
+            # a writer that never started is replaced or given up on, not waited for
+            if self._await_start(idx, call, block=True) is None:
+                call.proc.join(timeout=60)
+            call.recv.close()
         self._calls.clear()
 
 
