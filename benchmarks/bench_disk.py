@@ -15,7 +15,9 @@ on rows across ranks, same directory, page cache dropped before each load):
 - `dcp`: stock `torch.distributed.checkpoint` with DTensors;
 - `megatron`: megatron-core's `dist_checkpointing` (torch_dist), when importable;
 - `ours`: `dist_checkpointing` with the default ('torch_dist', 1) backend, checksums on
-  (the read and write paths its probes chose are printed and kept in the JSON).
+  (the read and write paths its probes chose are printed and kept in the JSON);
+- `ours-nocheck` (only when asked for): the same, loaded without verifying checksums (what
+  verification costs).
 
 The methods take turns within each repeat, in an order rotated every repeat, so a drift of
 the disk's speed over the run (the host's cache, other jobs) falls on each of them alike.
@@ -272,7 +274,7 @@ def _save(
         times["save page cache"].append(write_s[False])
         return bufs, files
     _settle()
-    if method == "ours":
+    if method in ("ours", "ours-nocheck"):
         import dist_checkpointing as dc
         from dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
@@ -329,11 +331,13 @@ def _load(
         for name in rotated(list(reads), rep):
             _cold()
             times[name].append(timed(reads[name]))
-    elif method == "ours":
+    elif method in ("ours", "ours-nocheck"):
         import dist_checkpointing as dc
         from dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
 
-        loader = TorchDistLoadShardedStrategy(thread_count=OURS_LOAD_THREADS)
+        loader = TorchDistLoadShardedStrategy(
+            thread_count=OURS_LOAD_THREADS, verify_checksums=method == "ours"
+        )
         for kind, layout in (
             ("load", "rows"),
             ("reshard rows", "shifted"),

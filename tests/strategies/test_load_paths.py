@@ -465,3 +465,20 @@ def test_a_file_too_small_to_probe_leaves_the_file_system_to_a_later_larger_one(
     got = probe.local_probe(str(tmp_path / "big"))
     assert got is not None and not got.prefer_direct and len(measured) == 1
     assert probe.local_probe(str(tmp_path / "big")) is got and len(measured) == 1  # kept
+
+
+@pytest.mark.parametrize("direct_io", [True, False])
+def test_a_load_with_a_fixed_read_path_does_not_measure(tmp_path, monkeypatch, direct_io):
+    measured = _fixed_probe(monkeypatch, direct_faster=not direct_io)
+    w = torch.randn(64, 8)
+    dc.save({"w": ShardedTensor.from_rank_offsets("w", w)}, tmp_path / "c")
+    out = dc.load(
+        {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(64, 8))},
+        tmp_path / "c",
+        sharded_strategy=TorchDistLoadShardedStrategy(direct_io=direct_io),
+    )
+    assert torch.equal(out["w"], w)
+    assert measured == []  # the probe's reads would buy nothing: the path is given
+    # a later load that leaves the path to measurement still measures
+    dc.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(64, 8))}, tmp_path / "c")
+    assert len(measured) == 1

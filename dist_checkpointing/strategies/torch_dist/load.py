@@ -84,17 +84,24 @@ def _log_load(ckpt: Path, stats: List[_LoadStats]) -> None:
     )
 
 
-def _agree_read_path(ckpt: Path) -> None:
+def _agree_read_path(ckpt: Path, measure: bool = True) -> None:
     """Collective: every rank measures the read paths (`storage.probe`) on one data file,
     and all keep the combination, so that all read the same way (each rank choosing on its
     own few reads chose differently, and the load waited for the slowest path).
+
+    Args:
+        ckpt: the checkpoint directory.
+        measure: False where the strategy fixes the read path (`direct_io` given): the
+            rank still takes part in the exchange (another rank's strategy may measure),
+            without spending reads on a measurement it will not use (4 x 32 MiB, 0.26 s of
+            a 0.78 s first load of 4 ranks x 1 GiB).
 
     Never raises before the exchange: the other ranks wait in it.
     """
     path: Optional[str] = None
     local = None
     try:
-        names = sorted(n for n in os.listdir(ckpt) if n.endswith(".distcp"))
+        names = sorted(n for n in os.listdir(ckpt) if n.endswith(".distcp")) if measure else []
         if names:  # rank r probes the r-th file: in a same-layout load, the one it reads
             path = str(ckpt / names[get_rank() % len(names)])
             local = probe.local_probe(path)
@@ -179,7 +186,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         result: Optional[StateDict] = None
         stats: Optional[_LoadStats] = None
         error: Optional[BaseException] = None
-        _agree_read_path(ckpt)
+        _agree_read_path(ckpt, measure=self.direct_io is None)
         try:
             result, stats = self._load_local(sharded_state_dict, ckpt)
         except Exception as e:  # agreed on below, with the other ranks' statistics
