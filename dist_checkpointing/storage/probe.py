@@ -13,8 +13,10 @@ A `torch_dist` load starts with an exchange: every rank probes one data file (`l
 and all keep the combination (`combine`, `keep`), so every rank reads the same way and
 O_DIRECT must win every pair of every rank. Reads outside a load probe on their own.
 
-The probe costs `4 * PROBE_BYTES` of reads once per process and file system; the regions read
-through the page cache stay there for the load that follows. O_DIRECT must win every pair
+The probe costs `4 * PROBE_BYTES` of reads (two pairs) once per process and file system, or
+`2 * PROBE_BYTES` (one pair) per rank in a load of several ranks, where every rank's pair
+counts: at 4 ranks x 1 GiB two pairs took 0.15-0.25 s of a first load whose later repeats
+took 0.46 s. The regions read through the page cache stay there for the load that follows. O_DIRECT must win every pair
 of probed regions (one probe on a busy machine is noisy), and even then a region already in
 the page cache (`cached`: e.g. a checkpoint loaded a moment ago) is read from there. Its
 reads bypass the `faults` seam: they are measurements, their bytes are never returned to
@@ -114,17 +116,17 @@ def _destination(nbytes: int) -> np.ndarray:
 _TORCH_ALIGN = 64
 
 
-def _measure(path: str) -> Optional[ReadProbe]:
+def _measure(path: str, pairs: int = 2) -> Optional[ReadProbe]:
     size = os.path.getsize(path)
-    if size < 4 * PROBE_BYTES + buffers.ALIGN:
+    if size < 4 * PROBE_BYTES + buffers.ALIGN:  # whatever `pairs`: the same files measured
         return None
-    # four aligned regions at the file's end, alternating paths to share the noise; each is
-    # read as a load reads a chunk (the same functions, 8 MiB requests into a tensor-like
-    # destination), so O_DIRECT pays its bounce copies and the page cache keeps its
-    # readahead: single raw requests into aligned memory favoured O_DIRECT on this
+    # `2 * pairs` aligned regions at the file's end, alternating paths to share the noise;
+    # each is read as a load reads a chunk (the same functions, 8 MiB requests into a
+    # tensor-like destination), so O_DIRECT pays its bounce copies and the page cache keeps
+    # its readahead: single raw requests into aligned memory favoured O_DIRECT on this
     # project's CI VM where whole loads through it took 1.5-2.1x as long
-    last = (size - 4 * PROBE_BYTES) // buffers.ALIGN * buffers.ALIGN
-    regions = [last + i * PROBE_BYTES for i in range(4)]
+    last = (size - 2 * pairs * PROBE_BYTES) // buffers.ALIGN * buffers.ALIGN
+    regions = [last + i * PROBE_BYTES for i in range(2 * pairs)]
     out = _destination(PROBE_BYTES)
     times: Dict[bool, List[float]] = {True: [], False: []}
     for i, offset in enumerate(regions):
@@ -141,8 +143,12 @@ def _measure(path: str) -> Optional[ReadProbe]:
             times[use_direct].append(time.perf_counter() - t0)
         finally:
             os.close(fd)
-    pairs = tuple(zip(times[True], times[False]))
-    return ReadProbe(sum(times[True]), sum(times[False]), 2 * PROBE_BYTES, pairs)
+    return ReadProbe(
+        sum(times[True]),
+        sum(times[False]),
+        pairs * PROBE_BYTES,
+        tuple(zip(times[True], times[False])),
+    )
 
 
 class _CachestatRange(ctypes.Structure):
@@ -229,12 +235,15 @@ def cached(path: str, offset: int, length: int, samples: int = 8) -> bool:
     return True
 
 
-def local_probe(path: str) -> Optional[ReadProbe]:
+def local_probe(path: str, pairs: int = 2) -> Optional[ReadProbe]:
     """This process's own measurement for `path`'s file system (made once): what ranks
     combine (`combine`) before one result is kept for reads (`keep`).
 
     Args:
         path: a data file the load is about to read.
+        pairs: pairs of regions to read (one O_DIRECT, one through the page cache each):
+            ranks that combine their probes can each read fewer, since O_DIRECT must win
+            every pair of every rank.
 
     Returns:
         The measurement, or None where none can be made (no O_DIRECT, a small file, an
@@ -245,7 +254,7 @@ def local_probe(path: str) -> Optional[ReadProbe]:
         return None
     with _lock:
         if dev not in _local:
-            got = _measured(path)
+            got = _measured(path, pairs)
             if got is None:  # e.g. a small file: a later, larger one is measured
                 return None
             _local[dev] = got
@@ -293,10 +302,10 @@ def _probe_device(path: str) -> Optional[int]:
         return None
 
 
-def _measured(path: str) -> Optional[ReadProbe]:
+def _measured(path: str, pairs: int = 2) -> Optional[ReadProbe]:
     """`_measure`, or None on an error (a refusal of O_DIRECT is recorded for the directory)."""
     try:
-        return _measure(path)
+        return _measure(path) if pairs == 2 else _measure(path, pairs)
     except OSError as e:
         if e.errno == errno.EINVAL:
             refuse_direct(os.path.dirname(path), e, "reads")

@@ -34,7 +34,7 @@ def _fresh_probes():
 def _fixed_probe(monkeypatch, direct_faster: bool) -> list:
     measured: list = []
 
-    def measure(path: str) -> probe.ReadProbe:
+    def measure(path: str, pairs: int = 2) -> probe.ReadProbe:
         measured.append(path)
         return probe.ReadProbe(0.1 if direct_faster else 1.0, 1.0 if direct_faster else 0.1, 1)
 
@@ -109,6 +109,10 @@ def test_probe_times_each_path_as_loads_read_into_tensors(tmp_path, monkeypatch)
     assert result is not None and len(result.pairs) == 2
     assert [c[0] for c in calls] == ["direct", "buffered"] * 2
     assert all(misaligned != 0 and size == probe.PROBE_BYTES for _, misaligned, size in calls)
+    calls.clear()  # one pair (what each rank of a multi-rank load reads): half the bytes
+    one = probe._measure(str(path), pairs=1)
+    assert one is not None and len(one.pairs) == 1 and one.nbytes == probe.PROBE_BYTES
+    assert [c[0] for c in calls] == ["direct", "buffered"]
 
 
 def test_probe_is_skipped_where_o_direct_was_refused(tmp_path, monkeypatch):
@@ -437,7 +441,7 @@ def test_combined_probes_prefer_o_direct_only_when_it_won_every_pair_of_every_ra
 def test_a_load_measures_once_and_keeps_the_same_result_across_loads(tmp_path, monkeypatch):
     measured: list = []
 
-    def measure(path: str) -> probe.ReadProbe:
+    def measure(path: str, pairs: int = 2) -> probe.ReadProbe:
         measured.append(path)
         return probe.ReadProbe(0.2, 2.0, 8, ((0.1, 1.0), (0.1, 1.0)))
 

@@ -227,7 +227,9 @@ def test_a_chunk_in_the_page_cache_is_read_from_it_even_where_o_direct_measured_
     w = torch.randn(4096, 2048)  # 32 MiB: larger than the readahead of the header read
     dc.save({"w": ShardedTensor.from_rank_offsets("w", w)}, tmp_path / "c")
     monkeypatch.setattr(
-        probe, "_measure", lambda path: probe.ReadProbe(0.1, 1.0, 1, ((0.05, 0.5), (0.05, 0.5)))
+        probe,
+        "_measure",
+        lambda path, pairs=2: probe.ReadProbe(0.1, 1.0, 1, ((0.05, 0.5), (0.05, 0.5))),
     )
     for f in (tmp_path / "c").glob("*.distcp"):
         _evict(f)

@@ -26,7 +26,13 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import ReadItem
 
-from ..._dist import all_gather_object, error_report, get_rank, raise_on_reported_errors
+from ..._dist import (
+    all_gather_object,
+    error_report,
+    get_rank,
+    get_world_size,
+    raise_on_reported_errors,
+)
 from ..._progress import byte_progress
 from ..._safe_load import torch_load
 from ..._types import ShardedStateDict, StateDict
@@ -104,7 +110,8 @@ def _agree_read_path(ckpt: Path, measure: bool = True) -> None:
         names = sorted(n for n in os.listdir(ckpt) if n.endswith(".distcp")) if measure else []
         if names:  # rank r probes the r-th file: in a same-layout load, the one it reads
             path = str(ckpt / names[get_rank() % len(names)])
-            local = probe.local_probe(path)
+            # one pair per rank where several combine theirs (O_DIRECT must win each)
+            local = probe.local_probe(path, pairs=1 if get_world_size() > 1 else 2)
     except Exception as e:  # measured on the first read instead, as without agreement
         logger.debug("no read-path probe on %s: %s", ckpt, e)
     agreed = probe.combine(all_gather_object(local))
