@@ -1,9 +1,9 @@
 """Callers: run a request's `async_fn` in another process, away from the training loop.
 
 `TemporalAsyncCaller` forks a fresh process per request (no pickling: the child sees the
-host buffers; a child stuck in the fork is replaced); `PersistentAsyncCaller` keeps one spawned worker fed through a queue (no
-start-up cost per save; host buffers travel as shared memory). Each reports a call's
-outcome once, as a `CallStatus`.
+host buffers; a child stuck in the fork is replaced); `PersistentAsyncCaller` keeps one
+spawned worker fed through a queue (no start-up cost per save; host buffers travel as
+shared memory). Each reports a call's outcome once, as a `CallStatus`.
 """
 
 from __future__ import annotations

@@ -16,11 +16,11 @@ O_DIRECT must win every pair of every rank. Reads outside a load probe on their 
 The probe costs `4 * PROBE_BYTES` of reads (two pairs) once per process and file system, or
 `2 * PROBE_BYTES` (one pair) per rank in a load of several ranks, where every rank's pair
 counts: at 4 ranks x 1 GiB two pairs took 0.15-0.25 s of a first load whose later repeats
-took 0.46 s. The regions read through the page cache stay there for the load that follows. O_DIRECT must win every pair
-of probed regions (one probe on a busy machine is noisy), and even then a region already in
-the page cache (`cached`: e.g. a checkpoint loaded a moment ago) is read from there. Its
-reads bypass the `faults` seam: they are measurements, their bytes are never returned to
-anyone.
+took 0.46 s. The regions read through the page cache stay there for the load that
+follows. O_DIRECT must win every pair of probed regions (one probe on a busy machine is
+noisy), and even then a region already in the page cache (`cached`: e.g. a checkpoint
+loaded a moment ago) is read from there. Its reads bypass the `faults` seam: they are
+measurements, their bytes are never returned to anyone.
 """
 
 from __future__ import annotations
@@ -305,7 +305,7 @@ def _probe_device(path: str) -> Optional[int]:
 def _measured(path: str, pairs: int = 2) -> Optional[ReadProbe]:
     """`_measure`, or None on an error (a refusal of O_DIRECT is recorded for the directory)."""
     try:
-        return _measure(path) if pairs == 2 else _measure(path, pairs)
+        return _measure(path, pairs)
     except OSError as e:
         if e.errno == errno.EINVAL:
             refuse_direct(os.path.dirname(path), e, "reads")

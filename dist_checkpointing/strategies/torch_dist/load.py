@@ -99,8 +99,8 @@ def _agree_read_path(ckpt: Path, measure: bool = True) -> None:
         ckpt: the checkpoint directory.
         measure: False where the strategy fixes the read path (`direct_io` given): the
             rank still takes part in the exchange (another rank's strategy may measure),
-            without spending reads on a measurement it will not use (4 x 32 MiB, 0.26 s of
-            a 0.78 s first load of 4 ranks x 1 GiB).
+            without spending reads on a measurement it will not use (0.26 s of a 0.78 s
+            first load of 4 ranks x 1 GiB, with two probe pairs per rank).
 
     Never raises before the exchange: the other ranks wait in it.
     """
