@@ -17,7 +17,9 @@ on rows across ranks, same directory, page cache dropped before each load):
 - `ours`: `dist_checkpointing` with the default ('torch_dist', 1) backend, checksums on
   (the read and write paths its probes chose are printed and kept in the JSON);
 - `ours-nocheck` (only when asked for): the same, loaded without verifying checksums (what
-  verification costs).
+  verification costs);
+- `ours-noshare` (only when asked for): the same, loaded with `shared_reads=False` (each
+  rank reads column blocks through the page cache itself: what shared reads gain).
 
 The methods take turns within each repeat, in an order rotated every repeat, so a drift of
 the disk's speed over the run (the host's cache, other jobs) falls on each of them alike.
@@ -93,10 +95,32 @@ def _settle() -> None:
     dist.barrier()
 
 
+#: how loads start cold (`--cold`): "drop" drops the whole page cache; "evict" evicts only
+#: the files under `COLD_DIR` (flushed, then `POSIX_FADV_DONTNEED`), leaving the rest of
+#: the machine's memory as it was
+COLD = "drop"
+COLD_DIR = ""
+
+
+def _evict(root: str) -> None:
+    """Flushes and evicts every file under `root` from the page cache."""
+    for top, _, names in os.walk(root):
+        for name in names:
+            fd = os.open(os.path.join(top, name), os.O_RDONLY)
+            try:
+                os.fdatasync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
 def _cold() -> None:
     dist.barrier()
     if dist.get_rank() == 0:
-        drop_page_cache()
+        if COLD == "evict":
+            _evict(COLD_DIR)
+        else:
+            drop_page_cache()
     dist.barrier()
     _settle()
 
@@ -274,7 +298,7 @@ def _save(
         times["save page cache"].append(write_s[False])
         return bufs, files
     _settle()
-    if method in ("ours", "ours-nocheck"):
+    if method in ("ours", "ours-nocheck", "ours-noshare"):
         import dist_checkpointing as dc
         from dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
@@ -331,12 +355,14 @@ def _load(
         for name in rotated(list(reads), rep):
             _cold()
             times[name].append(timed(reads[name]))
-    elif method in ("ours", "ours-nocheck"):
+    elif method in ("ours", "ours-nocheck", "ours-noshare"):
         import dist_checkpointing as dc
         from dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
 
         loader = TorchDistLoadShardedStrategy(
-            thread_count=OURS_LOAD_THREADS, verify_checksums=method == "ours"
+            thread_count=OURS_LOAD_THREADS,
+            verify_checksums=method != "ours-nocheck",
+            shared_reads=method != "ours-noshare",
         )
         for kind, layout in (
             ("load", "rows"),
@@ -417,8 +443,9 @@ def _worker(rank: int, world: int, args: argparse.Namespace, port: int, queue: A
     warnings.filterwarnings("ignore", module="megatron")
     warnings.filterwarnings("ignore", category=FutureWarning)
     init_world(rank, world, port, minutes=60)
-    global FRESH_DESTINATIONS, SETTLE_S
+    global FRESH_DESTINATIONS, SETTLE_S, COLD, COLD_DIR
     FRESH_DESTINATIONS = args.fresh_destinations
+    COLD, COLD_DIR = args.cold, args.dir
     SETTLE_S = args.settle
     torch.set_num_threads(1)
     torch.cuda.synchronize = lambda *a, **k: None  # megatron-core calls these on CPU too
@@ -527,6 +554,13 @@ def main() -> None:
         help="seconds of idle disk before each timed save and load (default 3): with none, "
         "on the CI VM a method's load or save ran up to 4x slower right after another "
         "method's save, whose bytes the host was still writing back",
+    )
+    parser.add_argument(
+        "--cold",
+        choices=["drop", "evict"],
+        default="drop",
+        help="how each load starts cold: drop the whole page cache (default), or evict only "
+        "the benchmark's files (the rest of memory untouched; see docs/performance.md)",
     )
     parser.add_argument("--dir", default="/tmp/dist_ckpt_bench_disk")
     parser.add_argument("--json", default="")
