@@ -185,10 +185,10 @@ def test_only_groups_that_leave_out_part_of_each_row_count_as_strided():
     stored = ((8, 4), torch.float32)
 
     def group(*reads):
-        return reader._ChunkGroup(None, list(reads), stored)  # type: ignore[arg-type]
+        return reader.ChunkGroup(None, list(reads), stored)  # type: ignore[arg-type]
 
-    assert not reader._strided(group(item((0, 0), (8, 4))))  # the whole chunk
-    assert not reader._strided(group(item((2, 0), (3, 4))))  # whole rows
-    assert reader._strided(group(item((0, 1), (8, 2))))  # a column block
-    assert reader._strided(group(item((0, 0), (2, 4)), item((4, 0), (2, 4))))  # two regions
-    assert not reader._strided(reader._ChunkGroup(None, [item((0, 1), (8, 2))], None))
+    assert not reader.strided(group(item((0, 0), (8, 4))))  # the whole chunk
+    assert not reader.strided(group(item((2, 0), (3, 4))))  # whole rows
+    assert reader.strided(group(item((0, 1), (8, 2))))  # a column block
+    assert reader.strided(group(item((0, 0), (2, 4)), item((4, 0), (2, 4))))  # two regions
+    assert not reader.strided(reader.ChunkGroup(None, [item((0, 1), (8, 2))], None))

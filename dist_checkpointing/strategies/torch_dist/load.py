@@ -43,16 +43,31 @@ from ...integrity import Checksums, read_checksums
 from ...mapping import ShardedBase, ShardedObject, ShardedTensor
 from ...storage import probe
 from ..base import CheckpointDir, LoadShardedStrategy, require_backend, require_version
+from . import shared_read
 from .finalize import gbps
 from .legacy_flat import FlatCopy, apply_copies, plan_reformulated_reads, reformulated_shapes
 from .maintenance import remove_sharded_tensors
 from .metadata_file import read_metadata
 from .plan import BACKEND, SUPPORTED_VERSIONS, TensorRequest, plan_tensor_reads
-from .reader import read_byte_items, read_tensor_items
+from .reader import group_reads, read_byte_items, read_tensor_items
 
 __all__ = ["TorchDistLoadShardedStrategy"]
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Plan:
+    """One rank's planned load (`_plan`), read by `_read`."""
+
+    start: float
+    metadata: Metadata
+    checksums: Optional[Checksums]
+    dests: List[torch.Tensor]
+    reads: List[ReadItem]
+    objects: List[ShardedObject]
+    copies: List[FlatCopy]
+    groups: Dict[Any, Any]
 
 
 @dataclass
@@ -139,6 +154,10 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             stored value (float -> int, float32 -> bfloat16, ...), with a warning. Without
             it such a request raises `LossyDtypeConversionError` (see
             `dist_checkpointing.dtypes`); exact conversions always load.
+        shared_reads: chunks that several ranks of a node need strided parts of (column
+            blocks of row-major chunks, when resharding) are read once for the node, with
+            O_DIRECT, by one of them into shared memory, and copied out by each
+            (`shared_read`); False: every rank reads them through the page cache.
 
     Raises:
         CheckpointingException: `thread_count` < 1.
@@ -151,6 +170,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         verify_checksums: bool = True,
         direct_io: Optional[bool] = None,
         allow_lossy_dtype_conversion: bool = False,
+        shared_reads: bool = True,
     ) -> None:
         if thread_count < 1:
             raise CheckpointingException(f"thread_count must be >= 1, got {thread_count}")
@@ -159,6 +179,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         self.verify_checksums = verify_checksums
         self.direct_io = direct_io
         self.allow_lossy_dtype_conversion = allow_lossy_dtype_conversion
+        self.shared_reads = shared_reads
 
     def _checksums(self, ckpt: Path) -> Optional[Checksums]:
         return read_checksums(ckpt) if self.verify_checksums else None
@@ -193,13 +214,35 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         result: Optional[StateDict] = None
         stats: Optional[_LoadStats] = None
         error: Optional[BaseException] = None
+        plan: Optional[_Plan] = None
+        shared: Optional[shared_read.SharedReads] = None
         _agree_read_path(ckpt, measure=self.direct_io is None)
         try:
-            result, stats = self._load_local(sharded_state_dict, ckpt)
+            plan = self._plan(sharded_state_dict, ckpt)
         except Exception as e:  # agreed on below, with the other ranks' statistics
             error = e
-        # one exchange carries both the error reports and the statistics for the log line
-        reports = all_gather_object((error_report(error), stats))
+        try:
+            try:  # collective: every rank takes part, with or without a plan
+                shared = shared_read.agree(
+                    plan.groups if plan is not None else None,
+                    plan.checksums if plan is not None else None,
+                    self.shared_reads and plan is not None,
+                )
+            except Exception as e:
+                error = e
+            if plan is not None and error is None:
+                try:
+                    result, stats = self._read(sharded_state_dict, ckpt, plan, shared)
+                except Exception as e:
+                    error = e
+            if shared is not None:
+                shared.close()
+            # one exchange carries both the error reports and the statistics for the log line
+            reports = all_gather_object((error_report(error), stats))
+        finally:
+            if shared is not None:  # peers map this rank's segment until the exchange above
+                shared.close()
+                shared.unlink()
         raise_on_reported_errors([r[0] for r in reports], error, f"torch_dist load from {ckpt}")
         if get_rank() == 0:
             _log_load(ckpt, [r[1] for r in reports if r[1] is not None])
@@ -209,6 +252,11 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
     def _load_local(
         self, sharded_state_dict: ShardedStateDict, ckpt: Path
     ) -> Tuple[StateDict, _LoadStats]:
+        """Not collective: this rank plans and reads on its own (no shared reads)."""
+        return self._read(sharded_state_dict, ckpt, self._plan(sharded_state_dict, ckpt), None)
+
+    def _plan(self, sharded_state_dict: ShardedStateDict, ckpt: Path) -> _Plan:
+        """This rank's reads, destinations and objects (no data read yet)."""
         start = time.perf_counter()
         checksums = self._checksums(ckpt)
         metadata = read_metadata(ckpt, checksums)
@@ -250,6 +298,20 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                 raise CheckpointingException(
                     f"{self} cannot load {type(sh).__name__} {sh.key!r}; apply factories first"
                 )
+        return _Plan(
+            start, metadata, checksums, dests, reads, objects, copies, group_reads(metadata, reads)
+        )
+
+    def _read(
+        self,
+        sharded_state_dict: ShardedStateDict,
+        ckpt: Path,
+        plan: _Plan,
+        shared: Optional[shared_read.SharedReads],
+    ) -> Tuple[StateDict, _LoadStats]:
+        """Reads the planned data (with the node's ranks, for `shared` chunks)."""
+        start, metadata, checksums = plan.start, plan.metadata, plan.checksums
+        dests, reads, objects, copies = plan.dests, plan.reads, plan.objects, plan.copies
 
         def resolve(r: ReadItem) -> torch.Tensor:
             view = dests[r.dest_index.index]  # type: ignore[index]
@@ -272,6 +334,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                 self.direct_io,
                 progress,
                 first_file=get_rank(),
+                shared=shared,
             )
         apply_copies(copies, dests)
         files = {str(_item_file(metadata, r.storage_index)) for r in reads}

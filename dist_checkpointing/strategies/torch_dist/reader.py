@@ -20,7 +20,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -42,7 +42,19 @@ from .verify import (
 )
 from .zipformat import chunk_layout, head_layout
 
-__all__ = ["read_tensor_items", "read_byte_items", "open_range", "READ_REQUEST"]
+if TYPE_CHECKING:
+    from .shared_read import SharedReads
+
+__all__ = [
+    "ChunkGroup",
+    "READ_REQUEST",
+    "group_reads",
+    "open_range",
+    "parse_chunk",
+    "read_byte_items",
+    "read_tensor_items",
+    "strided",
+]
 
 #: bytes per read request: two checksum blocks, so a request's bytes are verified while
 #: they are still in the CPU caches (8 MiB L3 on the machines we measured), and still
@@ -125,7 +137,9 @@ def open_range(path: Path, info: _StorageInfo) -> Iterator[io.BufferedReader]:
 
 
 @dataclass
-class _ChunkGroup:
+class ChunkGroup:
+    """The planned reads of one stored item (a tensor chunk)."""
+
     info: _StorageInfo
     reads: List[ReadItem]
     #: the chunk's size and dtype as the metadata records them (None: not recorded)
@@ -144,6 +158,26 @@ def _stored_chunk(
     return None
 
 
+#: a stored item: its file (relative path), offset and length
+ItemKey = Tuple[str, int, int]
+
+
+def group_reads(metadata: Metadata, reads: Sequence[ReadItem]) -> Dict[ItemKey, ChunkGroup]:
+    """The reads grouped by the stored item they read from.
+
+    Raises:
+        CheckpointCorruptedError: a read's item has no storage location.
+    """
+    groups: Dict[ItemKey, ChunkGroup] = {}
+    for r in reads:
+        info = _storage_info(metadata, r.storage_index)
+        groups.setdefault(
+            (str(info.relative_path), info.offset, info.length),
+            ChunkGroup(info, [], _stored_chunk(metadata, r.storage_index)),
+        ).reads.append(r)
+    return groups
+
+
 def read_tensor_items(
     checkpoint_dir: Path,
     metadata: Metadata,
@@ -154,6 +188,7 @@ def read_tensor_items(
     direct_io: Optional[bool] = None,
     progress: Optional[Callable[[int], None]] = None,
     first_file: int = 0,
+    shared: Optional[SharedReads] = None,
 ) -> int:
     """Reads each needed stored chunk once and copies the requested regions out of it.
 
@@ -178,6 +213,8 @@ def read_tensor_items(
             files (a resharded load) pass their rank, so the disk serves one stream per rank
             and each file, once read by its first rank, comes to the others from the
             page cache.
+        shared: the chunks this rank reads with, or gets from, the other ranks of its node
+            (`shared_read.agree`): done first, the rest read here.
 
     Returns:
         Tensor data bytes read from storage: a resharded load reads only the rows it
@@ -187,15 +224,14 @@ def read_tensor_items(
         CheckpointCorruptedError: on a missing, truncated, malformed or (with `checksums`)
             damaged chunk, naming the file, key and byte range.
     """
-    groups: Dict[Tuple[str, int], _ChunkGroup] = {}
-    for r in reads:
-        info = _storage_info(metadata, r.storage_index)
-        groups.setdefault(
-            (str(info.relative_path), info.offset),
-            _ChunkGroup(info, [], _stored_chunk(metadata, r.storage_index)),
-        ).reads.append(r)
+    groups = group_reads(metadata, reads)
+    nbytes = 0
+    if shared is not None:
+        left = set(shared.run(checkpoint_dir, groups, resolve, checksums, progress))
+        nbytes = shared.read_bytes
+        groups = {k: g for k, g in groups.items() if k not in shared.keys or k in left}
 
-    def load_group(group: _ChunkGroup) -> int:
+    def load_group(group: ChunkGroup) -> int:
         what = (
             f"{group.info.relative_path}@{group.info.offset} ({group.reads[0].storage_index.fqn!r})"
         )
@@ -212,7 +248,7 @@ def read_tensor_items(
             progress(nread)
         return nread
 
-    by_file: Dict[str, List[_ChunkGroup]] = {}
+    by_file: Dict[str, List[ChunkGroup]] = {}
     for g in sorted(groups.values(), key=lambda g: (str(g.info.relative_path), g.info.offset)):
         by_file.setdefault(str(g.info.relative_path), []).append(g)
     names = sorted(by_file)
@@ -223,22 +259,22 @@ def read_tensor_items(
     def load_file(name: str) -> int:
         return sum(load_group(g) for g in by_file[name])
 
-    if any(_strided(g) for g in groups.values()):
+    if any(strided(g) for g in groups.values()):
         # mapped reads populate ahead in a helper thread of their own (`MAP_AHEAD`): a
         # second file in flight only added a disk stream and CPU contention (2 ranks x
         # 4 GiB column loads: 2.4-3.2 s one file at a time, 3.7-5.5 s two)
         thread_count = 1
     if thread_count <= 1 or len(names) <= 1:
         try:
-            return sum(load_file(name) for name in names)
+            return nbytes + sum(load_file(name) for name in names)
         finally:
             _scratch_local.buf = None  # do not keep a chunk-sized buffer after the load
     workers = min(thread_count, len(names))
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="dc-read") as pool:
-        return sum(pool.map(load_file, names))
+        return nbytes + sum(pool.map(load_file, names))
 
 
-def _strided(group: _ChunkGroup) -> bool:
+def strided(group: ChunkGroup) -> bool:
     """Whether the group is read through a page-cache mapping (see `_read_data`) because of
     its shape: several regions of one stored chunk, or one that leaves out part of each row.
     (Whole rows that cannot be read in place, e.g. into another dtype, are mapped too, and
@@ -254,7 +290,7 @@ def _strided(group: _ChunkGroup) -> bool:
 def _pairs(
     stored: torch.Tensor,
     row0: int,
-    group: _ChunkGroup,
+    group: ChunkGroup,
     resolve: Callable[[ReadItem], torch.Tensor],
     what: str,
 ) -> List[Tuple[torch.Tensor, torch.Tensor, int]]:
@@ -316,7 +352,7 @@ class _Scatter:
 
 def _read_stored(
     stream: io.BufferedReader,
-    group: _ChunkGroup,
+    group: ChunkGroup,
     resolve: Callable[[ReadItem], torch.Tensor],
     what: str,
     expected: Optional[ItemSum],
@@ -338,14 +374,7 @@ def _read_stored(
     item are read whole to be verified. Other chunks go through `torch.load`.
     """
     raw = stream.raw
-    layout = None
-    if expected is not None and expected.blocked:
-        # everything sequential: the head now, the frame's tail once the data is read
-        layout = head_layout(
-            read_exact(raw, 0, expected.data_off), expected.data_off, expected.data_len
-        )
-    if layout is None:
-        layout = chunk_layout(raw)  # type: ignore[arg-type]
+    layout = parse_chunk(raw, group, expected, what)
     if layout is None:
         stream.seek(0)
         payload = stream.read()
@@ -360,13 +389,6 @@ def _read_stored(
             dest.copy_(src)
         return len(payload)
     shape = layout.shape
-    if group.stored is not None and group.stored != (tuple(shape), layout.dtype):
-        # before any data is read into a destination: the zip records say another shape
-        # or dtype than the metadata (a damaged record; the frame digest is checked later)
-        raise CheckpointCorruptedError(
-            f"{what}: the item holds a {layout.dtype} chunk of shape {tuple(shape)}, the "
-            f"metadata says {group.stored[1]} of shape {group.stored[0]}"
-        )
     nrows = shape[0] if shape else 0
     row0, row1 = 0, nrows
     if (expected is None or expected.blocked) and nrows > 0:
@@ -382,6 +404,37 @@ def _read_stored(
         if not frame_matches(raw, layout, group.info.length, expected):
             raise mismatch(what, group.info)
     return nread
+
+
+def parse_chunk(
+    raw: Any, group: Optional[ChunkGroup], expected: Optional[ItemSum], what: str
+) -> Any:
+    """The layout of a stored chunk's zip (`zipformat.ChunkLayout`), or None where it is not
+    the plain layout (such chunks go through `torch.load`).
+
+    With per-block checksums the layout comes from the records before the data (read
+    front to back); the records after it are verified once the data is read.
+
+    Raises:
+        CheckpointCorruptedError: the records say another shape or dtype than the
+            metadata does for `group` (checked before any data is read into a
+            destination: a damaged record; the frame digest is checked later).
+    """
+    layout = None
+    if expected is not None and expected.blocked:
+        layout = head_layout(
+            read_exact(raw, 0, expected.data_off), expected.data_off, expected.data_len
+        )
+    if layout is None:
+        layout = chunk_layout(raw)
+    if layout is not None and group is not None and group.stored is not None:
+        if group.stored != (tuple(layout.shape), layout.dtype):
+            raise CheckpointCorruptedError(
+                f"{what}: the item holds a {layout.dtype} chunk of shape "
+                f"{tuple(layout.shape)}, the metadata says {group.stored[1]} of shape "
+                f"{group.stored[0]}"
+            )
+    return layout
 
 
 def _in_place(
@@ -404,7 +457,7 @@ def _in_place(
 
 def _read_data(
     raw: Any,
-    group: _ChunkGroup,
+    group: ChunkGroup,
     layout: Any,
     resolve: Callable[[ReadItem], torch.Tensor],
     what: str,

@@ -1,0 +1,622 @@
+"""Stored chunks that several ranks of a node need strided parts of, read once per node.
+
+A column block of a row-major chunk is a short run of every row, so each of the node's
+ranks loading column blocks needs bytes from every page of the chunk. Read through the
+page cache, the node fills the cache at its (slow) rate and every rank hashes and copies
+every page; with this module one rank reads each such chunk with O_DIRECT, in 16 MiB
+windows, into its shared-memory segment (`storage.node_share`), verifies it there, and
+every rank that needs the chunk copies its part out of the window.
+
+The protocol, all of it decided from one exchange (`agree`):
+- Each rank offers the chunks it needs a strided part of (whole rows of it needed by the
+  node together), with its node, pid and segment.
+- Every rank of a node computes the same schedule from the offers: a chunk offered by two
+  or more ranks of the node is shared; its file is read by one of them (files given out in
+  turn to the rank with the fewest bytes so far, so that each file is read front to back
+  by one rank); a reader reads its chunks in file order, window after window, into its
+  `SLOTS` windows in turn.
+- A consumer takes the chunks it needs in one order shared by the node (by position in
+  their reader's list, then reader), each chunk's windows in order, and frees each window
+  once copied. A reader refills a window only once every consumer of what it held freed
+  it. Consumers all going in the same order is what keeps this free of deadlocks: the
+  earliest chunk anyone waits for has a reader that waits for no one.
+- Rows that straddle two windows are completed by the reader, which copies the part in
+  the previous window in front of the next (`PRE` bytes of room): every window holds
+  whole rows.
+- The reader verifies each checksum block as its bytes arrive and the chunk's zip
+  records after its last window. A window is handed out before the block that straddles
+  its end is complete (that block is checked with the next window): a mismatch fails the
+  load on every rank before it returns, like every other verification failure.
+- A rank that fails marks its segment, and its peers stop waiting for it (see
+  `storage.node_share.wait`); the load's final agreement then raises everywhere.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.planner import ReadItem
+
+from ..._dist import all_gather_object, get_collective_timeout, get_rank, get_world_size
+from ...errors import CheckpointCorruptedError
+from ...integrity import Checksums, ItemSum, new_hasher
+from ...storage import faults, node_share
+from .reader import ChunkGroup, open_range, parse_chunk, strided
+from .verify import frame_matches, mismatch
+
+__all__ = ["SharedReads", "agree", "WINDOW", "SLOTS", "PRE"]
+
+logger = logging.getLogger(__name__)
+
+#: bytes per window read: large requests (4 MiB windows ran at 0.7x the disk's rate where
+#: 16 MiB ones ran at 0.9-1.0x, 4 ranks of a 2-core VM); a chunk is cut into windows of
+#: equal size up to `WINDOW + SLACK`, so that a 16 MiB chunk and its zip records are one
+#: read, not a full window and a few kilobytes
+WINDOW = 16 << 20
+SLACK = 1 << 20
+#: windows per rank: one being filled, one being copied out, one to spare
+SLOTS = 3
+#: room in front of each window: the reader's header (`HEADER` bytes: whether the chunk
+#: has the plain layout, and where its data starts), then the part of a row that began in
+#: the previous window; rows longer than `PRE - HEADER` are not shared
+PRE = 1 << 20
+HEADER = 4096
+#: bytes per slot of a segment
+SLOT = PRE + WINDOW + SLACK
+#: smaller chunks are read the ordinary way (the protocol's waits would cost more)
+MIN_SHARED = 1 << 20
+
+Key = Tuple[str, int, int]  # file (relative path), offset, length of a stored item
+
+
+@dataclass(frozen=True)
+class _Want:
+    key: Key
+    rows: Tuple[int, int]  # stored rows [start, stop) this rank reads
+    stored: Tuple[Tuple[int, ...], torch.dtype]  # the chunk's shape and dtype (metadata)
+
+
+@dataclass(frozen=True)
+class _Offer:
+    node: str
+    pid: int
+    segment: Optional[str]
+    verify: bool
+    wants: Tuple[_Want, ...]
+
+
+@dataclass
+class _Chunk:
+    key: Key
+    reader: int
+    consumers: Tuple[int, ...]
+    position: int  # in the reader's list
+    first_window: int  # the reader's running window number at the chunk's start
+    windows: int
+    stored: Tuple[Tuple[int, ...], torch.dtype]
+
+
+def _windows(key: Key) -> int:
+    start = key[1] - key[1] % mmap_page()
+    return -(-(key[1] + key[2] - start) // (WINDOW + SLACK))
+
+
+def mmap_page() -> int:
+    """The page size: O_DIRECT offsets and lengths are multiples of it."""
+    return os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def _covers(ranges: List[Tuple[int, int]], nrows: int) -> bool:
+    end = 0
+    for a, b in sorted(ranges):
+        if a > end:
+            return False
+        end = max(end, b)
+    return end >= nrows
+
+
+def _schedule(offers: List[_Offer], node: str) -> List[_Chunk]:
+    """Every shared chunk of `node` (the same list on every rank of the node)."""
+    ranks = [r for r, o in enumerate(offers) if o.node == node and o.segment is not None]
+    if len(ranks) < 2 or len({offers[r].verify for r in ranks}) > 1:
+        return []
+    wanted: Dict[Key, List[Tuple[int, _Want]]] = {}
+    for r in ranks:
+        for w in offers[r].wants:
+            wanted.setdefault(w.key, []).append((r, w))
+    stored = {k: v[0][1].stored for k, v in wanted.items()}
+    shared = {
+        k: tuple(r for r, _ in v)
+        for k, v in wanted.items()
+        if len(v) >= 2
+        and len({w.stored for _, w in v}) == 1
+        and _covers([w.rows for _, w in v], v[0][1].stored[0][0])
+    }
+    by_file: Dict[str, List[Key]] = {}
+    for k in sorted(shared):
+        by_file.setdefault(k[0], []).append(k)
+    assigned: Dict[int, int] = {r: 0 for r in ranks}
+    streams: Dict[int, List[Key]] = {r: [] for r in ranks}
+    for name in sorted(by_file):
+        users = sorted({r for k in by_file[name] for r in shared[k]})
+        reader = min(users, key=lambda r: (assigned[r], r))
+        streams[reader] += by_file[name]
+        assigned[reader] += sum(k[2] for k in by_file[name])
+    chunks = []
+    for reader, keys in streams.items():
+        window = 0
+        for pos, k in enumerate(keys):
+            n = _windows(k)
+            chunks.append(_Chunk(k, reader, shared[k], pos, window, n, stored[k]))
+            window += n
+    return sorted(chunks, key=lambda c: (c.position, c.reader))
+
+
+def _wants(groups: Dict[Key, ChunkGroup], checksums: Optional[Checksums]) -> List[_Want]:
+    out = []
+    for key, g in groups.items():
+        if g.stored is None or len(g.stored[0]) < 2 or key[2] < MIN_SHARED:
+            continue
+        shape, dtype = g.stored
+        if not strided(g) or not 0 < math.prod(shape[1:]) * dtype.itemsize <= PRE - HEADER:
+            continue
+        if checksums is not None:
+            try:
+                expected = checksums.expected_range(key[0], key[1], key[2], key[0])
+            except CheckpointCorruptedError:
+                continue  # reported by the ordinary read
+            if expected is not None and not expected.blocked:
+                continue
+        first = min(int(r.storage_offsets[0]) for r in g.reads)
+        last = max(int(r.storage_offsets[0]) + int(r.lengths[0]) for r in g.reads)
+        out.append(_Want(key, (first, last), (tuple(int(n) for n in shape), dtype)))
+    return out
+
+
+def agree(
+    groups: Optional[Dict[Key, ChunkGroup]],
+    checksums: Optional[Checksums],
+    enabled: bool,
+) -> Optional[SharedReads]:
+    """Collective (every rank, in the same order as its other collectives): decides which
+    chunks the ranks of each node read once for all, and sets up this rank's part.
+
+    Args:
+        groups: this rank's reads by stored item (None: it has nothing to read, e.g. its
+            planning failed; it still takes part in the exchange).
+        checksums: what reads are verified against (None: nothing verified).
+        enabled: False to offer nothing (this rank reads everything itself).
+
+    Returns:
+        This rank's shared reads, or None when it takes part in none.
+
+    Raises:
+        OSError, CheckpointingException: mapping a peer's segment failed after the
+            exchange (this rank's segment is marked failed first, so its peers stop).
+    """
+    world = get_world_size()
+    if world < 2:
+        return None
+    own: Optional[node_share.Segment] = None
+    wants: List[_Want] = []
+    try:
+        if enabled and groups and node_share.available():
+            wants = _wants(groups, checksums)
+            if wants:
+                own = node_share.Segment.create(world, SLOTS, SLOT)
+    except OSError as e:  # e.g. a full /dev/shm: this rank reads on its own
+        logger.info("no shared reads on this rank: %s", e)
+        wants, own = [], None
+    except Exception as e:  # never before the exchange: the other ranks wait in it
+        logger.warning("no shared reads on this rank: %s", e)
+        wants, own = [], None
+    node = node_share.node_id()
+    offers = all_gather_object(
+        _Offer(node, os.getpid(), own.path if own else None, checksums is not None, tuple(wants))
+    )
+    rank = get_rank()
+    chunks = _schedule(offers, node) if own is not None else []
+    mine = [c for c in chunks if c.reader == rank or rank in c.consumers]
+    if not mine:
+        if own is not None:
+            own.close()
+            own.unlink()
+        return None
+    shared = SharedReads(rank, world, own, [o.pid for o in offers], chunks)  # type: ignore[arg-type]
+    try:
+        shared.attach([o.segment for o in offers])
+    except BaseException:
+        shared.fail()
+        shared.close()
+        shared.unlink()
+        raise
+    return shared
+
+
+class _BlockCheck:
+    """Verifies a chunk's data region fed in order, block by block, across windows."""
+
+    def __init__(self, expected: ItemSum, what: str, where: str) -> None:
+        self.expected, self.what, self.where = expected, what, where
+        self.block, self.k, self.filled = expected.block, 0, 0
+        self.hasher: Any = None
+
+    def feed(self, view: np.ndarray) -> None:
+        pos = 0
+        while pos < view.size:
+            if self.hasher is None:
+                self.hasher = new_hasher()
+            n = min(self.block - self.filled, view.size - pos)
+            self.hasher.update(view[pos : pos + n])
+            self.filled += n
+            pos += n
+            if self.filled == self.block:
+                self._end_block()
+
+    def _end_block(self) -> None:
+        digest = self.hasher.intdigest()
+        if self.k >= len(self.expected.blocks) or digest != self.expected.blocks[self.k]:
+            raise CheckpointCorruptedError(
+                f"{self.what}: checksum mismatch in data block {self.k} (bytes "
+                f"{self.k * self.block}-{(self.k + 1) * self.block} of the item's data) "
+                f"in {self.where}: the stored data is damaged"
+            )
+        self.k, self.filled, self.hasher = self.k + 1, 0, None
+
+    def finish(self) -> None:
+        if self.hasher is not None:
+            self._end_block()
+        if self.k != len(self.expected.blocks):
+            raise CheckpointCorruptedError(
+                f"{self.what}: {self.k} data blocks read in {self.where}, "
+                f"{len(self.expected.blocks)} recorded: the stored data is damaged"
+            )
+
+
+@dataclass
+class _Geometry:
+    """Where a chunk's windows and rows lie in its file."""
+
+    start: int  # file offset of window 0 (the item's offset, rounded down to a page)
+    end: int  # the item's end
+    size: int  # bytes per window (the last may be shorter)
+    data: int  # file offset of the chunk's data (for chunks with the plain layout)
+    row_bytes: int
+    nrows: int
+
+    def window(self, k: int) -> Tuple[int, int]:
+        lo = self.start + k * self.size
+        return lo, min(lo + self.size, self.end)
+
+    def rows_before(self, offset: int) -> int:
+        """Rows that end at or before file offset `offset`."""
+        return max(0, min(self.nrows, (offset - self.data) // self.row_bytes))
+
+    def rows(self, k: int) -> Tuple[int, int]:
+        """The rows window `k` hands out: those that end in it."""
+        lo, hi = self.window(k)
+        return self.rows_before(lo), self.rows_before(hi)
+
+
+@dataclass
+class SharedReads:
+    """This rank's part of a node's shared reads (see the module docstring).
+
+    Made by `agree`; `run` does the reads, `close` unmaps, `unlink` removes this rank's
+    segment (after the load's last collective: peers map it until then).
+    """
+
+    rank: int
+    world: int
+    own: node_share.Segment
+    pids: List[int]
+    chunks: List[_Chunk]
+    segments: List[Optional[node_share.Segment]] = field(default_factory=list)
+    read_bytes: int = 0
+
+    @property
+    def keys(self) -> Set[Key]:
+        """The items this rank gets through the shared reads (it reads none of them itself)."""
+        return {c.key for c in self.chunks if self.rank in c.consumers}
+
+    @property
+    def _node_ranks(self) -> List[int]:
+        return sorted(
+            {c.reader for c in self.chunks} | {r for c in self.chunks for r in c.consumers}
+        )
+
+    def attach(self, names: Sequence[Optional[str]]) -> None:
+        """Maps the segments of this rank's node peers in the schedule."""
+        self.segments = [None] * self.world
+        self.segments[self.rank] = self.own
+        for r in self._node_ranks:
+            if r != self.rank:
+                name = names[r]
+                assert name is not None
+                self.segments[r] = node_share.Segment.attach(name, self.world, SLOTS, SLOT)
+
+    def fail(self) -> None:
+        """Tells the node's peers this rank stopped."""
+        with contextlib.suppress(Exception):
+            self.own.mark_failed()
+
+    def close(self) -> None:
+        """Unmaps every segment (this rank's file stays until `unlink`)."""
+        for seg in self.segments or [self.own]:
+            if seg is not None:
+                seg.close()
+
+    def unlink(self) -> None:
+        """Removes this rank's segment file."""
+        self.own.unlink()
+
+    def run(
+        self,
+        checkpoint_dir: Path,
+        groups: Dict[Key, ChunkGroup],
+        resolve: Callable[[ReadItem], torch.Tensor],
+        checksums: Optional[Checksums],
+        progress: Optional[Callable[[int], None]] = None,
+    ) -> List[Key]:
+        """Reads this rank's chunks for the node and copies out what this rank needs.
+
+        Args:
+            checkpoint_dir: the checkpoint.
+            groups: this rank's reads by item (those in `keys` are done here).
+            resolve: a read's destination view.
+            checksums: what the reads are verified against.
+            progress: called with the bytes of each chunk copied out.
+
+        Returns:
+            The items this rank still has to read itself (chunks whose zip records are
+            not the plain layout: the windows were passed on without being used).
+
+        Raises:
+            CheckpointCorruptedError: a chunk this rank read or used is damaged.
+            SharedReadAborted: a peer failed or died.
+        """
+        stop = threading.Event()
+        errors: List[BaseException] = []
+        check = node_share.peers_check(self.segments, self.pids, self._node_ranks)
+        stall = get_collective_timeout()
+
+        def checked() -> None:
+            if stop.is_set():
+                raise node_share.SharedReadAborted("stopped: this rank failed")
+            check()
+
+        def read_all() -> None:
+            try:
+                self._read(checkpoint_dir, checksums, checked, stall)
+            except BaseException as e:
+                errors.append(e)
+                self.fail()
+
+        reader = None
+        if any(c.reader == self.rank for c in self.chunks):
+            reader = threading.Thread(target=read_all, name="dc-shared-read", daemon=True)
+            reader.start()
+        try:
+            left = self._consume(groups, resolve, checked, stall, progress)
+        except BaseException as e:
+            self.fail()
+            stop.set()
+            if reader is not None:
+                reader.join()
+            aborted = node_share.SharedReadAborted
+            if errors and isinstance(e, aborted) and not isinstance(errors[0], aborted):
+                raise errors[0] from e  # this rank's own reader failed first: the cause
+            raise
+        if reader is not None:
+            reader.join()
+        if errors:
+            raise errors[0]
+        return left
+
+    # -- the reader's side --------------------------------------------------------------
+
+    def _read(
+        self,
+        checkpoint_dir: Path,
+        checksums: Optional[Checksums],
+        check: Callable[[], None],
+        stall: float,
+    ) -> None:
+        """Reads this rank's chunks, window by window, into its segment's windows."""
+        mine = sorted((c for c in self.chunks if c.reader == self.rank), key=lambda c: c.position)
+        held: List[Tuple[int, ...]] = [()] * SLOTS  # consumers of what each window holds
+        for chunk in mine:
+            name, offset, length = chunk.key
+            path = checkpoint_dir / name
+            what = f"{name}@{offset} (shared read)"
+            expected = (
+                checksums.expected_range(name, offset, length, what)
+                if checksums is not None
+                else None
+            )
+            info = _StorageInfo(name, offset, length)
+            with open_range(path, info) as stream:
+                raw = stream.raw
+                layout = parse_chunk(raw, None, expected, what)
+                if layout is not None and (tuple(layout.shape), layout.dtype) != chunk.stored:
+                    raise CheckpointCorruptedError(
+                        f"{what}: the item holds a {layout.dtype} chunk of shape "
+                        f"{tuple(layout.shape)}, the metadata says {chunk.stored[1]} of shape "
+                        f"{chunk.stored[0]}"
+                    )
+                geo = _geometry(
+                    chunk.key, layout.data_offset if layout is not None else None, chunk.stored
+                )
+                blocks = (
+                    _BlockCheck(expected, what, str(path))
+                    if expected is not None and expected.blocked and layout is not None
+                    else None
+                )
+                self._read_windows(chunk, str(path), geo, blocks, held, check, stall)
+                if blocks is not None:
+                    assert expected is not None and layout is not None
+                    blocks.finish()
+                    if not frame_matches(raw, layout, length, expected):
+                        raise mismatch(what, info)
+
+    def _read_windows(
+        self,
+        chunk: _Chunk,
+        path: str,
+        geo: _Geometry,
+        blocks: Optional[_BlockCheck],
+        held: List[Tuple[int, ...]],
+        check: Callable[[], None],
+        stall: float,
+    ) -> None:
+        direct = True
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+        except OSError:
+            direct = False
+            fd = os.open(path, os.O_RDONLY)
+        try:
+            page = mmap_page()
+            for k in range(chunk.windows):
+                n = chunk.first_window + k
+                slot = n % SLOTS
+                for c in held[slot]:  # every consumer of what the window holds is done
+                    node_share.wait(
+                        self.own.free_sem(c), check, stall, f"rank {c} to free a window"
+                    )
+                held[slot] = ()
+                lo, hi = geo.window(k)
+                buf = self.own.window(slot)
+                # the header: whether the chunk has the plain layout, where its data starts
+                buf[:16].view(np.int64)[:] = (1 if geo.row_bytes else 0, geo.data - chunk.key[1])
+                want = -(-(hi - lo) // page) * page
+                faults.check("read", path, lo, want, direct)
+                got = _pread(fd, buf[PRE : PRE + want], lo)
+                if got < hi - lo:
+                    raise CheckpointCorruptedError(f"{path}: short read at offset {lo + got}")
+                self.read_bytes += hi - lo
+                if geo.row_bytes and k > 0:  # the start of a row that began in the last window
+                    first = geo.data + geo.rows(k)[0] * geo.row_bytes
+                    if first < lo:
+                        prev = self.own.window((n - 1) % SLOTS)
+                        carry = lo - first
+                        end = PRE + geo.size
+                        buf[PRE - carry : PRE] = prev[end - carry : end]
+                if blocks is not None:
+                    a = max(lo, geo.data)
+                    b = min(hi, geo.data + geo.nrows * geo.row_bytes)
+                    if b > a:
+                        blocks.feed(buf[PRE + a - lo : PRE + b - lo])
+                for c in chunk.consumers:
+                    seg = self.segments[c]
+                    assert seg is not None
+                    node_share.post(seg.ready_sem(self.rank))
+                held[slot] = chunk.consumers
+        finally:
+            os.close(fd)
+
+    # -- the consumer's side ------------------------------------------------------------
+
+    def _consume(
+        self,
+        groups: Dict[Key, ChunkGroup],
+        resolve: Callable[[ReadItem], torch.Tensor],
+        check: Callable[[], None],
+        stall: float,
+        progress: Optional[Callable[[int], None]],
+    ) -> List[Key]:
+        """Copies this rank's parts out of the windows of the chunks it needs, in the
+        node's order; returns the chunks without the plain layout (not copied)."""
+        left: List[Key] = []
+        for chunk in self.chunks:  # the node's one order
+            if self.rank not in chunk.consumers:
+                continue
+            group = groups[chunk.key]
+            what = f"{chunk.key[0]}@{chunk.key[1]} ({group.reads[0].storage_index.fqn!r})"
+            pairs = [(r, resolve(r)) for r in group.reads]
+            reader = self.segments[chunk.reader]
+            assert reader is not None
+            geo: Optional[_Geometry] = None
+            for k in range(chunk.windows):
+                node_share.wait(
+                    self.own.ready_sem(chunk.reader),
+                    check,
+                    stall,
+                    f"rank {chunk.reader} to read {what}",
+                )
+                window = reader.window((chunk.first_window + k) % SLOTS)
+                if geo is None:
+                    plain, data_offset = (int(x) for x in window[:16].view(np.int64))
+                    geo = _geometry(chunk.key, data_offset if plain else None, chunk.stored)
+                if geo.row_bytes:
+                    _copy_rows(window, geo, k, chunk.stored, pairs)
+                del window
+                node_share.post(reader.free_sem(self.rank))
+            if geo is None or not geo.row_bytes:
+                left.append(chunk.key)
+            elif progress is not None:
+                progress(
+                    sum(int(math.prod(r.lengths)) for r, _ in pairs) * chunk.stored[1].itemsize
+                )
+        return left
+
+
+def _geometry(key: Key, data_offset: Optional[int], stored: Any) -> _Geometry:
+    """A chunk's windows, and its rows where it has the plain layout (`data_offset` known)."""
+    page = mmap_page()
+    start, end = key[1] - key[1] % page, key[1] + key[2]
+    size = -(-(end - start) // _windows(key) // page) * page
+    if data_offset is None:
+        return _Geometry(start, end, size, key[1], 0, 0)
+    shape, dtype = stored
+    row_bytes = math.prod(shape[1:]) * dtype.itemsize
+    return _Geometry(start, end, size, key[1] + data_offset, row_bytes, shape[0])
+
+
+def _pread(fd: int, buf: np.ndarray, offset: int) -> int:
+    """Reads into `buf` from `offset` until it is full or the file ends; bytes read."""
+    got = 0
+    view = memoryview(buf)  # type: ignore[arg-type]
+    while got < buf.size:
+        n = os.preadv(fd, [view[got:]], offset + got)
+        if n <= 0:
+            break
+        got += n
+    return got
+
+
+def _copy_rows(
+    window: np.ndarray,
+    geo: _Geometry,
+    k: int,
+    stored: Tuple[Tuple[int, ...], torch.dtype],
+    pairs: List[Tuple[ReadItem, torch.Tensor]],
+) -> None:
+    """Copies the rows window `k` hands out into the reads' destinations."""
+    r0, r1 = geo.rows(k)
+    if r1 <= r0:
+        return
+    shape, dtype = stored
+    lo, _ = geo.window(k)
+    at = PRE + geo.data + r0 * geo.row_bytes - lo
+    nbytes = (r1 - r0) * geo.row_bytes
+    rows = torch.from_numpy(window[at : at + nbytes]).view(dtype).view((r1 - r0,) + shape[1:])
+    for r, dest in pairs:
+        first, count = int(r.storage_offsets[0]), int(r.lengths[0])
+        a, b = max(r0, first), min(r1, first + count)
+        if a >= b:
+            continue
+        src = rows.narrow(0, a - r0, b - a)
+        for dim in range(1, len(shape)):
+            src = src.narrow(dim, int(r.storage_offsets[dim]), int(r.lengths[dim]))
+        dest.narrow(0, a - first, b - a).copy_(src)

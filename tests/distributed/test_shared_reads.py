@@ -1,0 +1,134 @@
+"""Column blocks read once per node into shared windows (`shared_read`), in real worlds:
+bit-exact loads, damage detected on every rank, a failing rank stopping its peers, and
+nothing left in /dev/shm."""
+
+from __future__ import annotations
+
+import os
+from typing import Dict
+
+import pytest
+import torch
+import torch.distributed
+
+import dist_checkpointing as dc
+from dist_checkpointing import ShardedTensor
+from dist_checkpointing.storage import node_share
+from dist_checkpointing.strategies.torch_dist import shared_read
+from dist_checkpointing.strategies.torch_dist.load import TorchDistLoadShardedStrategy
+from tests.distributed._rank_fns import rank
+
+pytestmark = pytest.mark.skipif(
+    not node_share.available(), reason="needs /dev/shm and POSIX semaphores"
+)
+
+#: rows of 996 float32 (3984 bytes): rows straddle the 8 KiB windows
+ROWS, COLS = 96, 996
+SMALL = {"MIN_SHARED": 1, "WINDOW": 8192, "SLACK": 0, "PRE": 8192, "SLOT": 16384}
+
+
+def full(i: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(i)
+    return torch.randn(ROWS, COLS, generator=g)
+
+
+def save_rows(path: str) -> None:
+    r, w = rank(), torch.distributed.get_world_size()
+    b = ROWS // w
+    sd = {
+        f"t{i}": ShardedTensor.from_rank_offsets(
+            f"t{i}", full(i)[r * b : (r + 1) * b].clone(), (0, r, w)
+        )
+        for i in range(3)
+    }
+    dc.save(sd, path)
+
+
+def load_cols(
+    path: str, dtype: torch.dtype = torch.float32, fail_rank: int = -1
+) -> Dict[str, bool]:
+    """Loads column blocks through small shared windows; returns which tensors match."""
+    r, w = rank(), torch.distributed.get_world_size()
+    c = COLS // w
+    saved = {k: getattr(shared_read, k) for k in SMALL}
+    for k, v in SMALL.items():
+        setattr(shared_read, k, v)
+    real_copy = shared_read._copy_rows
+
+    def failing_copy(*args, **kwargs):  # a consumer that fails half-way
+        raise RuntimeError("injected failure")
+
+    if r == fail_rank:
+        shared_read._copy_rows = failing_copy
+    try:
+        req = {
+            f"t{i}": ShardedTensor.from_rank_offsets(
+                f"t{i}", torch.zeros(ROWS, c, dtype=dtype), (1, r, w)
+            )
+            for i in range(3)
+        }
+        out = dc.load(req, path, sharded_strategy=TorchDistLoadShardedStrategy(shared_reads=True))
+    finally:
+        shared_read._copy_rows = real_copy
+        for k, v in saved.items():
+            setattr(shared_read, k, v)
+    return {
+        k: torch.equal(v, full(int(k[1:]))[:, r * c : (r + 1) * c].to(dtype))
+        for k, v in out.items()
+    }
+
+
+def ours_in_shm() -> int:
+    """Segments of this process left in /dev/shm."""
+    mark = f"{node_share.PREFIX}-{os.getpid()}-"
+    return sum(n.startswith(mark) for n in os.listdir(node_share.SHM_DIR))
+
+
+def damage(path: str) -> None:
+    """Flips one byte in the middle of the first data file's data."""
+    name = sorted(n for n in os.listdir(path) if n.endswith(".distcp"))[0]
+    with open(os.path.join(path, name), "r+b") as f:
+        f.seek(os.path.getsize(f.name) // 2)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("world", [2, 3])
+def test_column_blocks_load_bit_exactly_and_nothing_is_left_in_shared_memory(
+    world, world_factory, tmp_path
+):
+    path = str(tmp_path / "ckpt")
+    w = world_factory(world)
+    w.run_ok(save_rows, path, timeout=60)
+    for dtype in (torch.float32, torch.float64):  # float64: converted while copied out
+        got = w.run_ok(load_cols, path, dtype, timeout=60)
+        assert got == [{"t0": True, "t1": True, "t2": True}] * world
+    assert w.run_ok(ours_in_shm, timeout=30) == [0] * world
+
+
+@pytest.mark.timeout(240)
+def test_a_damaged_chunk_fails_the_load_on_every_rank(world_factory, tmp_path):
+    path = str(tmp_path / "ckpt")
+    w = world_factory(2)
+    w.run_ok(save_rows, path, timeout=60)
+    damage(path)
+    outcomes = w.run(load_cols, path, timeout=60)
+    for o in outcomes:
+        assert isinstance(o.error, dc.CheckpointingException), o.trace
+        assert "checksum mismatch" in str(o.error)
+    assert w.run_ok(ours_in_shm, timeout=30) == [0, 0]
+
+
+@pytest.mark.timeout(240)
+def test_a_rank_failing_mid_read_stops_its_peers_instead_of_hanging_them(world_factory, tmp_path):
+    path = str(tmp_path / "ckpt")
+    w = world_factory(3)
+    w.run_ok(save_rows, path, timeout=60)
+    outcomes = w.run(load_cols, path, torch.float32, 1, timeout=60)
+    for o in outcomes:
+        assert isinstance(o.error, dc.CheckpointingException), o.trace
+        assert "injected failure" in str(o.error)  # the cause, reported on every rank
+    assert w.run_ok(ours_in_shm, timeout=30) == [0, 0, 0]
+    assert w.run_ok(load_cols, path, timeout=60) == [{"t0": True, "t1": True, "t2": True}] * 3

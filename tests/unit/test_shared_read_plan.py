@@ -1,0 +1,128 @@
+"""The shared reads' pure logic, without processes: who reads what, windows and rows, and
+the block check across windows (`strategies.torch_dist.shared_read`)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dist_checkpointing.errors import CheckpointCorruptedError
+from dist_checkpointing.integrity import ItemSum, checksum
+from dist_checkpointing.strategies.torch_dist import shared_read as sr
+
+MIB = 1 << 20
+STORED = ((1024, 1024), torch.float32)
+
+
+def offer(node, chunks, verify=True, segment="seg"):
+    wants = tuple(sr._Want(key, rows, STORED) for key, rows in chunks)
+    return sr._Offer(node, 1, segment, verify, wants)
+
+
+def key(file, i):
+    return (file, i * 5 * MIB, 4 * MIB + 700)
+
+
+def test_a_chunk_is_shared_by_the_ranks_of_a_node_that_all_need_it():
+    k = key("a.distcp", 0)
+    offers = [offer("n0", [(k, (0, 1024))]) for _ in range(2)] + [
+        offer("n1", [(k, (0, 1024))]) for _ in range(2)
+    ]
+    for node, ranks in (("n0", (0, 1)), ("n1", (2, 3))):
+        chunks = sr._schedule(offers, node)
+        assert [c.consumers for c in chunks] == [ranks]
+        assert chunks[0].reader == ranks[0]
+        assert chunks[0].windows == 1  # 4 MiB and the records: one read
+
+
+def test_nothing_is_shared_alone_across_nodes_or_with_mixed_verification():
+    k = key("a.distcp", 0)
+    alone = [offer("n0", [(k, (0, 1024))]), offer("n1", [(k, (0, 1024))])]
+    assert sr._schedule(alone, "n0") == []
+    mixed = [offer("n0", [(k, (0, 1024))]), offer("n0", [(k, (0, 1024))], verify=False)]
+    assert sr._schedule(mixed, "n0") == []
+    no_segment = [offer("n0", [(k, (0, 1024))]), offer("n0", [(k, (0, 1024))], segment=None)]
+    assert sr._schedule(no_segment, "n0") == []
+
+
+def test_a_chunk_whose_rows_the_node_does_not_all_need_is_not_shared():
+    k = key("a.distcp", 0)
+    gap = [offer("n0", [(k, (0, 400))]), offer("n0", [(k, (500, 1024))])]
+    assert sr._schedule(gap, "n0") == []
+    covered = [offer("n0", [(k, (0, 600))]), offer("n0", [(k, (500, 1024))])]
+    assert len(sr._schedule(covered, "n0")) == 1
+
+
+def test_each_file_is_read_front_to_back_by_one_rank_and_files_are_spread():
+    files = [f"f{i}.distcp" for i in range(4)]
+    chunks = [(key(f, i), (0, 1024)) for f in files for i in range(3)]
+    offers = [offer("n0", chunks) for _ in range(4)]
+    plan = sr._schedule(offers, "n0")
+    readers = {c.key[0]: c.reader for c in plan}
+    assert sorted(readers.values()) == [0, 1, 2, 3]
+    for r in range(4):
+        mine = sorted((c for c in plan if c.reader == r), key=lambda c: c.position)
+        assert [c.key for c in mine] == sorted(c.key for c in mine)  # file order
+        assert [c.first_window for c in mine] == [0, 1, 2]
+    # the node's one order: by position in the reader's list, then reader
+    assert [(c.position, c.reader) for c in plan] == sorted((c.position, c.reader) for c in plan)
+
+
+@settings(
+    max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    offset=st.integers(0, 3 * MIB),
+    head=st.integers(64, 9000),
+    row_bytes=st.integers(1, 4096 - 64),
+    nrows=st.integers(1, 3000),
+    window=st.sampled_from([4096, 8192, 3 * 4096]),
+)
+def test_every_row_is_handed_out_once_from_bytes_its_window_holds(
+    offset, head, row_bytes, nrows, window, monkeypatch
+):
+    monkeypatch.setattr(sr, "WINDOW", window)
+    monkeypatch.setattr(sr, "SLACK", 0)
+    monkeypatch.setattr(sr, "PRE", 8192)
+    length = head + nrows * row_bytes + 300
+    k = ("f", offset, length)
+    dtype = torch.uint8
+    geo = sr._geometry(k, head, (((nrows, row_bytes)), dtype))
+    n = sr._windows(k)
+    given_out = []
+    for w in range(n):
+        lo, hi = geo.window(w)
+        assert lo % 4096 == 0 and hi - lo <= geo.size <= window
+        r0, r1 = geo.rows(w)
+        given_out += range(r0, r1)
+        if r1 > r0:
+            first = geo.data + r0 * row_bytes
+            assert lo - first < sr.PRE - sr.HEADER  # the carried part fits in front
+            assert geo.data + r1 * row_bytes <= hi  # the rows end inside the window
+    assert given_out == list(range(nrows))
+    assert geo.window(n - 1)[1] == offset + length
+
+
+def test_the_block_check_spans_windows_and_names_a_damaged_block():
+    data = np.random.default_rng(0).integers(0, 255, 10_000, dtype=np.uint8)
+    block = 1024
+    sums = tuple(checksum(data[i : i + block]) for i in range(0, data.size, block))
+    expected = ItemSum(0, 0, 0, data.size, block, sums)
+    ok = sr._BlockCheck(expected, "t", "f")
+    for cut in range(0, data.size, 3000):  # pieces that do not line up with blocks
+        ok.feed(data[cut : cut + 3000])
+    ok.finish()
+    bad = data.copy()
+    bad[5000] ^= 1
+    check = sr._BlockCheck(expected, "t", "f")
+    with pytest.raises(CheckpointCorruptedError, match="data block 4"):
+        for cut in range(0, bad.size, 3000):
+            check.feed(bad[cut : cut + 3000])
+        check.finish()
+    short = sr._BlockCheck(expected, "t", "f")
+    short.feed(data[:4096])
+    with pytest.raises(CheckpointCorruptedError, match="4 data blocks read"):
+        short.finish()
