@@ -49,9 +49,16 @@ def save_small_blocks(batch: List[Case], root: str) -> None:
         integrity.BLOCK = saved
 
 
-#: shared-read sizes for tiny items: every item shared, one-page windows (rows straddle
-#: windows), rows up to 4 KiB
-SHARED_TINY = {"MIN_SHARED": 1, "WINDOW": 4096, "SLACK": 0, "PRE": 8192, "SLOT": 12288}
+#: shared-read sizes for tiny items: every item two ranks need shared, one-page windows
+#: (rows straddle windows), rows up to 4 KiB
+SHARED_TINY = {
+    "MIN_SHARED": 1,
+    "MIN_CONSUMERS": 2,
+    "WINDOW": 4096,
+    "SLACK": 0,
+    "PRE": 8192,
+    "SLOT": 12288,
+}
 
 
 def load_in_small_requests(

@@ -24,7 +24,14 @@ pytestmark = pytest.mark.skipif(
 
 #: rows of 996 float32 (3984 bytes): rows straddle the 8 KiB windows
 ROWS, COLS = 96, 996
-SMALL = {"MIN_SHARED": 1, "WINDOW": 8192, "SLACK": 0, "PRE": 8192, "SLOT": 16384}
+SMALL = {
+    "MIN_SHARED": 1,
+    "MIN_CONSUMERS": 2,
+    "WINDOW": 8192,
+    "SLACK": 0,
+    "PRE": 8192,
+    "SLOT": 16384,
+}
 
 
 def full(i: int) -> torch.Tensor:

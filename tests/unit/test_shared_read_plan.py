@@ -26,7 +26,21 @@ def key(file, i):
     return (file, i * 5 * MIB, 4 * MIB + 700)
 
 
-def test_a_chunk_is_shared_by_the_ranks_of_a_node_that_all_need_it():
+def test_a_chunk_two_ranks_need_is_left_to_the_page_cache_by_default():
+    k = key("a.distcp", 0)
+    two = [offer("n0", [(k, (0, 1024))]) for _ in range(2)]
+    assert sr.MIN_CONSUMERS == 3
+    assert sr._schedule(two, "n0") == []
+    three = [offer("n0", [(k, (0, 1024))]) for _ in range(3)]
+    assert [c.consumers for c in sr._schedule(three, "n0")] == [(0, 1, 2)]
+
+
+@pytest.fixture
+def pairs_share(monkeypatch):
+    monkeypatch.setattr(sr, "MIN_CONSUMERS", 2)
+
+
+def test_a_chunk_is_shared_by_the_ranks_of_a_node_that_all_need_it(pairs_share):
     k = key("a.distcp", 0)
     offers = [offer("n0", [(k, (0, 1024))]) for _ in range(2)] + [
         offer("n1", [(k, (0, 1024))]) for _ in range(2)
@@ -38,7 +52,7 @@ def test_a_chunk_is_shared_by_the_ranks_of_a_node_that_all_need_it():
         assert chunks[0].windows == 1  # 4 MiB and the records: one read
 
 
-def test_nothing_is_shared_alone_across_nodes_or_with_mixed_verification():
+def test_nothing_is_shared_alone_across_nodes_or_with_mixed_verification(pairs_share):
     k = key("a.distcp", 0)
     alone = [offer("n0", [(k, (0, 1024))]), offer("n1", [(k, (0, 1024))])]
     assert sr._schedule(alone, "n0") == []
@@ -48,7 +62,7 @@ def test_nothing_is_shared_alone_across_nodes_or_with_mixed_verification():
     assert sr._schedule(no_segment, "n0") == []
 
 
-def test_a_chunk_whose_rows_the_node_does_not_all_need_is_not_shared():
+def test_a_chunk_whose_rows_the_node_does_not_all_need_is_not_shared(pairs_share):
     k = key("a.distcp", 0)
     gap = [offer("n0", [(k, (0, 400))]), offer("n0", [(k, (500, 1024))])]
     assert sr._schedule(gap, "n0") == []

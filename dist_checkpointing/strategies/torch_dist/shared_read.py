@@ -10,8 +10,8 @@ every rank that needs the chunk copies its part out of the window.
 The protocol, all of it decided from one exchange (`agree`):
 - Each rank offers the chunks it needs a strided part of (whole rows of it needed by the
   node together), with its node, pid and segment.
-- Every rank of a node computes the same schedule from the offers: a chunk offered by two
-  or more ranks of the node is shared; its file is read by one of them (files given out in
+- Every rank of a node computes the same schedule from the offers: a chunk offered by
+  `MIN_CONSUMERS` or more ranks of the node is shared; its file is read by one of them (files given out in
   turn to the rank with the fewest bytes so far, so that each file is read front to back
   by one rank); a reader reads its chunks in file order, window after window, into its
   `SLOTS` windows in turn.
@@ -75,6 +75,12 @@ HEADER = 4096
 SLOT = PRE + WINDOW + SLACK
 #: smaller chunks are read the ordinary way (the protocol's waits would cost more)
 MIN_SHARED = 1 << 20
+#: ranks of a node that must need a chunk for it to be shared: through the page cache each
+#: of them hashes and copies every page, a cost that grows with their number; with two,
+#: the page cache was as fast or faster (2 ranks x 1 GiB column loads: 0.96-1.12 s shared,
+#: 0.84-0.91 s not; 4 ranks: 0.78-1.10 s shared, 0.73-1.00 s not, and 0.56-0.76 s against
+#: 0.85-1.22 s in an alternating A/B; docs/performance.md, tenth pass)
+MIN_CONSUMERS = 3
 
 Key = Tuple[str, int, int]  # file (relative path), offset, length of a stored item
 
@@ -138,7 +144,7 @@ def _schedule(offers: List[_Offer], node: str) -> List[_Chunk]:
     shared = {
         k: tuple(r for r, _ in v)
         for k, v in wanted.items()
-        if len(v) >= 2
+        if len(v) >= max(2, MIN_CONSUMERS)
         and len({w.stored for _, w in v}) == 1
         and _covers([w.rows for _, w in v], v[0][1].stored[0][0])
     }
