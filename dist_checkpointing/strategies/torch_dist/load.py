@@ -235,6 +235,8 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                     result, stats = self._read(sharded_state_dict, ckpt, plan, shared)
                 except Exception as e:
                     error = e
+                    if shared is not None:  # peers still waiting on this rank stop now
+                        shared.fail()
             if shared is not None:
                 shared.close()
             # one exchange carries both the error reports and the statistics for the log line
