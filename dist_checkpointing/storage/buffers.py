@@ -1,5 +1,6 @@
 """Aligned host buffers, pooled: bounce buffers for direct reads, chunk pairs for streamed
-writes, whole-file images for async saves (pinned for CUDA sources), pinned local images.
+writes, whole-file images for async saves (pinned for CUDA sources), pinned local images,
+and huge-page staging buffers for direct reads.
 
 Pools bound the memory they keep (a few free buffers each); buffers come from `mmap` or
 shared memory, so they are page-aligned, as O_DIRECT needs.
@@ -7,11 +8,12 @@ shared memory, so they are page-aligned, as O_DIRECT needs.
 
 from __future__ import annotations
 
+import functools
 import mmap
 import threading
 import weakref
 from collections import OrderedDict
-from typing import Any, Dict, List, Protocol, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -27,6 +29,8 @@ __all__ = [
     "ChunkBuffers",
     "ImagePool",
     "host_buffer",
+    "huge_pages",
+    "staging",
 ]
 
 #: alignment of O_DIRECT requests (file offsets, lengths and memory)
@@ -35,6 +39,10 @@ ALIGN = 4096
 BOUNCE = 32 << 20
 #: size of each of a streamed write's two chunk buffers
 CHUNK = 64 << 20
+#: a transparent huge page (x86-64, and arm64 with 4 KiB pages)
+HUGE = 2 << 20
+#: where the kernel says whether anonymous memory may get transparent huge pages
+THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 _lock = threading.Lock()
 _free_bounce: List[np.ndarray] = []
@@ -53,6 +61,43 @@ def give_back(buf: np.ndarray) -> None:
     with _lock:
         if len(_free_bounce) < 8:
             _free_bounce.append(buf)
+
+
+@functools.cache
+def huge_pages() -> bool:
+    """Whether private anonymous memory can be backed by transparent huge pages on request
+    (`MADV_HUGEPAGE`): the kernel's setting is not "never"."""
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        return False
+    try:
+        with open(THP_ENABLED) as f:
+            return "[never]" not in f.read()
+    except OSError:
+        return False
+
+
+def staging(nbytes: int) -> Optional[np.ndarray]:
+    """A private, `HUGE`-aligned buffer of `nbytes` backed by transparent huge pages, for
+    O_DIRECT reads that are copied on from there; None where huge pages cannot be had.
+
+    Why: on a virtual disk with a cap on the segments of one request (254 on the VMs we
+    measure), a read into 4 KiB pages scattered in physical memory is cut into requests of
+    about 1 MiB, and ran at half the disk's rate there; into huge pages each 2 MiB is one
+    segment (docs/performance.md, eleventh pass). Shared memory gets no huge pages unless
+    the system enables them for it, so shared windows are filled from a staging buffer.
+    The buffer is freed with the array.
+    """
+    if not huge_pages():
+        return None
+    size = -(-nbytes // ALIGN) * ALIGN
+    m = mmap.mmap(-1, size + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    whole = np.frombuffer(m, dtype=np.uint8)
+    skip = -whole.ctypes.data % HUGE
+    try:
+        m.madvise(mmap.MADV_HUGEPAGE, skip, size)
+    except OSError:
+        return None
+    return whole[skip : skip + nbytes]
 
 
 class ChunkBuffers:

@@ -5,7 +5,7 @@ nothing left in /dev/shm."""
 from __future__ import annotations
 
 import os
-from typing import Dict
+from typing import Dict, Union
 
 import pytest
 import torch
@@ -13,7 +13,7 @@ import torch.distributed
 
 import dist_checkpointing as dc
 from dist_checkpointing import ShardedTensor
-from dist_checkpointing.storage import node_share
+from dist_checkpointing.storage import buffers, faults, node_share
 from dist_checkpointing.strategies.torch_dist import shared_read
 from dist_checkpointing.strategies.torch_dist.load import TorchDistLoadShardedStrategy
 from tests.distributed._rank_fns import rank
@@ -52,21 +52,36 @@ def save_rows(path: str) -> None:
 
 
 def load_cols(
-    path: str, dtype: torch.dtype = torch.float32, fail_rank: int = -1
-) -> Dict[str, bool]:
-    """Loads column blocks through small shared windows; returns which tensors match."""
+    path: str,
+    dtype: torch.dtype = torch.float32,
+    fail_rank: int = -1,
+    staged: bool = True,
+    read_error: bool = False,
+) -> Dict[str, Union[bool, int]]:
+    """Loads column blocks through small shared windows; returns which tensors match, and
+    under "staged" how many huge-page staging buffers this rank used."""
     r, w = rank(), torch.distributed.get_world_size()
     c = COLS // w
     saved = {k: getattr(shared_read, k) for k in SMALL}
     for k, v in SMALL.items():
         setattr(shared_read, k, v)
-    real_copy = shared_read._copy_rows
+    real_copy, real_staging = shared_read._copy_rows, buffers.staging
+    stages = []
 
     def failing_copy(*args, **kwargs):  # a consumer that fails half-way
         raise RuntimeError("injected failure")
 
+    def counted_staging(nbytes):
+        got = real_staging(nbytes) if staged else None
+        stages.append(got is not None)
+        return got
+
     if r == fail_rank:
         shared_read._copy_rows = failing_copy
+    buffers.staging = counted_staging
+    fault = faults.Fault("*.distcp", ops=("read",), error=OSError(5, "injected read error"))
+    if read_error:
+        faults.inject(fault)
     try:
         req = {
             f"t{i}": ShardedTensor.from_rank_offsets(
@@ -76,13 +91,16 @@ def load_cols(
         }
         out = dc.load(req, path, sharded_strategy=TorchDistLoadShardedStrategy(shared_reads=True))
     finally:
-        shared_read._copy_rows = real_copy
+        if read_error:
+            faults.remove(fault)
+        shared_read._copy_rows, buffers.staging = real_copy, real_staging
         for k, v in saved.items():
             setattr(shared_read, k, v)
-    return {
+    same = {
         k: torch.equal(v, full(int(k[1:]))[:, r * c : (r + 1) * c].to(dtype))
         for k, v in out.items()
     }
+    return {**same, "staged": sum(stages)}
 
 
 def ours_in_shm() -> int:
@@ -109,9 +127,16 @@ def test_column_blocks_load_bit_exactly_and_nothing_is_left_in_shared_memory(
     path = str(tmp_path / "ckpt")
     w = world_factory(world)
     w.run_ok(save_rows, path, timeout=60)
-    for dtype in (torch.float32, torch.float64):  # float64: converted while copied out
-        got = w.run_ok(load_cols, path, dtype, timeout=60)
-        assert got == [{"t0": True, "t1": True, "t2": True}] * world
+    ok = {"t0": True, "t1": True, "t2": True}
+    # float64: converted while copied out; staged False: reads straight into the windows
+    for dtype, staged in ((torch.float32, True), (torch.float64, True), (torch.float32, False)):
+        got = w.run_ok(load_cols, path, dtype, -1, staged, timeout=60)
+        assert [{k: g[k] for k in ok} for g in got] == [ok] * world
+        used = sum(g["staged"] for g in got)
+        # each rank reads its own file, into AHEAD + 1 staging buffers where huge pages are
+        assert used == (
+            (shared_read.AHEAD + 1) * world if staged and buffers.huge_pages() else 0
+        ), got
     assert w.run_ok(ours_in_shm, timeout=30) == [0] * world
 
 
@@ -129,6 +154,19 @@ def test_a_damaged_chunk_fails_the_load_on_every_rank(world_factory, tmp_path):
 
 
 @pytest.mark.timeout(240)
+def test_a_failing_read_ahead_fails_the_load_on_every_rank(world_factory, tmp_path):
+    path = str(tmp_path / "ckpt")
+    w = world_factory(2)
+    w.run_ok(save_rows, path, timeout=60)
+    outcomes = w.run(load_cols, path, torch.float32, -1, True, True, timeout=60)
+    for o in outcomes:
+        assert isinstance(o.error, dc.CheckpointingException), o.trace
+        assert "injected read error" in str(o.error)
+    assert w.run_ok(ours_in_shm, timeout=30) == [0, 0]
+    assert w.run_ok(load_cols, path, timeout=60)[0]["t0"]
+
+
+@pytest.mark.timeout(240)
 def test_a_rank_failing_mid_read_stops_its_peers_instead_of_hanging_them(world_factory, tmp_path):
     path = str(tmp_path / "ckpt")
     w = world_factory(3)
@@ -138,4 +176,5 @@ def test_a_rank_failing_mid_read_stops_its_peers_instead_of_hanging_them(world_f
         assert isinstance(o.error, dc.CheckpointingException), o.trace
         assert "injected failure" in str(o.error)  # the cause, reported on every rank
     assert w.run_ok(ours_in_shm, timeout=30) == [0, 0, 0]
-    assert w.run_ok(load_cols, path, timeout=60) == [{"t0": True, "t1": True, "t2": True}] * 3
+    got = w.run_ok(load_cols, path, timeout=60)
+    assert [(g["t0"], g["t1"], g["t2"]) for g in got] == [(True, True, True)] * 3

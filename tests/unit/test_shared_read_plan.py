@@ -26,10 +26,12 @@ def key(file, i):
     return (file, i * 5 * MIB, 4 * MIB + 700)
 
 
-def test_a_chunk_two_ranks_need_is_left_to_the_page_cache_by_default():
+def test_a_chunk_two_ranks_need_is_shared_by_default_and_the_threshold_is_kept(monkeypatch):
     k = key("a.distcp", 0)
     two = [offer("n0", [(k, (0, 1024))]) for _ in range(2)]
-    assert sr.MIN_CONSUMERS == 3
+    assert sr.MIN_CONSUMERS == 2
+    assert [c.consumers for c in sr._schedule(two, "n0")] == [(0, 1)]
+    monkeypatch.setattr(sr, "MIN_CONSUMERS", 3)
     assert sr._schedule(two, "n0") == []
     three = [offer("n0", [(k, (0, 1024))]) for _ in range(3)]
     assert [c.consumers for c in sr._schedule(three, "n0")] == [(0, 1, 2)]

@@ -11,10 +11,14 @@ The protocol, all of it decided from one exchange (`agree`):
 - Each rank offers the chunks it needs a strided part of (whole rows of it needed by the
   node together), with its node, pid and segment.
 - Every rank of a node computes the same schedule from the offers: a chunk offered by
-  `MIN_CONSUMERS` or more ranks of the node is shared; its file is read by one of them (files given out in
-  turn to the rank with the fewest bytes so far, so that each file is read front to back
-  by one rank); a reader reads its chunks in file order, window after window, into its
-  `SLOTS` windows in turn.
+  `MIN_CONSUMERS` or more ranks of the node is shared; its file is read by one of them
+  (files given out in turn to the rank with the fewest bytes so far, so that each file is
+  read front to back by one rank); a reader reads its chunks in file order, window after
+  window, into its `SLOTS` windows in turn.
+- Where the kernel gives huge pages (`storage.buffers.staging`), a reader's O_DIRECT reads
+  land in private huge-page staging buffers, `AHEAD` windows ahead, and are copied into
+  the shared window piece by piece (verified as each piece lands): shared memory gets
+  4 KiB pages only, and direct reads into those ran at half the disk's rate on our VMs.
 - A consumer takes the chunks it needs in one order shared by the node (by position in
   their reader's list, then reader), each chunk's windows in order, and frees each window
   once copied. A reader refills a window only once every consumer of what it held freed
@@ -33,14 +37,16 @@ The protocol, all of it decided from one exchange (`agree`):
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import math
 import os
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 import torch
@@ -50,7 +56,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 from ..._dist import all_gather_object, get_collective_timeout, get_rank, get_world_size
 from ...errors import CheckpointCorruptedError
 from ...integrity import Checksums, ItemSum, new_hasher
-from ...storage import faults, node_share
+from ...storage import buffers, faults, node_share
 from .reader import ChunkGroup, open_range, parse_chunk, strided
 from .verify import frame_matches, mismatch
 
@@ -75,12 +81,16 @@ HEADER = 4096
 SLOT = PRE + WINDOW + SLACK
 #: smaller chunks are read the ordinary way (the protocol's waits would cost more)
 MIN_SHARED = 1 << 20
-#: ranks of a node that must need a chunk for it to be shared: through the page cache each
-#: of them hashes and copies every page, a cost that grows with their number; with two,
-#: the page cache was as fast or faster (2 ranks x 1 GiB column loads: 0.96-1.12 s shared,
-#: 0.84-0.91 s not; 4 ranks: 0.78-1.10 s shared, 0.73-1.00 s not, and 0.56-0.76 s against
-#: 0.85-1.22 s in an alternating A/B; docs/performance.md, tenth pass)
-MIN_CONSUMERS = 3
+#: ranks of a node that must need a chunk for it to be shared; two already gain (2 ranks x
+#: 1 GiB column loads, alternating A/B: 0.47-0.52 s shared, 0.56-1.03 s not, with windows
+#: filled from huge pages; before that, 0.96-1.12 s shared against 0.84-0.91 s not, and this
+#: was 3; docs/performance.md, tenth and eleventh passes)
+MIN_CONSUMERS = 2
+#: bytes a reader copies from its staging buffer into a window at a time, each piece
+#: verified while still in the cache
+LAND = 1 << 20
+#: windows a reader reads ahead into staging buffers while it copies one into the segment
+AHEAD = 1
 
 Key = Tuple[str, int, int]  # file (relative path), offset, length of a stored item
 
@@ -315,6 +325,24 @@ class _Geometry:
 
 
 @dataclass
+class _ReadAhead:
+    """A reader's huge-page staging buffers (`AHEAD + 1`) and the threads that read the
+    next `AHEAD` windows into them while the last read is copied into its window."""
+
+    stages: List[np.ndarray]
+    pool: ThreadPoolExecutor
+
+    @classmethod
+    def create(cls) -> Optional[_ReadAhead]:
+        """None where huge pages cannot be had: reads then go straight into the windows."""
+        stages = [buffers.staging(SLOT - PRE) for _ in range(AHEAD + 1)]
+        if any(s is None for s in stages):
+            return None
+        pool = ThreadPoolExecutor(AHEAD, thread_name_prefix="dc-read-ahead")
+        return cls([s for s in stages if s is not None], pool)
+
+
+@dataclass
 class SharedReads:
     """This rank's part of a node's shared reads (see the module docstring).
 
@@ -440,6 +468,24 @@ class SharedReads:
     ) -> None:
         """Reads this rank's chunks, window by window, into its segment's windows."""
         mine = sorted((c for c in self.chunks if c.reader == self.rank), key=lambda c: c.position)
+        if not mine:
+            return
+        ahead = _ReadAhead.create()
+        try:
+            self._read_chunks(mine, checkpoint_dir, checksums, check, stall, ahead)
+        finally:
+            if ahead is not None:
+                ahead.pool.shutdown()
+
+    def _read_chunks(
+        self,
+        mine: List[_Chunk],
+        checkpoint_dir: Path,
+        checksums: Optional[Checksums],
+        check: Callable[[], None],
+        stall: float,
+        ahead: Optional[_ReadAhead],
+    ) -> None:
         held: List[Tuple[int, ...]] = [()] * SLOTS  # consumers of what each window holds
         for chunk in mine:
             name, offset, length = chunk.key
@@ -468,7 +514,7 @@ class SharedReads:
                     if expected is not None and expected.blocked and layout is not None
                     else None
                 )
-                self._read_windows(chunk, str(path), geo, blocks, held, check, stall)
+                self._read_windows(chunk, str(path), geo, blocks, held, check, stall, ahead)
                 if blocks is not None:
                     assert expected is not None and layout is not None
                     blocks.finish()
@@ -484,6 +530,7 @@ class SharedReads:
         held: List[Tuple[int, ...]],
         check: Callable[[], None],
         stall: float,
+        ahead: Optional[_ReadAhead],
     ) -> None:
         direct = True
         try:
@@ -491,8 +538,25 @@ class SharedReads:
         except OSError:
             direct = False
             fd = os.open(path, os.O_RDONLY)
+        page = mmap_page()
+
+        def span(k: int) -> Tuple[int, int, int]:
+            lo, hi = geo.window(k)
+            want = -(-(hi - lo) // page) * page
+            faults.check("read", path, lo, want, direct)
+            return lo, hi, want
+
+        def fetch(k: int) -> Tuple[int, np.ndarray]:  # window k into a staging buffer
+            assert ahead is not None
+            lo, _, want = span(k)
+            stage = ahead.stages[k % len(ahead.stages)]
+            return _pread(fd, stage[:want], lo), stage
+
+        pending: Deque[Future] = collections.deque()
+        if ahead is not None and direct:
+            for k in range(min(AHEAD, chunk.windows)):
+                pending.append(ahead.pool.submit(fetch, k))
         try:
-            page = mmap_page()
             for k in range(chunk.windows):
                 n = chunk.first_window + k
                 slot = n % SLOTS
@@ -501,13 +565,19 @@ class SharedReads:
                         self.own.free_sem(c), check, stall, f"rank {c} to free a window"
                     )
                 held[slot] = ()
-                lo, hi = geo.window(k)
                 buf = self.own.window(slot)
                 # the header: whether the chunk has the plain layout, where its data starts
                 buf[:16].view(np.int64)[:] = (1 if geo.row_bytes else 0, geo.data - chunk.key[1])
-                want = -(-(hi - lo) // page) * page
-                faults.check("read", path, lo, want, direct)
-                got = _pread(fd, buf[PRE : PRE + want], lo)
+                stage: Optional[np.ndarray] = None
+                if pending:
+                    assert ahead is not None
+                    lo, hi = geo.window(k)
+                    got, stage = pending.popleft().result()
+                    if k + AHEAD < chunk.windows:
+                        pending.append(ahead.pool.submit(fetch, k + AHEAD))
+                else:
+                    lo, hi, want = span(k)
+                    got = _pread(fd, buf[PRE : PRE + want], lo)
                 if got < hi - lo:
                     raise CheckpointCorruptedError(f"{path}: short read at offset {lo + got}")
                 self.read_bytes += hi - lo
@@ -518,17 +588,22 @@ class SharedReads:
                         carry = lo - first
                         end = PRE + geo.size
                         buf[PRE - carry : PRE] = prev[end - carry : end]
-                if blocks is not None:
-                    a = max(lo, geo.data)
-                    b = min(hi, geo.data + geo.nrows * geo.row_bytes)
-                    if b > a:
-                        blocks.feed(buf[PRE + a - lo : PRE + b - lo])
+                # the chunk's data in this window, as offsets into it
+                a = max(lo, geo.data) - lo
+                b = min(hi, geo.data + geo.nrows * geo.row_bytes) - lo
+                if stage is not None:
+                    _land(stage, buf[PRE : PRE + hi - lo], blocks, a, b)
+                elif blocks is not None and b > a:
+                    blocks.feed(buf[PRE + a : PRE + b])
                 for c in chunk.consumers:
                     seg = self.segments[c]
                     assert seg is not None
                     node_share.post(seg.ready_sem(self.rank))
                 held[slot] = chunk.consumers
         finally:
+            for f in pending:  # reads ahead still use the file
+                with contextlib.suppress(BaseException):
+                    f.result()
             os.close(fd)
 
     # -- the consumer's side ------------------------------------------------------------
@@ -587,6 +662,18 @@ def _geometry(key: Key, data_offset: Optional[int], stored: Any) -> _Geometry:
     shape, dtype = stored
     row_bytes = math.prod(shape[1:]) * dtype.itemsize
     return _Geometry(start, end, size, key[1] + data_offset, row_bytes, shape[0])
+
+
+def _land(
+    stage: np.ndarray, window: np.ndarray, blocks: Optional[_BlockCheck], a: int, b: int
+) -> None:
+    """Copies `stage` into `window` (its size) piece by piece, feeding bytes `a`-`b` of
+    each piece to `blocks` right after it lands, while the piece is still in the cache."""
+    for s in range(0, window.size, LAND):
+        e = min(window.size, s + LAND)
+        window[s:e] = stage[s:e]
+        if blocks is not None and min(b, e) > max(a, s):
+            blocks.feed(window[max(a, s) : min(b, e)])
 
 
 def _pread(fd: int, buf: np.ndarray, offset: int) -> int:
