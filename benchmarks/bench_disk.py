@@ -22,7 +22,9 @@ on rows across ranks, same directory, page cache dropped before each load):
 - `ours-nocheck` (only when asked for): the same, loaded without verifying checksums (what
   verification costs);
 - `ours-noshare` (only when asked for): the same, loaded with `shared_reads=False` (each
-  rank reads column blocks through the page cache itself: what shared reads gain).
+  rank reads column blocks through the page cache itself: what shared reads gain);
+- `ours-direct`, `ours-pagecache` (only when asked for): the same, loaded with
+  `direct_io=True` or `False` instead of the probe's choice (what each read path gives).
 
 The methods take turns within each repeat, in an order rotated every repeat, so a drift of
 the disk's speed over the run (the host's cache, other jobs) falls on each of them alike.
@@ -84,6 +86,8 @@ CEILING_READS = [
 #: the ceiling's two raw write paths (its "save" is the faster of them in each repeat)
 CEILING_WRITES = ["save O_DIRECT", "save O_DIRECT huge pages", "save page cache"]
 CEILING_KINDS = CEILING_READS + CEILING_WRITES
+#: the methods that run this library (see the module docstring)
+OURS = ("ours", "ours-nocheck", "ours-noshare", "ours-direct", "ours-pagecache")
 OURS_THREADS = int(os.environ.get("DIST_CKPT_BENCH_THREADS", "1"))
 OURS_LOAD_THREADS = int(os.environ.get("DIST_CKPT_BENCH_LOAD_THREADS", "2"))
 
@@ -329,7 +333,7 @@ def _save(
             times[name].append(timed(_each(files, src, lambda f, b, d=direct: _raw_write(f, b, d))))
         return bufs, files
     _settle()
-    if method in ("ours", "ours-nocheck", "ours-noshare"):
+    if method in OURS:
         import dist_checkpointing as dc
         from dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
@@ -391,7 +395,7 @@ def _load(
         for name in rotated(list(reads), rep):
             _cold()
             times[name].append(timed(reads[name]))
-    elif method in ("ours", "ours-nocheck", "ours-noshare"):
+    elif method in OURS:
         import dist_checkpointing as dc
         from dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
 
@@ -399,6 +403,7 @@ def _load(
             thread_count=OURS_LOAD_THREADS,
             verify_checksums=method != "ours-nocheck",
             shared_reads=method != "ours-noshare",
+            direct_io={"ours-direct": True, "ours-pagecache": False}.get(method),
         )
         for kind, layout in (
             ("load", "rows"),
