@@ -266,25 +266,20 @@ def ceiling_files(shapes: List[tuple], path: str) -> Tuple[List[np.ndarray], Lis
     return bufs, [os.path.join(path, f"raw_{rank}_{i}") for i in range(2)]
 
 
-#: the ceiling's buffers copied into huge pages, by their sizes (kept across repeats)
-_HUGE: Dict[Tuple[int, ...], List[np.ndarray]] = {}
-
-
 def huge_copies(bufs: List[np.ndarray]) -> Optional[List[np.ndarray]]:
     """Copies of the ceiling's buffers in transparent huge pages (None where the kernel
     gives none): raw O_DIRECT reads into them ran up to 2x faster on our VM than into
-    4 KiB pages, so the disk's ceiling is measured both ways."""
+    4 KiB pages, so the disk's ceiling is measured both ways. Made for each use and freed
+    after it, so that they do not take memory from the other methods' page cache."""
     from dist_checkpointing.storage.buffers import staging
 
-    key = tuple(b.size for b in bufs)
-    if key not in _HUGE:
-        copies = [staging(b.size) for b in bufs]
-        if any(c is None for c in copies):
-            return None
-        _HUGE[key] = [c for c in copies if c is not None]
-    for h, b in zip(_HUGE[key], bufs):
+    copies = [staging(b.size) for b in bufs]
+    if any(c is None for c in copies):
+        return None
+    out = [c for c in copies if c is not None]
+    for h, b in zip(out, bufs):
         h[:] = b
-    return _HUGE[key]
+    return out
 
 
 def torch_save_fn(shapes: List[tuple], path: str) -> Callable[[], None]:
