@@ -22,7 +22,7 @@ from typing import Any, Callable, Deque, List, Optional, Tuple
 
 from ..errors import CheckpointCorruptedError
 
-__all__ = ["DEPTH", "read_in_flight", "read_through_slots"]
+__all__ = ["DEPTH", "read_in_flight", "read_through_slots", "read_upto", "request_pool"]
 
 #: read requests of one region kept in flight
 DEPTH = 4
@@ -34,7 +34,7 @@ _pool_pid = -1
 _pool_lock = threading.Lock()
 
 
-def _executor() -> ThreadPoolExecutor:
+def request_pool() -> ThreadPoolExecutor:
     """The process's request pool (a forked child makes its own: threads do not survive)."""
     global _pool, _pool_pid
     with _pool_lock:
@@ -128,7 +128,7 @@ def read_in_flight(
         _read_exact(fd, offset + s, view[s:e], path)
         order.complete(i)
 
-    pool = _executor()
+    pool = request_pool()
     pending: Deque[Future] = deque()
     try:
         for i in range(len(spans)):
@@ -142,7 +142,7 @@ def read_in_flight(
         _settle(pending)
 
 
-def _read_upto(fd: int, offset: int, view: memoryview) -> int:
+def read_upto(fd: int, offset: int, view: memoryview) -> int:
     """Reads up to `len(view)` bytes at `offset`; fewer only where the file ends."""
     done = 0
     while done < len(view):
@@ -189,7 +189,7 @@ def read_through_slots(
 
     def one(i: int) -> int:
         n = min(size, offset + length - starts[i])
-        return _read_upto(fd, starts[i], slots[i % len(slots)][:n])
+        return read_upto(fd, starts[i], slots[i % len(slots)][:n])
 
     if len(slots) <= 1 or len(starts) <= 1:
         for i, at in enumerate(starts):
@@ -198,7 +198,7 @@ def read_through_slots(
             if got < min(size, offset + length - at):
                 return
         return
-    pool = _executor()
+    pool = request_pool()
     pending: Deque[Future] = deque()
     try:
         nxt = 0

@@ -43,7 +43,7 @@ import logging
 import math
 import os
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Set, Tuple
@@ -57,6 +57,7 @@ from ..._dist import all_gather_object, get_collective_timeout, get_rank, get_wo
 from ...errors import CheckpointCorruptedError
 from ...integrity import Checksums, ItemSum, new_hasher
 from ...storage import buffers, faults, node_share
+from ...storage.inflight import read_upto, request_pool
 from .reader import ChunkGroup, open_range, parse_chunk, strided
 from .verify import frame_matches, mismatch
 
@@ -326,11 +327,11 @@ class _Geometry:
 
 @dataclass
 class _ReadAhead:
-    """A reader's huge-page staging buffers (`AHEAD + 1`) and the threads that read the
-    next `AHEAD` windows into them while the last read is copied into its window."""
+    """A reader's huge-page staging buffers (`AHEAD + 1`): the next `AHEAD` windows are
+    read into them on the process's request pool while the last read is copied into its
+    window."""
 
     stages: List[np.ndarray]
-    pool: ThreadPoolExecutor
 
     @classmethod
     def create(cls) -> Optional[_ReadAhead]:
@@ -338,8 +339,7 @@ class _ReadAhead:
         stages = [buffers.staging(SLOT - PRE) for _ in range(AHEAD + 1)]
         if any(s is None for s in stages):
             return None
-        pool = ThreadPoolExecutor(AHEAD, thread_name_prefix="dc-read-ahead")
-        return cls([s for s in stages if s is not None], pool)
+        return cls([s for s in stages if s is not None])
 
 
 @dataclass
@@ -468,14 +468,8 @@ class SharedReads:
     ) -> None:
         """Reads this rank's chunks, window by window, into its segment's windows."""
         mine = sorted((c for c in self.chunks if c.reader == self.rank), key=lambda c: c.position)
-        if not mine:
-            return
-        ahead = _ReadAhead.create()
-        try:
-            self._read_chunks(mine, checkpoint_dir, checksums, check, stall, ahead)
-        finally:
-            if ahead is not None:
-                ahead.pool.shutdown()
+        if mine:
+            self._read_chunks(mine, checkpoint_dir, checksums, check, stall, _ReadAhead.create())
 
     def _read_chunks(
         self,
@@ -550,12 +544,12 @@ class SharedReads:
             assert ahead is not None
             lo, _, want = span(k)
             stage = ahead.stages[k % len(ahead.stages)]
-            return _pread(fd, stage[:want], lo), stage
+            return read_upto(fd, lo, memoryview(stage[:want])), stage  # type: ignore[arg-type]
 
         pending: Deque[Future] = collections.deque()
         if ahead is not None and direct:
             for k in range(min(AHEAD, chunk.windows)):
-                pending.append(ahead.pool.submit(fetch, k))
+                pending.append(request_pool().submit(fetch, k))
         try:
             for k in range(chunk.windows):
                 n = chunk.first_window + k
@@ -574,10 +568,10 @@ class SharedReads:
                     lo, hi = geo.window(k)
                     got, stage = pending.popleft().result()
                     if k + AHEAD < chunk.windows:
-                        pending.append(ahead.pool.submit(fetch, k + AHEAD))
+                        pending.append(request_pool().submit(fetch, k + AHEAD))
                 else:
                     lo, hi, want = span(k)
-                    got = _pread(fd, buf[PRE : PRE + want], lo)
+                    got = read_upto(fd, lo, memoryview(buf[PRE : PRE + want]))  # type: ignore[arg-type]
                 if got < hi - lo:
                     raise CheckpointCorruptedError(f"{path}: short read at offset {lo + got}")
                 self.read_bytes += hi - lo
@@ -674,18 +668,6 @@ def _land(
         window[s:e] = stage[s:e]
         if blocks is not None and min(b, e) > max(a, s):
             blocks.feed(window[max(a, s) : min(b, e)])
-
-
-def _pread(fd: int, buf: np.ndarray, offset: int) -> int:
-    """Reads into `buf` from `offset` until it is full or the file ends; bytes read."""
-    got = 0
-    view = memoryview(buf)  # type: ignore[arg-type]
-    while got < buf.size:
-        n = os.preadv(fd, [view[got:]], offset + got)
-        if n <= 0:
-            break
-        got += n
-    return got
 
 
 def _copy_rows(
