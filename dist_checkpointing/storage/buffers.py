@@ -49,11 +49,22 @@ _free_bounce: List[np.ndarray] = []
 
 
 def bounce() -> np.ndarray:
-    """An aligned `BOUNCE`-byte buffer (reused); hand it back with `give_back`."""
+    """An aligned `BOUNCE`-byte buffer (reused) for O_DIRECT reads copied on from there, in
+    huge pages where the kernel gives them (`staging`); hand it back with `give_back`.
+
+    Private to the process: a forked child that takes a buffer its parent pooled gets its
+    own copy of the pages, never the parent's (shared memory here would let the two read
+    into the same bytes).
+    """
     with _lock:
         if _free_bounce:
             return _free_bounce.pop()
-    return np.frombuffer(mmap.mmap(-1, BOUNCE), dtype=np.uint8)
+    staged = staging(BOUNCE)
+    if staged is not None:
+        return staged
+    return np.frombuffer(
+        mmap.mmap(-1, BOUNCE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype=np.uint8
+    )
 
 
 def give_back(buf: np.ndarray) -> None:

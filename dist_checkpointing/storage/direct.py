@@ -4,7 +4,8 @@ The I/O layer shared by the torch_dist backend and local checkpoints:
 
 - `read_region` fills a destination with the bytes of a file region in large requests,
   several in flight (`inflight`): with O_DIRECT (aligned requests into reusable aligned
-  bounce buffers, or straight into the destination when it is aligned), else with plain
+  bounce buffers, in huge pages where the kernel gives them, or straight into the
+  destination when it is aligned), else with plain
   `preadv` straight into the destination.
   Memory used beyond the destination: one bounce buffer per reading thread (cut into one
   slot per request in flight).

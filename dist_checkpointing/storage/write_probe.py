@@ -28,11 +28,14 @@ from __future__ import annotations
 
 import errno
 import logging
+import mmap
 import os
 import threading
 import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
 
 from . import buffers
 from .direct import PathLike, direct_allowed, refuse_direct
@@ -117,7 +120,10 @@ def _write_once(path: str, view: memoryview, direct: bool) -> float:
 def _measure(directory: str) -> WriteProbe:
     """Writes the scratch file both ways, alternating; removes it."""
     path = os.path.join(directory, f".write_probe.{os.getpid()}.{threading.get_ident()}")
-    buf = buffers.bounce()  # aligned, as O_DIRECT needs
+    # page-aligned, as O_DIRECT needs, and shared memory like the images and chunk buffers
+    # saves write from (not a huge-page bounce buffer: direct writes from huge pages ran
+    # faster here, and would make the probe favour a path saves do not take)
+    buf = np.frombuffer(mmap.mmap(-1, PROBE_BYTES), dtype=np.uint8)
     try:
         data = buf[:PROBE_BYTES]
         data[:] = 0x5A  # not zeros: some virtual disks skip writing zero blocks
@@ -135,7 +141,6 @@ def _measure(directory: str) -> WriteProbe:
                 d = _write_once(path, view, True)
             pairs.append((d, b))
     finally:
-        buffers.give_back(buf)
         try:
             os.unlink(path)
         except OSError:

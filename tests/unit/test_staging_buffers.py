@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from dist_checkpointing.storage import buffers
@@ -44,3 +46,49 @@ def test_a_staging_buffer_is_huge_page_aligned_writable_and_of_the_size_asked():
         buf[:] = 7
         buf[-1] = 9
         assert int(buf[0]) == 7 and int(buf[-1]) == 9
+
+
+@pytest.fixture
+def empty_bounce_pool():
+    """An empty pool before and after the test (buffers made under a fake setting are not
+    kept for other tests)."""
+    with buffers._lock:
+        saved = list(buffers._free_bounce)
+        buffers._free_bounce.clear()
+    yield
+    with buffers._lock:
+        buffers._free_bounce[:] = saved
+
+
+def test_bounce_buffers_are_staged_in_huge_pages_where_the_kernel_gives_them(empty_bounce_pool):
+    if not buffers.huge_pages():
+        pytest.skip("this kernel gives no transparent huge pages")
+    buf = buffers.bounce()
+    assert buf.size == buffers.BOUNCE
+    assert buf.ctypes.data % buffers.HUGE == 0  # a staging buffer, not a 4 KiB-aligned mmap
+    buffers.give_back(buf)
+    assert buffers.bounce() is buf  # pooled
+
+
+def test_bounce_buffers_without_huge_pages_are_page_aligned(thp_setting, empty_bounce_pool):
+    thp_setting.write_text("always madvise [never]\n")
+    buf = buffers.bounce()
+    assert buf.size == buffers.BOUNCE and buf.ctypes.data % buffers.ALIGN == 0
+    buf[:] = 3
+    assert int(buf[-1]) == 3
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_pooled_bounce_buffer_is_private_to_the_process(empty_bounce_pool):
+    # a forked child reusing its parent's pooled buffer must not write into the parent's
+    buf = buffers.bounce()
+    buf[:16] = 1
+    buffers.give_back(buf)
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        child = buffers.bounce()
+        child[:16] = 2
+        os._exit(0 if int(child[0]) == 2 else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert int(buf[0]) == 1
