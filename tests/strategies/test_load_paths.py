@@ -15,7 +15,7 @@ import torch
 import dist_checkpointing as dc
 from dist_checkpointing import ShardedTensor, integrity
 from dist_checkpointing.errors import CheckpointCorruptedError
-from dist_checkpointing.storage import direct, faults, probe
+from dist_checkpointing.storage import buffers, direct, faults, probe
 from dist_checkpointing.strategies.torch_dist import reader, zipformat
 from dist_checkpointing.strategies.torch_dist.load import TorchDistLoadShardedStrategy
 from dist_checkpointing.strategies.torch_dist.metadata_file import read_metadata
@@ -113,6 +113,25 @@ def test_probe_times_each_path_as_loads_read_into_tensors(tmp_path, monkeypatch)
     one = probe._measure(str(path), pairs=1)
     assert one is not None and len(one.pairs) == 1 and one.nbytes == probe.PROBE_BYTES
     assert [c[0] for c in calls] == ["direct", "buffered"]
+
+
+def test_probe_times_o_direct_with_its_bounce_buffer_already_made(tmp_path, monkeypatch):
+    # a load finds its bounce buffer pooled; the probe must not time making one (its page
+    # faults) against O_DIRECT, in the only pair a rank of a multi-rank load measures
+    path = tmp_path / "big"
+    path.write_bytes(os.urandom(4 * probe.PROBE_BYTES + 8192))
+    monkeypatch.setattr(buffers, "_free_bounce", [])
+    pooled_at_read: list = []
+    real = probe._direct
+
+    def direct_read(*args):
+        pooled_at_read.append(len(buffers._free_bounce))
+        return real(*args)
+
+    monkeypatch.setattr(probe, "_direct", direct_read)
+    one = probe._measure(str(path), pairs=1)
+    assert one is not None and len(one.pairs) == 1
+    assert pooled_at_read == [1]
 
 
 def test_probe_is_skipped_where_o_direct_was_refused(tmp_path, monkeypatch):
@@ -486,3 +505,16 @@ def test_a_load_with_a_fixed_read_path_does_not_measure(tmp_path, monkeypatch, d
     # a later load that leaves the path to measurement still measures
     dc.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(64, 8))}, tmp_path / "c")
     assert len(measured) == 1
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts page faults")
+def test_the_probes_destination_is_resident_before_the_clock_starts():
+    # np.zeros maps no pages: the first timed region (an O_DIRECT one) paid every page
+    # fault of the destination, and lost its only pair per rank in a multi-rank load
+    import resource
+
+    out = probe._destination(8 << 20)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    out[:: buffers.ALIGN] = 2
+    faults_taken = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    assert faults_taken < 64  # 2048 pages: all of them were already mapped
