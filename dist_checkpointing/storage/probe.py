@@ -10,15 +10,15 @@ the buffered regions are evicted from it first), and the answer is kept for ever
 on that file system (keyed by device number).
 
 A `torch_dist` load starts with an exchange: every rank probes one data file (`local_probe`)
-and all keep the combination (`combine`, `keep`), so every rank reads the same way and
-O_DIRECT must win every pair of every rank. Reads outside a load probe on their own.
+and all keep the combination (`combine`, `keep`), so every rank reads the same way
+(`ReadProbe.prefer_direct` over all ranks' pairs). Reads outside a load probe on their own.
 
 The probe costs `4 * PROBE_BYTES` of reads (two pairs) once per process and file system, or
 `2 * PROBE_BYTES` (one pair) per rank in a load of several ranks, where every rank's pair
 counts: at 4 ranks x 1 GiB two pairs took 0.15-0.25 s of a first load whose later repeats
 took 0.46 s. The regions read through the page cache stay there for the load that
-follows. O_DIRECT must win every pair of probed regions (one probe on a busy machine is
-noisy), and even then a region already in the page cache (`cached`: e.g. a checkpoint
+follows. O_DIRECT must win in total and in at least half of the pairs (one probe on a busy
+machine is noisy), and even then a region already in the page cache (`cached`: e.g. a checkpoint
 loaded a moment ago) is read from there. Its reads bypass the `faults` seam: they are
 measurements, their bytes are never returned to anyone.
 """
@@ -87,15 +87,21 @@ class ReadProbe:
 
     @property
     def prefer_direct(self) -> bool:
-        """Whether O_DIRECT reads were clearly faster, in total and in every pair.
+        """Whether O_DIRECT reads were clearly faster: in total, and in at least half of
+        the pairs (so that one outlying pair cannot decide alone: one probe is a few small
+        reads on a shared machine).
 
-        Every pair must agree because one probe is a few small reads on a shared machine:
-        in 6 probes of one file on this project's busy CI VM, the totals favoured O_DIRECT
-        4 times by up to 3x, and 2 times the page cache.
+        Why not every pair, as before: with 4 ranks reading at once, the buffered reads
+        of the probe scattered (0.045-0.085 s for 32 MiB in one load, O_DIRECT 0.049-0.050 s)
+        and O_DIRECT lost 2 of 4 pairs while its total was 0.79x the page cache's; whole
+        loads read with O_DIRECT were then as fast for plain loads and 1.12-1.27x as fast
+        for row-resharded ones, in three benchmark runs (docs/performance.md, twelfth
+        pass).
         """
         if not self.direct_s < DIRECT_MARGIN * self.buffered_s:
             return False
-        return all(d < DIRECT_MARGIN * b for d, b in self.pairs)
+        won = sum(d < DIRECT_MARGIN * b for d, b in self.pairs)
+        return 2 * won >= len(self.pairs)
 
 
 _results: Dict[int, ReadProbe] = {}
@@ -253,8 +259,8 @@ def local_probe(path: str, pairs: int = 2) -> Optional[ReadProbe]:
     Args:
         path: a data file the load is about to read.
         pairs: pairs of regions to read (one O_DIRECT, one through the page cache each):
-            ranks that combine their probes can each read fewer, since O_DIRECT must win
-            every pair of every rank.
+            ranks that combine their probes can each read fewer, since the decision is
+            made over every rank's pairs.
 
     Returns:
         The measurement, or None where none can be made (no O_DIRECT, a small file, an
@@ -273,8 +279,9 @@ def local_probe(path: str, pairs: int = 2) -> Optional[ReadProbe]:
 
 
 def combine(probes: List[Optional[ReadProbe]]) -> Optional[ReadProbe]:
-    """Every rank's measurements as one: O_DIRECT is preferred only if it won every pair of
-    every rank (ranks probing on their own disagreed: on this project's 2-core VM, 4 ranks
+    """Every rank's measurements as one, decided over all their pairs together
+    (`ReadProbe.prefer_direct`), so that every rank reads the same way (ranks probing on
+    their own disagreed: on this project's 2-core VM, 4 ranks
     loading 1 GiB chose O_DIRECT on 1 to 3 of them, which then read for up to 1.05 s where
     the others took 0.40-0.68 s through the page cache, and the load waited for the
     slowest).

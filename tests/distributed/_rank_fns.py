@@ -136,7 +136,7 @@ def load_with_fixed_probe(
         dc.load(builder(), ckpt)  # a second load measures nothing new and keeps the same
         data = sorted(f for f in os.listdir(ckpt) if f.endswith(".distcp"))
         kept = probe.probe_result(os.path.join(ckpt, data[0]))
-        # one pair per rank: with several ranks each probes one, O_DIRECT must win them all
+        # one pair per rank: with several ranks each probes one, all decide together
         assert kept is None or len(kept.pairs) == dist.get_world_size(), kept
         return None if kept is None else kept.prefer_direct
     finally:

@@ -444,15 +444,20 @@ def test_damaged_zip_records_are_found_after_a_front_to_back_read(
         dc.load(_request(w, [rows]), ckpt, validate_access_integrity=False)
 
 
-def test_combined_probes_prefer_o_direct_only_when_it_won_every_pair_of_every_rank():
+def test_combined_probes_decide_over_every_ranks_pairs():
     win = probe.ReadProbe(0.2, 2.0, 8, ((0.1, 1.0), (0.1, 1.0)))
     lose = probe.ReadProbe(2.0, 0.2, 8, ((1.0, 0.1), (1.0, 0.1)))
-    mixed = probe.ReadProbe(0.5, 1.1, 8, ((0.1, 1.0), (0.4, 0.1)))  # total favours O_DIRECT
+    mixed = probe.ReadProbe(1.1, 0.2, 8, ((0.1, 0.1), (1.0, 0.1)))  # loses both pairs
     both = probe.combine([win, win])
     assert both is not None and both.prefer_direct
     assert len(both.pairs) == 4 and both.nbytes == 16 and both.direct_s == pytest.approx(0.4)
     assert not probe.combine([win, lose]).prefer_direct  # type: ignore[union-attr]
-    assert not probe.combine([win, mixed]).prefer_direct  # type: ignore[union-attr]
+    # half the pairs won and 0.59x in total: O_DIRECT
+    assert probe.combine([win, mixed]).prefer_direct  # type: ignore[union-attr]
+    # far ahead in total through one rank's pairs, behind on the two others: the page cache
+    outlier = probe.ReadProbe(0.02, 4.0, 8, ((0.01, 2.0), (0.01, 2.0)))
+    slight = probe.ReadProbe(0.4, 0.2, 8, ((0.2, 0.1), (0.2, 0.1)))
+    assert not probe.combine([outlier, slight, slight]).prefer_direct  # type: ignore[union-attr]
     assert probe.combine([None, win]).prefer_direct  # type: ignore[union-attr]
     assert probe.combine([None, None]) is None and probe.combine([]) is None
 

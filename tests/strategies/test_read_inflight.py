@@ -213,10 +213,15 @@ def test_asking_whether_a_region_is_cached_reads_nothing_into_the_cache(tmp_path
         os.close(fd)
 
 
-def test_probe_prefers_o_direct_only_when_every_pair_agrees():
+def test_probe_prefers_o_direct_when_faster_in_total_and_in_half_the_pairs():
     assert probe.ReadProbe(1.0, 3.0, 1, ((0.5, 1.5), (0.5, 1.5))).prefer_direct
-    # faster in total, but one pair says the page cache: noise, keep the page cache
-    assert not probe.ReadProbe(1.0, 3.0, 1, ((0.1, 2.9), (0.9, 0.1))).prefer_direct
+    # faster in total, and in one pair of two (4 ranks' scattered buffered reads)
+    assert probe.ReadProbe(1.0, 3.0, 1, ((0.1, 2.9), (0.9, 0.1))).prefer_direct
+    # faster in total only through one outlying pair of three: keep the page cache
+    outlier = ((0.01, 2.0), (1.0, 0.5), (1.0, 0.5))
+    assert not probe.ReadProbe(2.01, 3.0, 1, outlier).prefer_direct
+    # within the margin in total: keep the page cache
+    assert not probe.ReadProbe(0.95, 1.0, 1, ((0.45, 0.6), (0.5, 0.4))).prefer_direct
     assert not probe.ReadProbe(3.0, 1.0, 1, ((1.5, 0.5), (1.5, 0.5))).prefer_direct
 
 
