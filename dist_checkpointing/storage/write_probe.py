@@ -16,8 +16,9 @@ measurements at every save and all keep the combination (`combine`, `keep`), so 
 write the same way.
 
 O_DIRECT stays the choice unless the page cache is clearly faster: by `BUFFERED_MARGIN` in
-total and in every pair of probes (one probe on a busy machine is noisy; the same rule as
-the read probe, `storage.probe`, with the roles swapped because O_DIRECT costs less CPU).
+total and in every pair of probes (one probe on a busy machine is noisy; the read probe,
+`storage.probe`, asks less of O_DIRECT: half the pairs; here the default is O_DIRECT,
+which costs less CPU, and the page cache must win them all).
 The probe writes `2 * ROUNDS * PROBE_BYTES` (24 MiB) once per process and file system, at
 the first save writing at least `MIN_PROBED_SAVE` bytes there, into a
 scratch file in the checkpoint directory that is removed before the save goes on. Its
