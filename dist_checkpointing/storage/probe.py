@@ -94,9 +94,9 @@ class ReadProbe:
         Why not every pair, as before: with 4 ranks reading at once, the buffered reads
         of the probe scattered (0.045-0.085 s for 32 MiB in one load, O_DIRECT 0.049-0.050 s)
         and O_DIRECT lost 2 of 4 pairs while its total was 0.79x the page cache's; whole
-        loads read with O_DIRECT were then as fast for plain loads and 1.12-1.27x as fast
-        for row-resharded ones, in three benchmark runs (docs/performance.md, twelfth
-        pass).
+        loads read with O_DIRECT were then about as fast for plain loads (0.89-1.07x) and
+        1.07-1.27x as fast for row-resharded ones, in four benchmark runs at 2 and 4 ranks
+        (docs/performance.md, twelfth pass).
         """
         if not self.direct_s < DIRECT_MARGIN * self.buffered_s:
             return False
