@@ -1,11 +1,13 @@
-"""`_dist.all_gather_object` on gloo: one exchange for small objects, two past `INLINE`."""
+"""`_dist.all_gather_object` on gloo: one exchange for small objects, two past the frame."""
 
 from __future__ import annotations
 
 import pytest
 
-from dist_checkpointing._object_gather import INLINE
+from dist_checkpointing._object_gather import inline_bytes
 from tests.distributed._rank_fns import gather_objects_counting_exchanges
+
+INLINE = inline_bytes(2)  # the frame's pickle bytes in the 2-rank world
 
 
 @pytest.mark.timeout(120)
