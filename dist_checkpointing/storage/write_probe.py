@@ -124,11 +124,10 @@ def _measure(directory: str) -> WriteProbe:
     # page-aligned, as O_DIRECT needs, and shared memory like the images and chunk buffers
     # saves write from (not a huge-page bounce buffer: direct writes from huge pages ran
     # faster here, and would make the probe favour a path saves do not take)
-    buf = np.frombuffer(mmap.mmap(-1, PROBE_BYTES), dtype=np.uint8)
+    data = np.frombuffer(mmap.mmap(-1, PROBE_BYTES), dtype=np.uint8)
+    data[:] = 0x5A  # not zeros: some virtual disks skip writing zero blocks
+    view = memoryview(data)  # type: ignore[arg-type]
     try:
-        data = buf[:PROBE_BYTES]
-        data[:] = 0x5A  # not zeros: some virtual disks skip writing zero blocks
-        view = memoryview(data)  # type: ignore[arg-type]
         # untimed: creating the file (and committing that with the first fsync) cost
         # 4x a probe write here, and would land on whichever path went first
         _write_once(path, view[: buffers.ALIGN], False)
