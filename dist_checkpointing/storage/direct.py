@@ -28,7 +28,7 @@ import logging
 import os
 import sys
 import threading
-from typing import Any, Callable, Dict, Optional, Set, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import numpy as np
 import torch
@@ -36,13 +36,15 @@ import torch
 from ..errors import CheckpointCorruptedError
 from . import buffers, faults
 from .buffers import ALIGN
-from .inflight import DEPTH, read_in_flight, read_through_slots
+from .inflight import DEPTH, read_in_flight, read_spans_through_slots, read_through_slots
 
 __all__ = [
     "ALIGN",
     "CHUNK_READ",
     "BUFFERED_DEPTH",
+    "DirectUnavailable",
     "read_region",
+    "read_spans",
     "read_file",
     "direct_allowed",
     "refuse_direct",
@@ -234,6 +236,91 @@ def read_region(
     except OSError as e:
         raise CheckpointCorruptedError(f"{path}: read failed at offset {offset} ({e})") from e
     finally:
+        os.close(fd)
+
+
+class DirectUnavailable(OSError):
+    """O_DIRECT cannot be used for a file (its directory refused it, now or before):
+    `read_spans` raises it so that the caller reads the same bytes another way."""
+
+
+def _aligned_spans(spans: Sequence[Tuple[int, int]]) -> List[Tuple[int, int]]:
+    """`(offset, length)` regions widened to `ALIGN` and merged where they touch."""
+    out: List[Tuple[int, int]] = []
+    for offset, length in sorted(spans):
+        if length <= 0:
+            continue
+        a = offset - offset % ALIGN
+        b = -(-(offset + length) // ALIGN) * ALIGN
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return [(a, b - a) for a, b in out]
+
+
+def read_spans(
+    path: str,
+    spans: Sequence[Tuple[int, int]],
+    deliver: Callable[[int, memoryview], None],
+    request: int = CHUNK_READ,
+    depth: int = DEPTH,
+) -> bool:
+    """Reads several regions of one file with O_DIRECT as one pipeline of requests.
+
+    The regions are widened to `ALIGN` and merged where they touch, then read through one
+    bounce buffer (cut into `depth` slots, in huge pages where the kernel gives them) with
+    `depth` requests in flight across the regions' ends
+    (`inflight.read_spans_through_slots`). The caller picks out the bytes it asked for:
+    deliveries also carry the alignment's bytes around them.
+
+    Args:
+        path: the file.
+        spans: `(offset, length)` of each region.
+        deliver: called as `deliver(file_offset, data)` for each request, in file order, in
+            the calling thread; `data` is valid only during the call.
+        request: bytes per request at most (rounded down to `ALIGN`, at most the slot).
+        depth: requests in flight.
+
+    Returns:
+        True when every byte was read; False when the file ended first.
+
+    Raises:
+        DirectUnavailable: the directory does not allow O_DIRECT (refused now or before;
+            recorded with `refuse_direct`). Some deliveries may have been made.
+        CheckpointCorruptedError: the file cannot be opened or read.
+        Exception: whatever `deliver` or the `faults` seam raised.
+    """
+    directory = os.path.dirname(path)
+    if not direct_allowed(directory):
+        raise DirectUnavailable(errno.EINVAL, f"O_DIRECT refused in {directory}")
+    merged = _aligned_spans(spans)
+    for offset, length in merged:
+        faults.check("read", path, offset, length, True)
+    if not merged:
+        return True
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    except OSError as e:
+        if e.errno == errno.EINVAL:
+            refuse_direct(directory, e, "reads")
+            raise DirectUnavailable(e.errno, str(e)) from e
+        raise CheckpointCorruptedError(f"{path}: cannot be opened ({e})") from e
+    bounce = buffers.bounce()
+    try:
+        depth = max(1, min(depth, buffers.BOUNCE // ALIGN))
+        step = max(ALIGN, min(buffers.BOUNCE // depth, request) // ALIGN * ALIGN)
+        view = memoryview(bounce)  # type: ignore[arg-type]
+        slots = [view[i * step : (i + 1) * step] for i in range(depth)]
+        try:
+            return read_spans_through_slots(fd, merged, slots, deliver)
+        except OSError as e:
+            if e.errno == errno.EINVAL:
+                refuse_direct(directory, e, "reads")
+                raise DirectUnavailable(e.errno, str(e)) from e
+            raise CheckpointCorruptedError(f"{path}: read failed ({e})") from e
+    finally:
+        buffers.give_back(bounce)
         os.close(fd)
 
 

@@ -16,7 +16,7 @@ import dist_checkpointing as dc
 from dist_checkpointing import ShardedTensor, integrity
 from dist_checkpointing.errors import CheckpointCorruptedError
 from dist_checkpointing.storage import buffers, direct, faults, probe
-from dist_checkpointing.strategies.torch_dist import reader, zipformat
+from dist_checkpointing.strategies.torch_dist import reader, stream, zipformat
 from dist_checkpointing.strategies.torch_dist.load import TorchDistLoadShardedStrategy
 from dist_checkpointing.strategies.torch_dist.metadata_file import read_metadata
 from dist_checkpointing.strategies.torch_dist.reader import open_range
@@ -159,7 +159,11 @@ def test_whole_chunk_loads_take_the_measured_read_path(tmp_path, monkeypatch, di
     with faults.injected(faults.Fault("*.distcp", ops=("read",))) as (spy,):
         got = dc.load(req, tmp_path / "c", sharded_strategy=TorchDistLoadShardedStrategy())
     assert torch.equal(got["w"], w) and len(measured) == 1
-    assert [(c.nbytes, c.direct) for c in spy.calls] == [(w.numel() * 4, direct_faster)]
+    if direct_faster:  # one aligned stream of the item: its records and data together
+        assert [c.direct for c in spy.calls] == [True]
+        assert w.numel() * 4 < spy.calls[0].nbytes < w.numel() * 4 + 64 * 1024
+    else:
+        assert [(c.nbytes, c.direct) for c in spy.calls] == [(w.numel() * 4, False)]
 
 
 def _save_blocked(tmp_path, monkeypatch, w: torch.Tensor) -> None:
@@ -296,6 +300,14 @@ def test_verification_runs_request_by_request_never_as_a_second_pass(tmp_path, m
         return real(self, data, start)
 
     monkeypatch.setattr(integrity.ItemSum, "bad_block", spy)
+    # O_DIRECT loads are streamed (`stream`): each delivered piece is hashed as it is copied
+    real_hash = stream.StreamItem._hash
+
+    def spy_stream(self, part, pos):
+        hashed.append((pos, len(part)))
+        return real_hash(self, part, pos)
+
+    monkeypatch.setattr(stream.StreamItem, "_hash", spy_stream)
     for direct_io in (False, True):
         hashed.clear()
         got = dc.load(

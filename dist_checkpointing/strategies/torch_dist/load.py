@@ -148,8 +148,10 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             O_DIRECT (through aligned bounce buffers where unaligned, falling back to
             buffered reads where refused), False through the page cache; None (the default)
             whichever a small probe measured faster on the file system, once per process
-            (`storage.prefer_direct_reads`). Partial and shared reads (resharding) always go
-            through the page cache, which the ranks of a node share.
+            (`storage.prefer_direct_reads`). Whole rows of a chunk read in place (a
+            row-resharded load) take the same path; with O_DIRECT, a file's chunks read in
+            place are read as one stream of requests (`stream`). Other partial reads map
+            the page cache, which the ranks of a node share; shared reads use O_DIRECT.
         allow_lossy_dtype_conversion: load a tensor into a dtype that cannot hold every
             stored value (float -> int, float32 -> bfloat16, ...), with a warning. Without
             it such a request raises `LossyDtypeConversionError` (see

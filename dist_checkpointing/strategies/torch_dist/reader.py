@@ -31,10 +31,12 @@ from ..._safe_load import torch_load
 from ...errors import CheckpointCorruptedError
 from ...integrity import Checksums, ItemSum
 from ...storage import cached, mapped, prefer_direct_reads, read_region
+from . import stream
 from .verify import (
     ChunkVerifier,
     RangeVerifier,
     Verifier,
+    check_layout,
     flat_bytes,
     frame_matches,
     mismatch,
@@ -231,22 +233,56 @@ def read_tensor_items(
         nbytes = shared.read_bytes
         groups = {k: g for k, g in groups.items() if k not in shared.keys or k in left}
 
-    def load_group(group: ChunkGroup) -> int:
-        what = (
-            f"{group.info.relative_path}@{group.info.offset} ({group.reads[0].storage_index.fqn!r})"
-        )
+    def describe(group: ChunkGroup) -> Tuple[str, Optional[ItemSum]]:
         info = group.info
+        what = f"{info.relative_path}@{info.offset} ({group.reads[0].storage_index.fqn!r})"
         expected = (
             checksums.expected_range(str(info.relative_path), info.offset, info.length, what)
             if checksums is not None
             else None
         )
-        path = checkpoint_dir / info.relative_path
-        with open_range(path, info) as stream:
-            nread = _read_stored(stream, group, resolve, what, expected, str(path), direct_io)
+        return what, expected
+
+    def load_group(group: ChunkGroup) -> int:
+        what, expected = describe(group)
+        path = checkpoint_dir / group.info.relative_path
+        with open_range(path, group.info) as f:
+            nread = _read_stored(f, group, resolve, what, expected, str(path), direct_io)
         if progress is not None:
             progress(nread)
         return nread
+
+    def stream_file(name: str, file_groups: List[ChunkGroup]) -> Tuple[int, List[ChunkGroup]]:
+        """Streams what of the file can be (`stream`); returns its bytes and the rest."""
+        if direct_io is False:
+            return 0, file_groups
+        items = []
+        for g in file_groups:
+            try:
+                what, expected = describe(g)
+            except CheckpointCorruptedError:
+                continue  # raised again, where the group is read the ordinary way
+            item = stream.plan_item(g, resolve, expected, what)
+            if item is not None:
+                items.append(item)
+        if not items:
+            return 0, file_groups
+        path = str(checkpoint_dir / name)
+        first = items[0].group.info.offset
+        last = items[-1].group.info.offset + items[-1].group.info.length
+        try:
+            if os.path.getsize(path) < last:
+                return 0, file_groups  # truncated: reported by the ordinary read
+        except OSError:
+            return 0, file_groups
+        # measured, unless the file's bytes are in the page cache already
+        if direct_io is None and (
+            not prefer_direct_reads(path) or cached(path, first, last - first)
+        ):
+            return 0, file_groups
+        nread, done = stream.read_stream(path, items, READ_REQUEST, progress)
+        finished = {id(item.group) for item in items[:done]}
+        return nread, [g for g in file_groups if id(g) not in finished]
 
     by_file: Dict[str, List[ChunkGroup]] = {}
     for g in sorted(groups.values(), key=lambda g: (str(g.info.relative_path), g.info.offset)):
@@ -257,7 +293,8 @@ def read_tensor_items(
         names = names[k:] + names[:k]
 
     def load_file(name: str) -> int:
-        return sum(load_group(g) for g in by_file[name])
+        nread, rest = stream_file(name, by_file[name])
+        return nread + sum(load_group(g) for g in rest)
 
     if any(strided(g) for g in groups.values()):
         # mapped reads populate ahead in a helper thread of their own (`MAP_AHEAD`): a
@@ -427,13 +464,8 @@ def parse_chunk(
         )
     if layout is None:
         layout = chunk_layout(raw)
-    if layout is not None and group is not None and group.stored is not None:
-        if group.stored != (tuple(layout.shape), layout.dtype):
-            raise CheckpointCorruptedError(
-                f"{what}: the item holds a {layout.dtype} chunk of shape "
-                f"{tuple(layout.shape)}, the metadata says {group.stored[1]} of shape "
-                f"{group.stored[0]}"
-            )
+    if layout is not None:
+        check_layout(layout, group.stored if group is not None else None, what)
     return layout
 
 

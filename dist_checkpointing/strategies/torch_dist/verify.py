@@ -21,6 +21,8 @@ from ...integrity import ItemSum, new_hasher
 
 __all__ = [
     "ChunkVerifier",
+    "check_layout",
+    "block_mismatch",
     "RangeVerifier",
     "Verifier",
     "flat_bytes",
@@ -39,12 +41,25 @@ def mismatch(what: str, info: _StorageInfo) -> CheckpointCorruptedError:
     )
 
 
-def _block_mismatch(what: str, info: _StorageInfo, expected: ItemSum, k: int) -> Exception:
+def block_mismatch(what: str, info: _StorageInfo, expected: ItemSum, k: int) -> Exception:
+    """The error for block `k` of an item's data region not matching its digest."""
     b0 = info.offset + expected.data_off + k * expected.block
     return CheckpointCorruptedError(
         f"{what}: checksum mismatch in bytes {b0}-{b0 + expected.block} of "
         f"{info.relative_path}: the stored data is damaged"
     )
+
+
+def check_layout(
+    layout: Any, stored: Optional[Tuple[Tuple[int, ...], torch.dtype]], what: str
+) -> None:
+    """Raises `CheckpointCorruptedError` where a chunk's zip records (`layout`) say another
+    shape or dtype than the metadata does (`stored`; None: not recorded): a damaged record."""
+    if stored is not None and stored != (tuple(layout.shape), layout.dtype):
+        raise CheckpointCorruptedError(
+            f"{what}: the item holds a {layout.dtype} chunk of shape "
+            f"{tuple(layout.shape)}, the metadata says {stored[1]} of shape {stored[0]}"
+        )
 
 
 def read_exact(raw: Any, offset: int, n: int) -> bytes:
@@ -155,7 +170,7 @@ class ChunkVerifier:
             return
         bad = expected.bad_block(self.view[self.done : upto], self.start + self.done)
         if bad is not None:
-            raise _block_mismatch(self.what, self.info, expected, bad)
+            raise block_mismatch(self.what, self.info, expected, bad)
         self.done = upto
 
     def finish(self) -> None:
@@ -256,7 +271,7 @@ class RangeVerifier:
             for part in self._pieces(k):
                 h.update(part)
             if k >= len(self.expected.blocks) or h.intdigest() != self.expected.blocks[k]:
-                raise _block_mismatch(self.what, self.info, self.expected, k)
+                raise block_mismatch(self.what, self.info, self.expected, k)
             self.next = k + 1
 
     def finish(self) -> None:
