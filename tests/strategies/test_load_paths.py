@@ -16,7 +16,7 @@ import dist_checkpointing as dc
 from dist_checkpointing import ShardedTensor, integrity
 from dist_checkpointing.errors import CheckpointCorruptedError
 from dist_checkpointing.storage import buffers, direct, faults, probe
-from dist_checkpointing.strategies.torch_dist import reader, stream, zipformat
+from dist_checkpointing.strategies.torch_dist import reader, verify, zipformat
 from dist_checkpointing.strategies.torch_dist.load import TorchDistLoadShardedStrategy
 from dist_checkpointing.strategies.torch_dist.metadata_file import read_metadata
 from dist_checkpointing.strategies.torch_dist.reader import open_range
@@ -301,13 +301,13 @@ def test_verification_runs_request_by_request_never_as_a_second_pass(tmp_path, m
 
     monkeypatch.setattr(integrity.ItemSum, "bad_block", spy)
     # O_DIRECT loads are streamed (`stream`): each delivered piece is hashed as it is copied
-    real_hash = stream.StreamItem._hash
+    real_feed = verify.BlockCheck.feed
 
-    def spy_stream(self, part, pos):
-        hashed.append((pos, len(part)))
-        return real_hash(self, part, pos)
+    def spy_feed(self, view):
+        hashed.append((self.k * self.block + self.filled, len(view)))
+        return real_feed(self, view)
 
-    monkeypatch.setattr(stream.StreamItem, "_hash", spy_stream)
+    monkeypatch.setattr(verify.BlockCheck, "feed", spy_feed)
     for direct_io in (False, True):
         hashed.clear()
         got = dc.load(

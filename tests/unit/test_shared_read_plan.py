@@ -8,10 +8,12 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from dist_checkpointing.errors import CheckpointCorruptedError
 from dist_checkpointing.integrity import ItemSum, checksum
 from dist_checkpointing.strategies.torch_dist import shared_read as sr
+from dist_checkpointing.strategies.torch_dist.verify import BlockCheck
 
 MIB = 1 << 20
 STORED = ((1024, 1024), torch.float32)
@@ -127,18 +129,32 @@ def test_the_block_check_spans_windows_and_names_a_damaged_block():
     block = 1024
     sums = tuple(checksum(data[i : i + block]) for i in range(0, data.size, block))
     expected = ItemSum(0, 0, 0, data.size, block, sums)
-    ok = sr._BlockCheck(expected, "t", "f")
+    info = _StorageInfo("f", 0, data.size)
+    ok = BlockCheck(expected, "t", info)
     for cut in range(0, data.size, 3000):  # pieces that do not line up with blocks
         ok.feed(data[cut : cut + 3000])
     ok.finish()
     bad = data.copy()
     bad[5000] ^= 1
-    check = sr._BlockCheck(expected, "t", "f")
+    check = BlockCheck(expected, "t", info)
     with pytest.raises(CheckpointCorruptedError, match="data block 4"):
         for cut in range(0, bad.size, 3000):
             check.feed(bad[cut : cut + 3000])
         check.finish()
-    short = sr._BlockCheck(expected, "t", "f")
+    short = BlockCheck(expected, "t", info)
     short.feed(data[:4096])
-    with pytest.raises(CheckpointCorruptedError, match="4 data blocks read"):
+    with pytest.raises(CheckpointCorruptedError, match="ends in block 4, before block 10"):
         short.finish()
+    # a range of blocks (the rows of a resharded read): from block 2 up to block 6
+    part = BlockCheck(expected, "t", info, 2 * block, 6 * block)
+    for cut in range(2 * block, 6 * block, 700):
+        part.feed(data[cut : min(cut + 700, 6 * block)])
+    part.finish()
+    part = BlockCheck(expected, "t", info, 2 * block, 6 * block)
+    with pytest.raises(CheckpointCorruptedError, match="data block 4, bytes 4096-5120 of f"):
+        part.feed(bad[2 * block : 6 * block])
+    part = BlockCheck(expected, "t", info, 8 * block)  # to the end: a short last block
+    part.feed(data[8 * block :])
+    part.finish()
+    with pytest.raises(CheckpointCorruptedError, match="more data"):
+        part.feed(data[:1])

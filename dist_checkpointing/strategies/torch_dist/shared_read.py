@@ -55,11 +55,11 @@ from torch.distributed.checkpoint.planner import ReadItem
 
 from ..._dist import all_gather_object, get_collective_timeout, get_rank, get_world_size
 from ...errors import CheckpointCorruptedError
-from ...integrity import Checksums, ItemSum, new_hasher
+from ...integrity import Checksums
 from ...storage import buffers, faults, node_share
 from ...storage.inflight import read_upto, request_pool
 from .reader import ChunkGroup, open_range, parse_chunk, strided
-from .verify import frame_matches, mismatch
+from .verify import BlockCheck, check_layout, frame_matches, mismatch
 
 __all__ = ["SharedReads", "agree", "WINDOW", "SLOTS", "PRE"]
 
@@ -260,46 +260,6 @@ def agree(
     return shared
 
 
-class _BlockCheck:
-    """Verifies a chunk's data region fed in order, block by block, across windows."""
-
-    def __init__(self, expected: ItemSum, what: str, where: str) -> None:
-        self.expected, self.what, self.where = expected, what, where
-        self.block, self.k, self.filled = expected.block, 0, 0
-        self.hasher: Any = None
-
-    def feed(self, view: np.ndarray) -> None:
-        pos = 0
-        while pos < view.size:
-            if self.hasher is None:
-                self.hasher = new_hasher()
-            n = min(self.block - self.filled, view.size - pos)
-            self.hasher.update(view[pos : pos + n])
-            self.filled += n
-            pos += n
-            if self.filled == self.block:
-                self._end_block()
-
-    def _end_block(self) -> None:
-        digest = self.hasher.intdigest()
-        if self.k >= len(self.expected.blocks) or digest != self.expected.blocks[self.k]:
-            raise CheckpointCorruptedError(
-                f"{self.what}: checksum mismatch in data block {self.k} (bytes "
-                f"{self.k * self.block}-{(self.k + 1) * self.block} of the item's data) "
-                f"in {self.where}: the stored data is damaged"
-            )
-        self.k, self.filled, self.hasher = self.k + 1, 0, None
-
-    def finish(self) -> None:
-        if self.hasher is not None:
-            self._end_block()
-        if self.k != len(self.expected.blocks):
-            raise CheckpointCorruptedError(
-                f"{self.what}: {self.k} data blocks read in {self.where}, "
-                f"{len(self.expected.blocks)} recorded: the stored data is damaged"
-            )
-
-
 @dataclass
 class _Geometry:
     """Where a chunk's windows and rows lie in its file."""
@@ -494,17 +454,13 @@ class SharedReads:
             with open_range(path, info) as stream:
                 raw = stream.raw
                 layout = parse_chunk(raw, None, expected, what)
-                if layout is not None and (tuple(layout.shape), layout.dtype) != chunk.stored:
-                    raise CheckpointCorruptedError(
-                        f"{what}: the item holds a {layout.dtype} chunk of shape "
-                        f"{tuple(layout.shape)}, the metadata says {chunk.stored[1]} of shape "
-                        f"{chunk.stored[0]}"
-                    )
+                if layout is not None:
+                    check_layout(layout, chunk.stored, what)
                 geo = _geometry(
                     chunk.key, layout.data_offset if layout is not None else None, chunk.stored
                 )
                 blocks = (
-                    _BlockCheck(expected, what, str(path))
+                    BlockCheck(expected, what, info)
                     if expected is not None and expected.blocked and layout is not None
                     else None
                 )
@@ -520,7 +476,7 @@ class SharedReads:
         chunk: _Chunk,
         path: str,
         geo: _Geometry,
-        blocks: Optional[_BlockCheck],
+        blocks: Optional[BlockCheck],
         held: List[Tuple[int, ...]],
         check: Callable[[], None],
         stall: float,
@@ -659,7 +615,7 @@ def _geometry(key: Key, data_offset: Optional[int], stored: Any) -> _Geometry:
 
 
 def _land(
-    stage: np.ndarray, window: np.ndarray, blocks: Optional[_BlockCheck], a: int, b: int
+    stage: np.ndarray, window: np.ndarray, blocks: Optional[BlockCheck], a: int, b: int
 ) -> None:
     """Copies `stage` into `window` (its size) piece by piece, feeding bytes `a`-`b` of
     each piece to `blocks` right after it lands, while the piece is still in the cache."""

@@ -29,16 +29,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, List, Optional, Tuple
 
 import numpy as np
 import torch
 from torch.distributed.checkpoint.planner import ReadItem
 
 from ...errors import CheckpointCorruptedError
-from ...integrity import ItemSum, checksum, new_hasher
+from ...integrity import ItemSum, new_hasher
 from ...storage import direct
-from .verify import block_mismatch, check_layout, flat_bytes, mismatch
+from .verify import BlockCheck, check_layout, flat_bytes, mismatch
 from .zipformat import head_layout
 
 if TYPE_CHECKING:
@@ -74,7 +74,10 @@ class StreamItem:
     head: bytearray = field(default_factory=bytearray)
     tail: bytearray = field(default_factory=bytearray)
     got: int = 0  # data bytes received from `lo`
-    hasher: Any = None  # the block being hashed, when it came in pieces
+    blocks: BlockCheck = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.blocks = BlockCheck(self.expected, self.what, self.group.info, self.lo, self.hi)
 
     @property
     def spans(self) -> List[Tuple[int, int]]:
@@ -128,9 +131,10 @@ class StreamItem:
             raise CheckpointCorruptedError(f"{self.what}: bytes {start}-{at} were not read")
         return data[start - at : end - at]
 
-    def check_frame(self) -> None:
-        """Checks the item's zip records (before and after its data) against their digest,
-        once the item is complete."""
+    def finish(self) -> None:
+        """Checks, once the item is complete, that every block of its range was verified and
+        its zip records (before and after its data) against their digest."""
+        self.blocks.finish()
         h = new_hasher()
         h.update(self.head)
         h.update(self.tail)
@@ -152,30 +156,8 @@ class StreamItem:
             c0, c1 = max(pos, self.a), min(pos + len(part), self.b)
             if c0 < c1:
                 self.dest[c0 - self.a : c1 - self.a] = part[c0 - pos : c1 - pos]
-            self._hash(part, pos)
+            self.blocks.feed(part)
             self.got += len(part)
-
-    def _hash(self, part: np.ndarray, pos: int) -> None:
-        """Checks each checksum block `part` (data-region bytes from `pos`) completes."""
-        e = self.expected
-        off = 0
-        while off < len(part):
-            k = (pos + off) // e.block
-            end = min((k + 1) * e.block, e.data_len)
-            take = min(len(part) - off, end - (pos + off))
-            piece = part[off : off + take]
-            off += take
-            if self.hasher is None and pos + off - take == k * e.block and pos + off == end:
-                digest = checksum(piece)  # the whole block at once
-            else:
-                if self.hasher is None:
-                    self.hasher = new_hasher()
-                self.hasher.update(piece)
-                if pos + off < end:
-                    continue
-                digest, self.hasher = self.hasher.intdigest(), None
-            if k >= len(e.blocks) or digest != e.blocks[k]:
-                raise block_mismatch(self.what, self.group.info, e, k)
 
 
 def plan_item(
@@ -252,7 +234,7 @@ def read_stream(
             item.feed(at, data)
             if not item.complete:
                 break  # the next item's bytes come after this one's
-            item.check_frame()
+            item.finish()
             state["bytes"] += item.hi - item.lo
             if progress is not None:
                 progress(item.hi - item.lo)
