@@ -30,6 +30,7 @@ __all__ = [
     "ImagePool",
     "host_buffer",
     "huge_pages",
+    "private",
     "staging",
 ]
 
@@ -62,9 +63,16 @@ def bounce() -> np.ndarray:
     staged = staging(BOUNCE)
     if staged is not None:
         return staged
+    return private(BOUNCE)
+
+
+def private(nbytes: int) -> np.ndarray:
+    """A private, page-aligned buffer of `nbytes` (freed with the array): the fallback of
+    `staging` where the kernel gives no huge pages."""
     return np.frombuffer(
-        mmap.mmap(-1, BOUNCE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype=np.uint8
-    )
+        mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS),
+        dtype=np.uint8,
+    )[:nbytes]
 
 
 def give_back(buf: np.ndarray) -> None:

@@ -4,6 +4,7 @@ nothing left in /dev/shm."""
 
 from __future__ import annotations
 
+import errno
 import os
 from typing import Dict, Union
 
@@ -13,7 +14,7 @@ import torch.distributed
 
 import dist_checkpointing as dc
 from dist_checkpointing import ShardedTensor
-from dist_checkpointing.storage import buffers, faults, node_share
+from dist_checkpointing.storage import buffers, direct, faults, node_share
 from dist_checkpointing.strategies.torch_dist import shared_read
 from dist_checkpointing.strategies.torch_dist.load import TorchDistLoadShardedStrategy
 from tests.distributed._rank_fns import rank
@@ -57,16 +58,24 @@ def load_cols(
     fail_rank: int = -1,
     staged: bool = True,
     read_error: bool = False,
+    buffered: bool = False,
 ) -> Dict[str, Union[bool, int]]:
-    """Loads column blocks through small shared windows; returns which tensors match, and
-    under "staged" how many huge-page staging buffers this rank used."""
+    """Loads column blocks through small shared windows; returns which tensors match, under
+    "staged" how many huge-page staging buffers this rank made, and under "landed" how
+    many windows it copied in from a staging buffer. `staged=False` withholds huge pages,
+    `buffered=True` has the checkpoint's directory refuse O_DIRECT."""
     r, w = rank(), torch.distributed.get_world_size()
     c = COLS // w
     saved = {k: getattr(shared_read, k) for k in SMALL}
     for k, v in SMALL.items():
         setattr(shared_read, k, v)
-    real_copy, real_staging = shared_read._copy_rows, buffers.staging
+    real_copy, real_staging, real_land = shared_read._copy_rows, buffers.staging, shared_read._land
     stages = []
+    landed = []
+
+    def counted_land(*args, **kwargs):
+        landed.append(1)
+        return real_land(*args, **kwargs)
 
     def failing_copy(*args, **kwargs):  # a consumer that fails half-way
         raise RuntimeError("injected failure")
@@ -79,6 +88,9 @@ def load_cols(
     if r == fail_rank:
         shared_read._copy_rows = failing_copy
     buffers.staging = counted_staging
+    shared_read._land = counted_land
+    if buffered:
+        direct.refuse_direct(path, OSError(errno.EINVAL, "refused by the test"), "reads")
     fault = faults.Fault("*.distcp", ops=("read",), error=OSError(5, "injected read error"))
     if read_error:
         faults.inject(fault)
@@ -94,13 +106,15 @@ def load_cols(
         if read_error:
             faults.remove(fault)
         shared_read._copy_rows, buffers.staging = real_copy, real_staging
+        shared_read._land = real_land
+        direct.reset_direct_fallbacks()
         for k, v in saved.items():
             setattr(shared_read, k, v)
     same = {
         k: torch.equal(v, full(int(k[1:]))[:, r * c : (r + 1) * c].to(dtype))
         for k, v in out.items()
     }
-    return {**same, "staged": sum(stages)}
+    return {**same, "staged": sum(stages), "landed": len(landed)}
 
 
 def ours_in_shm() -> int:
@@ -128,15 +142,22 @@ def test_column_blocks_load_bit_exactly_and_nothing_is_left_in_shared_memory(
     w = world_factory(world)
     w.run_ok(save_rows, path, timeout=60)
     ok = {"t0": True, "t1": True, "t2": True}
-    # float64: converted while copied out; staged False: reads straight into the windows
-    for dtype, staged in ((torch.float32, True), (torch.float64, True), (torch.float32, False)):
-        got = w.run_ok(load_cols, path, dtype, -1, staged, timeout=60)
+    # float64: converted while copied out; staged False: private staging buffers;
+    # buffered: O_DIRECT refused, reads straight into the windows
+    for dtype, staged, buffered in (
+        (torch.float32, True, False),
+        (torch.float64, True, False),
+        (torch.float32, False, False),
+        (torch.float32, True, True),
+    ):
+        got = w.run_ok(load_cols, path, dtype, -1, staged, False, buffered, timeout=60)
         assert [{k: g[k] for k in ok} for g in got] == [ok] * world
         used = sum(g["staged"] for g in got)
         # each rank reads its own file, into AHEAD + 1 staging buffers where huge pages are
         assert used == (
             (shared_read.AHEAD + 1) * world if staged and buffers.huge_pages() else 0
         ), got
+        assert all((g["landed"] > 0) != buffered for g in got), got
     assert w.run_ok(ours_in_shm, timeout=30) == [0] * world
 
 

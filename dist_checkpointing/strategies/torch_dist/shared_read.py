@@ -3,7 +3,7 @@
 A column block of a row-major chunk is a short run of every row, so each of the node's
 ranks loading column blocks needs bytes from every page of the chunk. Read through the
 page cache, the node fills the cache at its (slow) rate and every rank hashes and copies
-every page; with this module one rank reads each such chunk with O_DIRECT, in 16 MiB
+every page; with this module one rank reads each such chunk with O_DIRECT, in 4 MiB
 windows, into its shared-memory segment (`storage.node_share`), verifies it there, and
 every rank that needs the chunk copies its part out of the window.
 
@@ -15,10 +15,11 @@ The protocol, all of it decided from one exchange (`agree`):
   (files given out in turn to the rank with the fewest bytes so far, so that each file is
   read front to back by one rank); a reader reads its chunks in file order, window after
   window, into its `SLOTS` windows in turn.
-- Where the kernel gives huge pages (`storage.buffers.staging`), a reader's O_DIRECT reads
-  land in private huge-page staging buffers, `AHEAD` windows ahead, and are copied into
+- A reader's O_DIRECT reads land in private staging buffers, `AHEAD` windows ahead (in
+  huge pages where the kernel gives them, `storage.buffers.staging`), and are copied into
   the shared window piece by piece (verified as each piece lands): shared memory gets
   4 KiB pages only, and direct reads into those ran at half the disk's rate on our VMs.
+  Buffered reads (where O_DIRECT is refused) go straight into the windows.
 - A consumer takes the chunks it needs in one order shared by the node (by position in
   their reader's list, then reader), each chunk's windows in order, and frees each window
   once copied. A reader refills a window only once every consumer of what it held freed
@@ -39,6 +40,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import errno
 import logging
 import math
 import os
@@ -57,6 +59,7 @@ from ..._dist import all_gather_object, get_collective_timeout, get_rank, get_wo
 from ...errors import CheckpointCorruptedError
 from ...integrity import Checksums
 from ...storage import buffers, faults, node_share
+from ...storage.direct import direct_allowed, refuse_direct
 from ...storage.inflight import read_upto, request_pool
 from .reader import ChunkGroup, open_range, parse_chunk, strided
 from .verify import BlockCheck, check_layout, frame_matches, mismatch
@@ -65,14 +68,19 @@ __all__ = ["SharedReads", "agree", "WINDOW", "SLOTS", "PRE"]
 
 logger = logging.getLogger(__name__)
 
-#: bytes per window read: large requests (4 MiB windows ran at 0.7x the disk's rate where
-#: 16 MiB ones ran at 0.9-1.0x, 4 ranks of a 2-core VM); a chunk is cut into windows of
-#: equal size up to `WINDOW + SLACK`, so that a 16 MiB chunk and its zip records are one
-#: read, not a full window and a few kilobytes
-WINDOW = 16 << 20
+#: bytes per window read. Windows are small and the reads large in number (`AHEAD` in
+#: flight): the node's segments, which every rank faults in, reserves and removes on each
+#: load, are then a quarter of their former size. 4 ranks x 1 GiB column loads, alternating
+#: A/B in one world: 0.49-0.57 s (median 0.53) with 4 MiB windows, 2 slots and 4 reads
+#: ahead, against 0.57-1.01 s (median 0.62) with 16 MiB windows, 3 slots and 1 read ahead;
+#: at 2 ranks both took 0.56 s (docs/performance.md, fourteenth pass). A chunk is cut into
+#: windows of equal size up to `WINDOW + SLACK`, so that a 4 MiB piece and the zip records
+#: around it are one read, not a full window and a few kilobytes.
+WINDOW = 4 << 20
 SLACK = 1 << 20
-#: windows per rank: one being filled, one being copied out, one to spare
-SLOTS = 3
+#: windows per rank: one being filled while the other is copied out (the reader copies the
+#: start of a straddling row from the previous window: at least two)
+SLOTS = 2
 #: room in front of each window: the reader's header (`HEADER` bytes: whether the chunk
 #: has the plain layout, and where its data starts), then the part of a row that began in
 #: the previous window; rows longer than `PRE - HEADER` are not shared
@@ -91,7 +99,7 @@ MIN_CONSUMERS = 2
 #: verified while still in the cache
 LAND = 1 << 20
 #: windows a reader reads ahead into staging buffers while it copies one into the segment
-AHEAD = 1
+AHEAD = 4
 
 Key = Tuple[str, int, int]  # file (relative path), offset, length of a stored item
 
@@ -287,19 +295,23 @@ class _Geometry:
 
 @dataclass
 class _ReadAhead:
-    """A reader's huge-page staging buffers (`AHEAD + 1`): the next `AHEAD` windows are
-    read into them on the process's request pool while the last read is copied into its
-    window."""
+    """A reader's staging buffers (`AHEAD + 1`): the next `AHEAD` windows are read into them
+    on the process's request pool while the last read is copied into its window."""
 
     stages: List[np.ndarray]
 
     @classmethod
-    def create(cls) -> Optional[_ReadAhead]:
-        """None where huge pages cannot be had: reads then go straight into the windows."""
-        stages = [buffers.staging(SLOT - PRE) for _ in range(AHEAD + 1)]
-        if any(s is None for s in stages):
-            return None
-        return cls([s for s in stages if s is not None])
+    def create(cls) -> _ReadAhead:
+        """In huge pages where the kernel gives them, else in private pages: without them,
+        reads into private buffers with `AHEAD` in flight still beat one read at a time
+        straight into the windows (4 ranks x 1 GiB column loads, huge pages withheld:
+        0.69-0.99 s, median 0.77, against 0.69-1.04 s, median 0.87; docs/performance.md,
+        fourteenth pass)."""
+        stages = []
+        for _ in range(AHEAD + 1):
+            stage = buffers.staging(SLOT - PRE)
+            stages.append(stage if stage is not None else buffers.private(SLOT - PRE))
+        return cls(stages)
 
 
 @dataclass
@@ -438,7 +450,7 @@ class SharedReads:
         checksums: Optional[Checksums],
         check: Callable[[], None],
         stall: float,
-        ahead: Optional[_ReadAhead],
+        ahead: _ReadAhead,
     ) -> None:
         held: List[Tuple[int, ...]] = [()] * SLOTS  # consumers of what each window holds
         for chunk in mine:
@@ -480,13 +492,21 @@ class SharedReads:
         held: List[Tuple[int, ...]],
         check: Callable[[], None],
         stall: float,
-        ahead: Optional[_ReadAhead],
+        ahead: _ReadAhead,
     ) -> None:
-        direct = True
-        try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
-        except OSError:
-            direct = False
+        # O_DIRECT unless this directory refused it before (then, and where it is refused
+        # now, buffered reads straight into the windows)
+        directory = os.path.dirname(path)
+        direct = direct_allowed(directory)
+        fd = -1
+        if direct:
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+            except OSError as e:
+                direct = False
+                if e.errno == errno.EINVAL:
+                    refuse_direct(directory, e, "reads")
+        if not direct:
             fd = os.open(path, os.O_RDONLY)
         page = mmap_page()
 
@@ -497,13 +517,12 @@ class SharedReads:
             return lo, hi, want
 
         def fetch(k: int) -> Tuple[int, np.ndarray]:  # window k into a staging buffer
-            assert ahead is not None
             lo, _, want = span(k)
             stage = ahead.stages[k % len(ahead.stages)]
             return read_upto(fd, lo, memoryview(stage[:want])), stage  # type: ignore[arg-type]
 
         pending: Deque[Future] = collections.deque()
-        if ahead is not None and direct:
+        if direct:
             for k in range(min(AHEAD, chunk.windows)):
                 pending.append(request_pool().submit(fetch, k))
         try:
@@ -520,7 +539,6 @@ class SharedReads:
                 buf[:16].view(np.int64)[:] = (1 if geo.row_bytes else 0, geo.data - chunk.key[1])
                 stage: Optional[np.ndarray] = None
                 if pending:
-                    assert ahead is not None
                     lo, hi = geo.window(k)
                     got, stage = pending.popleft().result()
                     if k + AHEAD < chunk.windows:
