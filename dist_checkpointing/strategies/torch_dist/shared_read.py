@@ -302,11 +302,10 @@ class _ReadAhead:
 
     @classmethod
     def create(cls) -> _ReadAhead:
-        """In huge pages where the kernel gives them, else in private pages: without them,
-        reads into private buffers with `AHEAD` in flight still beat one read at a time
-        straight into the windows (4 ranks x 1 GiB column loads, huge pages withheld:
-        0.69-0.99 s, median 0.77, against 0.69-1.04 s, median 0.87; docs/performance.md,
-        fourteenth pass)."""
+        """In huge pages where the kernel gives them, else in private pages (one path for
+        every reader: without huge pages, 4 ranks x 1 GiB column loads through private
+        buffers took 0.67-0.99 s against 0.67-1.05 s reading one window at a time straight
+        into shared memory; docs/performance.md, fourteenth pass)."""
         stages = []
         for _ in range(AHEAD + 1):
             stage = buffers.staging(SLOT - PRE)
