@@ -127,7 +127,7 @@ def _destination(nbytes: int) -> np.ndarray:
 _TORCH_ALIGN = 64
 
 
-def _measure(path: str, pairs: int = 2) -> Optional[ReadProbe]:
+def _measure(path: str, pairs: int = 2, direct_first: bool = True) -> Optional[ReadProbe]:
     size = os.path.getsize(path)
     if size < 4 * PROBE_BYTES + buffers.ALIGN:  # whatever `pairs`: the same files measured
         return None
@@ -147,7 +147,7 @@ def _measure(path: str, pairs: int = 2) -> Optional[ReadProbe]:
     buffers.give_back(warm)
     times: Dict[bool, List[float]] = {True: [], False: []}
     for i, offset in enumerate(regions):
-        use_direct = i % 2 == 0
+        use_direct = (i % 2 == 0) == direct_first
         fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if use_direct else 0))
         try:
             if not use_direct and hasattr(os, "posix_fadvise"):
@@ -252,7 +252,7 @@ def cached(path: str, offset: int, length: int, samples: int = 8) -> bool:
     return True
 
 
-def local_probe(path: str, pairs: int = 2) -> Optional[ReadProbe]:
+def local_probe(path: str, pairs: int = 2, direct_first: bool = True) -> Optional[ReadProbe]:
     """This process's own measurement for `path`'s file system (made once): what ranks
     combine (`combine`) before one result is kept for reads (`keep`).
 
@@ -261,6 +261,13 @@ def local_probe(path: str, pairs: int = 2) -> Optional[ReadProbe]:
         pairs: pairs of regions to read (one O_DIRECT, one through the page cache each):
             ranks that combine their probes can each read fewer, since the decision is
             made over every rank's pairs.
+        direct_first: whether each pair reads its O_DIRECT region first. Ranks that
+            combine their probes alternate it, so that a disk slow when the probes start
+            weighs on both paths alike: with O_DIRECT first on every rank, 3 of 4 ranks
+            measured it at 0.066-0.072 s (the fourth 0.028 s) against 0.054-0.075 s through
+            the page cache, and the page cache was chosen for a 4-rank x 4 GiB load that
+            ran at 0.67x the raw ceiling, where O_DIRECT had given 0.85-0.90x at 1 GiB
+            (docs/performance.md, fourteenth pass).
 
     Returns:
         The measurement, or None where none can be made (no O_DIRECT, a small file, an
@@ -271,7 +278,7 @@ def local_probe(path: str, pairs: int = 2) -> Optional[ReadProbe]:
         return None
     with _lock:
         if dev not in _local:
-            got = _measured(path, pairs)
+            got = _measured(path, pairs, direct_first)
             if got is None:  # e.g. a small file: a later, larger one is measured
                 return None
             _local[dev] = got
@@ -320,10 +327,10 @@ def _probe_device(path: str) -> Optional[int]:
         return None
 
 
-def _measured(path: str, pairs: int = 2) -> Optional[ReadProbe]:
+def _measured(path: str, pairs: int = 2, direct_first: bool = True) -> Optional[ReadProbe]:
     """`_measure`, or None on an error (a refusal of O_DIRECT is recorded for the directory)."""
     try:
-        return _measure(path, pairs)
+        return _measure(path, pairs, direct_first)
     except OSError as e:
         if e.errno == errno.EINVAL:
             refuse_direct(os.path.dirname(path), e, "reads")

@@ -127,7 +127,7 @@ def load_with_fixed_probe(
     fast, slow = (0.1, 1.0), (1.0, 0.1)
     pair = fast if rank() in direct_wins_on else slow
     real = probe._measure
-    probe._measure = lambda path, pairs=2: probe.ReadProbe(
+    probe._measure = lambda path, pairs=2, direct_first=True: probe.ReadProbe(
         pair[0] * pairs, pair[1] * pairs, 1, (pair,) * pairs
     )
     probe.forget_probes()

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import types
 
 import numpy as np
 import pytest
@@ -34,7 +35,7 @@ def _fresh_probes():
 def _fixed_probe(monkeypatch, direct_faster: bool) -> list:
     measured: list = []
 
-    def measure(path: str, pairs: int = 2) -> probe.ReadProbe:
+    def measure(path: str, pairs: int = 2, direct_first: bool = True) -> probe.ReadProbe:
         measured.append(path)
         return probe.ReadProbe(0.1 if direct_faster else 1.0, 1.0 if direct_faster else 0.1, 1)
 
@@ -113,6 +114,38 @@ def test_probe_times_each_path_as_loads_read_into_tensors(tmp_path, monkeypatch)
     one = probe._measure(str(path), pairs=1)
     assert one is not None and len(one.pairs) == 1 and one.nbytes == probe.PROBE_BYTES
     assert [c[0] for c in calls] == ["direct", "buffered"]
+    calls.clear()  # the odd ranks' order; the pairs still read (O_DIRECT, page cache)
+    clock = [0.0]
+
+    def timed(real, cost):  # around the recording readers above
+        def call(*args):
+            clock[0] += cost
+            return real(*args)
+
+        return call
+
+    monkeypatch.setattr(probe, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(probe, "_direct", timed(probe._direct, 1.0))
+    monkeypatch.setattr(probe, "_buffered", timed(probe._buffered, 10.0))
+    flipped = probe._measure(str(path), pairs=2, direct_first=False)
+    assert [c[0] for c in calls] == ["buffered", "direct"] * 2
+    assert flipped is not None and flipped.pairs == ((1.0, 10.0), (1.0, 10.0))
+
+
+def test_ranks_alternate_which_path_their_probe_reads_first(tmp_path, monkeypatch):
+    from dist_checkpointing.strategies.torch_dist import load as load_mod
+
+    (tmp_path / "__0_0.distcp").write_bytes(b"x")
+    seen = []
+    monkeypatch.setattr(
+        probe, "local_probe", lambda path, pairs, direct_first: seen.append((pairs, direct_first))
+    )
+    monkeypatch.setattr(load_mod, "all_gather_object", lambda obj: [obj])
+    monkeypatch.setattr(load_mod, "get_world_size", lambda: 4)
+    for r in range(4):
+        monkeypatch.setattr(load_mod, "get_rank", lambda r=r: r)
+        load_mod._agree_read_path(tmp_path)
+    assert seen == [(1, True), (1, False), (1, True), (1, False)]
 
 
 def test_probe_times_o_direct_with_its_bounce_buffer_already_made(tmp_path, monkeypatch):
@@ -477,7 +510,7 @@ def test_combined_probes_decide_over_every_ranks_pairs():
 def test_a_load_measures_once_and_keeps_the_same_result_across_loads(tmp_path, monkeypatch):
     measured: list = []
 
-    def measure(path: str, pairs: int = 2) -> probe.ReadProbe:
+    def measure(path: str, pairs: int = 2, direct_first: bool = True) -> probe.ReadProbe:
         measured.append(path)
         return probe.ReadProbe(0.2, 2.0, 8, ((0.1, 1.0), (0.1, 1.0)))
 

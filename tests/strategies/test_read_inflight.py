@@ -234,7 +234,9 @@ def test_a_chunk_in_the_page_cache_is_read_from_it_even_where_o_direct_measured_
     monkeypatch.setattr(
         probe,
         "_measure",
-        lambda path, pairs=2: probe.ReadProbe(0.1, 1.0, 1, ((0.05, 0.5), (0.05, 0.5))),
+        lambda path, pairs=2, direct_first=True: probe.ReadProbe(
+            0.1, 1.0, 1, ((0.05, 0.5), (0.05, 0.5))
+        ),
     )
     for f in (tmp_path / "c").glob("*.distcp"):
         _evict(f)

@@ -125,8 +125,13 @@ def _agree_read_path(ckpt: Path, measure: bool = True) -> None:
         names = sorted(n for n in os.listdir(ckpt) if n.endswith(".distcp")) if measure else []
         if names:  # rank r probes the r-th file: in a same-layout load, the one it reads
             path = str(ckpt / names[get_rank() % len(names)])
-            # one pair per rank where several combine theirs (decided over all their pairs)
-            local = probe.local_probe(path, pairs=1 if get_world_size() > 1 else 2)
+            # one pair per rank where several combine theirs (decided over all their
+            # pairs), half of the ranks reading their O_DIRECT region first
+            local = probe.local_probe(
+                path,
+                pairs=1 if get_world_size() > 1 else 2,
+                direct_first=get_rank() % 2 == 0,
+            )
     except Exception as e:  # measured on the first read instead, as without agreement
         logger.debug("no read-path probe on %s: %s", ckpt, e)
     agreed = probe.combine(all_gather_object(local))
