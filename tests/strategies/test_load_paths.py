@@ -496,13 +496,17 @@ def test_combined_probes_decide_over_every_ranks_pairs():
     both = probe.combine([win, win])
     assert both is not None and both.prefer_direct
     assert len(both.pairs) == 4 and both.nbytes == 16 and both.direct_s == pytest.approx(0.4)
-    assert not probe.combine([win, lose]).prefer_direct  # type: ignore[union-attr]
+    # a tie in total (one rank's pairs each way): O_DIRECT
+    assert probe.combine([win, lose]).prefer_direct  # type: ignore[union-attr]
+    assert not probe.combine([lose, lose]).prefer_direct  # type: ignore[union-attr]
     # half the pairs won and 0.59x in total: O_DIRECT
     assert probe.combine([win, mixed]).prefer_direct  # type: ignore[union-attr]
-    # far ahead in total through one rank's pairs, behind on the two others: the page cache
-    outlier = probe.ReadProbe(0.02, 4.0, 8, ((0.01, 2.0), (0.01, 2.0)))
-    slight = probe.ReadProbe(0.4, 0.2, 8, ((0.2, 0.1), (0.2, 0.1)))
-    assert not probe.combine([outlier, slight, slight]).prefer_direct  # type: ignore[union-attr]
+    # the page cache far ahead in total through one rank's pairs, behind on the two
+    # others: O_DIRECT (one rank's outlying pairs do not decide alone)
+    outlier = probe.ReadProbe(4.0, 0.02, 8, ((2.0, 0.01), (2.0, 0.01)))
+    slight = probe.ReadProbe(0.2, 0.4, 8, ((0.1, 0.2), (0.1, 0.2)))
+    assert probe.combine([outlier, slight, slight]).prefer_direct  # type: ignore[union-attr]
+    assert not probe.combine([outlier, slight]).prefer_direct  # type: ignore[union-attr]
     assert probe.combine([None, win]).prefer_direct  # type: ignore[union-attr]
     assert probe.combine([None, None]) is None and probe.combine([]) is None
 

@@ -213,16 +213,24 @@ def test_asking_whether_a_region_is_cached_reads_nothing_into_the_cache(tmp_path
         os.close(fd)
 
 
-def test_probe_prefers_o_direct_when_faster_in_total_and_in_half_the_pairs():
+def test_probe_prefers_o_direct_unless_the_page_cache_wins_in_total_and_in_half_the_pairs():
     assert probe.ReadProbe(1.0, 3.0, 1, ((0.5, 1.5), (0.5, 1.5))).prefer_direct
-    # faster in total, and in one pair of two (4 ranks' scattered buffered reads)
     assert probe.ReadProbe(1.0, 3.0, 1, ((0.1, 2.9), (0.9, 0.1))).prefer_direct
-    # faster in total only through one outlying pair of three: keep the page cache
-    outlier = ((0.01, 2.0), (1.0, 0.5), (1.0, 0.5))
-    assert not probe.ReadProbe(2.01, 3.0, 1, outlier).prefer_direct
-    # within the margin in total: keep the page cache
-    assert not probe.ReadProbe(0.95, 1.0, 1, ((0.45, 0.6), (0.5, 0.4))).prefer_direct
+    # a tie (4 ranks x 4 GiB, where whole loads ran 1.9x as fast with O_DIRECT): O_DIRECT
+    tie = ((0.053, 0.045), (0.042, 0.025), (0.053, 0.040), (0.023, 0.066))
+    assert probe.ReadProbe(0.171, 0.176, 1, tie).prefer_direct
+    assert probe.ReadProbe(0.95, 1.0, 1, ((0.45, 0.6), (0.5, 0.4))).prefer_direct
+    # the page cache clearly faster in total and in both pairs: the page cache
     assert not probe.ReadProbe(3.0, 1.0, 1, ((1.5, 0.5), (1.5, 0.5))).prefer_direct
+    # ... in total and in half of the pairs: the page cache
+    half = ((1.0, 0.2), (1.0, 0.2), (0.5, 0.6), (0.5, 0.6))
+    assert not probe.ReadProbe(3.0, 1.6, 1, half).prefer_direct
+    # ... in total only through one outlying pair of three: O_DIRECT
+    outlier = ((2.0, 0.01), (0.5, 1.0), (0.5, 1.0))
+    assert probe.ReadProbe(3.0, 2.01, 1, outlier).prefer_direct
+    # no pairs known: the totals decide
+    assert not probe.ReadProbe(1.0, 0.1, 1).prefer_direct
+    assert probe.ReadProbe(0.1, 1.0, 1).prefer_direct
 
 
 @pytest.mark.parametrize("resident", [False, True])

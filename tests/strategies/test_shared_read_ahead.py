@@ -68,6 +68,7 @@ def test_every_window_holds_its_bytes_while_the_next_ones_are_read_into_other_bu
             assert np.array_equal(stage[:n], data[path][lo : lo + n]), j
             if j == 7:  # the first file's last window: the second file's are on their way
                 assert [i for i, _ in ahead.pending] == [8, 9, 10]
+                assert list(ahead.files) == [made[1][0]]  # the first one is closed
         assert len(seen) == sr.AHEAD + 1
     finally:
         ahead.close()

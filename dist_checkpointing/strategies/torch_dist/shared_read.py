@@ -313,23 +313,27 @@ class _ReadAhead:
 
     def __init__(self, windows: List[Tuple[str, int, int]]) -> None:
         self.windows = windows
-        self.stages: List[np.ndarray] = []
-        self.files: Dict[str, Tuple[int, bool]] = {}  # path -> (fd, O_DIRECT)
+        self.stages: List[np.ndarray] = []  # made with the first read ahead
+        # each file is opened with the first use of one of its windows and closed once its
+        # last window was taken (a reader may have many files: one fd each at most briefly)
+        self.last = {path: j for j, (path, _, _) in enumerate(windows)}
+        self.files: Dict[str, Tuple[int, bool]] = {}  # open files: path -> (fd, O_DIRECT)
+        self.kinds: Dict[str, bool] = {}  # path -> O_DIRECT, once opened
         self.pending: Deque[Tuple[int, Future]] = collections.deque()
         self.next = 0  # first window neither submitted nor skipped
         self.submitted = 0  # windows read ahead so far (picks their staging buffer)
-        try:
-            for path in dict.fromkeys(w[0] for w in windows):
-                self.files[path] = _open_for_reads(path)
-            if any(direct for _, direct in self.files.values()):
-                self.stages = [_stage() for _ in range(AHEAD + 1)]
-        except BaseException:
-            self.close()
-            raise
 
     def direct(self, j: int) -> bool:
-        """Whether window `j` is read with O_DIRECT (ahead, into a staging buffer)."""
-        return self.files[self.windows[j][0]][1]
+        """Whether window `j` is read with O_DIRECT (ahead, into a staging buffer).
+
+        Raises:
+            OSError: its file cannot be opened.
+        """
+        path = self.windows[j][0]
+        if path not in self.kinds:
+            self.files[path] = _open_for_reads(path)
+            self.kinds[path] = self.files[path][1]
+        return self.kinds[path]
 
     def take(self, j: int) -> Tuple[int, np.ndarray]:
         """Window `j`'s read (bytes read, the staging buffer holding them); windows are
@@ -342,6 +346,7 @@ class _ReadAhead:
         got_j, future = self.pending.popleft()
         assert got_j == j, (got_j, j)
         got, stage = future.result()
+        self._done(j)
         self._top_up()
         return got, stage
 
@@ -349,22 +354,33 @@ class _ReadAhead:
         """Reads window `j` (of a buffered file) straight into `view`; returns bytes read."""
         path, offset, want = self.windows[j]
         faults.check("read", path, offset, want, False)
-        return read_upto(self.files[path][0], offset, view[:want])
+        got = read_upto(self.files[path][0], offset, view[:want])
+        self._done(j)
+        return got
+
+    def _done(self, j: int) -> None:
+        path = self.windows[j][0]
+        if self.last[path] == j:  # no read of it is in flight: earlier ones were taken
+            os.close(self.files.pop(path)[0])
 
     def _top_up(self) -> None:
         while len(self.pending) < AHEAD and self.next < len(self.windows):
             j = self.next
-            self.next += 1
             if not self.direct(j):
+                self.next += 1
                 continue
+            if not self.stages:
+                self.stages = [_stage() for _ in range(AHEAD + 1)]
             stage = self.stages[self.submitted % len(self.stages)]
+            fd = self.files[self.windows[j][0]][0]
+            self.pending.append((j, request_pool().submit(self._fetch, j, fd, stage)))
+            self.next += 1
             self.submitted += 1
-            self.pending.append((j, request_pool().submit(self._fetch, j, stage)))
 
-    def _fetch(self, j: int, stage: np.ndarray) -> Tuple[int, np.ndarray]:
+    def _fetch(self, j: int, fd: int, stage: np.ndarray) -> Tuple[int, np.ndarray]:
         path, offset, want = self.windows[j]
         faults.check("read", path, offset, want, True)
-        return read_upto(self.files[path][0], offset, memoryview(stage[:want])), stage  # type: ignore[arg-type]
+        return read_upto(fd, offset, memoryview(stage[:want])), stage  # type: ignore[arg-type]
 
     def close(self) -> None:
         """Waits for the reads in flight (they use the files and buffers), closes the files."""
