@@ -147,3 +147,18 @@ def box_count(per_rank: List[List[Box]]) -> int:
 
 def volume(shape: Tuple[int, ...]) -> int:
     return math.prod(shape)
+
+
+def row_block(key: str, w: torch.Tensor, r0: int, r1: int) -> Any:
+    """A zero-filled request for rows `[r0, r1)` of the 2-d tensor `w`, stored as `key`."""
+    from dist_checkpointing import ShardedTensor
+
+    return ShardedTensor(
+        key,
+        torch.zeros(r1 - r0, w.shape[1], dtype=w.dtype),
+        w.dtype,
+        (r1 - r0, w.shape[1]),
+        tuple(w.shape),
+        (r0, 0),
+        None,
+    )

@@ -22,14 +22,7 @@ from dist_checkpointing.strategies.torch_dist.load import TorchDistLoadShardedSt
 from dist_checkpointing.strategies.torch_dist.metadata_file import read_metadata
 from dist_checkpointing.strategies.torch_dist.reader import open_range
 from dist_checkpointing.strategies.torch_dist.zipformat import chunk_layout
-
-
-@pytest.fixture(autouse=True)
-def _fresh_probes():
-    probe.forget_probes()
-    direct.reset_direct_fallbacks()
-    yield
-    probe.forget_probes()
+from tests._sharding import row_block
 
 
 def _fixed_probe(monkeypatch, direct_faster: bool) -> list:
@@ -238,18 +231,7 @@ PATHS = {
 
 
 def _request(w: torch.Tensor, rows: list) -> dict:
-    return {
-        f"p{i}": ShardedTensor(
-            "w",
-            torch.zeros(r1 - r0, w.shape[1]),
-            w.dtype,
-            (r1 - r0, w.shape[1]),
-            tuple(w.shape),
-            (r0, 0),
-            None,
-        )
-        for i, (r0, r1) in enumerate(rows)
-    }
+    return {f"p{i}": row_block("w", w, r0, r1) for i, (r0, r1) in enumerate(rows)}
 
 
 @pytest.mark.parametrize("path_name", list(PATHS))

@@ -19,14 +19,6 @@ from dist_checkpointing.storage import direct, faults, inflight, probe
 from dist_checkpointing.strategies.torch_dist.load import TorchDistLoadShardedStrategy
 
 
-@pytest.fixture(autouse=True)
-def _fresh_probes():
-    probe.forget_probes()
-    direct.reset_direct_fallbacks()
-    yield
-    probe.forget_probes()
-
-
 def _evict(path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:

@@ -14,25 +14,18 @@ import torch
 import dist_checkpointing as dc
 from dist_checkpointing import ShardedTensor, integrity
 from dist_checkpointing.errors import CheckpointCorruptedError
-from dist_checkpointing.storage import direct, inflight, probe
+from dist_checkpointing.storage import direct, inflight
 from dist_checkpointing.strategies.torch_dist import reader, stream
 from dist_checkpointing.strategies.torch_dist.load import TorchDistLoadShardedStrategy
 from dist_checkpointing.strategies.torch_dist.metadata_file import read_metadata
+from tests._sharding import row_block
+from tests.strategies.test_load_paths import _flip
 
 DIRECT = TorchDistLoadShardedStrategy(direct_io=True)
 
 #: tensors of one file: sizes that put items and data regions at unaligned offsets, one
 #: smaller than a page, rows that never line up with 4 KiB blocks
 SHAPES = {"a": (200, 1000), "b": (3, 7), "c": (1000, 333), "d": (64, 1024), "e": (1, 5)}
-
-
-@pytest.fixture(autouse=True)
-def _fresh():
-    probe.forget_probes()
-    direct.reset_direct_fallbacks()
-    yield
-    probe.forget_probes()
-    direct.reset_direct_fallbacks()
 
 
 def _save(tmp_path, monkeypatch) -> dict:
@@ -53,15 +46,7 @@ def _rows(tensors: dict, frac=(0.3, 0.8)) -> dict:
     for k, t in tensors.items():
         r0 = int(t.shape[0] * frac[0])
         r1 = max(r0 + 1, int(t.shape[0] * frac[1]))
-        out[k] = ShardedTensor(
-            k,
-            torch.zeros(r1 - r0, t.shape[1]),
-            t.dtype,
-            (r1 - r0, t.shape[1]),
-            tuple(t.shape),
-            (r0, 0),
-            None,
-        )
+        out[k] = row_block(k, t, r0, r1)
     return out
 
 
@@ -90,14 +75,6 @@ def _item(ckpt, key: str):
     md = read_metadata(ckpt)
     (info,) = [i for k, i in md.storage_data.items() if k.fqn == key]
     return ckpt / info.relative_path, info
-
-
-def _flip(path, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0xFF]))
 
 
 @pytest.mark.parametrize("kind", ["whole", "rows"])

@@ -16,15 +16,6 @@ from dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 from tests.strategies.test_disk_io import _refuse_o_direct
 
 
-@pytest.fixture(autouse=True)
-def _fresh_probes():
-    write_probe.forget_write_probes()
-    direct.reset_direct_fallbacks()
-    yield
-    write_probe.forget_write_probes()
-    direct.reset_direct_fallbacks()
-
-
 @pytest.mark.parametrize(
     "pairs, direct_wins",
     [
