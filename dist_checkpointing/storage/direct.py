@@ -43,6 +43,7 @@ __all__ = [
     "CHUNK_READ",
     "BUFFERED_DEPTH",
     "DirectUnavailable",
+    "open_for_reads",
     "read_region",
     "read_spans",
     "read_file",
@@ -212,15 +213,7 @@ def read_region(
         return
     faults.check("read", path, offset, out.size, direct)
     directory = os.path.dirname(path)
-    use_direct = direct and direct_allowed(directory)
-    try:
-        fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if use_direct else 0))
-    except OSError as e:
-        if not use_direct or e.errno != errno.EINVAL:
-            raise CheckpointCorruptedError(f"{path}: cannot be opened ({e})") from e
-        refuse_direct(directory, e, "reads")
-        use_direct = False
-        fd = os.open(path, os.O_RDONLY)
+    fd, use_direct = open_for_reads(path, direct)
     try:
         if use_direct:
             try:
@@ -237,6 +230,30 @@ def read_region(
         raise CheckpointCorruptedError(f"{path}: read failed at offset {offset} ({e})") from e
     finally:
         os.close(fd)
+
+
+def open_for_reads(path: str, direct: bool = True) -> Tuple[int, bool]:
+    """Opens `path` for reading: `(fd, whether with O_DIRECT)`.
+
+    O_DIRECT where asked for and the directory has not refused it; where opening with it
+    fails with EINVAL, the refusal is recorded (`refuse_direct`) and the file is opened
+    buffered.
+
+    Raises:
+        CheckpointCorruptedError: the file cannot be opened.
+    """
+    directory = os.path.dirname(path)
+    use_direct = direct and direct_allowed(directory)
+    try:
+        try:
+            return os.open(path, os.O_RDONLY | (os.O_DIRECT if use_direct else 0)), use_direct
+        except OSError as e:
+            if not use_direct or e.errno != errno.EINVAL:
+                raise
+            refuse_direct(directory, e, "reads")
+        return os.open(path, os.O_RDONLY), False
+    except OSError as e:
+        raise CheckpointCorruptedError(f"{path}: cannot be opened ({e})") from e
 
 
 class DirectUnavailable(OSError):
@@ -299,13 +316,10 @@ def read_spans(
         faults.check("read", path, offset, length, True)
     if not merged:
         return True
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-    except OSError as e:
-        if e.errno == errno.EINVAL:
-            refuse_direct(directory, e, "reads")
-            raise DirectUnavailable(e.errno, str(e)) from e
-        raise CheckpointCorruptedError(f"{path}: cannot be opened ({e})") from e
+    fd, opened_direct = open_for_reads(path)
+    if not opened_direct:  # refused on opening (and recorded)
+        os.close(fd)
+        raise DirectUnavailable(errno.EINVAL, f"O_DIRECT refused in {directory}")
     bounce = buffers.bounce()
     try:
         depth = max(1, min(depth, buffers.BOUNCE // ALIGN))

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import errno
 import logging
 import math
 import os
@@ -59,7 +58,7 @@ from ..._dist import all_gather_object, get_collective_timeout, get_rank, get_wo
 from ...errors import CheckpointCorruptedError
 from ...integrity import Checksums
 from ...storage import buffers, faults, node_share
-from ...storage.direct import direct_allowed, refuse_direct
+from ...storage.direct import open_for_reads
 from ...storage.inflight import read_upto, request_pool
 from .reader import ChunkGroup, open_range, parse_chunk, strided
 from .verify import BlockCheck, check_layout, frame_matches, mismatch
@@ -327,11 +326,11 @@ class _ReadAhead:
         """Whether window `j` is read with O_DIRECT (ahead, into a staging buffer).
 
         Raises:
-            OSError: its file cannot be opened.
+            CheckpointCorruptedError: its file cannot be opened.
         """
         path = self.windows[j][0]
         if path not in self.kinds:
-            self.files[path] = _open_for_reads(path)
+            self.files[path] = open_for_reads(path)
             self.kinds[path] = self.files[path][1]
         return self.kinds[path]
 
@@ -402,20 +401,6 @@ def _stage() -> np.ndarray:
     at a time straight into shared memory; docs/performance.md, fourteenth pass)."""
     stage = buffers.staging(SLOT - PRE)
     return stage if stage is not None else buffers.private(SLOT - PRE)
-
-
-def _open_for_reads(path: str) -> Tuple[int, bool]:
-    """`(fd, O_DIRECT)`: O_DIRECT unless the file's directory refused it, before or now
-    (then buffered)."""
-    directory = os.path.dirname(path)
-    if direct_allowed(directory):
-        try:
-            return os.open(path, os.O_RDONLY | os.O_DIRECT), True
-        except OSError as e:
-            if e.errno != errno.EINVAL:
-                raise
-            refuse_direct(directory, e, "reads")
-    return os.open(path, os.O_RDONLY), False
 
 
 @dataclass
