@@ -85,8 +85,92 @@ def test_each_file_is_read_front_to_back_by_one_rank_and_files_are_spread():
         mine = sorted((c for c in plan if c.reader == r), key=lambda c: c.position)
         assert [c.key for c in mine] == sorted(c.key for c in mine)  # file order
         assert [c.first_window for c in mine] == [0, 1, 2]
-    # the node's one order: by position in the reader's list, then reader
+    # the schedule's list: by position in the reader's list, then reader
     assert [(c.position, c.reader) for c in plan] == sorted((c.position, c.reader) for c in plan)
+
+
+def _runs_to_the_end(plan, ranks, slots):
+    """Simulates the protocol: readers fill windows in their own order, each into slot
+    `n % slots` once every consumer freed what it held; consumers copy out in `_order`.
+    Returns whether every window was read and consumed (False: the ranks deadlock)."""
+    streams = {
+        r: sorted(
+            ((c.first_window + k, c) for c in plan if c.reader == r for k in range(c.windows)),
+            key=lambda w: w[0],
+        )
+        for r in ranks
+    }
+    filled = {r: 0 for r in ranks}  # windows each reader filled so far
+    freed = {}  # (reader, window number) -> consumers that freed it
+    orders = {r: sr._order(plan, r) for r in ranks}
+    done = {r: 0 for r in ranks}
+    moved = True
+    while moved:
+        moved = False
+        for r in ranks:
+            stream = streams[r]
+            n = filled[r]
+            if n < len(stream):
+                if n < slots or freed.get((r, n - slots), set()) >= set(
+                    stream[n - slots][1].consumers
+                ):
+                    filled[r] += 1
+                    moved = True
+            order = orders[r]
+            if done[r] < len(order):
+                chunk, k = order[done[r]]
+                n = chunk.first_window + k
+                if filled[chunk.reader] > n:
+                    freed.setdefault((chunk.reader, n), set()).add(r)
+                    done[r] += 1
+                    moved = True
+    return all(filled[r] == len(streams[r]) for r in ranks) and all(
+        done[r] == len(orders[r]) for r in ranks
+    )
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    ranks=st.integers(2, 5),
+    chunks=st.lists(
+        st.tuples(st.integers(0, 3), st.integers(1, 3 * 5), st.sets(st.integers(0, 4), min_size=2)),
+        min_size=1,
+        max_size=12,
+    ),
+    slots=st.integers(2, 3),
+)
+def test_every_rank_consumes_its_windows_once_in_an_order_free_of_deadlocks(ranks, chunks, slots):
+    wants = [[] for _ in range(ranks)]
+    for i, (file, mib, users) in enumerate(chunks):
+        k = (f"f{file}.distcp", i * 16 * MIB, mib * MIB)
+        for r in users:
+            if r < ranks:
+                wants[r].append((k, (0, 1024)))
+    plan = sr._schedule([offer("n0", w) for w in wants], "n0")
+    for r in range(ranks):
+        got = sr._order(plan, r)
+        want = [(c.key, k) for c in plan if r in c.consumers for k in range(c.windows)]
+        assert sorted((c.key, k) for c, k in got) == sorted(want)  # each window once
+        for reader in range(ranks):  # in its reader's order
+            numbers = [c.first_window + k for c, k in got if c.reader == reader]
+            assert numbers == sorted(numbers)
+    assert _runs_to_the_end(plan, range(ranks), slots)
+
+
+def test_the_simulation_tells_a_deadlocking_order(monkeypatch):
+    # two files, each read by one rank, each chunk needed by both: rank 0 taking reader 0's
+    # windows first and rank 1 reader 1's first leaves both readers waiting
+    chunks = [(key(f, 0), (0, 1024)) for f in ("a.distcp", "b.distcp")]
+    plan = sr._schedule([offer("n0", chunks) for _ in range(2)], "n0")
+    plan = [sr._Chunk(c.key, c.reader, c.consumers, c.position, 0, 4, c.stored) for c in plan]
+    assert _runs_to_the_end(plan, range(2), 2)
+
+    def reader_by_reader(chunks_, rank):
+        mine = [(c, k) for c in chunks_ if rank in c.consumers for k in range(c.windows)]
+        return sorted(mine, key=lambda w: (w[0].reader != rank, w[1]))
+
+    monkeypatch.setattr(sr, "_order", reader_by_reader)
+    assert not _runs_to_the_end(plan, range(2), 2)
 
 
 @settings(
