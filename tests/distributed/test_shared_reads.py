@@ -11,6 +11,7 @@ from typing import Dict, Union
 import pytest
 import torch
 import torch.distributed
+from torch.distributed.checkpoint import FileSystemReader
 
 import dist_checkpointing as dc
 from dist_checkpointing import ShardedTensor
@@ -61,8 +62,9 @@ def load_cols(
     buffered: bool = False,
 ) -> Dict[str, Union[bool, int]]:
     """Loads column blocks through small shared windows; returns which tensors match, under
-    "staged" how many huge-page staging buffers this rank made, and under "landed" how
-    many windows it copied in from a staging buffer. `staged=False` withholds huge pages,
+    "staged" how many huge-page staging buffers this rank made, under "landed" how many
+    windows it copied in from a staging buffer, and under "opened" how many chunks' zip
+    records it read on their own instead of taking them from the windows. `staged=False` withholds huge pages,
     `buffered=True` has the checkpoint's directory refuse O_DIRECT."""
     r, w = rank(), torch.distributed.get_world_size()
     c = COLS // w
@@ -70,8 +72,14 @@ def load_cols(
     for k, v in SMALL.items():
         setattr(shared_read, k, v)
     real_copy, real_staging, real_land = shared_read._copy_rows, buffers.staging, shared_read._land
+    real_open = shared_read.open_range
     stages = []
     landed = []
+    opened = []
+
+    def counted_open(*args, **kwargs):  # the records read on their own
+        opened.append(1)
+        return real_open(*args, **kwargs)
 
     def counted_land(*args, **kwargs):
         landed.append(1)
@@ -89,6 +97,7 @@ def load_cols(
         shared_read._copy_rows = failing_copy
     buffers.staging = counted_staging
     shared_read._land = counted_land
+    shared_read.open_range = counted_open
     if buffered:
         direct.refuse_direct(path, OSError(errno.EINVAL, "refused by the test"), "reads")
     fault = faults.Fault("*.distcp", ops=("read",), error=OSError(5, "injected read error"))
@@ -106,7 +115,7 @@ def load_cols(
         if read_error:
             faults.remove(fault)
         shared_read._copy_rows, buffers.staging = real_copy, real_staging
-        shared_read._land = real_land
+        shared_read._land, shared_read.open_range = real_land, real_open
         direct.reset_direct_fallbacks()
         for k, v in saved.items():
             setattr(shared_read, k, v)
@@ -114,7 +123,7 @@ def load_cols(
         k: torch.equal(v, full(int(k[1:]))[:, r * c : (r + 1) * c].to(dtype))
         for k, v in out.items()
     }
-    return {**same, "staged": sum(stages), "landed": len(landed)}
+    return {**same, "staged": sum(stages), "landed": len(landed), "opened": len(opened)}
 
 
 def ours_in_shm() -> int:
@@ -123,11 +132,24 @@ def ours_in_shm() -> int:
     return sum(n.startswith(mark) for n in os.listdir(node_share.SHM_DIR))
 
 
-def damage(path: str) -> None:
-    """Flips one byte in the middle of the first data file's data."""
+def damage(path: str, where: str = "data") -> None:
+    """Flips one byte of the first data file: in the middle of its data, or in the zip
+    records before ("head": the time in its local file header, which leaves the records
+    parseable) or after ("tail") the data of its first item."""
     name = sorted(n for n in os.listdir(path) if n.endswith(".distcp"))[0]
+    items = [
+        info
+        for info in FileSystemReader(path).read_metadata().storage_data.values()
+        if info.relative_path == name
+    ]
+    first = min(items, key=lambda info: info.offset)
+    at = {
+        "data": os.path.getsize(os.path.join(path, name)) // 2,
+        "head": first.offset + 10,
+        "tail": first.offset + first.length - 10,
+    }[where]
     with open(os.path.join(path, name), "r+b") as f:
-        f.seek(os.path.getsize(f.name) // 2)
+        f.seek(at)
         b = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([b[0] ^ 0xFF]))
@@ -161,15 +183,18 @@ def test_column_blocks_load_bit_exactly_and_nothing_is_left_in_shared_memory(
             else 0
         ), got
         assert all((g["landed"] > 0) != buffered for g in got), got
+        # the records around each chunk's data come with its windows (checksums on)
+        assert [g["opened"] for g in got] == [0] * world, got
     assert w.run_ok(ours_in_shm, timeout=30) == [0] * world
 
 
 @pytest.mark.timeout(240)
-def test_a_damaged_chunk_fails_the_load_on_every_rank(world_factory, tmp_path):
+@pytest.mark.parametrize("where", ["data", "head", "tail"])
+def test_a_damaged_chunk_fails_the_load_on_every_rank(where, world_factory, tmp_path):
     path = str(tmp_path / "ckpt")
     w = world_factory(2)
     w.run_ok(save_rows, path, timeout=60)
-    damage(path)
+    damage(path, where)
     outcomes = w.run(load_cols, path, timeout=60)
     for o in outcomes:
         assert isinstance(o.error, dc.CheckpointingException), o.trace

@@ -36,9 +36,9 @@ import torch
 from torch.distributed.checkpoint.planner import ReadItem
 
 from ...errors import CheckpointCorruptedError
-from ...integrity import ItemSum, new_hasher
+from ...integrity import ItemSum
 from ...storage import direct
-from .verify import BlockCheck, check_layout, flat_bytes, mismatch
+from .verify import BlockCheck, check_layout, flat_bytes, mismatch, records_match
 from .zipformat import head_layout
 
 if TYPE_CHECKING:
@@ -135,10 +135,7 @@ class StreamItem:
         """Checks, once the item is complete, that every block of its range was verified and
         its zip records (before and after its data) against their digest."""
         self.blocks.finish()
-        h = new_hasher()
-        h.update(self.head)
-        h.update(self.tail)
-        if h.intdigest() != self.expected.digest:
+        if not records_match(self.head, self.tail, self.expected):
             raise mismatch(self.what, self.group.info)
 
     def _parse_head(self) -> None:

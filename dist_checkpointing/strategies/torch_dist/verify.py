@@ -157,9 +157,15 @@ def frame_matches(raw: Any, layout: Any, length: int, expected: ItemSum) -> bool
     """Whether the item's zip records (all bytes around the data) match their digest."""
     if layout.data_offset != expected.data_off or layout.nbytes != expected.data_len:
         return False
+    return records_match(*frame(raw, layout, length), expected)
+
+
+def records_match(head: Any, tail: Any, expected: ItemSum) -> bool:
+    """Whether an item's bytes before its data (`head`) and after it (`tail`) match the
+    digest of its zip records."""
     h = new_hasher()
-    for part in frame(raw, layout, length):
-        h.update(part)
+    h.update(head)
+    h.update(tail)
     return h.intdigest() == expected.digest
 
 
