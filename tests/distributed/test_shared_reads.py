@@ -227,3 +227,44 @@ def test_a_rank_failing_mid_read_stops_its_peers_instead_of_hanging_them(world_f
     assert w.run_ok(ours_in_shm, timeout=30) == [0, 0, 0]
     got = w.run_ok(load_cols, path, timeout=60)
     assert [(g["t0"], g["t1"], g["t2"]) for g in got] == [(True, True, True)] * 3
+
+
+def exchanges_of_a_load(path: str) -> int:
+    """Loads column blocks (shared reads on); returns the exchanges the strategy made."""
+    from dist_checkpointing import _dist
+    from dist_checkpointing.strategies.torch_dist import load as load_mod
+
+    real_gather, real_load = _dist.all_gather_pickled, load_mod.TorchDistLoadShardedStrategy.load
+    calls = []
+    inside = []
+
+    def counted(*args, **kwargs):
+        calls.append(bool(inside))
+        return real_gather(*args, **kwargs)
+
+    def load(self, *args, **kwargs):
+        inside.append(1)
+        try:
+            return real_load(self, *args, **kwargs)
+        finally:
+            inside.pop()
+
+    _dist.all_gather_pickled = counted
+    load_mod.TorchDistLoadShardedStrategy.load = load
+    try:
+        got = load_cols(path)
+    finally:
+        _dist.all_gather_pickled = real_gather
+        load_mod.TorchDistLoadShardedStrategy.load = real_load
+    assert got["t0"] and got["t1"] and got["t2"]
+    return sum(calls)
+
+
+@pytest.mark.timeout(240)
+def test_a_load_exchanges_twice_read_path_and_offers_together(world_factory, tmp_path):
+    # one exchange for the read-path measurement and the shared-read offers, one for the
+    # outcome (each exchange of a 4-rank load cost 3-9 ms)
+    path = str(tmp_path / "ckpt")
+    w = world_factory(2)
+    w.run_ok(save_rows, path, timeout=60)
+    assert w.run_ok(exchanges_of_a_load, path, timeout=60) == [2, 2]

@@ -133,11 +133,10 @@ def test_ranks_alternate_which_path_their_probe_reads_first(tmp_path, monkeypatc
     monkeypatch.setattr(
         probe, "local_probe", lambda path, pairs, direct_first: seen.append((pairs, direct_first))
     )
-    monkeypatch.setattr(load_mod, "all_gather_object", lambda obj: [obj])
     monkeypatch.setattr(load_mod, "get_world_size", lambda: 4)
     for r in range(4):
         monkeypatch.setattr(load_mod, "get_rank", lambda r=r: r)
-        load_mod._agree_read_path(tmp_path)
+        load_mod._measure_read_path(tmp_path)
     assert seen == [(1, True), (1, False), (1, True), (1, False)]
 
 

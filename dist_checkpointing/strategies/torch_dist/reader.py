@@ -216,7 +216,7 @@ def read_tensor_items(
             and each file, once read by its first rank, comes to the others from the
             page cache.
         shared: the chunks this rank reads with, or gets from, the other ranks of its node
-            (`shared_read.agree`): done first, the rest read here.
+            (`shared_read.offer`): done first, the rest read here.
 
     Returns:
         Tensor data bytes read from storage: a resharded load reads only the rows it

@@ -7,7 +7,8 @@ every page; with this module one rank reads each such chunk with O_DIRECT, in 4 
 windows, into its shared-memory segment (`storage.node_share`), verifies it there, and
 every rank that needs the chunk copies its part out of the window.
 
-The protocol, all of it decided from one exchange (`agree`):
+The protocol, all of it decided from one exchange of every rank's offer (`offer`, then
+`Offering.settle`; the `torch_dist` load sends it with its read-path measurement):
 - Each rank offers the chunks it needs a strided part of (whole rows of it needed by the
   node together), with its node, pid and segment.
 - Every rank of a node computes the same schedule from the offers: a chunk offered by
@@ -57,7 +58,7 @@ import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.planner import ReadItem
 
-from ..._dist import all_gather_object, get_collective_timeout, get_rank, get_world_size
+from ..._dist import get_collective_timeout, get_rank, get_world_size
 from ...errors import CheckpointCorruptedError
 from ...integrity import Checksums, ItemSum
 from ...storage import buffers, faults, node_share
@@ -67,7 +68,7 @@ from .reader import ChunkGroup, open_range, parse_chunk, strided
 from .verify import BlockCheck, check_layout, frame_matches, mismatch, records_match
 from .zipformat import head_layout
 
-__all__ = ["SharedReads", "agree", "WINDOW", "SLOTS", "PRE"]
+__all__ = ["Offering", "SharedReads", "offer", "WINDOW", "SLOTS", "PRE"]
 
 logger = logging.getLogger(__name__)
 
@@ -211,64 +212,87 @@ def _wants(groups: Dict[Key, ChunkGroup], checksums: Optional[Checksums]) -> Lis
     return out
 
 
-def agree(
+def offer(
     groups: Optional[Dict[Key, ChunkGroup]],
     checksums: Optional[Checksums],
     enabled: bool,
-) -> Optional[SharedReads]:
-    """Collective (every rank, in the same order as its other collectives): decides which
-    chunks the ranks of each node read once for all, and sets up this rank's part.
+) -> Offering:
+    """This rank's offer of shared reads, before the exchange of every rank's offer: a
+    collective step (every rank makes one and sends `Offering.offer` in the same exchange,
+    then calls `Offering.settle` with all of them, or `Offering.discard` where the exchange
+    failed). Never raises: the other ranks wait in the exchange.
 
     Args:
         groups: this rank's reads by stored item (None: it has nothing to read, e.g. its
             planning failed; it still takes part in the exchange).
         checksums: what reads are verified against (None: nothing verified).
         enabled: False to offer nothing (this rank reads everything itself).
-
-    Returns:
-        This rank's shared reads, or None when it takes part in none.
-
-    Raises:
-        OSError, CheckpointingException: mapping a peer's segment failed after the
-            exchange (this rank's segment is marked failed first, so its peers stop).
     """
-    world = get_world_size()
-    if world < 2:
-        return None
     own: Optional[node_share.Segment] = None
     wants: List[_Want] = []
     try:
-        if enabled and groups and node_share.available():
+        if enabled and groups and get_world_size() > 1 and node_share.available():
             wants = _wants(groups, checksums)
             if wants:
-                own = node_share.Segment.create(world, SLOTS, SLOT)
+                own = node_share.Segment.create(get_world_size(), SLOTS, SLOT)
     except OSError as e:  # e.g. a full /dev/shm: this rank reads on its own
         logger.info("no shared reads on this rank: %s", e)
         wants, own = [], None
     except Exception as e:  # never before the exchange: the other ranks wait in it
         logger.warning("no shared reads on this rank: %s", e)
         wants, own = [], None
-    node = node_share.node_id()
-    offers = all_gather_object(
-        _Offer(node, os.getpid(), own.path if own else None, checksums is not None, tuple(wants))
+    return Offering(
+        own,
+        _Offer(
+            node_share.node_id(),
+            os.getpid(),
+            own.path if own else None,
+            checksums is not None,
+            tuple(wants),
+        ),
     )
-    rank = get_rank()
-    chunks = _schedule(offers, node) if own is not None else []
-    mine = [c for c in chunks if c.reader == rank or rank in c.consumers]
-    if not mine:
-        if own is not None:
-            own.close()
-            own.unlink()
-        return None
-    shared = SharedReads(rank, world, own, [o.pid for o in offers], chunks)  # type: ignore[arg-type]
-    try:
-        shared.attach([o.segment for o in offers])
-    except BaseException:
-        shared.fail()
-        shared.close()
-        shared.unlink()
-        raise
-    return shared
+
+
+@dataclass
+class Offering:
+    """This rank's offer (`offer`), to be exchanged, and its segment until `settle`."""
+
+    own: Optional[node_share.Segment]
+    offer: _Offer
+
+    def settle(self, offers: List[_Offer]) -> Optional[SharedReads]:
+        """Sets up this rank's part of the node's shared reads from every rank's offer
+        (indexed by rank, this rank's among them).
+
+        Returns:
+            This rank's shared reads, or None when it takes part in none (its segment, if
+            any, is removed).
+
+        Raises:
+            OSError, CheckpointingException: mapping a peer's segment failed (this rank's
+                segment is marked failed first, so its peers stop).
+        """
+        own, rank, world = self.own, get_rank(), get_world_size()
+        chunks = _schedule(offers, self.offer.node) if own is not None else []
+        mine = [c for c in chunks if c.reader == rank or rank in c.consumers]
+        if own is None or not mine:
+            self.discard()
+            return None
+        shared = SharedReads(rank, world, own, [o.pid for o in offers], chunks)
+        try:
+            shared.attach([o.segment for o in offers])
+        except BaseException:
+            shared.fail()
+            shared.close()
+            shared.unlink()
+            raise
+        return shared
+
+    def discard(self) -> None:
+        """Removes this rank's segment (the offer was not exchanged, or not taken up)."""
+        if self.own is not None:
+            self.own.close()
+            self.own.unlink()
 
 
 @dataclass
@@ -527,7 +551,7 @@ def _stage() -> np.ndarray:
 class SharedReads:
     """This rank's part of a node's shared reads (see the module docstring).
 
-    Made by `agree`; `run` does the reads, `close` unmaps, `unlink` removes this rank's
+    Made by `Offering.settle`; `run` does the reads, `close` unmaps, `unlink` removes this rank's
     segment (after the load's last collective: peers map it until then).
     """
 
