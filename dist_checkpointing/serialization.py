@@ -243,7 +243,9 @@ def _load(
     strict: StrictHandling,
 ) -> LoadResult:
     start = time.perf_counter()
-    sharded, common = select_load_strategies(ckpt, sharded_strategy, common_strategy)
+    sharded, common, common_state = select_load_strategies(
+        ckpt, sharded_strategy, common_strategy, load_common=True
+    )
 
     def stored_metadata() -> ShardedStateDict:
         return _dist.run_collectively(
@@ -260,9 +262,9 @@ def _load(
             stored_metadata,
             start,
         )
-    common_state_dict: StateDict = _dist.run_collectively(
-        f"load of common state from {ckpt}", common.load_common, ckpt
-    )
+    if common_state is None:  # every rank: the same strategy loaded nothing
+        raise CheckpointingException(f"{common} returned no common state for {ckpt}")
+    common_state_dict: StateDict = common_state
     prepared = prepare_load_request(
         sharded_state_dict, strict, validate_access_integrity, stored_metadata
     )

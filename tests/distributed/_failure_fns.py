@@ -12,8 +12,10 @@ from typing import Any, Dict, List
 import torch
 import torch.distributed as dist
 
+import dist_checkpointing as dc
 from dist_checkpointing import ShardedObject, ShardedTensor
 from dist_checkpointing.errors import CheckpointingException
+from dist_checkpointing.strategies.common import TorchCommonLoadStrategy
 
 WORLD = 2
 
@@ -105,3 +107,16 @@ def missing_object_state() -> Dict[str, Any]:
     """The last rank does not save its object piece: a grid cell with no main replica."""
     r, w = _rank(), dist.get_world_size()
     return {} if r == w - 1 else {"obj": ShardedObject("obj", 1, (w,), (r,))}
+
+
+class CommonFailsOnRank1(TorchCommonLoadStrategy):
+    """Reads the common state, except on rank 1, where it raises."""
+
+    def load_common(self, checkpoint_dir: Any) -> Dict[str, Any]:
+        if _rank() == 1:
+            raise OSError("injected: common.pt unreadable on rank 1")
+        return super().load_common(checkpoint_dir)
+
+
+def load_with_common_failing_on_rank1(ckpt: str) -> Any:
+    return dc.load(good_state(), ckpt, common_strategy=CommonFailsOnRank1())

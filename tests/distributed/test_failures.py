@@ -30,6 +30,7 @@ from tests.distributed._failure_fns import (
     escaping_object_state,
     gap_state,
     good_state,
+    load_with_common_failing_on_rank1,
     none_data_on_rank1_state,
     overlap_state,
     request_only_a,
@@ -187,6 +188,13 @@ def test_missing_data_file_raises_on_every_rank(world, saved):
     outcomes = world.run(call_load, good_state, saved)
     assert_all_raise(outcomes, CheckpointingException, "")
     assert any("file" in str(o.error) or "read" in str(o.error) for o in outcomes)
+
+
+def test_common_state_failing_on_one_rank_raises_on_every_rank(world, saved):
+    # the common state is loaded with the strategies' selection and agreed on in its exchange
+    outcomes = world.run(load_with_common_failing_on_rank1, saved)
+    assert_all_raise(outcomes, CheckpointingException, "load of common state")
+    assert all("rank 1" in str(o.error) and "injected" in str(o.error) for o in outcomes)
 
 
 def test_world_is_healthy_after_failures(world, tmp_path):
