@@ -35,12 +35,14 @@ import torch
 
 from .. import _dist
 
-__all__ = ["cores_per_local_rank", "default_file_count"]
+__all__ = ["cores_per_local_rank", "default_file_count", "local_ranks"]
 
 _MAX_FILES = 4
 
 
-def _local_ranks(cuda_sources: bool) -> int:
+def local_ranks(cuda_sources: bool) -> int:
+    """Ranks on this node: `LOCAL_WORLD_SIZE`, else the CUDA device count (for CUDA
+    sources), else the world size."""
     env = os.environ.get("LOCAL_WORLD_SIZE", "")
     if env.isdigit() and int(env) > 0:
         return int(env)
@@ -79,7 +81,7 @@ def cores_per_local_rank(
         return float(min(mine, limit)) if limit else float(mine)
     if limit is not None and limit < total:  # the container's share of the node
         total = int(limit)
-    return total / max(1, _local_ranks(cuda_sources))
+    return total / max(1, local_ranks(cuda_sources))
 
 
 def default_file_count(cuda_sources: bool, cores: Optional[float] = None) -> int:

@@ -49,15 +49,14 @@ def save_small_blocks(batch: List[Case], root: str) -> None:
         integrity.BLOCK = saved
 
 
-#: shared-read sizes for tiny items: every item two ranks need shared, one-page windows
-#: (rows straddle windows), rows up to 4 KiB
+#: shared-read sizes for tiny items: every item two ranks need shared, windows of one
+#: page (two at 2 ranks: `window_for`) that rows straddle, rows up to 4 KiB
 SHARED_TINY = {
     "MIN_SHARED": 1,
     "MIN_CONSUMERS": 2,
     "WINDOW": 4096,
     "SLACK": 0,
     "PRE": 8192,
-    "SLOT": 12288,
 }
 
 

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(
     not node_share.available(), reason="needs /dev/shm and POSIX semaphores"
 )
 
-#: rows of 996 float32 (3984 bytes): rows straddle the 8 KiB windows
+#: rows of 996 float32 (3984 bytes): rows straddle the windows (8 KiB; 16 KiB at 2 ranks)
 ROWS, COLS = 96, 996
 SMALL = {
     "MIN_SHARED": 1,
@@ -32,7 +32,6 @@ SMALL = {
     "WINDOW": 8192,
     "SLACK": 0,
     "PRE": 8192,
-    "SLOT": 16384,
 }
 
 

@@ -22,7 +22,6 @@ def small(monkeypatch):
     monkeypatch.setattr(sr, "WINDOW", WINDOW)
     monkeypatch.setattr(sr, "SLACK", 0)
     monkeypatch.setattr(sr, "PRE", 4096)
-    monkeypatch.setattr(sr, "SLOT", 4096 + WINDOW)
     monkeypatch.setattr(sr, "AHEAD", 3)
     yield
     direct.reset_direct_fallbacks()

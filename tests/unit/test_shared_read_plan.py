@@ -19,9 +19,9 @@ MIB = 1 << 20
 STORED = ((1024, 1024), torch.float32)
 
 
-def offer(node, chunks, verify=True, segment="seg"):
+def offer(node, chunks, verify=True, segment="seg", window=4 * MIB):
     wants = tuple(sr._Want(key, rows, STORED) for key, rows in chunks)
-    return sr._Offer(node, 1, segment, verify, wants)
+    return sr._Offer(node, 1, segment, verify, window, wants)
 
 
 def key(file, i):
@@ -56,7 +56,9 @@ def test_a_chunk_is_shared_by_the_ranks_of_a_node_that_all_need_it(pairs_share):
         assert chunks[0].windows == 1  # 4 MiB and the records: one read
 
 
-def test_nothing_is_shared_alone_across_nodes_or_with_mixed_verification(pairs_share):
+def test_nothing_is_shared_alone_across_nodes_or_with_mixed_verification_or_windows(
+    pairs_share,
+):
     k = key("a.distcp", 0)
     alone = [offer("n0", [(k, (0, 1024))]), offer("n1", [(k, (0, 1024))])]
     assert sr._schedule(alone, "n0") == []
@@ -64,6 +66,20 @@ def test_nothing_is_shared_alone_across_nodes_or_with_mixed_verification(pairs_s
     assert sr._schedule(mixed, "n0") == []
     no_segment = [offer("n0", [(k, (0, 1024))]), offer("n0", [(k, (0, 1024))], segment=None)]
     assert sr._schedule(no_segment, "n0") == []
+    # ranks of a node that disagree on the window size (a node's ranks counted differently)
+    windows = [offer("n0", [(k, (0, 1024))]), offer("n0", [(k, (0, 1024))], window=8 * MIB)]
+    assert sr._schedule(windows, "n0") == []
+
+
+def test_two_ranks_of_a_node_read_windows_twice_as_large():
+    assert sr.window_for(1) == sr.window_for(2) == 2 * sr.WINDOW
+    assert sr.window_for(3) == sr.window_for(8) == sr.WINDOW
+    k = ("a.distcp", 0, 64 * MIB)
+    pair = [offer("n0", [(k, (0, 1024))], window=sr.window_for(2)) for _ in range(2)]
+    four = [offer("n0", [(k, (0, 1024))], window=sr.window_for(4)) for _ in range(4)]
+    big, small = sr._schedule(pair, "n0")[0], sr._schedule(four, "n0")[0]
+    assert (big.window, small.window) == (8 * MIB, 4 * MIB)
+    assert big.windows < small.windows
 
 
 def test_a_chunk_whose_rows_the_node_does_not_all_need_is_not_shared(pairs_share):
@@ -162,7 +178,9 @@ def test_the_simulation_tells_a_deadlocking_order(monkeypatch):
     # windows first and rank 1 reader 1's first leaves both readers waiting
     chunks = [(key(f, 0), (0, 1024)) for f in ("a.distcp", "b.distcp")]
     plan = sr._schedule([offer("n0", chunks) for _ in range(2)], "n0")
-    plan = [sr._Chunk(c.key, c.reader, c.consumers, c.position, 0, 4, c.stored) for c in plan]
+    plan = [
+        sr._Chunk(c.key, c.reader, c.consumers, c.position, 0, 4, c.stored, c.window) for c in plan
+    ]
     assert _runs_to_the_end(plan, range(2), 2)
 
     def reader_by_reader(chunks_, rank):
@@ -186,14 +204,13 @@ def test_the_simulation_tells_a_deadlocking_order(monkeypatch):
 def test_every_row_is_handed_out_once_from_bytes_its_window_holds(
     offset, head, row_bytes, nrows, window, monkeypatch
 ):
-    monkeypatch.setattr(sr, "WINDOW", window)
     monkeypatch.setattr(sr, "SLACK", 0)
     monkeypatch.setattr(sr, "PRE", 8192)
     length = head + nrows * row_bytes + 300
     k = ("f", offset, length)
     dtype = torch.uint8
-    geo = sr._geometry(k, head, (((nrows, row_bytes)), dtype))
-    n = sr._windows(k)
+    geo = sr._geometry(k, window, head, (((nrows, row_bytes)), dtype))
+    n = sr._windows(k, window)
     given_out = []
     for w in range(n):
         lo, hi = geo.window(w)

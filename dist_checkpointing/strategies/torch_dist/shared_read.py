@@ -64,11 +64,12 @@ from ...integrity import Checksums, ItemSum
 from ...storage import buffers, faults, node_share
 from ...storage.direct import open_for_reads
 from ...storage.inflight import read_upto, request_pool
+from ...storage.threads import local_ranks
 from .reader import ChunkGroup, open_range, parse_chunk, strided
 from .verify import BlockCheck, check_layout, frame_matches, mismatch, records_match
 from .zipformat import head_layout
 
-__all__ = ["Offering", "SharedReads", "offer", "WINDOW", "SLOTS", "PRE"]
+__all__ = ["Offering", "SharedReads", "offer", "window_for", "WINDOW", "SLOTS", "PRE"]
 
 logger = logging.getLogger(__name__)
 
@@ -78,8 +79,9 @@ logger = logging.getLogger(__name__)
 #: A/B in one world: 0.49-0.57 s (median 0.53) with 4 MiB windows, 2 slots and 4 reads
 #: ahead, against 0.57-1.01 s (median 0.62) with 16 MiB windows, 3 slots and 1 read ahead;
 #: at 2 ranks both took 0.56 s (docs/performance.md, fourteenth pass). A chunk is cut into
-#: windows of equal size up to `WINDOW + SLACK`, so that a 4 MiB piece and the zip records
-#: around it are one read, not a full window and a few kilobytes.
+#: windows of equal size up to `window + SLACK`, so that a 4 MiB piece and the zip records
+#: around it are one read, not a full window and a few kilobytes. Nodes of two ranks use
+#: windows twice as large (`window_for`).
 WINDOW = 4 << 20
 SLACK = 1 << 20
 #: windows per rank: one being filled while the other is copied out (the reader copies the
@@ -90,8 +92,6 @@ SLOTS = 2
 #: the previous window; rows longer than `PRE - HEADER` are not shared
 PRE = 1 << 20
 HEADER = 4096
-#: bytes per slot of a segment
-SLOT = PRE + WINDOW + SLACK
 #: smaller chunks are read the ordinary way (the protocol's waits would cost more)
 MIN_SHARED = 1 << 20
 #: ranks of a node that must need a chunk for it to be shared; two already gain (2 ranks x
@@ -121,6 +121,7 @@ class _Offer:
     pid: int
     segment: Optional[str]
     verify: bool
+    window: int  # bytes per window (`window_for`): the node's ranks share only if equal
     wants: Tuple[_Want, ...]
 
 
@@ -133,11 +134,29 @@ class _Chunk:
     first_window: int  # the reader's running window number at the chunk's start
     windows: int
     stored: Tuple[Tuple[int, ...], torch.dtype]
+    window: int  # bytes per window (the node's)
 
 
-def _windows(key: Key) -> int:
+def window_for(node_ranks: int) -> int:
+    """Bytes per window on a node of `node_ranks` ranks: `WINDOW`, twice that for two.
+
+    Every rank maps, faults in and unmaps the segments of all its node's ranks on each
+    load, so small windows pay off as ranks grow; with two, larger reads won: 1 GiB column
+    loads, alternating A/B in one world, medians of 6-8 loads (window MiB : slots : reads
+    ahead), 2 ranks: 4:2:4 0.493 and 0.448 s, 8:2:4 0.451 and 0.421 s; 4 ranks: 4:2:4
+    0.453 s, 8:2:4 0.493 s (docs/performance.md, fifteenth pass).
+    """
+    return 2 * WINDOW if node_ranks <= 2 else WINDOW
+
+
+def _slot(window: int) -> int:
+    """Bytes per slot of a segment with windows of `window` bytes."""
+    return PRE + window + SLACK
+
+
+def _windows(key: Key, window: int) -> int:
     start = key[1] - key[1] % mmap_page()
-    return -(-(key[1] + key[2] - start) // (WINDOW + SLACK))
+    return -(-(key[1] + key[2] - start) // (window + SLACK))
 
 
 def mmap_page() -> int:
@@ -157,8 +176,9 @@ def _covers(ranges: List[Tuple[int, int]], nrows: int) -> bool:
 def _schedule(offers: List[_Offer], node: str) -> List[_Chunk]:
     """Every shared chunk of `node` (the same list on every rank of the node)."""
     ranks = [r for r, o in enumerate(offers) if o.node == node and o.segment is not None]
-    if len(ranks) < 2 or len({offers[r].verify for r in ranks}) > 1:
+    if len(ranks) < 2 or len({(offers[r].verify, offers[r].window) for r in ranks}) > 1:
         return []
+    window = offers[ranks[0]].window
     wanted: Dict[Key, List[Tuple[int, _Want]]] = {}
     for r in ranks:
         for w in offers[r].wants:
@@ -183,11 +203,11 @@ def _schedule(offers: List[_Offer], node: str) -> List[_Chunk]:
         assigned[reader] += sum(k[2] for k in by_file[name])
     chunks = []
     for reader, keys in streams.items():
-        window = 0
+        first = 0
         for pos, k in enumerate(keys):
-            n = _windows(k)
-            chunks.append(_Chunk(k, reader, shared[k], pos, window, n, stored[k]))
-            window += n
+            n = _windows(k, window)
+            chunks.append(_Chunk(k, reader, shared[k], pos, first, n, stored[k], window))
+            first += n
     return sorted(chunks, key=lambda c: (c.position, c.reader))
 
 
@@ -230,11 +250,12 @@ def offer(
     """
     own: Optional[node_share.Segment] = None
     wants: List[_Want] = []
+    window = window_for(local_ranks(cuda_sources=False))
     try:
         if enabled and groups and get_world_size() > 1 and node_share.available():
             wants = _wants(groups, checksums)
             if wants:
-                own = node_share.Segment.create(get_world_size(), SLOTS, SLOT)
+                own = node_share.Segment.create(get_world_size(), SLOTS, _slot(window))
     except OSError as e:  # e.g. a full /dev/shm: this rank reads on its own
         logger.info("no shared reads on this rank: %s", e)
         wants, own = [], None
@@ -248,6 +269,7 @@ def offer(
             os.getpid(),
             own.path if own else None,
             checksums is not None,
+            window,
             tuple(wants),
         ),
     )
@@ -397,7 +419,8 @@ class _ReadAhead:
                 self.next += 1
                 continue
             if not self.stages:
-                self.stages = [_stage() for _ in range(AHEAD + 1)]
+                size = max(n for _, _, n in self.windows)
+                self.stages = [_stage(size) for _ in range(AHEAD + 1)]
             stage = self.stages[self.submitted % len(self.stages)]
             fd = self.files[self.windows[j][0]][0]
             self.pending.append((j, request_pool().submit(self._fetch, j, fd, stage)))
@@ -466,7 +489,10 @@ class _ReadRecords(_Records):
     def start(self, lo: int, read: np.ndarray) -> Tuple[_Geometry, Optional[BlockCheck]]:
         layout, expected = self.layout, self.expected
         geo = _geometry(
-            self.chunk.key, layout.data_offset if layout is not None else None, self.chunk.stored
+            self.chunk.key,
+            self.chunk.window,
+            layout.data_offset if layout is not None else None,
+            self.chunk.stored,
         )
         if expected is not None and expected.blocked and layout is not None:
             self.blocks = BlockCheck(expected, self.what, self.info)
@@ -506,7 +532,7 @@ class _WindowRecords(_Records):
         """Whether the chunk's records before its data lie in its first window."""
         if expected is None or not expected.blocked:
             return False
-        geo = _geometry(chunk.key, None, chunk.stored)
+        geo = _geometry(chunk.key, chunk.window, None, chunk.stored)
         return chunk.key[1] - geo.start + expected.data_off <= geo.window(0)[1] - geo.start
 
     def start(self, lo: int, read: np.ndarray) -> Tuple[_Geometry, Optional[BlockCheck]]:
@@ -516,11 +542,11 @@ class _WindowRecords(_Records):
         layout = head_layout(self.head, e.data_off, e.data_len)
         if layout is None or layout.data_offset != e.data_off or layout.nbytes != e.data_len:
             # not the plain layout: its consumers read it the ordinary way
-            return _geometry(key, None, self.chunk.stored), None
+            return _geometry(key, self.chunk.window, None, self.chunk.stored), None
         check_layout(layout, self.chunk.stored, self.what)
         self.plain = True
         self.blocks = BlockCheck(e, self.what, self.info)
-        return _geometry(key, layout.data_offset, self.chunk.stored), self.blocks
+        return _geometry(key, self.chunk.window, layout.data_offset, self.chunk.stored), self.blocks
 
     def take(self, lo: int, read: np.ndarray) -> None:
         a, b = max(lo, self.tail_at), min(lo + read.size, self.end)
@@ -538,13 +564,13 @@ class _WindowRecords(_Records):
             raise mismatch(self.what, self.info)
 
 
-def _stage() -> np.ndarray:
+def _stage(nbytes: int) -> np.ndarray:
     """A staging buffer for one window: in huge pages where the kernel gives them, else in
     private pages (one path for every reader: without huge pages, 4 ranks x 1 GiB column
     loads through private buffers took 0.67-0.99 s against 0.67-1.05 s reading one window
     at a time straight into shared memory; docs/performance.md, fourteenth pass)."""
-    stage = buffers.staging(SLOT - PRE)
-    return stage if stage is not None else buffers.private(SLOT - PRE)
+    stage = buffers.staging(nbytes)
+    return stage if stage is not None else buffers.private(nbytes)
 
 
 @dataclass
@@ -582,7 +608,9 @@ class SharedReads:
             if r != self.rank:
                 name = names[r]
                 assert name is not None
-                self.segments[r] = node_share.Segment.attach(name, self.world, SLOTS, SLOT)
+                self.segments[r] = node_share.Segment.attach(
+                    name, self.world, SLOTS, _slot(self.chunks[0].window)
+                )
 
     def fail(self) -> None:
         """Tells the node's peers this rank stopped."""
@@ -679,7 +707,7 @@ class SharedReads:
         windows = []
         for chunk in mine:  # where each window lies does not depend on the chunk's layout
             path = str(checkpoint_dir / chunk.key[0])
-            geo = _geometry(chunk.key, None, chunk.stored)
+            geo = _geometry(chunk.key, chunk.window, None, chunk.stored)
             for k in range(chunk.windows):
                 lo, hi = geo.window(k)
                 windows.append((path, lo, -(-(hi - lo) // page) * page))
@@ -730,7 +758,7 @@ class SharedReads:
         stall: float,
         ahead: _ReadAhead,
     ) -> None:
-        geo = _geometry(chunk.key, None, chunk.stored)  # where the windows lie
+        geo = _geometry(chunk.key, chunk.window, None, chunk.stored)  # where the windows lie
         blocks: Optional[BlockCheck] = None
         for k in range(chunk.windows):
             n = chunk.first_window + k  # the reader's window number: also `ahead`'s
@@ -805,7 +833,9 @@ class SharedReads:
             window = reader.window((chunk.first_window + k) % SLOTS)
             if geo is None:
                 plain, data_offset = (int(x) for x in window[:16].view(np.int64))
-                geo = _geometry(chunk.key, data_offset if plain else None, chunk.stored)
+                geo = _geometry(
+                    chunk.key, chunk.window, data_offset if plain else None, chunk.stored
+                )
                 state[chunk.key] = (pairs, geo)
             if geo.row_bytes:
                 _copy_rows(window, geo, k, chunk.stored, pairs)
@@ -842,11 +872,11 @@ def _order(chunks: List[_Chunk], rank: int) -> List[Tuple[_Chunk, int]]:
     return [(c, k) for _, _, c, k in sorted(mine, key=lambda w: (w[0], w[1]))]
 
 
-def _geometry(key: Key, data_offset: Optional[int], stored: Any) -> _Geometry:
+def _geometry(key: Key, window: int, data_offset: Optional[int], stored: Any) -> _Geometry:
     """A chunk's windows, and its rows where it has the plain layout (`data_offset` known)."""
     page = mmap_page()
     start, end = key[1] - key[1] % page, key[1] + key[2]
-    size = -(-(end - start) // _windows(key) // page) * page
+    size = -(-(end - start) // _windows(key, window) // page) * page
     if data_offset is None:
         return _Geometry(start, end, size, key[1], 0, 0)
     shape, dtype = stored
