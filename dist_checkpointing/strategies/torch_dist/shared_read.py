@@ -4,7 +4,8 @@ A column block of a row-major chunk is a short run of every row, so each of the 
 ranks loading column blocks needs bytes from every page of the chunk. Read through the
 page cache, the node fills the cache at its (slow) rate and every rank hashes and copies
 every page; with this module one rank reads each such chunk with O_DIRECT, in 4 MiB
-windows, into its shared-memory segment (`storage.node_share`), verifies it there, and
+windows (8 MiB on a node of two ranks: `window_for`), into its shared-memory segment
+(`storage.node_share`), verifies it there, and
 every rank that needs the chunk copies its part out of the window.
 
 The protocol, all of it decided from one exchange of every rank's offer (`offer`, then
