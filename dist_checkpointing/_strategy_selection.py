@@ -16,7 +16,7 @@ from typing import Any, Optional, Tuple, Union
 from . import _dist
 from ._types import StateDict
 from .core import maybe_load_config
-from .errors import NotACheckpointError
+from .errors import CheckpointingException, NotACheckpointError
 from .strategies.base import (
     LoadCommonStrategy,
     LoadShardedStrategy,
@@ -80,11 +80,11 @@ def compatible_strategy(action: StrategyAction, spec: Any, backend: str, version
 
 
 def select_load_strategies(
-    ckpt: Path, sharded_strategy: Any, common_strategy: Any, load_common: bool = False
+    ckpt: Path, sharded_strategy: Any, common_strategy: Any
 ) -> Tuple[LoadShardedStrategy, LoadCommonStrategy, Optional[StateDict]]:
-    """Collective: the load strategies for `ckpt`, checked on every rank, and with
-    `load_common` the checkpoint's common state, agreed on in the same exchange (each
-    exchange of a 4-rank load cost 3-10 ms on this project's 2-core VM).
+    """Collective: the load strategies for `ckpt`, checked on every rank, and the
+    checkpoint's common state, agreed on in the same exchange (each exchange of a 4-rank
+    load cost 3-10 ms on this project's 2-core VM).
 
     A rank whose directory lacks the checkpoint (its node lost it) adopts the record of
     the other ranks when they hold a node-local checkpoint, whose parts can be fetched from
@@ -94,11 +94,10 @@ def select_load_strategies(
         ckpt: the checkpoint directory.
         sharded_strategy: instance or `(backend, version)`; None: from `metadata.json`.
         common_strategy: the same for the common state.
-        load_common: also load the common state (`LoadCommonStrategy.load_common`), except
-            for node-local checkpoints, whose ranks each read their own with their part.
 
     Returns:
-        `(sharded strategy, common strategy, common state or None)`.
+        `(sharded strategy, common strategy, common state)`; the common state is None for
+        node-local checkpoints, whose ranks each read their own with their part.
 
     Raises:
         CheckpointingException: on every rank, where any rank found no usable checkpoint
@@ -113,9 +112,11 @@ def select_load_strategies(
         found = verify_checkpoint_and_load_strategy(ckpt, sharded_strategy, common_strategy)
         if isinstance(found[0], NodeLocalLoadShardedStrategy):
             config = maybe_load_config(ckpt)
-        elif load_common:
+        else:
             try:
                 common_state = found[1].load_common(ckpt)
+                if common_state is None:
+                    raise CheckpointingException(f"{found[1]} returned no common state for {ckpt}")
             except Exception as e:  # agreed on below
                 common_error = e
     except Exception as e:  # agreed on below

@@ -243,9 +243,7 @@ def _load(
     strict: StrictHandling,
 ) -> LoadResult:
     start = time.perf_counter()
-    sharded, common, common_state = select_load_strategies(
-        ckpt, sharded_strategy, common_strategy, load_common=True
-    )
+    sharded, common, common_state = select_load_strategies(ckpt, sharded_strategy, common_strategy)
 
     def stored_metadata() -> ShardedStateDict:
         return _dist.run_collectively(
@@ -262,8 +260,7 @@ def _load(
             stored_metadata,
             start,
         )
-    if common_state is None:  # every rank: the same strategy loaded nothing
-        raise CheckpointingException(f"{common} returned no common state for {ckpt}")
+    assert common_state is not None  # loaded with the selection, or it raised on every rank
     common_state_dict: StateDict = common_state
     prepared = prepare_load_request(
         sharded_state_dict, strict, validate_access_integrity, stored_metadata

@@ -118,5 +118,13 @@ class CommonFailsOnRank1(TorchCommonLoadStrategy):
         return super().load_common(checkpoint_dir)
 
 
-def load_with_common_failing_on_rank1(ckpt: str) -> Any:
-    return dc.load(good_state(), ckpt, common_strategy=CommonFailsOnRank1())
+class CommonNoneOnRank1(TorchCommonLoadStrategy):
+    """Reads the common state, except on rank 1, where it returns None (a broken strategy)."""
+
+    def load_common(self, checkpoint_dir: Any) -> Any:
+        return None if _rank() == 1 else super().load_common(checkpoint_dir)
+
+
+def load_with_common_failing_on_rank1(ckpt: str, returns_none: bool = False) -> Any:
+    strategy = CommonNoneOnRank1() if returns_none else CommonFailsOnRank1()
+    return dc.load(good_state(), ckpt, common_strategy=strategy)

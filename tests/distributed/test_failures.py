@@ -190,11 +190,12 @@ def test_missing_data_file_raises_on_every_rank(world, saved):
     assert any("file" in str(o.error) or "read" in str(o.error) for o in outcomes)
 
 
-def test_common_state_failing_on_one_rank_raises_on_every_rank(world, saved):
+@pytest.mark.parametrize("returns_none,cause", [(False, "injected"), (True, "no common state")])
+def test_common_state_failing_on_one_rank_raises_on_every_rank(world, saved, returns_none, cause):
     # the common state is loaded with the strategies' selection and agreed on in its exchange
-    outcomes = world.run(load_with_common_failing_on_rank1, saved)
+    outcomes = world.run(load_with_common_failing_on_rank1, saved, returns_none)
     assert_all_raise(outcomes, CheckpointingException, "load of common state")
-    assert all("rank 1" in str(o.error) and "injected" in str(o.error) for o in outcomes)
+    assert all("rank 1" in str(o.error) and cause in str(o.error) for o in outcomes)
 
 
 def test_world_is_healthy_after_failures(world, tmp_path):

@@ -816,15 +816,18 @@ class SharedReads:
         """Copies this rank's parts out of the windows of the chunks it needs, in the
         node's order; returns the chunks without the plain layout (not copied)."""
         left: List[Key] = []
-        state: Dict[Key, Tuple[List[Tuple[ReadItem, torch.Tensor]], Optional[_Geometry]]] = {}
+        # per chunk being copied out: its reads and destinations, its name, its geometry
+        # (from the header of its first window)
+        state: Dict[Key, Tuple[List[Tuple[ReadItem, torch.Tensor]], str, _Geometry]] = {}
         for chunk, k in _order(self.chunks, self.rank):
-            group = groups[chunk.key]
-            what = f"{chunk.key[0]}@{chunk.key[1]} ({group.reads[0].storage_index.fqn!r})"
-            if k == 0:
-                state[chunk.key] = ([(r, resolve(r)) for r in group.reads], None)
-            pairs, geo = state[chunk.key]
             reader = self.segments[chunk.reader]
             assert reader is not None
+            if k == 0:
+                group = groups[chunk.key]
+                pairs = [(r, resolve(r)) for r in group.reads]
+                what = f"{chunk.key[0]}@{chunk.key[1]} ({group.reads[0].storage_index.fqn!r})"
+            else:
+                pairs, what, geo = state[chunk.key]
             node_share.wait(
                 self.own.ready_sem(chunk.reader),
                 check,
@@ -832,12 +835,12 @@ class SharedReads:
                 f"rank {chunk.reader} to read {what}",
             )
             window = reader.window((chunk.first_window + k) % SLOTS)
-            if geo is None:
+            if k == 0:
                 plain, data_offset = (int(x) for x in window[:16].view(np.int64))
                 geo = _geometry(
                     chunk.key, chunk.window, data_offset if plain else None, chunk.stored
                 )
-                state[chunk.key] = (pairs, geo)
+                state[chunk.key] = (pairs, what, geo)
             if geo.row_bytes:
                 _copy_rows(window, geo, k, chunk.stored, pairs)
             del window
