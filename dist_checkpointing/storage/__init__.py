@@ -14,6 +14,7 @@ Modules:
     segments: writing a file from byte segments (`ChunkStream` through aligned buffers,
         `BufferedStream` from the bytes' own memory); `StreamedFile` for chunks as they arrive.
     probe: the read path (page cache or O_DIRECT) chosen by measurement per file system.
+    records: measured choices remembered on the node across processes (a day, one boot).
     write_probe: the same for a synchronous save's writes (O_DIRECT or page cache + fsync).
     inflight: several read requests of one region in flight, completions reported in order.
     mapped: part of a region read through a mapping of the page cache (no copy of the rest).

@@ -15,8 +15,11 @@ and all keep the combination (`combine`, `keep`), so every rank reads the same w
 
 The probe costs `4 * PROBE_BYTES` of reads (two pairs) once per process and file system, or
 `2 * PROBE_BYTES` (one pair) per rank in a load of several ranks, where every rank's pair
-counts: at 4 ranks x 1 GiB two pairs took 0.15-0.25 s of a first load whose later repeats
-took 0.46 s. The regions read through the page cache stay there for the load that
+counts: at 4 ranks x 1 GiB one pair per rank took 0.23 s of a first load of 0.68-0.71 s,
+whose later repeats took 0.45-0.47 s. A job restarting on the same node pays it on the one
+load it waits for, so every measurement is also recorded on the node (`storage.records`,
+for a day, until a reboot) and a later process takes the record instead of measuring
+(`ReadProbe.recorded`). The regions read through the page cache stay there for the load that
 follows. The page cache is chosen only where it wins clearly, in total and in at least half
 of the pairs (one probe on a busy machine is noisy), else O_DIRECT; even then a region
 already in the page cache (`cached`: e.g. a checkpoint loaded a moment ago) is read from
@@ -37,7 +40,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from . import buffers
+from . import buffers, records
 from .direct import (
     BUFFERED_DEPTH,
     _buffered,
@@ -85,6 +88,33 @@ class ReadProbe:
     nbytes: int
     #: the same per pair of regions (one O_DIRECT, one buffered read each); empty: unknown
     pairs: Tuple[Tuple[float, float], ...] = ()
+    #: taken from the node's record of an earlier process's measurement (`storage.records`),
+    #: not measured by this one
+    recorded: bool = False
+
+    def value(self) -> Dict[str, Any]:
+        """The measurement as a record's value (`storage.records`)."""
+        return {
+            "direct_s": self.direct_s,
+            "buffered_s": self.buffered_s,
+            "nbytes": self.nbytes,
+            "pairs": [list(p) for p in self.pairs],
+        }
+
+    @classmethod
+    def from_value(cls, value: Dict[str, Any]) -> ReadProbe:
+        """A measurement from a record's value, marked `recorded`.
+
+        Raises:
+            ValueError, KeyError, TypeError: a malformed value.
+        """
+        pairs = tuple((float(d), float(b)) for d, b in value["pairs"])
+        probe = cls(
+            float(value["direct_s"]), float(value["buffered_s"]), int(value["nbytes"]), pairs
+        )
+        if not (probe.direct_s > 0 and probe.buffered_s > 0 and probe.nbytes > 0 and pairs):
+            raise ValueError(f"not a measurement: {value!r}")
+        return cls(probe.direct_s, probe.buffered_s, probe.nbytes, pairs, recorded=True)
 
     @property
     def prefer_direct(self) -> bool:
@@ -106,6 +136,9 @@ class ReadProbe:
         won = sum(b < DIRECT_MARGIN * d for d, b in self.pairs)
         return 2 * won < len(self.pairs)
 
+
+#: the kind of this module's records on the node (`storage.records`)
+RECORD = "read-path"
 
 _results: Dict[int, ReadProbe] = {}
 #: this process's own measurements (`local_probe`), kept apart from the combined results
@@ -281,11 +314,24 @@ def local_probe(path: str, pairs: int = 2, direct_first: bool = True) -> Optiona
         return None
     with _lock:
         if dev not in _local:
-            got = _measured(path, pairs, direct_first)
+            got = _recall(path) or _measured(path, pairs, direct_first)
             if got is None:  # e.g. a small file: a later, larger one is measured
                 return None
             _local[dev] = got
         return _local[dev]
+
+
+def _recall(path: str) -> Optional[ReadProbe]:
+    """The measurement recorded on this node for `path`'s file system (`storage.records`)
+    by an earlier process, or None."""
+    value = records.recall(RECORD, path)
+    if value is None:
+        return None
+    try:
+        return ReadProbe.from_value(value)
+    except (ValueError, KeyError, TypeError) as e:
+        logger.debug("read-path record for %s not taken: %s", path, e)
+        return None
 
 
 def combine(probes: List[Optional[ReadProbe]]) -> Optional[ReadProbe]:
@@ -296,10 +342,15 @@ def combine(probes: List[Optional[ReadProbe]]) -> Optional[ReadProbe]:
     the others took 0.40-0.68 s through the page cache, and the load waited for the
     slowest).
 
+    Ranks that took the same record (`storage.records`: every node of an earlier job
+    recorded the same combination) count it once, so that a combination of records decides
+    as the load that measured them did and is not recorded again.
+
     Returns:
         The combined measurement, or None when no rank measured.
     """
-    got = [p for p in probes if p is not None]
+    fresh = [p for p in probes if p is not None and not p.recorded]
+    got = fresh + list(dict.fromkeys(p for p in probes if p is not None and p.recorded))
     if not got:
         return None
     return ReadProbe(
@@ -307,17 +358,21 @@ def combine(probes: List[Optional[ReadProbe]]) -> Optional[ReadProbe]:
         sum(p.buffered_s for p in got),
         sum(p.nbytes for p in got),
         tuple(pair for p in got for pair in p.pairs),
+        recorded=not fresh,
     )
 
 
 def keep(path: str, result: ReadProbe) -> None:
-    """Keeps `result` (see `combine`) for `path`'s file system, replacing what was kept."""
+    """Keeps `result` (see `combine`) for `path`'s file system, replacing what was kept, and
+    records it on the node for later processes where it holds a new measurement."""
     dev = os.stat(path).st_dev
     with _lock:
         before = _results.get(dev)
         _results[dev] = result
     if before is None or before.prefer_direct != result.prefer_direct:
         _log_choice(os.path.dirname(path), result)
+    if not result.recorded:
+        records.remember(RECORD, path, result.value())
 
 
 def _probe_device(path: str) -> Optional[int]:
@@ -342,10 +397,11 @@ def _measured(path: str, pairs: int = 2, direct_first: bool = True) -> Optional[
 
 def _log_choice(directory: str, result: ReadProbe) -> None:
     logger.info(
-        "read path for %s's file system: %s (%d probe pairs of %d MiB: O_DIRECT %.2f GB/s, "
+        "read path for %s's file system: %s (%s%d probe pairs of %d MiB: O_DIRECT %.2f GB/s, "
         "page cache %.2f GB/s)",
         directory,
         "O_DIRECT" if result.prefer_direct else "page cache",
+        "recorded on this node: " if result.recorded else "",
         len(result.pairs),
         PROBE_BYTES >> 20,
         result.nbytes / max(result.direct_s, 1e-9) / 1e9,
@@ -372,9 +428,12 @@ def prefer_direct_reads(path: str) -> bool:
     with _lock:  # one probe per file system, also when several threads ask at once
         result = _results.get(dev)
         if result is None:
-            result = _measured(path)
+            result = _recall(path)
             if result is None:
-                return False
+                result = _measured(path)
+                if result is None:
+                    return False
+                records.remember(RECORD, path, result.value())
             _results[dev] = result
             _log_choice(os.path.dirname(path), result)
     return result.prefer_direct

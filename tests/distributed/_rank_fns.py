@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -142,6 +142,58 @@ def load_with_fixed_probe(
     finally:
         probe._measure = real
         probe.forget_probes()
+
+
+def load_after_restart(
+    builder: Callable[[], Dict[str, Any]], ckpt: str, record_dirs: List[str]
+) -> Tuple[List[str], bool, bool, bool]:
+    """Loads as a job does, then twice more as if restarted (this process's kept
+    measurements forgotten), with the node's records in this rank's `record_dirs[rank]`
+    (the second time emptied on rank 1 only: it measures anew). The probe is stubbed: the
+    page cache wins every pair (a choice that O_DIRECT's default is not).
+
+    Returns:
+        `(the paths measured, the kept choice is O_DIRECT after each restart, whether the
+        choice after the first restart came from a record)`.
+    """
+    from dist_checkpointing.storage import probe, records
+
+    measured: List[str] = []
+
+    def measure(path: str, pairs: int = 2, direct_first: bool = True) -> Any:
+        measured.append("first" if not restarted else f"restart {len(restarted)}")
+        return probe.ReadProbe(1.0 * pairs, 0.1 * pairs, 1, ((1.0, 0.1),) * pairs)
+
+    restarted: List[int] = []
+    real, before = probe._measure, os.environ.get(records.ENV)
+    probe._measure = measure
+    os.environ[records.ENV] = record_dirs[rank()]
+    data = sorted(f for f in os.listdir(ckpt) if f.endswith(".distcp"))
+    try:
+        probe.forget_probes()
+        dc.load(builder(), ckpt)
+        restarted.append(1)
+        probe.forget_probes()
+        dc.load(builder(), ckpt)
+        first = probe.probe_result(os.path.join(ckpt, data[0]))
+        restarted.append(2)
+        probe.forget_probes()
+        dist.barrier()
+        if rank() == 1:
+            for name in os.listdir(record_dirs[1]):
+                os.remove(os.path.join(record_dirs[1], name))
+        dist.barrier()
+        dc.load(builder(), ckpt)
+        second = probe.probe_result(os.path.join(ckpt, data[0]))
+        assert first is not None and second is not None
+        return measured, first.prefer_direct, second.prefer_direct, first.recorded
+    finally:
+        probe._measure = real
+        probe.forget_probes()
+        if before is None:
+            os.environ.pop(records.ENV, None)
+        else:
+            os.environ[records.ENV] = before
 
 
 def save_with_fixed_write_probe(
