@@ -286,9 +286,10 @@ def read_spans(
     """Reads several regions of one file with O_DIRECT as one pipeline of requests.
 
     The regions are widened to `ALIGN` and merged where they touch, then read through one
-    bounce buffer (cut into `depth` slots, in huge pages where the kernel gives them) with
-    `depth` requests in flight across the regions' ends
-    (`inflight.read_spans_through_slots`). The caller picks out the bytes it asked for:
+    bounce buffer (cut into slots of `request` bytes, at least `depth` of them and at most
+    twice that, in huge pages where the kernel gives them) with `depth` requests in flight across the regions' ends
+    (`inflight.read_spans_through_slots`: slots beyond `depth` take the next requests while
+    completed ones wait to be delivered). The caller picks out the bytes it asked for:
     deliveries also carry the alignment's bytes around them.
 
     Args:
@@ -325,9 +326,12 @@ def read_spans(
         depth = max(1, min(depth, buffers.BOUNCE // ALIGN))
         step = max(ALIGN, min(buffers.BOUNCE // depth, request) // ALIGN * ALIGN)
         view = memoryview(bounce)  # type: ignore[arg-type]
-        slots = [view[i * step : (i + 1) * step] for i in range(depth)]
+        # the slots the bounce buffer holds, up to twice `depth`: those beyond `depth` take
+        # the next requests while completed ones wait to be delivered
+        count = min(buffers.BOUNCE // step, 2 * depth)
+        slots = [view[i * step : (i + 1) * step] for i in range(count)]
         try:
-            return read_spans_through_slots(fd, merged, slots, deliver)
+            return read_spans_through_slots(fd, merged, slots, deliver, depth)
         except OSError as e:
             if e.errno == errno.EINVAL:
                 refuse_direct(directory, e, "reads")

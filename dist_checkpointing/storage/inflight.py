@@ -18,7 +18,7 @@ import os
 import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Deque, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 from ..errors import CheckpointCorruptedError
 
@@ -185,22 +185,33 @@ def read_spans_through_slots(
     spans: Sequence[Tuple[int, int]],
     slots: List[memoryview],
     deliver: Callable[[int, memoryview], None],
+    depth: Optional[int] = None,
 ) -> bool:
     """Reads several regions of one file as one pipeline of requests through reusable slots.
 
-    Each region is cut into slot-sized requests; `len(slots)` requests stay in flight across
-    the regions' ends, so the disk does not idle between regions while the last bytes of one
-    are copied out and the first request of the next is issued (per stored chunk of 16 MiB,
-    that idle time was a tenth of a 4-rank load on our VM; docs/performance.md).
+    Each region is cut into slot-sized requests, kept in flight across the regions' ends, so
+    the disk does not idle between regions while the last bytes of one are copied out and
+    the first request of the next is issued (per stored chunk of 16 MiB, that idle time was
+    a tenth of a 4-rank load on our VM; docs/performance.md).
+
+    With more slots than `depth`, a request is issued as soon as one in flight completes,
+    into a free slot, not once the oldest was delivered: a disk that completes requests
+    together then finds the next ones queued while the calling thread copies those out. With
+    one slot per request in flight, 4 ranks x 1 GiB streamed into tensors left each rank's
+    disk queue empty 0.02-0.03 s of a 0.43 s read; with 8 slots of 4 MiB and 6 requests in
+    flight, those loads took 0.419 s against 0.442 s (`torch_dist.reader.STREAM_REQUEST`;
+    docs/performance.md, sixteenth pass).
 
     Args:
         fd: an open file (with O_DIRECT: the offsets, lengths and slots aligned as it
             requires).
         spans: `(offset, length)` of each region, in increasing file order, not overlapping.
-        slots: equal-sized buffers, one per request in flight.
+        slots: equal-sized buffers: a request fills one, which is reused once its delivery
+            returned.
         deliver: called as `deliver(file_offset, data)` for each request, in order, in the
             calling thread; `data` is only valid during the call. A request that met the end
             of the file delivers what it read (possibly nothing) and ends the read.
+        depth: requests in flight at most (default, and at most: `len(slots)`).
 
     Returns:
         True when every request was filled; False when the file ended first.
@@ -210,37 +221,65 @@ def read_spans_through_slots(
             writes into a slot once this returns or raises).
         Exception: whatever `deliver` raised (same guarantee).
     """
-    size = len(slots[0])
+    size, nslots = len(slots[0]), len(slots)
+    depth = nslots if depth is None else max(1, min(depth, nslots))
     requests = [
         (at, min(size, offset + length - at))
         for offset, length in spans
         for at in range(offset, offset + length, size)
     ]
 
-    def one(i: int) -> int:
-        at, n = requests[i]
-        return read_upto(fd, at, slots[i % len(slots)][:n])
-
-    if len(slots) <= 1 or len(requests) <= 1:
+    if nslots <= 1 or len(requests) <= 1:
         for i, (at, n) in enumerate(requests):
-            got = one(i)
-            deliver(at, slots[i % len(slots)][:got])
+            got = read_upto(fd, at, slots[i % nslots][:n])
+            deliver(at, slots[i % nslots][:got])
             if got < n:
                 return False
         return True
     pool = request_pool()
-    pending: Deque[Future] = deque()
+    lock = threading.Lock()
+    issued: Dict[int, Future] = {}
+    state = {"next": 0, "done": 0, "delivered": 0, "open": True}
+
+    def one(i: int) -> int:
+        at, n = requests[i]
+        try:
+            return read_upto(fd, at, slots[i % nslots][:n])
+        finally:
+            # counted before the request's future is done, so that the caller, once it has
+            # a request's result, finds the next one issued
+            with lock:
+                state["done"] += 1
+                issue()
+
+    def issue() -> None:
+        """Issues every request that has a free slot and room in flight (lock held)."""
+        while (
+            state["open"]
+            and state["next"] < len(requests)
+            and state["next"] < state["delivered"] + nslots  # its slot was delivered from
+            and state["next"] - state["done"] < depth
+        ):
+            i = state["next"]
+            state["next"] += 1
+            issued[i] = pool.submit(one, i)
+
     try:
-        nxt = 0
+        with lock:
+            issue()
         for i, (at, n) in enumerate(requests):
-            # a slot is refilled only once its previous request was delivered
-            while nxt < len(requests) and nxt < i + len(slots):
-                pending.append(pool.submit(one, nxt))
-                nxt += 1
-            got = pending.popleft().result()
-            deliver(at, slots[i % len(slots)][:got])
+            with lock:
+                future = issued.pop(i)  # issued: every earlier request was delivered
+            got = future.result()
+            deliver(at, slots[i % nslots][:got])
             if got < n:
                 return False  # the file ended: later requests read nothing of use
+            with lock:
+                state["delivered"] += 1
+                issue()
         return True
     finally:
-        _settle(pending)
+        with lock:
+            state["open"] = False
+            left = deque(issued.values())
+        _settle(left)

@@ -69,8 +69,10 @@ def load_in_small_requests(
 ) -> List[str]:
     """Loads the batch in 48-byte requests through one read path; returns the differences."""
     saved, saved_mapping, saved_min = reader.READ_REQUEST, mapped._supported, reader.MAP_MIN
+    saved_stream = reader.STREAM_REQUEST
     saved_shared = {k: getattr(shared_read, k) for k in SHARED_TINY}
     reader.READ_REQUEST, reader.MAP_MIN = 48, 1  # tiny items: mapped too, when allowed
+    reader.STREAM_REQUEST = 4096  # streamed: the smallest O_DIRECT request
     mapped._supported = mapped.available() and mapping
     for k, v in SHARED_TINY.items():
         setattr(shared_read, k, v)
@@ -82,6 +84,7 @@ def load_in_small_requests(
         )
     finally:
         reader.READ_REQUEST, mapped._supported, reader.MAP_MIN = saved, saved_mapping, saved_min
+        reader.STREAM_REQUEST = saved_stream
         for k, v in saved_shared.items():
             setattr(shared_read, k, v)
     problems = []

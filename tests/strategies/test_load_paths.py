@@ -240,6 +240,7 @@ def test_every_read_path_loads_exact_bytes_and_finds_a_damaged_block(
     rows, direct_io = PATHS[path_name]
     _fixed_probe(monkeypatch, direct_faster=True)
     monkeypatch.setattr(reader, "READ_REQUEST", 3 * 4096)  # several requests per chunk
+    monkeypatch.setattr(reader, "STREAM_REQUEST", 3 * 4096)
     w = torch.randn(200, 1000)  # 4000-byte rows: blocks and rows never line up
     _save_blocked(tmp_path, monkeypatch, w)
     strategy = TorchDistLoadShardedStrategy(direct_io=direct_io)
@@ -270,6 +271,7 @@ def test_rows_read_in_place_find_damage_in_their_edge_blocks_outside_the_rows(
     # before them and their last (87) ends 448 bytes after them; those bytes are read only
     # to verify the blocks, and their damage must still be found
     monkeypatch.setattr(reader, "READ_REQUEST", 3 * 4096)
+    monkeypatch.setattr(reader, "STREAM_REQUEST", 3 * 4096)
     w = torch.randn(200, 1000)
     _save_blocked(tmp_path, monkeypatch, w)
     path, data0 = _data_offset(tmp_path / "c")
@@ -306,6 +308,7 @@ def test_verification_runs_request_by_request_never_as_a_second_pass(tmp_path, m
     w = torch.randn(200, 1000)
     _save_blocked(tmp_path, monkeypatch, w)
     monkeypatch.setattr(reader, "READ_REQUEST", 2 * 4096)
+    monkeypatch.setattr(reader, "STREAM_REQUEST", 2 * 4096)
     hashed: list = []
     real = integrity.ItemSum.bad_block
 

@@ -157,6 +157,49 @@ def test_slots_stop_at_a_delivery_error_with_no_request_left_running(tmp_path):
     assert seen == [0, 4096, 8192] and np.array_equal(buf, snapshot)
 
 
+@pytest.mark.parametrize("slots,depth", [(4, 2), (5, 3), (8, 6), (3, 1)])
+def test_slots_beyond_the_depth_take_requests_while_others_wait_to_be_delivered(
+    tmp_path, monkeypatch, slots, depth
+):
+    """At most `depth` requests in flight; while the caller is still delivering the first
+    request, the later ones fill every other slot, and none refills a slot whose bytes were
+    not delivered yet."""
+    data = os.urandom(24 * 4096)
+    (tmp_path / "f").write_bytes(data)
+    most = _slow_requests(monkeypatch, 0.005)
+    buf = np.zeros(slots * 4096, dtype=np.uint8)
+    views = [memoryview(buf)[i * 4096 : (i + 1) * 4096] for i in range(slots)]  # type: ignore[arg-type]
+    started: list = []
+    real_upto = inflight.read_upto
+
+    def recording(fd, offset, view):
+        started.append(offset)
+        return real_upto(fd, offset, view)
+
+    monkeypatch.setattr(inflight, "read_upto", recording)
+    got: list = []
+    during_first: list = []
+
+    def deliver(at, view):
+        if at == 0:  # a slow copy: the requests of every other slot are read meanwhile
+            deadline = time.monotonic() + 5
+            while len(started) < slots and time.monotonic() < deadline:
+                time.sleep(0.001)
+            time.sleep(0.03)  # long enough for a request into slot 0 to start, were it issued
+            during_first.extend(started)
+        got.append((at, bytes(view)))
+
+    fd = os.open(tmp_path / "f", os.O_RDONLY)
+    try:
+        assert inflight.read_spans_through_slots(fd, [(0, len(data))], views, deliver, depth)
+    finally:
+        os.close(fd)
+    assert b"".join(d for _, d in got) == data
+    assert [at for at, _ in got] == list(range(0, len(data), 4096))
+    assert most[0] == depth
+    assert sorted(during_first) == [i * 4096 for i in range(slots)]
+
+
 @pytest.mark.parametrize("size", [3 * (1 << 20) + 123, 5000])
 def test_o_direct_into_an_unaligned_destination_goes_through_slots_bit_exactly(tmp_path, size):
     data = os.urandom(4 << 20)

@@ -31,6 +31,7 @@ SHAPES = {"a": (200, 1000), "b": (3, 7), "c": (1000, 333), "d": (64, 1024), "e":
 def _save(tmp_path, monkeypatch) -> dict:
     monkeypatch.setattr(integrity, "BLOCK", 4096)  # many blocks per item
     monkeypatch.setattr(reader, "READ_REQUEST", 3 * 4096)  # requests straddle item ends
+    monkeypatch.setattr(reader, "STREAM_REQUEST", 3 * 4096)
     g = torch.Generator().manual_seed(0)
     tensors = {k: torch.randn(s, generator=g) for k, s in SHAPES.items()}
     dc.save({k: ShardedTensor.from_rank_offsets(k, t) for k, t in tensors.items()}, tmp_path / "c")
@@ -62,8 +63,8 @@ def _spy_streams(monkeypatch) -> list:
     got: list = []
     real = stream.read_stream
 
-    def spy(path, items, request, progress=None):
-        out = real(path, items, request, progress)
+    def spy(path, items, request, progress=None, depth=stream.direct.DEPTH):
+        out = real(path, items, request, progress, depth)
         got.append((len(items), out[1]))
         return out
 

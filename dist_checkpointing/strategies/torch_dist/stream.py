@@ -204,6 +204,7 @@ def read_stream(
     items: List[StreamItem],
     request: int,
     progress: Optional[Callable[[int], None]] = None,
+    depth: int = direct.DEPTH,
 ) -> Tuple[int, int]:
     """Reads the items (chunks of file `path`, in file order) with O_DIRECT as one stream.
 
@@ -212,6 +213,7 @@ def read_stream(
         items: from `plan_item`, sorted by their offset in the file.
         request: bytes per read request.
         progress: called with each finished item's data bytes read.
+        depth: requests in flight.
 
     Returns:
         `(data bytes read, items finished)`: fewer items than given where a chunk's records
@@ -240,7 +242,7 @@ def read_stream(
 
     spans = [s for item in items for s in item.spans]
     try:
-        whole = direct.read_spans(path, spans, deliver, request=request)
+        whole = direct.read_spans(path, spans, deliver, request=request, depth=depth)
     except (_NotPlain, direct.DirectUnavailable):
         return state["bytes"], state["next"]
     if state["next"] < len(items):

@@ -183,7 +183,7 @@ class ChunkVerifier:
 
     Called with the number of leading bytes of `data` (data-region bytes from `start`, a
     block boundary) filled so far; hashes each completed checksum block at once, while its
-    bytes are still in the CPU caches (reads come in `READ_REQUEST`-sized requests). Items
+    bytes are still in the CPU caches (reads come in requests of `reader.READ_REQUEST`). Items
     with one digest for the whole item feed the digest incrementally instead. `finish`
     completes the check.
 
