@@ -44,7 +44,9 @@ def read_capped(path: PathLike, limit: int) -> Optional[bytes]:
     return raw
 
 
-def atomic_write(path: PathLike, write_fn: Callable[[io.BufferedWriter], Any]) -> None:
+def atomic_write(
+    path: PathLike, write_fn: Callable[[io.BufferedWriter], Any], sync: bool = True
+) -> None:
     """Writes a file so that readers see either the old content or the complete new one.
 
     Steps: write to `<path>.tmp.<pid>`, fsync it, rename over `path`, fsync the directory.
@@ -53,6 +55,7 @@ def atomic_write(path: PathLike, write_fn: Callable[[io.BufferedWriter], Any]) -
     Args:
         path: destination file.
         write_fn: called with the open binary temp file; writes the content.
+        sync: False to skip both fsyncs (the file may be lost in a crash, never torn).
     """
     path = Path(path)
     tmp = path.with_name(f"{path.name}.tmp.{os.getpid()}")
@@ -60,9 +63,11 @@ def atomic_write(path: PathLike, write_fn: Callable[[io.BufferedWriter], Any]) -
         with open(tmp, "wb") as f:
             write_fn(f)
             f.flush()
-            os.fsync(f.fileno())
+            if sync:
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    fsync_dir(path.parent)
+    if sync:
+        fsync_dir(path.parent)

@@ -109,12 +109,11 @@ class ReadProbe:
             ValueError, KeyError, TypeError: a malformed value.
         """
         pairs = tuple((float(d), float(b)) for d, b in value["pairs"])
-        probe = cls(
-            float(value["direct_s"]), float(value["buffered_s"]), int(value["nbytes"]), pairs
-        )
-        if not (probe.direct_s > 0 and probe.buffered_s > 0 and probe.nbytes > 0 and pairs):
+        direct_s, buffered_s = float(value["direct_s"]), float(value["buffered_s"])
+        nbytes = int(value["nbytes"])
+        if not (direct_s > 0 and buffered_s > 0 and nbytes > 0 and pairs):
             raise ValueError(f"not a measurement: {value!r}")
-        return cls(probe.direct_s, probe.buffered_s, probe.nbytes, pairs, recorded=True)
+        return cls(direct_s, buffered_s, nbytes, pairs, recorded=True)
 
     @property
     def prefer_direct(self) -> bool:

@@ -29,6 +29,9 @@ import time
 from pathlib import Path
 from typing import Any, Dict, Optional
 
+from ..errors import CheckpointCorruptedError
+from .fileio import atomic_write, read_capped
+
 __all__ = ["ENV", "MAX_AGE_S", "directory", "recall", "remember"]
 
 logger = logging.getLogger(__name__)
@@ -82,10 +85,9 @@ def recall(kind: str, path: str) -> Optional[Dict[str, Any]]:
         where = _record_path(kind, path)
         if where is None:
             return None
-        with open(where, "rb") as f:
-            raw = f.read(_LIMIT + 1)
-        if len(raw) > _LIMIT:
-            raise ValueError(f"larger than {_LIMIT} bytes")
+        raw = read_capped(where, _LIMIT)
+        if raw is None:
+            return None
         record = json.loads(raw)
         age = time.time() - float(record["measured_at"])
         if record.get("version") != VERSION or not -60.0 <= age <= MAX_AGE_S:
@@ -94,9 +96,7 @@ def recall(kind: str, path: str) -> Optional[Dict[str, Any]]:
         if not isinstance(value, dict):
             raise ValueError("no value")
         return value
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (OSError, CheckpointCorruptedError, ValueError, KeyError, TypeError) as e:
         logger.debug("no %s record for %s: %s", kind, path, e)
         return None
 
@@ -117,11 +117,6 @@ def remember(kind: str, path: str, value: Dict[str, Any]) -> None:
         body = json.dumps(
             {"version": VERSION, "measured_at": time.time(), "value": value}, sort_keys=True
         ).encode()
-        tmp = where.with_name(f"{where.name}.tmp.{os.getpid()}")
-        try:
-            tmp.write_bytes(body)
-            os.replace(tmp, where)
-        finally:
-            tmp.unlink(missing_ok=True)
+        atomic_write(where, lambda f: f.write(body), sync=False)
     except (OSError, ValueError, TypeError) as e:
         logger.debug("%s not recorded for %s: %s", kind, path, e)
