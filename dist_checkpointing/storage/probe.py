@@ -142,6 +142,8 @@ RECORD = "read-path"
 _results: Dict[int, ReadProbe] = {}
 #: this process's own measurements (`local_probe`), kept apart from the combined results
 _local: Dict[int, ReadProbe] = {}
+#: what this process recorded on the node per file system (`keep`)
+_recorded: Dict[int, ReadProbe] = {}
 _lock = threading.Lock()
 
 
@@ -361,6 +363,18 @@ def combine(probes: List[Optional[ReadProbe]]) -> Optional[ReadProbe]:
     )
 
 
+def _record(dev: int, path: str, result: ReadProbe) -> None:
+    """Records a new measurement `result` of device `dev` on the node, once: later
+    exchanges of the same measurements keep it without renewing its date."""
+    if result.recorded:
+        return
+    with _lock:
+        if _recorded.get(dev) == result:
+            return
+        _recorded[dev] = result
+    records.remember(RECORD, path, result.value())
+
+
 def keep(path: str, result: ReadProbe) -> None:
     """Keeps `result` (see `combine`) for `path`'s file system, replacing what was kept, and
     records it on the node for later processes where it holds a new measurement."""
@@ -370,8 +384,7 @@ def keep(path: str, result: ReadProbe) -> None:
         _results[dev] = result
     if before is None or before.prefer_direct != result.prefer_direct:
         _log_choice(os.path.dirname(path), result)
-    if not result.recorded:
-        records.remember(RECORD, path, result.value())
+    _record(dev, path, result)
 
 
 def _probe_device(path: str) -> Optional[int]:
@@ -432,9 +445,9 @@ def prefer_direct_reads(path: str) -> bool:
                 result = _measured(path)
                 if result is None:
                     return False
-                records.remember(RECORD, path, result.value())
             _results[dev] = result
             _log_choice(os.path.dirname(path), result)
+    _record(dev, path, result)  # a new measurement, once (outside the lock it takes)
     return result.prefer_direct
 
 
@@ -449,3 +462,4 @@ def forget_probes() -> None:
     with _lock:
         _results.clear()
         _local.clear()
+        _recorded.clear()

@@ -231,6 +231,69 @@ def save_with_fixed_write_probe(
         write_probe.forget_write_probes()
 
 
+def save_after_restart(
+    builder: Callable[[], Dict[str, Any]], ckpt: str, record_dirs: List[str]
+) -> Tuple[List[str], List[bool], bool]:
+    """Saves as a job does, then twice more as if restarted (this process's kept write
+    measurements forgotten), with the node's records in this rank's `record_dirs[rank]`
+    (the second time emptied on rank 1 only: it measures anew). The write probe is stubbed:
+    the page cache wins every pair (a choice that O_DIRECT's default is not).
+
+    Returns:
+        `(the saves that measured, how each save opened its data files (True: O_DIRECT),
+        whether the choice after the first restart came from a record)`.
+    """
+    from dist_checkpointing.storage import direct as storage_direct
+    from dist_checkpointing.storage import records, write_probe
+
+    measured: List[str] = []
+    opened: List[bool] = []
+    saves: List[int] = []
+
+    def measure(directory: str) -> Any:
+        measured.append(f"save {len(saves)}")
+        return write_probe.WriteProbe(((1.0, 0.1),), 1 << 20)
+
+    real_init = storage_direct.FileWriter.__init__
+
+    def init(self: Any, path: Any, *args: Any, **kwargs: Any) -> None:
+        real_init(self, path, *args, **kwargs)
+        if str(path).endswith(".distcp") and len(opened) == len(saves):
+            opened.append(self.direct)  # the first data file of each save
+
+    saved = (write_probe._measure, write_probe.MIN_PROBED_SAVE, os.environ.get(records.ENV))
+    write_probe._measure = measure
+    write_probe.MIN_PROBED_SAVE = 0
+    storage_direct.FileWriter.__init__ = init  # type: ignore[method-assign]
+    os.environ[records.ENV] = record_dirs[rank()]
+    try:
+        write_probe.forget_write_probes()
+        dc.save(builder(), os.path.join(ckpt, "0"))
+        saves.append(0)
+        write_probe.forget_write_probes()
+        dc.save(builder(), os.path.join(ckpt, "1"))
+        first = write_probe.write_probe_result(ckpt)
+        saves.append(1)
+        write_probe.forget_write_probes()
+        dist.barrier()
+        if rank() == 1:
+            for name in os.listdir(record_dirs[1]):
+                os.remove(os.path.join(record_dirs[1], name))
+        dist.barrier()
+        dc.save(builder(), os.path.join(ckpt, "2"))
+        saves.append(2)
+        assert first is not None
+        return measured, opened, first.recorded
+    finally:
+        write_probe._measure, write_probe.MIN_PROBED_SAVE = saved[0], saved[1]
+        storage_direct.FileWriter.__init__ = real_init  # type: ignore[method-assign]
+        write_probe.forget_write_probes()
+        if saved[2] is None:
+            os.environ.pop(records.ENV, None)
+        else:
+            os.environ[records.ENV] = saved[2]
+
+
 def gather_objects_counting_exchanges(sizes_by_rank: List[int]) -> List[Any]:
     """`_dist.all_gather_object` of a payload of `sizes_by_rank[rank]` bytes (plus nested
     values), next to torch's own function on the same object; returns what each gave and

@@ -144,6 +144,10 @@ def test_ranks_taking_one_record_decide_as_it_did_and_do_not_record_it_again(
     assert mixed.prefer_direct is False  # the page cache won 2 of 3 pairs, and in total
     probe.keep(data_file, mixed)
     assert written == [(probe.RECORD, data_file, mixed.value())]
+    # the next load exchanges the same measurements: kept, not recorded again (which would
+    # renew the record's date without measuring)
+    probe.keep(data_file, probe.combine([taken, fresh, taken]))
+    assert len(written) == 1
 
 
 def test_a_record_that_is_not_a_measurement_is_not_taken(record_dir, data_file, measures):
