@@ -119,8 +119,19 @@ def staging(nbytes: int) -> Optional[np.ndarray]:
     return whole[skip : skip + nbytes]
 
 
+def _chunk() -> np.ndarray:
+    """One `CHUNK`-byte buffer of a streamed write: private (a forked writer that takes a
+    pooled pair writes into its own copy of the pages), in huge pages where the kernel gives
+    them. A save's first pass over fresh buffers faults them in: 32 faults of 2 MiB for a
+    buffer, not 16384 of 4 KiB, and O_DIRECT writes from huge pages go out in fewer, larger
+    requests on a virtual disk (`staging`; docs/performance.md, seventeenth pass)."""
+    staged = staging(CHUNK)
+    return staged if staged is not None else private(CHUNK)
+
+
 class ChunkBuffers:
-    """Pairs of page-aligned chunk buffers, reused across saves (one pair per file in flight).
+    """Pairs of page-aligned chunk buffers, reused across saves (one pair per file in flight),
+    private to the process and in huge pages where the kernel gives them (`_chunk`).
 
     A pair that receives device-to-host copies is page-locked once (`acquire(pin=True)`)
     and stays so while pooled; a pinned pair dropped from the pool is unpinned first.
@@ -138,7 +149,7 @@ class ChunkBuffers:
             if cls._free:
                 bufs = cls._free.pop()
         if bufs is None:
-            bufs = [np.frombuffer(mmap.mmap(-1, CHUNK), dtype=np.uint8) for _ in range(2)]
+            bufs = [_chunk() for _ in range(2)]
         if pin:
             for b in bufs:
                 addr = b.ctypes.data

@@ -153,9 +153,10 @@ def _write_once(path: str, view: memoryview, direct: bool) -> float:
 def _measure(directory: str) -> WriteProbe:
     """Writes the scratch file both ways, alternating; removes it."""
     path = os.path.join(directory, f".write_probe.{os.getpid()}.{threading.get_ident()}")
-    # page-aligned, as O_DIRECT needs, and shared memory like the images and chunk buffers
-    # saves write from (not a huge-page bounce buffer: direct writes from huge pages ran
-    # faster here, and would make the probe favour a path saves do not take)
+    # page-aligned, as O_DIRECT needs, and shared memory like the images that async and
+    # local saves write from. Sync saves stream through chunk buffers in huge pages, from
+    # which O_DIRECT writes ran faster still (`buffers.ChunkBuffers`): measured from those,
+    # the probe would favour O_DIRECT more than the images' writes warrant
     data = np.frombuffer(mmap.mmap(-1, PROBE_BYTES), dtype=np.uint8)
     data[:] = 0x5A  # not zeros: some virtual disks skip writing zero blocks
     view = memoryview(data)  # type: ignore[arg-type]

@@ -92,3 +92,48 @@ def test_a_pooled_bounce_buffer_is_private_to_the_process(empty_bounce_pool):
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     assert int(buf[0]) == 1
+
+
+@pytest.fixture
+def empty_chunk_pool():
+    """An empty pool of chunk-buffer pairs before and after the test."""
+    with buffers.ChunkBuffers._lock:
+        saved = list(buffers.ChunkBuffers._free)
+        buffers.ChunkBuffers._free.clear()
+    yield
+    with buffers.ChunkBuffers._lock:
+        buffers.ChunkBuffers._free[:] = saved
+
+
+def test_chunk_buffers_are_staged_in_huge_pages_where_the_kernel_gives_them(empty_chunk_pool):
+    if not buffers.huge_pages():
+        pytest.skip("this kernel gives no transparent huge pages")
+    pair = buffers.ChunkBuffers.acquire()
+    assert [b.size for b in pair] == [buffers.CHUNK] * 2
+    assert all(b.ctypes.data % buffers.HUGE == 0 for b in pair)
+    buffers.ChunkBuffers.release(pair)
+    assert buffers.ChunkBuffers.acquire() is pair  # pooled
+
+
+def test_chunk_buffers_without_huge_pages_are_page_aligned(thp_setting, empty_chunk_pool):
+    thp_setting.write_text("always madvise [never]\n")
+    pair = buffers.ChunkBuffers.acquire()
+    assert all(b.size == buffers.CHUNK and b.ctypes.data % buffers.ALIGN == 0 for b in pair)
+    pair[1][:] = 5
+    assert int(pair[1][-1]) == 5 and int(pair[0][-1]) == 0
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_pooled_chunk_buffer_is_private_to_the_process(empty_chunk_pool):
+    # a forked writer reusing its parent's pooled pair must not write into the parent's
+    pair = buffers.ChunkBuffers.acquire()
+    pair[0][:16] = 1
+    buffers.ChunkBuffers.release(pair)
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        child = buffers.ChunkBuffers.acquire()
+        child[0][:16] = 2
+        os._exit(0 if int(child[0][0]) == 2 else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert int(pair[0][0]) == 1
