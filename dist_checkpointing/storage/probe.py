@@ -138,12 +138,12 @@ class ReadProbe:
 
 #: the kind of this module's records on the node (`storage.records`)
 RECORD = "read-path"
+#: earlier processes' records taken, and new measurements recorded once
+_records: records.Measurements[ReadProbe] = records.Measurements(RECORD, ReadProbe.from_value)
 
 _results: Dict[int, ReadProbe] = {}
 #: this process's own measurements (`local_probe`), kept apart from the combined results
 _local: Dict[int, ReadProbe] = {}
-#: what this process recorded on the node per file system (`keep`)
-_recorded: Dict[int, ReadProbe] = {}
 _lock = threading.Lock()
 
 
@@ -315,24 +315,11 @@ def local_probe(path: str, pairs: int = 2, direct_first: bool = True) -> Optiona
         return None
     with _lock:
         if dev not in _local:
-            got = _recall(path) or _measured(path, pairs, direct_first)
+            got = _records.take(path) or _measured(path, pairs, direct_first)
             if got is None:  # e.g. a small file: a later, larger one is measured
                 return None
             _local[dev] = got
         return _local[dev]
-
-
-def _recall(path: str) -> Optional[ReadProbe]:
-    """The measurement recorded on this node for `path`'s file system (`storage.records`)
-    by an earlier process, or None."""
-    value = records.recall(RECORD, path)
-    if value is None:
-        return None
-    try:
-        return ReadProbe.from_value(value)
-    except (ValueError, KeyError, TypeError) as e:
-        logger.debug("read-path record for %s not taken: %s", path, e)
-        return None
 
 
 def combine(probes: List[Optional[ReadProbe]]) -> Optional[ReadProbe]:
@@ -363,18 +350,6 @@ def combine(probes: List[Optional[ReadProbe]]) -> Optional[ReadProbe]:
     )
 
 
-def _record(dev: int, path: str, result: ReadProbe) -> None:
-    """Records a new measurement `result` of device `dev` on the node, once: later
-    exchanges of the same measurements keep it without renewing its date."""
-    if result.recorded:
-        return
-    with _lock:
-        if _recorded.get(dev) == result:
-            return
-        _recorded[dev] = result
-    records.remember(RECORD, path, result.value())
-
-
 def keep(path: str, result: ReadProbe) -> None:
     """Keeps `result` (see `combine`) for `path`'s file system, replacing what was kept, and
     records it on the node for later processes where it holds a new measurement."""
@@ -384,7 +359,7 @@ def keep(path: str, result: ReadProbe) -> None:
         _results[dev] = result
     if before is None or before.prefer_direct != result.prefer_direct:
         _log_choice(os.path.dirname(path), result)
-    _record(dev, path, result)
+    _records.record(dev, path, result)
 
 
 def _probe_device(path: str) -> Optional[int]:
@@ -440,14 +415,14 @@ def prefer_direct_reads(path: str) -> bool:
     with _lock:  # one probe per file system, also when several threads ask at once
         result = _results.get(dev)
         if result is None:
-            result = _recall(path)
+            result = _records.take(path)
             if result is None:
                 result = _measured(path)
                 if result is None:
                     return False
             _results[dev] = result
             _log_choice(os.path.dirname(path), result)
-    _record(dev, path, result)  # a new measurement, once (outside the lock it takes)
+    _records.record(dev, path, result)  # a new measurement, once
     return result.prefer_direct
 
 
@@ -462,4 +437,4 @@ def forget_probes() -> None:
     with _lock:
         _results.clear()
         _local.clear()
-        _recorded.clear()
+    _records.forget()

@@ -25,14 +25,15 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Generic, Optional, Protocol, TypeVar
 
 from ..errors import CheckpointCorruptedError
 from .fileio import atomic_write, read_capped
 
-__all__ = ["ENV", "MAX_AGE_S", "directory", "recall", "remember"]
+__all__ = ["ENV", "MAX_AGE_S", "Measurements", "directory", "recall", "remember"]
 
 logger = logging.getLogger(__name__)
 
@@ -120,3 +121,61 @@ def remember(kind: str, path: str, value: Dict[str, Any]) -> None:
         atomic_write(where, lambda f: f.write(body), sync=False)
     except (OSError, ValueError, TypeError) as e:
         logger.debug("%s not recorded for %s: %s", kind, path, e)
+
+
+class Measurement(Protocol):
+    """What `Measurements` needs of a measurement."""
+
+    @property
+    def recorded(self) -> bool: ...
+
+    def value(self) -> Dict[str, Any]: ...
+
+
+M = TypeVar("M", bound=Measurement)
+
+
+class Measurements(Generic[M]):
+    """One kind of measurement's records, as a probe module uses them: an earlier process's
+    record taken (`take`), and each new measurement recorded once (`record`).
+
+    Args:
+        kind: the records' kind (e.g. "read-path").
+        parse: a measurement from a record's value, marked recorded; raises ValueError,
+            KeyError or TypeError on a malformed value (then it is measured anew).
+    """
+
+    def __init__(self, kind: str, parse: Callable[[Dict[str, Any]], M]) -> None:
+        self.kind = kind
+        self._parse = parse
+        self._lock = threading.Lock()
+        self._recorded: Dict[int, M] = {}  # per device: what this process recorded
+
+    def take(self, path: str) -> Optional[M]:
+        """The measurement recorded on this node for `path`'s device by an earlier process,
+        or None (none, too old, of another boot, or malformed)."""
+        value = recall(self.kind, path)
+        if value is None:
+            return None
+        try:
+            return self._parse(value)
+        except (ValueError, KeyError, TypeError) as e:
+            logger.debug("%s record for %s not taken: %s", self.kind, path, e)
+            return None
+
+    def record(self, dev: int, path: str, result: M) -> None:
+        """Records `result` for device `dev` (`path` on it) unless it came from a record or
+        this process recorded it already: the ranks exchange the same measurements at every
+        save or load, and recording them again would renew their date without measuring."""
+        if result.recorded:
+            return
+        with self._lock:
+            if self._recorded.get(dev) == result:
+                return
+            self._recorded[dev] = result
+        remember(self.kind, path, result.value())
+
+    def forget(self) -> None:
+        """Forgets what this process recorded (a new process, in tests)."""
+        with self._lock:
+            self._recorded.clear()

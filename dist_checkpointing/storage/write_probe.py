@@ -124,14 +124,14 @@ class WriteProbe:
 
 #: the kind of this module's records on the node (`storage.records`)
 RECORD = "write-path"
+#: earlier processes' records taken, and new measurements recorded once
+_records: records.Measurements[WriteProbe] = records.Measurements(RECORD, WriteProbe.from_value)
 
 #: the path in use per file system: this process's own measurement, or what the ranks
 #: agreed on (`combine`, `keep`)
 _results: Dict[int, WriteProbe] = {}
 #: this process's own measurement per file system (what it contributes to an agreement)
 _local: Dict[int, WriteProbe] = {}
-#: what this process recorded on the node per file system (`keep`)
-_recorded: Dict[int, WriteProbe] = {}
 _lock = threading.Lock()
 
 
@@ -220,7 +220,7 @@ def prefer_direct_writes(directory: PathLike, nbytes: int = MIN_PROBED_SAVE) -> 
     if result is None:
         result = local_write_probe(d, nbytes)
         if result is not None:  # a new measurement is recorded (once)
-            _record(dev, d, result)
+            _records.record(dev, d, result)
     if result is None:  # not measured: O_DIRECT, unless the probe's write was just refused
         return direct_allowed(d)
     return result.prefer_direct
@@ -247,7 +247,7 @@ def local_write_probe(directory: PathLike, nbytes: int = MIN_PROBED_SAVE) -> Opt
     with _lock:  # one probe per file system, also when several threads ask at once
         result = _local.get(dev)
         if result is None:
-            result = _recall(d)
+            result = _records.take(d)
             if result is None and nbytes < MIN_PROBED_SAVE:
                 return None
         if result is None:
@@ -263,19 +263,6 @@ def local_write_probe(directory: PathLike, nbytes: int = MIN_PROBED_SAVE) -> Opt
             _results.setdefault(dev, result)
             _log_choice(d, "record on this node" if result.recorded else "probe", result)
     return result
-
-
-def _recall(directory: str) -> Optional[WriteProbe]:
-    """The measurement recorded on this node for `directory`'s file system by an earlier
-    process (`storage.records`), or None."""
-    value = records.recall(RECORD, directory)
-    if value is None:
-        return None
-    try:
-        return WriteProbe.from_value(value)
-    except (ValueError, KeyError, TypeError) as e:
-        logger.debug("write-path record for %s not taken: %s", directory, e)
-        return None
 
 
 def _log_choice(directory: str, what: str, result: WriteProbe) -> None:
@@ -317,18 +304,6 @@ def combine(probes: Sequence[Optional[WriteProbe]]) -> Optional[WriteProbe]:
     )
 
 
-def _record(dev: int, d: str, result: WriteProbe) -> None:
-    """Records a new measurement `result` of device `dev` on the node, once: later
-    exchanges of the same measurements keep it without renewing its date."""
-    if result.recorded:
-        return
-    with _lock:
-        if _recorded.get(dev) == result:
-            return
-        _recorded[dev] = result
-    records.remember(RECORD, d, result.value())
-
-
 def keep(directory: PathLike, result: WriteProbe) -> None:
     """Uses `result` (see `combine`) for `directory`'s file system from now on, and records
     it on the node for later processes where it holds a new measurement."""
@@ -339,7 +314,7 @@ def keep(directory: PathLike, result: WriteProbe) -> None:
         _results[dev] = result
     if before is None or before.prefer_direct != result.prefer_direct:
         _log_choice(d, "all ranks' probes", result)
-    _record(dev, d, result)
+    _records.record(dev, d, result)
 
 
 def write_probe_result(directory: PathLike) -> Optional[WriteProbe]:
@@ -353,4 +328,4 @@ def forget_write_probes() -> None:
     with _lock:
         _results.clear()
         _local.clear()
-        _recorded.clear()
+    _records.forget()

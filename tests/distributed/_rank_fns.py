@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -156,7 +157,7 @@ def load_after_restart(
         `(the paths measured, the kept choice is O_DIRECT after each restart, whether the
         choice after the first restart came from a record)`.
     """
-    from dist_checkpointing.storage import probe, records
+    from dist_checkpointing.storage import probe
 
     measured: List[str] = []
 
@@ -165,35 +166,52 @@ def load_after_restart(
         return probe.ReadProbe(1.0 * pairs, 0.1 * pairs, 1, ((1.0, 0.1),) * pairs)
 
     restarted: List[int] = []
-    real, before = probe._measure, os.environ.get(records.ENV)
+    real = probe._measure
     probe._measure = measure
-    os.environ[records.ENV] = record_dirs[rank()]
     data = sorted(f for f in os.listdir(ckpt) if f.endswith(".distcp"))
     try:
-        probe.forget_probes()
-        dc.load(builder(), ckpt)
-        restarted.append(1)
-        probe.forget_probes()
-        dc.load(builder(), ckpt)
-        first = probe.probe_result(os.path.join(ckpt, data[0]))
-        restarted.append(2)
-        probe.forget_probes()
-        dist.barrier()
-        if rank() == 1:
-            for name in os.listdir(record_dirs[1]):
-                os.remove(os.path.join(record_dirs[1], name))
-        dist.barrier()
-        dc.load(builder(), ckpt)
-        second = probe.probe_result(os.path.join(ckpt, data[0]))
+        with _node_records(record_dirs):
+            probe.forget_probes()
+            dc.load(builder(), ckpt)
+            restarted.append(1)
+            probe.forget_probes()
+            dc.load(builder(), ckpt)
+            first = probe.probe_result(os.path.join(ckpt, data[0]))
+            restarted.append(2)
+            probe.forget_probes()
+            _rank1_loses_its_records(record_dirs)
+            dc.load(builder(), ckpt)
+            second = probe.probe_result(os.path.join(ckpt, data[0]))
         assert first is not None and second is not None
         return measured, first.prefer_direct, second.prefer_direct, first.recorded
     finally:
         probe._measure = real
         probe.forget_probes()
+
+
+@contextlib.contextmanager
+def _node_records(record_dirs: List[str]) -> Iterator[None]:
+    """The node's records kept in this rank's `record_dirs[rank]` meanwhile."""
+    from dist_checkpointing.storage import records
+
+    before = os.environ.get(records.ENV)
+    os.environ[records.ENV] = record_dirs[rank()]
+    try:
+        yield
+    finally:
         if before is None:
             os.environ.pop(records.ENV, None)
         else:
             os.environ[records.ENV] = before
+
+
+def _rank1_loses_its_records(record_dirs: List[str]) -> None:
+    """Collective: rank 1's records are deleted (it measures anew), the others' kept."""
+    dist.barrier()
+    if rank() == 1:
+        for name in os.listdir(record_dirs[1]):
+            os.remove(os.path.join(record_dirs[1], name))
+    dist.barrier()
 
 
 def save_with_fixed_write_probe(
@@ -244,7 +262,7 @@ def save_after_restart(
         whether the choice after the first restart came from a record)`.
     """
     from dist_checkpointing.storage import direct as storage_direct
-    from dist_checkpointing.storage import records, write_probe
+    from dist_checkpointing.storage import write_probe
 
     measured: List[str] = []
     opened: List[bool] = []
@@ -261,37 +279,29 @@ def save_after_restart(
         if str(path).endswith(".distcp") and len(opened) == len(saves):
             opened.append(self.direct)  # the first data file of each save
 
-    saved = (write_probe._measure, write_probe.MIN_PROBED_SAVE, os.environ.get(records.ENV))
+    saved = (write_probe._measure, write_probe.MIN_PROBED_SAVE)
     write_probe._measure = measure
     write_probe.MIN_PROBED_SAVE = 0
     storage_direct.FileWriter.__init__ = init  # type: ignore[method-assign]
-    os.environ[records.ENV] = record_dirs[rank()]
     try:
-        write_probe.forget_write_probes()
-        dc.save(builder(), os.path.join(ckpt, "0"))
-        saves.append(0)
-        write_probe.forget_write_probes()
-        dc.save(builder(), os.path.join(ckpt, "1"))
-        first = write_probe.write_probe_result(ckpt)
-        saves.append(1)
-        write_probe.forget_write_probes()
-        dist.barrier()
-        if rank() == 1:
-            for name in os.listdir(record_dirs[1]):
-                os.remove(os.path.join(record_dirs[1], name))
-        dist.barrier()
-        dc.save(builder(), os.path.join(ckpt, "2"))
-        saves.append(2)
+        with _node_records(record_dirs):
+            write_probe.forget_write_probes()
+            dc.save(builder(), os.path.join(ckpt, "0"))
+            saves.append(0)
+            write_probe.forget_write_probes()
+            dc.save(builder(), os.path.join(ckpt, "1"))
+            first = write_probe.write_probe_result(ckpt)
+            saves.append(1)
+            write_probe.forget_write_probes()
+            _rank1_loses_its_records(record_dirs)
+            dc.save(builder(), os.path.join(ckpt, "2"))
+            saves.append(2)
         assert first is not None
         return measured, opened, first.recorded
     finally:
-        write_probe._measure, write_probe.MIN_PROBED_SAVE = saved[0], saved[1]
+        write_probe._measure, write_probe.MIN_PROBED_SAVE = saved
         storage_direct.FileWriter.__init__ = real_init  # type: ignore[method-assign]
         write_probe.forget_write_probes()
-        if saved[2] is None:
-            os.environ.pop(records.ENV, None)
-        else:
-            os.environ[records.ENV] = saved[2]
 
 
 def gather_objects_counting_exchanges(sizes_by_rank: List[int]) -> List[Any]:

@@ -18,13 +18,6 @@ PAGE_CACHE_WON = probe.ReadProbe(2.0, 0.2, 64 << 20, ((1.0, 0.1), (1.0, 0.1)))
 
 
 @pytest.fixture
-def record_dir(tmp_path, monkeypatch):
-    where = tmp_path / "records"
-    monkeypatch.setenv(records.ENV, str(where))
-    return where
-
-
-@pytest.fixture
 def data_file(tmp_path):
     """A file large enough to probe (four probe regions and more)."""
     path = tmp_path / "data.distcp"

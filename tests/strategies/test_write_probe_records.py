@@ -16,13 +16,6 @@ PAGE_CACHE_WON = WriteProbe(((1.0, 0.1), (1.0, 0.1), (1.0, 0.1)), 4 << 20)
 
 
 @pytest.fixture
-def record_dir(tmp_path, monkeypatch):
-    where = tmp_path / "records"
-    monkeypatch.setenv(records.ENV, str(where))
-    return where
-
-
-@pytest.fixture
 def ckpt(tmp_path):
     path = tmp_path / "ckpt"
     path.mkdir()
