@@ -287,9 +287,9 @@ def read_spans(
 
     The regions are widened to `ALIGN` and merged where they touch, then read through one
     bounce buffer (cut into slots of `request` bytes, at least `depth` of them and at most
-    twice that, in huge pages where the kernel gives them) with `depth` requests in flight across the regions' ends
-    (`inflight.read_spans_through_slots`: slots beyond `depth` take the next requests while
-    completed ones wait to be delivered). The caller picks out the bytes it asked for:
+    twice that, in huge pages where the kernel gives them) with `depth` requests in flight
+    across the regions' ends (`inflight.read_spans_through_slots`: slots beyond `depth` take
+    the next requests while completed ones wait to be delivered). The caller picks out the bytes it asked for:
     deliveries also carry the alignment's bytes around them.
 
     Args:

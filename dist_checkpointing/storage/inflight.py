@@ -18,6 +18,7 @@ import os
 import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 from ..errors import CheckpointCorruptedError
@@ -180,6 +181,17 @@ def read_through_slots(
     read_spans_through_slots(fd, [(offset, length)], slots, deliver)
 
 
+@dataclass
+class _Counts:
+    """A pipeline's requests issued, completed and delivered, in request order; `open`
+    until the caller stops (no request is issued after)."""
+
+    issued: int = 0
+    done: int = 0
+    delivered: int = 0
+    open: bool = True
+
+
 def read_spans_through_slots(
     fd: int,
     spans: Sequence[Tuple[int, int]],
@@ -239,7 +251,7 @@ def read_spans_through_slots(
     pool = request_pool()
     lock = threading.Lock()
     issued: Dict[int, Future] = {}
-    state = {"next": 0, "done": 0, "delivered": 0, "open": True}
+    count = _Counts()
 
     def one(i: int) -> int:
         at, n = requests[i]
@@ -249,19 +261,19 @@ def read_spans_through_slots(
             # counted before the request's future is done, so that the caller, once it has
             # a request's result, finds the next one issued
             with lock:
-                state["done"] += 1
+                count.done += 1
                 issue()
 
     def issue() -> None:
         """Issues every request that has a free slot and room in flight (lock held)."""
         while (
-            state["open"]
-            and state["next"] < len(requests)
-            and state["next"] < state["delivered"] + nslots  # its slot was delivered from
-            and state["next"] - state["done"] < depth
+            count.open
+            and count.issued < len(requests)
+            and count.issued < count.delivered + nslots  # its slot was delivered from
+            and count.issued - count.done < depth
         ):
-            i = state["next"]
-            state["next"] += 1
+            i = count.issued
+            count.issued += 1
             issued[i] = pool.submit(one, i)
 
     try:
@@ -275,11 +287,11 @@ def read_spans_through_slots(
             if got < n:
                 return False  # the file ended: later requests read nothing of use
             with lock:
-                state["delivered"] += 1
+                count.delivered += 1
                 issue()
         return True
     finally:
         with lock:
-            state["open"] = False
+            count.open = False
             left = deque(issued.values())
         _settle(left)
