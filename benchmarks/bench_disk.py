@@ -7,24 +7,18 @@ on rows across ranks, same directory, page cache dropped before each load):
   files per rank written in parallel, one fsync each) both ways, O_DIRECT and through the
   page cache, and reads of them back into the same buffers, cold, three ways: O_DIRECT
   (64 MiB requests, both files at once) and through the page cache (16 MiB requests, one
-  file after the other, and both files at once), which on a VM whose host caches the
-  virtual disk can beat O_DIRECT. Where the kernel gives transparent huge pages, O_DIRECT
-  writes and reads are also timed from and into copies of the buffers in huge pages
-  (direct reads into 4 KiB pages ran at half the rate on our VM). The save and load
-  ceilings are the fastest of these raw paths, each path's median over the repeats set
-  against the median of every method: what the disk gives (each path's own figure is
-  shown too);
+  file after the other, and both files at once). The save and load ceilings are the
+  fastest of these raw paths (each path's median over the repeats): what the disk gives;
 - `torch.save`: each rank `torch.save`s its shards and fsyncs; loads read them back;
 - `dcp`: stock `torch.distributed.checkpoint` with DTensors;
 - `megatron`: megatron-core's `dist_checkpointing` (torch_dist), when importable;
-- `ours`: `dist_checkpointing` with the default ('torch_dist', 1) backend, checksums on
-  (the read and write paths its probes chose are printed and kept in the JSON);
-- `ours-nocheck` (only when asked for): the same, loaded without verifying checksums (what
-  verification costs);
-- `ours-noshare` (only when asked for): the same, loaded with `shared_reads=False` (each
-  rank reads column blocks through the page cache itself: what shared reads gain);
-- `ours-direct`, `ours-pagecache` (only when asked for): the same, loaded with
-  `direct_io=True` or `False` instead of the probe's choice (what each read path gives).
+- `ours`: `dist_checkpointing` with the default ('torch_dist', 1) backend and its defaults
+  (checksums on, O_DIRECT, files per rank by the machine's rule);
+- A/B variants of `ours`, each with one kept mechanism turned off (only when asked for):
+  `ours-pagecache` (`direct_io=False`: saves and loads through the page cache),
+  `ours-depth1` (one O_DIRECT read request in flight instead of `inflight.DEPTH`),
+  `ours-2files` (two files per rank instead of the rule's choice), `ours-nocheck` (loads
+  without verifying checksums: what verification costs).
 
 The methods take turns within each repeat, in an order rotated every repeat, so a drift of
 the disk's speed over the run (the host's cache, other jobs) falls on each of them alike.
@@ -58,7 +52,8 @@ import sys
 import threading
 import time
 import warnings
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from contextlib import contextmanager
+from typing import Any, Callable, Dict, Iterator, List, Tuple
 
 import numpy as np
 import torch
@@ -77,19 +72,26 @@ from benchmarks._common import (
 
 KINDS = ["save", "load", "reshard rows", "reshard cols"]
 #: the ceiling's two raw read paths (its "load" is the faster of them in each repeat)
-CEILING_READS = [
-    "load O_DIRECT",
-    "load O_DIRECT huge pages",
-    "load page cache",
-    "load page cache x2",
-]
+CEILING_READS = ["load O_DIRECT", "load page cache", "load page cache x2"]
 #: the ceiling's two raw write paths (its "save" is the faster of them in each repeat)
-CEILING_WRITES = ["save O_DIRECT", "save O_DIRECT huge pages", "save page cache"]
+CEILING_WRITES = ["save O_DIRECT", "save page cache"]
 CEILING_KINDS = CEILING_READS + CEILING_WRITES
 #: the methods that run this library (see the module docstring)
-OURS = ("ours", "ours-nocheck", "ours-noshare", "ours-direct", "ours-pagecache")
-OURS_THREADS = int(os.environ.get("DIST_CKPT_BENCH_THREADS", "1"))
-OURS_LOAD_THREADS = int(os.environ.get("DIST_CKPT_BENCH_LOAD_THREADS", "2"))
+OURS = ("ours", "ours-nocheck", "ours-pagecache", "ours-depth1", "ours-2files")
+
+
+@contextmanager
+def _variant(method: str) -> Iterator[None]:
+    """`ours-depth1`: one O_DIRECT read request in flight while the block runs."""
+    from dist_checkpointing.storage import inflight
+
+    saved = inflight.DEPTH
+    if method == "ours-depth1":
+        inflight.DEPTH = 1
+    try:
+        yield
+    finally:
+        inflight.DEPTH = saved
 
 
 #: seconds of idle disk before each timed save and load (`--settle`): a virtual disk's host
@@ -266,22 +268,6 @@ def ceiling_files(shapes: List[tuple], path: str) -> Tuple[List[np.ndarray], Lis
     return bufs, [os.path.join(path, f"raw_{rank}_{i}") for i in range(2)]
 
 
-def huge_copies(bufs: List[np.ndarray]) -> Optional[List[np.ndarray]]:
-    """Copies of the ceiling's buffers in transparent huge pages (None where the kernel
-    gives none): raw O_DIRECT reads into them ran up to 2x faster on our VM than into
-    4 KiB pages, so the disk's ceiling is measured both ways. Made for each use and freed
-    after it, so that they do not take memory from the other methods' page cache."""
-    from dist_checkpointing.storage.buffers import staging
-
-    copies = [staging(b.size) for b in bufs]
-    if any(c is None for c in copies):
-        return None
-    out = [c for c in copies if c is not None]
-    for h, b in zip(out, bufs):
-        h[:] = b
-    return out
-
-
 def torch_save_fn(shapes: List[tuple], path: str) -> Callable[[], None]:
     """A function that `torch.save`s this rank's row block of every tensor into
     `path/rank<r>.pt` and fsyncs it (the state is built here, outside the timing)."""
@@ -315,10 +301,7 @@ def _save(
         bufs, files = ceiling_files(shapes, path)
         # both write paths, in an order that alternates by repeat; the one written last
         # stays on disk and is read back (the other's files are removed first)
-        huge = huge_copies(bufs)
         ways = {"save page cache": (False, bufs), "save O_DIRECT": (True, bufs)}
-        if huge is not None:
-            ways["save O_DIRECT huge pages"] = (True, huge)
         for name in rotated(list(ways), rep):
             direct, src = ways[name]
             for f in files:
@@ -332,7 +315,10 @@ def _save(
         import dist_checkpointing as dc
         from dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
-        saver = TorchDistSaveShardedStrategy(thread_count=OURS_THREADS)
+        saver = TorchDistSaveShardedStrategy(
+            thread_count=2 if method == "ours-2files" else None,
+            direct_io=method != "ours-pagecache",
+        )
         sd = _ours_sd(shapes, "rows", True)
         times["save"].append(timed(lambda: dc.save(sd, path, sharded_strategy=saver)))
     elif method == "dcp":
@@ -377,11 +363,6 @@ def _load(
         bufs, files = saved
         reads = {
             "load O_DIRECT": _each(files, bufs, _raw_read),
-            **(
-                {"load O_DIRECT huge pages": _each(files, huge, _raw_read)}
-                if (huge := huge_copies(bufs)) is not None
-                else {}
-            ),
             "load page cache": _each(
                 files, bufs, lambda f, b: _raw_read(f, b, direct=False), parallel=False
             ),
@@ -395,10 +376,7 @@ def _load(
         from dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
 
         loader = TorchDistLoadShardedStrategy(
-            thread_count=OURS_LOAD_THREADS,
-            verify_checksums=method != "ours-nocheck",
-            shared_reads=method != "ours-noshare",
-            direct_io={"ours-direct": True, "ours-pagecache": False}.get(method),
+            verify_checksums=method != "ours-nocheck", direct_io=method != "ours-pagecache"
         )
         for kind, layout in (
             ("load", "rows"),
@@ -407,13 +385,14 @@ def _load(
         ):
             req = _ours_sd(shapes, layout, False)
             _cold()
-            times[kind].append(
-                timed(
-                    lambda: dc.load(
-                        req, path, sharded_strategy=loader, validate_access_integrity=False
+            with _variant(method):
+                times[kind].append(
+                    timed(
+                        lambda: dc.load(
+                            req, path, sharded_strategy=loader, validate_access_integrity=False
+                        )
                     )
                 )
-            )
     elif method == "dcp":
         import torch.distributed.checkpoint as dcp
 
@@ -451,27 +430,6 @@ def _load(
     if rank == 0:
         shutil.rmtree(path, ignore_errors=True)
     dist.barrier()
-
-
-def _chosen_paths(root: str) -> Dict[str, Any]:
-    """The read and write paths our probes chose for `root`'s file system in this process,
-    with what they measured (None: that probe did not run)."""
-    from dist_checkpointing.storage import probe, write_probe
-
-    out: Dict[str, Any] = {}
-    got_read = probe.probe_result(root)
-    if got_read is not None:
-        out["read"] = {
-            "chose": "O_DIRECT" if got_read.prefer_direct else "page cache",
-            "pairs_s": [list(p) for p in got_read.pairs],
-        }
-    got_write = write_probe.write_probe_result(root)
-    if got_write is not None:
-        out["write"] = {
-            "chose": "O_DIRECT" if got_write.prefer_direct else "page cache",
-            "pairs_s": [list(p) for p in got_write.pairs],
-        }
-    return out
 
 
 def _worker(rank: int, world: int, args: argparse.Namespace, port: int, queue: Any) -> None:
@@ -516,7 +474,6 @@ def _worker(rank: int, world: int, args: argparse.Namespace, port: int, queue: A
             for m in order:
                 _load(m, shapes, root, rep, per[m], saved[m])
         per["_bytes"] = sum(r * c * 4 for r, c in shapes)
-        per["_paths"] = _chosen_paths(args.dir)
         out[size] = per
     if rank == 0:
         queue.put(out)
@@ -545,7 +502,7 @@ def _rows(res: Dict[int, Any], world: int) -> List[Dict[str, Any]]:
         nbytes = per["_bytes"]
         ceil = _ceiling(per["ceiling"]) if "ceiling" in per else {}
         for method, t in per.items():
-            if method.startswith("_"):  # the size's facts (bytes, chosen paths), no method
+            if method.startswith("_"):  # the size's facts (bytes), no method
                 continue
             row: Dict[str, Any] = {
                 "GiB": round(nbytes / 2**30, 2),
@@ -631,8 +588,6 @@ def main() -> None:
             done,
             cols,
         )
-        for size, per in raw[str(world)].items():
-            print(f"{world} ranks, {size} MiB: our probes chose {per.get('_paths') or 'nothing'}")
         sys.stdout.flush()
     if len(args.world_sizes) > 1:
         print_table(f"all world sizes, medians of {args.repeats}", rows, cols)

@@ -33,7 +33,6 @@ from ..errors import CheckpointCorruptedError, CheckpointingException
 from ..integrity import checksum, new_hasher
 from ..storage import ALIGN, ImagePool, read_file
 from ..storage.segments import write_segments
-from ..storage.write_probe import prefer_direct_writes
 from .base_state_dict import TensorAwareStateDict, hollow_state_classes
 from .basic_state_dict import BasicTensorAwareStateDict  # noqa: F401  (registers its classes)
 
@@ -385,19 +384,6 @@ def decode_image(
     return tuple(header.get("id", ())), state
 
 
-def _direct_writes(image: LocalImage, path: str) -> bool:
-    """The write path of a durable (fsync'd) image: the one a `torch_dist` sync save takes.
-
-    A staged image (async save, CUDA sources) goes out with O_DIRECT straight from its
-    aligned buffer, as `torch_dist` async saves do. An unstaged one (a sync save of CPU
-    tensors) takes the file system's measured write path (`prefer_direct_writes`: what the
-    ranks of a `torch_dist` save there agreed on, else this rank's own probe).
-    """
-    if image.staged:
-        return True
-    return prefer_direct_writes(os.path.dirname(path) or ".", image.nbytes)
-
-
 def write_image(image: LocalImage, path: str, fsync: bool = True, overwrite: bool = False) -> None:
     """Writes an image to `path` (created, must not exist), finishing it first if needed.
 
@@ -408,10 +394,8 @@ def write_image(image: LocalImage, path: str, fsync: bool = True, overwrite: boo
     is written. Otherwise `finish_image` runs first.
 
     Through the shared I/O layer (`storage.write_segments`). With `fsync` (the durability
-    policy, see the manager) the file is fsync'd, written the way a `torch_dist` sync save
-    writes (`_direct_writes`): with O_DIRECT (a staged image straight from its aligned
-    buffer, an unstaged one through the pooled chunk buffers), or buffered from the image's
-    own memory with the disk's writeback started as it is written. Without `fsync`,
+    policy, see the manager) the file is written as a `torch_dist` sync save writes: with
+    O_DIRECT where the file system allows it, else buffered, then fsync'd. Without `fsync`,
     buffered writes from the image's own memory and no fsync.
 
     With `overwrite`, `path` is an existing file (a recycled part, see the manager) written
@@ -421,7 +405,7 @@ def write_image(image: LocalImage, path: str, fsync: bool = True, overwrite: boo
         FileExistsError: `path` exists (without `overwrite`).
         OSError: the write failed (the partial file is removed).
     """
-    direct = fsync and _direct_writes(image, path)
+    direct = fsync
     if image.finished or image.staged:
         finish_image(image)
         write_segments(

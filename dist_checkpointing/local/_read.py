@@ -26,18 +26,13 @@ import torch.distributed as dist
 
 from ..errors import CheckpointCorruptedError
 from ..integrity import checksum, new_hasher
-from ..storage import ALIGN, prefer_direct_reads, read_region
+from ..storage import ALIGN, read_region
 from ._image import _FOOTER, _POOL, _POOL_GRANULE, FORMAT_VERSION, MAGIC, _Layout, load_header
 
 __all__ = ["Part", "FilePartSource", "read_part", "release_part"]
 
 #: bytes per read request (each request's bytes are hashed at once), as `torch_dist` loads
 REQUEST = 8 << 20
-#: read requests in flight per reading thread; None: `storage.read_region`'s default, the
-#: same rule as `torch_dist` loads (one through the page cache, whose readahead keeps the
-#: disk busy, `storage.inflight.DEPTH` with O_DIRECT). Measured for local parts with
-#: `benchmarks/bench_read_patterns.py` (docs/performance.md, issue 14).
-DEPTH: Optional[int] = None
 
 
 @dataclass
@@ -74,7 +69,7 @@ class FilePartSource:
     def __init__(self, path: str) -> None:
         self.path = path
         self.size = os.stat(path).st_size
-        self.direct = prefer_direct_reads(path)
+        self.direct = True  # O_DIRECT where the file system allows it, as torch_dist loads
 
     def read_into(self, out: np.ndarray, progress: Callable[[int], None]) -> None:
         """Fills `out` with the file's first `out.size` bytes, `progress(filled)` after
@@ -83,7 +78,7 @@ class FilePartSource:
         Raises:
             CheckpointCorruptedError: the file is shorter, or the read failed.
         """
-        read_region(self.path, 0, out, self.direct, progress, REQUEST, DEPTH)
+        read_region(self.path, 0, out, self.direct, progress, REQUEST)
 
 
 def _devices(state: Any) -> List[str]:
@@ -163,7 +158,7 @@ def _read_parallel(path: str, out: np.ndarray, direct: bool, hashes: _Hashes, th
     hash holds the interpreter lock; the reads do not, so they overlap it).
     """
     if threads <= 1:
-        read_region(path, 0, out, direct, hashes, REQUEST, DEPTH)
+        read_region(path, 0, out, direct, hashes, REQUEST)
         return
     step = -(-out.size // threads // ALIGN) * ALIGN
     bounds = [(lo, min(out.size, lo + step)) for lo in range(0, out.size, step)]
@@ -178,7 +173,7 @@ def _read_parallel(path: str, out: np.ndarray, direct: bool, hashes: _Hashes, th
                 filled[k] = n
                 cond.notify()
 
-        read_region(path, lo, out[lo:hi], direct, progress, REQUEST, DEPTH)
+        read_region(path, lo, out[lo:hi], direct, progress, REQUEST)
         progress(hi - lo)
 
     def prefix() -> int:
@@ -268,7 +263,7 @@ def read_part(path: str, own: bool = True) -> Part:
     flat = buffer.numpy()
     try:
         hashes = _Hashes(flat, slots, table, path, header.get("names"))
-        _read_parallel(path, flat[:h_off], prefer_direct_reads(path), hashes, reader_threads(h_off))
+        _read_parallel(path, flat[:h_off], True, hashes, reader_threads(h_off))
         hashes(h_off)
         if hashes.i != len(slots):
             raise CheckpointCorruptedError(f"{path}: tensor byte ranges out of order")

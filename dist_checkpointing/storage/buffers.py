@@ -1,6 +1,5 @@
 """Aligned host buffers, pooled: bounce buffers for direct reads, chunk pairs for streamed
-writes, whole-file images for async saves (pinned for CUDA sources), pinned local images,
-and huge-page staging buffers for direct reads.
+writes, whole-file images for async saves (pinned for CUDA sources), pinned local images.
 
 Pools bound the memory they keep (a few free buffers each); buffers come from `mmap` or
 shared memory, so they are page-aligned, as O_DIRECT needs.
@@ -8,12 +7,11 @@ shared memory, so they are page-aligned, as O_DIRECT needs.
 
 from __future__ import annotations
 
-import functools
 import mmap
 import threading
 import weakref
 from collections import OrderedDict
-from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple
+from typing import Any, Dict, List, Protocol, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -29,9 +27,7 @@ __all__ = [
     "ChunkBuffers",
     "ImagePool",
     "host_buffer",
-    "huge_pages",
     "private",
-    "staging",
 ]
 
 #: alignment of O_DIRECT requests (file offsets, lengths and memory)
@@ -40,35 +36,24 @@ ALIGN = 4096
 BOUNCE = 32 << 20
 #: size of each of a streamed write's two chunk buffers
 CHUNK = 64 << 20
-#: a transparent huge page (x86-64, and arm64 with 4 KiB pages)
-HUGE = 2 << 20
-#: where the kernel says whether anonymous memory may get transparent huge pages
-THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 _lock = threading.Lock()
 _free_bounce: List[np.ndarray] = []
 
 
 def bounce() -> np.ndarray:
-    """An aligned `BOUNCE`-byte buffer (reused) for O_DIRECT reads copied on from there, in
-    huge pages where the kernel gives them (`staging`); hand it back with `give_back`.
-
-    Private to the process: a forked child that takes a buffer its parent pooled gets its
-    own copy of the pages, never the parent's (shared memory here would let the two read
-    into the same bytes).
-    """
+    """An aligned `BOUNCE`-byte buffer (reused) for O_DIRECT reads copied on from there;
+    hand it back with `give_back`. Private to the process (`private`)."""
     with _lock:
         if _free_bounce:
             return _free_bounce.pop()
-    staged = staging(BOUNCE)
-    if staged is not None:
-        return staged
     return private(BOUNCE)
 
 
 def private(nbytes: int) -> np.ndarray:
-    """A private, page-aligned buffer of `nbytes` (freed with the array): the fallback of
-    `staging` where the kernel gives no huge pages."""
+    """A private, page-aligned buffer of `nbytes` (freed with the array). Private, not
+    shared: a forked child that takes a buffer its parent pooled gets its own copy of the
+    pages, never the parent's."""
     return np.frombuffer(
         mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS),
         dtype=np.uint8,
@@ -82,56 +67,9 @@ def give_back(buf: np.ndarray) -> None:
             _free_bounce.append(buf)
 
 
-@functools.cache
-def huge_pages() -> bool:
-    """Whether private anonymous memory can be backed by transparent huge pages on request
-    (`MADV_HUGEPAGE`): the kernel's setting is not "never"."""
-    if not hasattr(mmap, "MADV_HUGEPAGE"):
-        return False
-    try:
-        with open(THP_ENABLED) as f:
-            return "[never]" not in f.read()
-    except OSError:
-        return False
-
-
-def staging(nbytes: int) -> Optional[np.ndarray]:
-    """A private, `HUGE`-aligned buffer of `nbytes` backed by transparent huge pages, for
-    O_DIRECT reads that are copied on from there; None where huge pages cannot be had.
-
-    Why: on a virtual disk with a cap on the segments of one request (254 on the VMs we
-    measure), a read into 4 KiB pages scattered in physical memory is cut into requests of
-    about 1 MiB, and ran at half the disk's rate there; into huge pages each 2 MiB is one
-    segment (docs/performance.md, eleventh pass). Shared memory gets no huge pages unless
-    the system enables them for it, so shared windows are filled from a staging buffer.
-    The buffer is freed with the array.
-    """
-    if not huge_pages():
-        return None
-    size = -(-nbytes // ALIGN) * ALIGN
-    m = mmap.mmap(-1, size + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    whole = np.frombuffer(m, dtype=np.uint8)
-    skip = -whole.ctypes.data % HUGE
-    try:
-        m.madvise(mmap.MADV_HUGEPAGE, skip, size)
-    except OSError:
-        return None
-    return whole[skip : skip + nbytes]
-
-
-def _chunk() -> np.ndarray:
-    """One `CHUNK`-byte buffer of a streamed write: private (a forked writer that takes a
-    pooled pair writes into its own copy of the pages), in huge pages where the kernel gives
-    them. A save's first pass over fresh buffers faults them in: 32 faults of 2 MiB for a
-    buffer, not 16384 of 4 KiB, and O_DIRECT writes from huge pages go out in fewer, larger
-    requests on a virtual disk (`staging`; docs/performance.md, seventeenth pass)."""
-    staged = staging(CHUNK)
-    return staged if staged is not None else private(CHUNK)
-
-
 class ChunkBuffers:
     """Pairs of page-aligned chunk buffers, reused across saves (one pair per file in flight),
-    private to the process and in huge pages where the kernel gives them (`_chunk`).
+    private to the process.
 
     A pair that receives device-to-host copies is page-locked once (`acquire(pin=True)`)
     and stays so while pooled; a pinned pair dropped from the pool is unpinned first.
@@ -149,7 +87,7 @@ class ChunkBuffers:
             if cls._free:
                 bufs = cls._free.pop()
         if bufs is None:
-            bufs = [_chunk() for _ in range(2)]
+            bufs = [private(CHUNK) for _ in range(2)]
         if pin:
             for b in bufs:
                 addr = b.ctypes.data

@@ -55,6 +55,8 @@ class Fault:
         delay_s: slept before performing the request (a slow or hung disk).
         die_after_bytes: writes only: SIGKILL the process once this many bytes (counted
             from the start of the file) were written.
+        only_direct: apply to O_DIRECT requests only; with `error=OSError(errno.EINVAL,
+            ...)` this is a file system that refuses O_DIRECT (I/O falls back to buffered).
     """
 
     pattern: str
@@ -62,6 +64,7 @@ class Fault:
     error: Optional[BaseException] = None
     delay_s: float = 0.0
     die_after_bytes: Optional[int] = None
+    only_direct: bool = False
     #: every matching request, in order
     calls: List[IOCall] = field(default_factory=list)
 
@@ -127,7 +130,9 @@ def check(op: str, path: str, offset: int, nbytes: int, direct: bool) -> Optiona
     if not _active:
         return None
     with _lock:
-        matching = [f for f in _active if f.matches(op, str(path))]
+        matching = [
+            f for f in _active if f.matches(op, str(path)) and (direct or not f.only_direct)
+        ]
     limit: Optional[int] = None
     for f in matching:
         f.calls.append(IOCall(op, str(path), offset, nbytes, direct))

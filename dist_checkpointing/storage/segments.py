@@ -8,9 +8,8 @@ and header segments (no full copy of the state is made).
   page-aligned buffer are written as they are; anything else streams through the pooled
   pair of aligned chunk buffers (`ChunkBuffers`), the copy of one chunk overlapping the
   write of the other, as the torch_dist backend's synchronous save does.
-- Buffered (`direct=False`): each segment is written from its own memory (the kernel's
-  page-cache copy is the only copy); with `fsync`, through `BufferedStream`, which starts
-  the disk's writeback as the file is written, as the torch_dist sync save's buffered path.
+- Buffered (`direct=False`, or O_DIRECT refused): each segment is written from its own
+  memory (the kernel's page-cache copy is the only copy).
 - `fsync` decides whether the file is made durable before returning.
 
 `StreamedFile` is the other way in: a new file filled by positional writes of chunks as they
@@ -28,9 +27,9 @@ import numpy as np
 import torch
 
 from .buffers import ALIGN, CHUNK, ChunkBuffers
-from .direct import FileWriter, PathLike, start_writeback
+from .direct import FileWriter, PathLike
 
-__all__ = ["BufferedStream", "ChunkStream", "StreamedFile", "write_segments"]
+__all__ = ["ChunkStream", "StreamedFile", "write_segments"]
 
 
 def _aligned(buf: np.ndarray) -> bool:
@@ -89,11 +88,6 @@ def write_segments(
                 out.write(view[start : start + CHUNK], start)
         elif out.direct:
             _stream(out, segments, prepare=prepare)
-        elif fsync:  # writeback started as written: the fsync finds little left to write
-            stream = BufferedStream(out)
-            for i, seg in enumerate(segments):
-                stream.put(seg, prepare(i) if prepare is not None else None)
-            stream.finish()
         else:
             pos = 0
             for i, seg in enumerate(segments):
@@ -158,8 +152,6 @@ class ChunkStream:
 
     def _write(self, view: memoryview, pos: int) -> None:
         self._out.write(view, pos)
-        if not self._out.direct:  # buffered (chosen, or O_DIRECT refused): see BufferedStream
-            start_writeback(self._out.fd, pos, len(view))
 
     def put(self, data: Any, on_copied: Optional[Callable[[np.ndarray], None]] = None) -> None:
         """Appends `data` (a uint8 array, or a device tensor's uint8 bytes); `on_copied`
@@ -193,65 +185,6 @@ class ChunkStream:
             self._pending.exception()
         self._pool.shutdown(wait=True)
         ChunkBuffers.release(self._bufs)
-
-
-class BufferedStream:
-    """Appends host bytes to a buffered file straight from their own memory (no staging
-    copy: the kernel's copy into the page cache is the only one), starting the disk's
-    writeback of every `WRITEBACK` bytes as soon as they are written (`start_writeback`),
-    so the final fsync finds little left to write. Same interface as `ChunkStream`, for
-    host memory only (device tensors go through `ChunkStream`'s pinned buffers).
-
-    Args:
-        out: the file being written (opened without O_DIRECT).
-        file_pos: where the first byte goes.
-        progress: called with the bytes of each request handed to the kernel.
-    """
-
-    #: bytes written between two writeback starts
-    WRITEBACK = 16 << 20
-
-    def __init__(
-        self,
-        out: FileWriter,
-        file_pos: int = 0,
-        progress: Optional[Callable[[int], None]] = None,
-    ) -> None:
-        self._out, self._pos, self._progress = out, file_pos, progress
-        self._started = file_pos  # writeback was started for [.., _started)
-
-    def put(self, data: Any, on_copied: Optional[Callable[[np.ndarray], None]] = None) -> None:
-        """Writes `data` (a flat uint8 array in host memory); `on_copied` sees each written
-        piece (e.g. to checksum it).
-
-        Raises:
-            TypeError: `data` is a tensor (device bytes need `ChunkStream`).
-            OSError: a write failed.
-        """
-        if isinstance(data, torch.Tensor):
-            raise TypeError(
-                "BufferedStream writes host arrays; stream device tensors with ChunkStream"
-            )
-        view = memoryview(data)  # type: ignore[arg-type]
-        for start in range(0, int(data.size), CHUNK):
-            piece = view[start : start + CHUNK]
-            self._out.write(piece, self._pos)
-            if on_copied is not None:
-                on_copied(data[start : start + CHUNK])
-            self._pos += len(piece)
-            if self._progress is not None:
-                self._progress(len(piece))
-            if self._pos - self._started >= self.WRITEBACK:
-                start_writeback(self._out.fd, self._started, self._pos - self._started)
-                self._started = self._pos
-
-    def finish(self) -> None:
-        """Starts the writeback of what is left (the caller's fsync waits for all of it)."""
-        start_writeback(self._out.fd, self._started, self._pos - self._started)
-        self._started = self._pos
-
-    def close(self) -> None:
-        """Nothing to wait for or free (writes are synchronous); for `ChunkStream` parity."""
 
 
 def _stream(

@@ -2,13 +2,13 @@
 
 Saved with small checksum blocks and loaded with small read requests, so each item spans
 several blocks and requests: the request-by-request verification and the scatter of partial
-and shared chunks are exercised on every example.
+chunks are exercised on every example.
 """
 
 from __future__ import annotations
 
 import os
-from typing import List, Optional
+from typing import List
 
 import pytest
 import torch
@@ -17,8 +17,7 @@ from hypothesis import strategies as st
 
 import dist_checkpointing as dc
 from dist_checkpointing import integrity
-from dist_checkpointing.storage import mapped
-from dist_checkpointing.strategies.torch_dist import reader, shared_read
+from dist_checkpointing.strategies.torch_dist import reader
 from dist_checkpointing.strategies.torch_dist.load import TorchDistLoadShardedStrategy
 from tests._sharding import Case, bitwise_equal, cases, make_global
 from tests.distributed._rank_fns import rank, state_for
@@ -27,16 +26,9 @@ SETTINGS = settings(
     max_examples=2, deadline=None, suppress_health_check=list(HealthCheck), database=None
 )
 
-#: (direct_io of the load strategy, page-cache mappings allowed, shared reads): the page
-#: cache (partial reads mapped, or copied where mappings are unavailable), O_DIRECT, the
-#: measured choice, and column blocks read once per node into shared windows
-PATHS = {
-    "page cache": (False, True, False),
-    "page cache, partial reads copied": (False, False, False),
-    "O_DIRECT": (True, True, False),
-    "measured": (None, True, False),
-    "shared reads": (None, True, True),
-}
+#: the load strategy's `direct_io`: whole rows in place with O_DIRECT, or all through the
+#: page cache (partial reads go through the page cache either way)
+PATHS = {"O_DIRECT": True, "page cache": False}
 
 
 def save_small_blocks(batch: List[Case], root: str) -> None:
@@ -49,44 +41,18 @@ def save_small_blocks(batch: List[Case], root: str) -> None:
         integrity.BLOCK = saved
 
 
-#: shared-read sizes for tiny items: every item two ranks need shared, windows of one
-#: page (two at 2 ranks: `window_for`) that rows straddle, rows up to 4 KiB
-SHARED_TINY = {
-    "MIN_SHARED": 1,
-    "MIN_CONSUMERS": 2,
-    "WINDOW": 4096,
-    "SLACK": 0,
-    "PRE": 8192,
-}
-
-
-def load_in_small_requests(
-    batch: List[Case],
-    root: str,
-    direct_io: Optional[bool],
-    mapping: bool = True,
-    shared: bool = False,
-) -> List[str]:
+def load_in_small_requests(batch: List[Case], root: str, direct_io: bool) -> List[str]:
     """Loads the batch in 48-byte requests through one read path; returns the differences."""
-    saved, saved_mapping, saved_min = reader.READ_REQUEST, mapped._supported, reader.MAP_MIN
-    saved_stream = reader.STREAM_REQUEST
-    saved_shared = {k: getattr(shared_read, k) for k in SHARED_TINY}
-    reader.READ_REQUEST, reader.MAP_MIN = 48, 1  # tiny items: mapped too, when allowed
-    reader.STREAM_REQUEST = 4096  # streamed: the smallest O_DIRECT request
-    mapped._supported = mapped.available() and mapping
-    for k, v in SHARED_TINY.items():
-        setattr(shared_read, k, v)
+    saved = reader.READ_REQUEST
+    reader.READ_REQUEST = 48
     try:
         loaded = dc.load(
             state_for(batch, "load", False),
             os.path.join(root, "ckpt"),
-            sharded_strategy=TorchDistLoadShardedStrategy(direct_io=direct_io, shared_reads=shared),
+            sharded_strategy=TorchDistLoadShardedStrategy(direct_io=direct_io),
         )
     finally:
-        reader.READ_REQUEST, mapped._supported, reader.MAP_MIN = saved, saved_mapping, saved_min
-        reader.STREAM_REQUEST = saved_stream
-        for k, v in saved_shared.items():
-            setattr(shared_read, k, v)
+        reader.READ_REQUEST = saved
     problems = []
     r = rank()
     for i, case in enumerate(batch):
@@ -145,9 +111,9 @@ def test_random_shardings_load_bitwise_through_every_read_path(
     def run(batch: List[Case]) -> None:
         root = str(tmp_path_factory.mktemp("paths"))
         world_factory(save_world).run_ok(save_small_blocks, batch, root, timeout=120)
-        for name, (direct_io, mapping, shared) in PATHS.items():
+        for name, direct_io in PATHS.items():
             problems = world_factory(load_world).run_ok(
-                load_in_small_requests, batch, root, direct_io, mapping, shared, timeout=120
+                load_in_small_requests, batch, root, direct_io, timeout=120
             )
             assert problems == [[]] * load_world, (name, problems)
 

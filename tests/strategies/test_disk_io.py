@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import io
-import logging
-import os
 
 import pytest
 import torch
@@ -15,7 +13,7 @@ import dist_checkpointing as dc
 from dist_checkpointing import ShardedTensor
 from dist_checkpointing.errors import CheckpointCorruptedError
 from dist_checkpointing.integrity import BLOCK
-from dist_checkpointing.storage import direct, faults
+from dist_checkpointing.storage import faults
 from dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
 from dist_checkpointing.strategies.torch_dist.metadata_file import read_metadata
 from dist_checkpointing.strategies.torch_dist.reader import open_range
@@ -64,36 +62,6 @@ def test_data_of_large_tensors_lands_on_4096_byte_offsets(tmp_path):
         assert layout is not None and (info.offset + layout.data_offset) % 4096 == 0, index.fqn
 
 
-def _refuse_o_direct(monkeypatch) -> None:
-    """Makes every O_DIRECT open fail with EINVAL, as file systems without it do."""
-    real_open = os.open
-
-    def no_direct(path, flags, *args):
-        if flags & os.O_DIRECT:
-            raise OSError(22, "Invalid argument")
-        return real_open(path, flags, *args)
-
-    monkeypatch.setattr(os, "open", no_direct)
-
-
-def test_buffered_fallback_where_o_direct_is_refused(tmp_path, monkeypatch, caplog):
-    """tmpfs refuses O_DIRECT; simulate it anywhere by failing O_DIRECT opens with EINVAL."""
-    _refuse_o_direct(monkeypatch)
-    caplog.set_level(logging.INFO)
-    w = torch.randn(300, 70)
-    dc.save({"w": ShardedTensor.from_rank_offsets("w", w)}, tmp_path / "c")
-    # the load asks for O_DIRECT whatever the probes measured earlier in this process (a
-    # measured load reads a chunk the save just left in the page cache from there, and a
-    # save may write through the page cache, so neither would try O_DIRECT)
-    got = dc.load(
-        {"w": ShardedTensor.from_rank_offsets("w", torch.zeros_like(w))},
-        tmp_path / "c",
-        sharded_strategy=TorchDistLoadShardedStrategy(direct_io=True),
-    )
-    assert torch.equal(got["w"], w)
-    assert "O_DIRECT is not usable" in caplog.text
-
-
 def _big(rows: int = 4096, cols: int = 1024) -> torch.Tensor:
     return torch.arange(rows * cols, dtype=torch.float32).reshape(rows, cols)  # 16 MiB: 4 blocks
 
@@ -137,61 +105,8 @@ def test_damage_outside_the_rows_read_is_not_needed_inside_is_caught(tmp_path):
         dc.load(request(3500), tmp_path / "c", validate_access_integrity=False)
 
 
-@pytest.mark.parametrize("direct_io", [True, False])
-@pytest.mark.parametrize(
-    "offset,size,aligned_dest",
-    [(4096, 8192, True), (123, 5000, False), (4096, 8292, True), (0, 1, False)],
-)
-def test_read_region_returns_exact_bytes(tmp_path, direct_io, offset, size, aligned_dest):
-    import mmap
-
-    import numpy as np
-
-    data = os.urandom(3 * 4096 + 100)
-    path = tmp_path / "f"
-    path.write_bytes(data)
-    if aligned_dest:
-        out = np.frombuffer(mmap.mmap(-1, 3 * 4096), dtype=np.uint8)[:size]
-    else:
-        out = np.zeros(size, dtype=np.uint8)
-    direct.read_region(str(path), offset, out, direct=direct_io)
-    assert out.tobytes() == data[offset : offset + size]
-    with pytest.raises(CheckpointCorruptedError, match="short read"):
-        direct.read_region(
-            str(path), len(data) - 10, np.zeros(20, dtype=np.uint8), direct=direct_io
-        )
-
-
-@pytest.mark.parametrize("direct_io", [False, True])
-def test_whole_chunk_loads_read_buffered_by_default_and_o_direct_when_asked(
-    tmp_path, monkeypatch, caplog, direct_io
-):
-    w = _big()
-    dc.save({"w": ShardedTensor.from_rank_offsets("w", w)}, tmp_path / "c")
-    strategy = TorchDistLoadShardedStrategy(direct_io=direct_io)
-    req = {"w": ShardedTensor.from_rank_offsets("w", torch.zeros_like(w))}
-    with faults.injected(faults.Fault("*.distcp", ops=("read",))) as (spy,):
-        got = dc.load(req, tmp_path / "c", sharded_strategy=strategy)
-    assert torch.equal(got["w"], w)
-    if direct_io:  # the item read as one aligned stream: its records and data together
-        assert [c.direct for c in spy.calls] == [True]
-        assert w.numel() * 4 < spy.calls[0].nbytes < w.numel() * 4 + 64 * 1024
-    else:
-        assert [(c.nbytes, c.direct) for c in spy.calls] == [(w.numel() * 4, False)]
-
-    # where O_DIRECT is refused, the O_DIRECT read falls back by itself and says so
-    _refuse_o_direct(monkeypatch)
-    direct.reset_direct_fallbacks()
-    caplog.set_level(logging.INFO)
-    req = {"w": ShardedTensor.from_rank_offsets("w", torch.zeros_like(w))}
-    got = dc.load(req, tmp_path / "c", sharded_strategy=strategy)
-    assert torch.equal(got["w"], w)
-    assert ("O_DIRECT reads are not usable" in caplog.text) == direct_io
-
-
 def test_load_strategy_refuses_a_thread_count_below_one():
     from dist_checkpointing.errors import CheckpointingException
-    from dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
 
     with pytest.raises(CheckpointingException, match="thread_count"):
         TorchDistLoadShardedStrategy(thread_count=0)

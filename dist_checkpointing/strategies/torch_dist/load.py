@@ -7,11 +7,9 @@ the regions it asked for (any sharding: another world size, axis, or number of p
 
 from __future__ import annotations
 
-import contextlib
 import io
 import logging
 import math
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +28,6 @@ from ..._dist import (
     all_gather_object,
     error_report,
     get_rank,
-    get_world_size,
     raise_on_reported_errors,
 )
 from ..._progress import byte_progress
@@ -41,15 +38,13 @@ from ...dtypes import check_dtype_conversion
 from ...errors import CheckpointCorruptedError, CheckpointingException, close_matches
 from ...integrity import Checksums, read_checksums
 from ...mapping import ShardedBase, ShardedObject, ShardedTensor
-from ...storage import probe
 from ..base import CheckpointDir, LoadShardedStrategy, require_backend, require_version
-from . import shared_read
 from .finalize import gbps
 from .legacy_flat import FlatCopy, apply_copies, plan_reformulated_reads, reformulated_shapes
 from .maintenance import remove_sharded_tensors
 from .metadata_file import read_metadata
 from .plan import BACKEND, SUPPORTED_VERSIONS, TensorRequest, plan_tensor_reads
-from .reader import group_reads, read_byte_items, read_tensor_items
+from .reader import read_byte_items, read_tensor_items
 
 __all__ = ["TorchDistLoadShardedStrategy"]
 
@@ -67,7 +62,6 @@ class _Plan:
     reads: List[ReadItem]
     objects: List[ShardedObject]
     copies: List[FlatCopy]
-    groups: Dict[Any, Any]
 
 
 @dataclass
@@ -105,51 +99,6 @@ def _log_load(ckpt: Path, stats: List[_LoadStats]) -> None:
     )
 
 
-def _measure_read_path(ckpt: Path, measure: bool = True) -> Tuple[Optional[str], Any]:
-    """This rank's part of agreeing on the read path: it measures the read paths
-    (`storage.probe`) on one data file; every rank keeps the combination of all ranks'
-    measurements (`_keep_read_path`), exchanged with the load's shared-read offers, so that
-    all read the same way (each rank choosing on its own few reads chose differently, and
-    the load waited for the slowest path).
-
-    Args:
-        ckpt: the checkpoint directory.
-        measure: False where the strategy fixes the read path (`direct_io` given): the
-            rank still takes part in the exchange (another rank's strategy may measure),
-            without spending reads on a measurement it will not use (0.26 s of a 0.78 s
-            first load of 4 ranks x 1 GiB, with two probe pairs per rank).
-
-    Returns:
-        `(the file measured, the measurement)`, either None where none was made.
-
-    Never raises: the other ranks wait in the exchange that follows.
-    """
-    path: Optional[str] = None
-    local = None
-    try:
-        names = sorted(n for n in os.listdir(ckpt) if n.endswith(".distcp")) if measure else []
-        if names:  # rank r probes the r-th file: in a same-layout load, the one it reads
-            path = str(ckpt / names[get_rank() % len(names)])
-            # one pair per rank where several combine theirs (decided over all their
-            # pairs), half of the ranks reading their O_DIRECT region first
-            local = probe.local_probe(
-                path,
-                pairs=1 if get_world_size() > 1 else 2,
-                direct_first=get_rank() % 2 == 0,
-            )
-    except Exception as e:  # measured on the first read instead, as without agreement
-        logger.debug("no read-path probe on %s: %s", ckpt, e)
-    return path, local
-
-
-def _keep_read_path(path: Optional[str], measured: List[Any]) -> None:
-    """Keeps the combination of every rank's measurement (`_measure_read_path`) for reads."""
-    agreed = probe.combine(measured)
-    if agreed is not None and path is not None:
-        with contextlib.suppress(OSError):
-            probe.keep(path, agreed)
-
-
 class TorchDistLoadShardedStrategy(LoadShardedStrategy):
     """Loads checkpoints in PyTorch DCP's format, resharding to the requested layout.
 
@@ -159,22 +108,16 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         thread_count: data files read in parallel (each front to back, by one thread).
         verify_checksums: verify everything read against `checksums.json` when the
             checkpoint has one (a mismatch raises `CheckpointCorruptedError`).
-        direct_io: how whole chunks are read straight into their destinations: True with
-            O_DIRECT (through aligned bounce buffers where unaligned, falling back to
-            buffered reads where refused), False through the page cache; None (the default)
-            whichever a small probe measured faster on the file system, once per process
-            (`storage.prefer_direct_reads`). Whole rows of a chunk read in place (a
-            row-resharded load) take the same path; with O_DIRECT, a file's chunks read in
-            place are read as one stream of requests (`stream`). Other partial reads map
-            the page cache, which the ranks of a node share; shared reads use O_DIRECT.
+        direct_io: True (the default): whole chunks, or whole rows of them, read straight
+            into their destinations use O_DIRECT where the file system allows it (buffered
+            where it refuses); False: through the page cache. Other partial reads (column
+            blocks of a reshard) always go through the page cache, which the ranks of a
+            node share. To read each byte once per job when resharding, wrap the strategy
+            in `FullyParallelLoadStrategyWrapper`.
         allow_lossy_dtype_conversion: load a tensor into a dtype that cannot hold every
             stored value (float -> int, float32 -> bfloat16, ...), with a warning. Without
             it such a request raises `LossyDtypeConversionError` (see
             `dist_checkpointing.dtypes`); exact conversions always load.
-        shared_reads: chunks that several ranks of a node need strided parts of (column
-            blocks of row-major chunks, when resharding) are read once for the node, with
-            O_DIRECT, by one of them into shared memory, and copied out by each
-            (`shared_read`); False: every rank reads them through the page cache.
 
     Raises:
         CheckpointingException: `thread_count` < 1.
@@ -185,18 +128,16 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         weights_only: bool = True,
         thread_count: int = 2,
         verify_checksums: bool = True,
-        direct_io: Optional[bool] = None,
+        direct_io: bool = True,
         allow_lossy_dtype_conversion: bool = False,
-        shared_reads: bool = True,
     ) -> None:
         if thread_count < 1:
             raise CheckpointingException(f"thread_count must be >= 1, got {thread_count}")
         self.weights_only = weights_only
         self.thread_count = thread_count
         self.verify_checksums = verify_checksums
-        self.direct_io = direct_io
+        self.direct_io = direct_io is not False  # None (older callers): the default
         self.allow_lossy_dtype_conversion = allow_lossy_dtype_conversion
-        self.shared_reads = shared_reads
 
     def _checksums(self, ckpt: Path) -> Optional[Checksums]:
         return read_checksums(ckpt) if self.verify_checksums else None
@@ -231,46 +172,12 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         result: Optional[StateDict] = None
         stats: Optional[_LoadStats] = None
         error: Optional[BaseException] = None
-        plan: Optional[_Plan] = None
-        shared: Optional[shared_read.SharedReads] = None
-        probed, measured = _measure_read_path(ckpt, measure=self.direct_io is None)
         try:
-            plan = self._plan(sharded_state_dict, ckpt)
+            result, stats = self._load_local(sharded_state_dict, ckpt)
         except Exception as e:  # agreed on below, with the other ranks' statistics
             error = e
-        try:
-            # one exchange (every rank, with or without a plan) for the read path and the
-            # shared reads: each exchange of a 4-rank load cost 3-9 ms
-            offering = shared_read.offer(
-                plan.groups if plan is not None else None,
-                plan.checksums if plan is not None else None,
-                self.shared_reads and plan is not None,
-            )
-            try:
-                offers = all_gather_object((measured, offering.offer))
-            except BaseException:
-                offering.discard()
-                raise
-            _keep_read_path(probed, [o[0] for o in offers])
-            try:
-                shared = offering.settle([o[1] for o in offers])
-            except Exception as e:
-                error = e
-            if plan is not None and error is None:
-                try:
-                    result, stats = self._read(sharded_state_dict, ckpt, plan, shared)
-                except Exception as e:
-                    error = e
-                    if shared is not None:  # peers still waiting on this rank stop now
-                        shared.fail()
-            if shared is not None:
-                shared.close()
-            # one exchange carries both the error reports and the statistics for the log line
-            reports = all_gather_object((error_report(error), stats))
-        finally:
-            if shared is not None:  # peers map this rank's segment until the exchange above
-                shared.close()
-                shared.unlink()
+        # one exchange carries both the error reports and the statistics for the log line
+        reports = all_gather_object((error_report(error), stats))
         raise_on_reported_errors([r[0] for r in reports], error, f"torch_dist load from {ckpt}")
         if get_rank() == 0:
             _log_load(ckpt, [r[1] for r in reports if r[1] is not None])
@@ -280,8 +187,8 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
     def _load_local(
         self, sharded_state_dict: ShardedStateDict, ckpt: Path
     ) -> Tuple[StateDict, _LoadStats]:
-        """Not collective: this rank plans and reads on its own (no shared reads)."""
-        return self._read(sharded_state_dict, ckpt, self._plan(sharded_state_dict, ckpt), None)
+        """Not collective: this rank plans and reads on its own."""
+        return self._read(sharded_state_dict, ckpt, self._plan(sharded_state_dict, ckpt))
 
     def _plan(self, sharded_state_dict: ShardedStateDict, ckpt: Path) -> _Plan:
         """This rank's reads, destinations and objects (no data read yet)."""
@@ -326,18 +233,15 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                 raise CheckpointingException(
                     f"{self} cannot load {type(sh).__name__} {sh.key!r}; apply factories first"
                 )
-        return _Plan(
-            start, metadata, checksums, dests, reads, objects, copies, group_reads(metadata, reads)
-        )
+        return _Plan(start, metadata, checksums, dests, reads, objects, copies)
 
     def _read(
         self,
         sharded_state_dict: ShardedStateDict,
         ckpt: Path,
         plan: _Plan,
-        shared: Optional[shared_read.SharedReads],
     ) -> Tuple[StateDict, _LoadStats]:
-        """Reads the planned data (with the node's ranks, for `shared` chunks)."""
+        """Reads the planned data."""
         start, metadata, checksums = plan.start, plan.metadata, plan.checksums
         dests, reads, objects, copies = plan.dests, plan.reads, plan.objects, plan.copies
 
@@ -362,7 +266,6 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                 self.direct_io,
                 progress,
                 first_file=get_rank(),
-                shared=shared,
             )
         apply_copies(copies, dests)
         files = {str(_item_file(metadata, r.storage_index)) for r in reads}

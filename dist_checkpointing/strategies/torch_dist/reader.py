@@ -2,12 +2,13 @@
 
 Data files `[<hint>]__<rank>_<n>.distcp` hold, back to back, a `torch.save` zip per tensor
 chunk (see `zipformat`) and raw bytes per object; `.metadata` (see `metadata_file`) says
-where each item lies. Regions are read through the shared I/O layer (`storage`) in large
-requests and verified against `checksums.json` when given.
-
-Why this module is over 400 lines: whole-chunk, in-place row-range, scattered partial and
-byte-item reads share the chunk grouping and the per-thread scratch buffers; the verifiers
-live in `verify`.
+where each item lies. One read pipeline: a chunk's records are parsed, then the rows the
+reads need are read with `storage.read_region` in large requests and verified block by
+block against `checksums.json` as they land. A read of whole rows into a contiguous host
+destination of the stored dtype (a whole chunk, or a row-resharded part) lands in place,
+with O_DIRECT by default; any other read (column blocks, several regions of one chunk,
+another dtype) lands in a per-thread scratch buffer through the page cache, which the ranks
+of a node share, and is copied out as it is verified.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -30,8 +31,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 from ..._safe_load import torch_load
 from ...errors import CheckpointCorruptedError
 from ...integrity import Checksums, ItemSum
-from ...storage import cached, mapped, prefer_direct_reads, read_region
-from . import stream
+from ...storage import read_region
 from .verify import (
     ChunkVerifier,
     RangeVerifier,
@@ -44,44 +44,19 @@ from .verify import (
 )
 from .zipformat import chunk_layout, head_layout
 
-if TYPE_CHECKING:
-    from .shared_read import SharedReads
-
 __all__ = [
     "ChunkGroup",
     "READ_REQUEST",
-    "STREAM_DEPTH",
-    "STREAM_REQUEST",
     "group_reads",
     "open_range",
     "parse_chunk",
     "read_byte_items",
     "read_tensor_items",
-    "strided",
 ]
 
 #: bytes per read request: two checksum blocks, so a request's bytes are verified while
-#: they are still in the CPU caches (8 MiB L3 on the machines we measured), and still
-#: large enough that requests cost nothing next to the transfer
+#: they are still in the CPU caches
 READ_REQUEST = 8 << 20
-#: a file's streamed chunks (`stream`): requests of this size, `STREAM_DEPTH` of them in
-#: flight, through every slot of the bounce buffer (8 of 4 MiB), so that completed requests
-#: wait in their slots while the next are read. With 4 slots of 8 MiB, all 4 in flight, each
-#: rank's disk queue ran empty 0.02-0.03 s of a 4-rank x 1 GiB load while requests the disk
-#: had completed together were copied out. Plain loads alternating in one world (medians):
-#: 4 ranks x 1 GiB 0.419 s against 0.442 s, 2 ranks 0.405 s against 0.432 s, 4 ranks x 4 GiB
-#: 1.545 s against 1.646 s; shifted rows at 4 ranks 0.406 s against 0.428 s
-#: (docs/performance.md, sixteenth pass)
-STREAM_REQUEST = 4 << 20
-STREAM_DEPTH = 6
-
-#: partial or shared reads of at least this many bytes map the page cache (`storage.mapped`);
-#: smaller ones are copied, which costs less than setting up and tearing down a mapping
-MAP_MIN = 1 << 20
-
-#: requests a mapped read populates ahead of the one being verified and copied (in a helper
-#: thread): without it the disk idled while each request was hashed and copied
-MAP_AHEAD = 4
 
 
 def _storage_info(metadata: Metadata, index: MetadataIndex) -> _StorageInfo:
@@ -199,17 +174,14 @@ def read_tensor_items(
     resolve: Callable[[ReadItem], torch.Tensor],
     thread_count: int = 2,
     checksums: Optional[Checksums] = None,
-    direct_io: Optional[bool] = None,
+    direct_io: bool = True,
     progress: Optional[Callable[[int], None]] = None,
     first_file: int = 0,
-    shared: Optional[SharedReads] = None,
 ) -> int:
     """Reads each needed stored chunk once and copies the requested regions out of it.
 
-    Each data file is read front to back, its chunks in file order, one request in flight
-    through the page cache (which reads ahead on its own; see `storage.BUFFERED_DEPTH`);
-    several files are read at once, one thread each (one file at a time when any chunk is
-    read through a page-cache mapping, which reads ahead in a thread of its own).
+    Each data file is read front to back, its chunks in file order; several files are read
+    at once, one thread each.
 
     Args:
         checkpoint_dir: the checkpoint directory.
@@ -218,17 +190,13 @@ def read_tensor_items(
         resolve: returns the destination view for a read item.
         thread_count: files read in parallel.
         checksums: when given, every item read is verified against it.
-        direct_io: read whole chunks with O_DIRECT (through aligned bounce buffers, True)
-            or through the page cache (False); None: whichever measured faster on the
-            file system (`storage.prefer_direct_reads`).
+        direct_io: read whole rows that land in place with O_DIRECT (where the file system
+            allows it); False: through the page cache.
         progress: called with the bytes of each chunk read (from the reading threads).
         first_file: start with the file at this position (modulo the number of files) of
             the sorted files this rank reads, then go round: ranks that all read the same
-            files (a resharded load) pass their rank, so the disk serves one stream per rank
-            and each file, once read by its first rank, comes to the others from the
-            page cache.
-        shared: the chunks this rank reads with, or gets from, the other ranks of its node
-            (`shared_read.offer`): done first, the rest read here.
+            files (a resharded load) pass their rank, so each file is first read by one
+            rank and comes to the others from the page cache.
 
     Returns:
         Tensor data bytes read from storage: a resharded load reads only the rows it
@@ -239,13 +207,8 @@ def read_tensor_items(
             damaged chunk, naming the file, key and byte range.
     """
     groups = group_reads(metadata, reads)
-    nbytes = 0
-    if shared is not None:
-        left = set(shared.run(checkpoint_dir, groups, resolve, checksums, progress))
-        nbytes = shared.read_bytes
-        groups = {k: g for k, g in groups.items() if k not in shared.keys or k in left}
 
-    def describe(group: ChunkGroup) -> Tuple[str, Optional[ItemSum]]:
+    def load_group(group: ChunkGroup) -> int:
         info = group.info
         what = f"{info.relative_path}@{info.offset} ({group.reads[0].storage_index.fqn!r})"
         expected = (
@@ -253,48 +216,12 @@ def read_tensor_items(
             if checksums is not None
             else None
         )
-        return what, expected
-
-    def load_group(group: ChunkGroup) -> int:
-        what, expected = describe(group)
-        path = checkpoint_dir / group.info.relative_path
-        with open_range(path, group.info) as f:
+        path = checkpoint_dir / info.relative_path
+        with open_range(path, info) as f:
             nread = _read_stored(f, group, resolve, what, expected, str(path), direct_io)
         if progress is not None:
             progress(nread)
         return nread
-
-    def stream_file(name: str, file_groups: List[ChunkGroup]) -> Tuple[int, List[ChunkGroup]]:
-        """Streams what of the file can be (`stream`); returns its bytes and the rest."""
-        if direct_io is False:
-            return 0, file_groups
-        items = []
-        for g in file_groups:
-            try:
-                what, expected = describe(g)
-            except CheckpointCorruptedError:
-                continue  # raised again, where the group is read the ordinary way
-            item = stream.plan_item(g, resolve, expected, what)
-            if item is not None:
-                items.append(item)
-        if not items:
-            return 0, file_groups
-        path = str(checkpoint_dir / name)
-        first = items[0].group.info.offset
-        last = items[-1].group.info.offset + items[-1].group.info.length
-        try:
-            if os.path.getsize(path) < last:
-                return 0, file_groups  # truncated: reported by the ordinary read
-        except OSError:
-            return 0, file_groups
-        # measured, unless the file's bytes are in the page cache already
-        if direct_io is None and (
-            not prefer_direct_reads(path) or cached(path, first, last - first)
-        ):
-            return 0, file_groups
-        nread, done = stream.read_stream(path, items, STREAM_REQUEST, progress, STREAM_DEPTH)
-        finished = {id(item.group) for item in items[:done]}
-        return nread, [g for g in file_groups if id(g) not in finished]
 
     by_file: Dict[str, List[ChunkGroup]] = {}
     for g in sorted(groups.values(), key=lambda g: (str(g.info.relative_path), g.info.offset)):
@@ -305,35 +232,16 @@ def read_tensor_items(
         names = names[k:] + names[:k]
 
     def load_file(name: str) -> int:
-        nread, rest = stream_file(name, by_file[name])
-        return nread + sum(load_group(g) for g in rest)
-
-    if any(strided(g) for g in groups.values()):
-        # mapped reads populate ahead in a helper thread of their own (`MAP_AHEAD`): a
-        # second file in flight only added a disk stream and CPU contention (2 ranks x
-        # 4 GiB column loads: 2.4-3.2 s one file at a time, 3.7-5.5 s two)
-        thread_count = 1
-    if thread_count <= 1 or len(names) <= 1:
         try:
-            return nbytes + sum(load_file(name) for name in names)
+            return sum(load_group(g) for g in by_file[name])
         finally:
             _scratch_local.buf = None  # do not keep a chunk-sized buffer after the load
+
+    if thread_count <= 1 or len(names) <= 1:
+        return sum(load_file(name) for name in names)
     workers = min(thread_count, len(names))
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="dc-read") as pool:
-        return nbytes + sum(pool.map(load_file, names))
-
-
-def strided(group: ChunkGroup) -> bool:
-    """Whether the group is read through a page-cache mapping (see `_read_data`) because of
-    its shape: several regions of one stored chunk, or one that leaves out part of each row.
-    (Whole rows that cannot be read in place, e.g. into another dtype, are mapped too, and
-    not counted: this only decides how many files are read at once.)"""
-    if len(group.reads) > 1:
-        return True
-    if group.stored is None:
-        return False
-    r = group.reads[0]
-    return tuple(int(n) for n in r.lengths[1:]) != tuple(group.stored[0][1:])
+        return sum(pool.map(load_file, names))
 
 
 def _pairs(
@@ -406,7 +314,7 @@ def _read_stored(
     what: str,
     expected: Optional[ItemSum],
     path: str,
-    direct_io: Optional[bool] = None,
+    direct_io: bool = True,
 ) -> int:
     """Reads what the group needs of one stored chunk into the reads' destinations.
 
@@ -415,12 +323,10 @@ def _read_stored(
         `torch.load`, the whole item): a resharded read counts only the rows it read.
 
     The zip is parsed directly for a plain contiguous chunk (no `torch.load`) and its data
-    read with `read_region` in large requests, verified request by request as it lands (a
-    whole chunk straight into its destination, with O_DIRECT or through the page cache as
-    `direct_io` says or, when None, as measured): only the rows the reads touch,
-    widened to whole checksum blocks when the item has per-block digests (then only those
-    blocks and the item's zip records are verified). Items with one digest for the whole
-    item are read whole to be verified. Other chunks go through `torch.load`.
+    read with `read_region`, verified request by request as it lands: only the rows the
+    reads touch, widened to whole checksum blocks when the item has per-block digests (then
+    only those blocks and the item's zip records are verified). Items with one digest for
+    the whole item are read whole to be verified. Other chunks go through `torch.load`.
     """
     raw = stream.raw
     layout = parse_chunk(raw, group, expected, what)
@@ -507,30 +413,22 @@ def _read_data(
     what: str,
     expected: Optional[ItemSum],
     path: str,
-    direct_io: Optional[bool],
+    direct_io: bool,
     row0: int,
     row1: int,
     nrows: int,
     row_bytes: int,
 ) -> int:
-    """Reads rows `row0:row1` of a parsed contiguous chunk into the reads' destinations.
-
-    One read of whole rows into a contiguous destination (a whole chunk, or a resharded
-    load's rows) is read straight into it, in large requests, by the measured path; others
-    go through the page cache and are scattered.
-    """
+    """Reads rows `row0:row1` of a parsed contiguous chunk into the reads' destinations: in
+    place where one read takes whole rows into a contiguous destination, else through a
+    scratch buffer in the page cache, scattered as verified (see the module docstring)."""
     shape = layout.shape
     data_file_off = group.info.offset + layout.data_offset
     whole = (row0, row1) == (0, nrows)
     if len(group.reads) == 1 and (whole or row1 > row0):
         dest = resolve(group.reads[0])
         if _in_place(group.reads[0], dest, layout, row0, row1, whole):
-            # the read's bytes are one contiguous range of the chunk (the whole chunk, or
-            # whole rows of it): read straight into the destination
             a, b = (0, layout.nbytes) if whole else (row0 * row_bytes, row1 * row_bytes)
-            direct = direct_io
-            if direct is None:  # measured, unless the range is in the page cache already
-                direct = prefer_direct_reads(path) and not cached(path, data_file_off + a, b - a)
             verifier: Verifier
             if whole or expected is None:
                 verifier = ChunkVerifier(raw, layout, dest, a, group.info, expected, what)
@@ -543,55 +441,29 @@ def _read_data(
                     expected,
                     what,
                 )
-            _read_verified(path, data_file_off + a, dest, direct, verifier)
+            _read_verified(path, data_file_off + a, dest, direct_io, verifier)
             return b - a + verifier.extra_bytes
-    # Reads that other ranks of the node likely repeat (several regions of one chunk, or part
-    # of it: resharding) go through the page cache, which the ranks share: mapped where the
-    # kernel allows (each rank hashes and copies out only what it uses), else read into a
-    # per-thread scratch buffer.
     start, stop = row0 * row_bytes, row1 * row_bytes
     if expected is not None and not whole:  # widen to whole checksum blocks
         start = start - start % expected.block
         stop = min(layout.nbytes, -(-stop // expected.block) * expected.block)
     if whole:
         start, stop = 0, layout.nbytes
-    with contextlib.ExitStack() as stack:
-        fill: Callable[[Optional[Callable[[int], None]]], None]
-        if stop - start >= max(1, MAP_MIN) and mapped.available():
-            m = stack.enter_context(mapped.mapped_region(path, data_file_off + start, stop - start))
-            region = torch.from_numpy(m.array)
-
-            def fill(progress: Optional[Callable[[int], None]]) -> None:
-                m.populate(progress, READ_REQUEST, MAP_AHEAD)
-
-        else:
-            region = _scratch(stop - start)
-
-            def fill(progress: Optional[Callable[[int], None]]) -> None:
-                read_region(
-                    path,
-                    data_file_off + start,
-                    flat_bytes(region),
-                    direct=False,
-                    progress=progress,
-                    request=READ_REQUEST,
-                )
-
-        skip = row0 * row_bytes - start
-        if shape:
-            rows = region[skip : skip + (row1 - row0) * row_bytes].view(layout.dtype)
-            stored = rows.view((row1 - row0,) + tuple(shape[1:]))
-        else:  # a 0-d tensor
-            stored = region.view(layout.dtype).view(())
-        pairs = _pairs(stored, row0, group, resolve, what)
-        streamed = len(shape) >= 1 and row_bytes > 0 and (expected is None or expected.blocked)
-        scatter = _Scatter(pairs, row0, row1 - row0, row_bytes, skip) if streamed else None
-        verifier = ChunkVerifier(raw, layout, region, start, group.info, expected, what, scatter)
-        fill(verifier if verifier.needed else None)
-        verifier.finish()
-        if scatter is None:  # one digest for the whole item: copy once it is verified
-            for src, dest, _ in pairs:
-                dest.copy_(src)
+    region = _scratch(stop - start)
+    skip = row0 * row_bytes - start
+    if shape:
+        rows = region[skip : skip + (row1 - row0) * row_bytes].view(layout.dtype)
+        stored = rows.view((row1 - row0,) + tuple(shape[1:]))
+    else:  # a 0-d tensor
+        stored = region.view(layout.dtype).view(())
+    pairs = _pairs(stored, row0, group, resolve, what)
+    streamed = len(shape) >= 1 and row_bytes > 0 and (expected is None or expected.blocked)
+    scatter = _Scatter(pairs, row0, row1 - row0, row_bytes, skip) if streamed else None
+    verifier = ChunkVerifier(raw, layout, region, start, group.info, expected, what, scatter)
+    _read_verified(path, data_file_off + start, region, False, verifier)
+    if scatter is None:  # one digest for the whole item: copy once it is verified
+        for src, dest, _ in pairs:
+            dest.copy_(src)
     return stop - start
 
 

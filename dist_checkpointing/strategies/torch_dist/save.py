@@ -19,14 +19,14 @@ import torch
 from torch.distributed.checkpoint.planner import WriteItem
 from torch.distributed.checkpoint.storage import WriteResult
 
-from ..._dist import all_gather_object, get_rank
+from ..._dist import get_rank
 from ..._progress import byte_progress
 from ..._types import ShardedStateDict
 from ...async_save import AsyncRequest
 from ...dict_utils import nested_values
 from ...errors import CheckpointingException
 from ...mapping import ShardedBase, ShardedObject, ShardedTensor, is_main_replica
-from ...storage import ImagePool, write_probe
+from ...storage import ImagePool
 from ...storage.threads import default_file_count
 from ..base import AsyncSaveShardedStrategy, CheckpointDir
 from . import writer
@@ -55,34 +55,6 @@ def _cuda_sources(entries: List[WriteEntry]) -> bool:
 _SHARED_IMAGES = ImagePool()
 
 
-def _agree_write_path(ckpt: Path, nbytes: int) -> bool:
-    """Collective: every rank that writes `nbytes` > 0 by measurement contributes its own
-    probe of the file system (`storage.write_probe`), and all keep the combination, so that
-    all write the same way (ranks choosing on their own can choose differently, and the
-    save waits for the slowest path; see `write_probe.combine`).
-
-    Returns:
-        Whether to write with O_DIRECT (the agreed measurement; O_DIRECT where nobody
-        measured; never where O_DIRECT was refused on this rank's file system).
-
-    Never raises before the exchange: the other ranks wait in it. A failing probe leaves
-    this rank out of it; the save's own writes then meet the failure and report it.
-    """
-    local = None
-    if nbytes > 0:
-        try:
-            local = write_probe.local_write_probe(ckpt, nbytes)
-        except Exception as e:
-            logger.debug("no write-path probe in %s: %s", ckpt, e)
-    agreed = write_probe.combine(all_gather_object(local))
-    try:
-        if agreed is not None:
-            write_probe.keep(ckpt, agreed)
-        return write_probe.prefer_direct_writes(ckpt, 0)  # 0 bytes: measures nothing more
-    except OSError:
-        return True  # the save's own writes meet the failure and report it
-
-
 class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
     """Saves ShardedTensors and ShardedObjects in PyTorch DCP's format.
 
@@ -104,14 +76,10 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         background_thread_count: threads of an async save's background writer. One thread
             keeps the writer's CPU use (and its competition with training) lowest; the file
             layout is the same as a sync save's.
-        direct_io: True: write with O_DIRECT where the file system supports it (falls
-            back to buffered writes by itself, logged once per directory); False: write
-            through the page cache from the tensors' own memory, then fsync. None (the
-            default): a sync save uses whichever small probes of the file system measured
-            faster (`storage.write_probe`: each rank probes once per process and file
-            system, and at every save the ranks exchange their probes and all write the
-            same way: O_DIRECT unless buffered writes were clearly faster in every probe of
-            every rank); an async save uses O_DIRECT.
+        direct_io: True (the default): write with O_DIRECT where the file system supports
+            it, falling back to buffered writes where it refuses (logged once per
+            directory); False: write through the page cache. Either way each file is
+            fsync'd before the save commits.
         checksums: record an xxh3-64 of every stored item, of `.metadata` and of
             `common.pt` in `checksums.json` (verified by default on load; other readers
             ignore the file).
@@ -128,7 +96,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         *,
         background_thread_count: int = 1,
         checksums: bool = True,
-        direct_io: Optional[bool] = None,
+        direct_io: bool = True,
     ) -> None:
         super().__init__(backend, version)
         if thread_count is not None and thread_count < 1:
@@ -142,7 +110,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         # process-wide: callers that build a strategy per save (megatron's training loop)
         # still reuse the staging buffers, pinned once, of the saves before
         self._images = _SHARED_IMAGES
-        self.direct_io = direct_io
+        self.direct_io = direct_io is not False  # None (older callers): the default
         self._finalizer = SaveFinalizer()
 
     @property
@@ -195,7 +163,6 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         items: List[WriteItem] = []
         written: Tuple[List[WriteResult], List[Any]] = ([], [])
         error: Optional[BaseException] = None
-        direct: Optional[bool] = self.direct_io
         try:
             entries = self._local_entries(sharded_state_dict)
             items = [e.item for e in entries]
@@ -206,9 +173,6 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             total = sum(plan.size for plan, _, _ in jobs)
         except Exception as e:  # reported to rank 0 and re-raised on every rank
             error = e
-        if direct is None:  # the same on every rank: all take part in the exchange
-            measured = _agree_write_path(ckpt, total if error is None else 0)
-            direct = error is None and bool(jobs) and measured
         if error is None:
             try:
                 with byte_progress(f"save {ckpt.name}", total) as progress:
@@ -217,7 +181,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
                         jobs,
                         self._file_count(entries),
                         self.checksums,
-                        bool(direct),
+                        self.direct_io,
                         progress,
                     )
             except Exception as e:
@@ -264,7 +228,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         items = [e.item for e in entries]
         request = AsyncRequest(
             writer.write_files,
-            (ckpt, jobs, self.background_thread_count, self.checksums, self.direct_io is not False),
+            (ckpt, jobs, self.background_thread_count, self.checksums, self.direct_io),
             [],
             description=f"torch_dist save to {ckpt}",
         )

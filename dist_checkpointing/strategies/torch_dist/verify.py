@@ -17,10 +17,9 @@ import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from ...errors import CheckpointCorruptedError
-from ...integrity import ItemSum, checksum, new_hasher
+from ...integrity import ItemSum, new_hasher
 
 __all__ = [
-    "BlockCheck",
     "ChunkVerifier",
     "check_layout",
     "block_mismatch",
@@ -50,76 +49,6 @@ def block_mismatch(what: str, info: _StorageInfo, expected: ItemSum, k: int) -> 
         f"{what}: checksum mismatch in data block {k}, bytes {b0}-{b1} of "
         f"{info.relative_path}: the stored data is damaged"
     )
-
-
-class BlockCheck:
-    """Verifies part of a blocked item's data region fed in order, block by block, however
-    the pieces fall (requests, windows): each block is hashed from the pieces as they come,
-    never in a second pass.
-
-    Args:
-        expected: the item's digests (blocked).
-        what: the item, for error messages.
-        info: where the item is stored (for error messages).
-        start: where the fed bytes start in the data region (a block boundary).
-        stop: where they end (a block boundary, or the data region's end; default).
-
-    Raises:
-        CheckpointCorruptedError: (from `feed` and `finish`) a damaged block, naming its
-            bytes, or fewer or more bytes than `[start, stop)` fed.
-    """
-
-    def __init__(
-        self,
-        expected: ItemSum,
-        what: str,
-        info: _StorageInfo,
-        start: int = 0,
-        stop: Optional[int] = None,
-    ) -> None:
-        self.expected, self.what, self.info = expected, what, info
-        self.block = expected.block
-        self.k = start // self.block  # the block being hashed
-        self.stop = expected.data_len if stop is None else stop
-        self.end = -(-self.stop // self.block)  # blocks [start // block, end)
-        self.filled = 0  # bytes of block k hashed
-        self.hasher: Any = None
-
-    def feed(self, view: Any) -> None:
-        """Hashes the next bytes of the range (a flat uint8 array or buffer)."""
-        pos, size = 0, len(view)
-        while pos < size:
-            if self.k >= self.end:
-                raise CheckpointCorruptedError(
-                    f"{self.what}: more data than the {self.stop} bytes of the item's data "
-                    f"region read in {self.info.relative_path}"
-                )
-            length = min(self.block, self.expected.data_len - self.k * self.block)
-            n = min(length - self.filled, size - pos)
-            if self.filled == 0 and n == length:  # the whole block at once
-                self._check(checksum(view[pos : pos + n]))
-            else:
-                if self.hasher is None:
-                    self.hasher = new_hasher()
-                self.hasher.update(view[pos : pos + n])
-                self.filled += n
-                if self.filled == length:
-                    self._check(self.hasher.intdigest())
-            pos += n
-
-    def _check(self, digest: int) -> None:
-        k = self.k
-        if k >= len(self.expected.blocks) or digest != self.expected.blocks[k]:
-            raise block_mismatch(self.what, self.info, self.expected, k)
-        self.k, self.filled, self.hasher = k + 1, 0, None
-
-    def finish(self) -> None:
-        """Raises unless every block of the range was fed and verified."""
-        if self.k != self.end or self.filled:
-            raise CheckpointCorruptedError(
-                f"{self.what}: the data read in {self.info.relative_path} ends in block "
-                f"{self.k}, before block {self.end}: the stored data is damaged"
-            )
 
 
 def check_layout(
@@ -157,12 +86,7 @@ def frame_matches(raw: Any, layout: Any, length: int, expected: ItemSum) -> bool
     """Whether the item's zip records (all bytes around the data) match their digest."""
     if layout.data_offset != expected.data_off or layout.nbytes != expected.data_len:
         return False
-    return records_match(*frame(raw, layout, length), expected)
-
-
-def records_match(head: Any, tail: Any, expected: ItemSum) -> bool:
-    """Whether an item's bytes before its data (`head`) and after it (`tail`) match the
-    digest of its zip records."""
+    head, tail = frame(raw, layout, length)
     h = new_hasher()
     h.update(head)
     h.update(tail)

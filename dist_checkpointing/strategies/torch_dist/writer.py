@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from ...integrity import BlockSums, ItemSum, blocked_sum, checksum, new_hasher
 from ...storage import ALIGN, FileWriter, ImagePool, fsync_dir
 from ...storage.buffers import CHUNK
-from ...storage.segments import BufferedStream, ChunkStream
+from ...storage.segments import ChunkStream
 from .plan import WriteEntry
 from .zipformat import zip_item_layout
 
@@ -201,11 +201,7 @@ def write_streamed(
     """
     on_device = any(_on_device(src) for src in sources)
     out = FileWriter(directory / plan.name, plan.size, direct, preallocate=direct)
-    stream: Any
-    if out.direct or on_device:
-        stream = ChunkStream(out, pin=on_device, progress=progress)
-    else:  # buffered, host tensors: written from their own memory, no staging copy
-        stream = BufferedStream(out, progress=progress)
+    stream = ChunkStream(out, pin=on_device, progress=progress)
     sums: List[ItemChecksum] = []
     put = stream.put
     try:
