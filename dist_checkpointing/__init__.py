@@ -1,12 +1,7 @@
 """dist_checkpointing: fast, safe, reshardable checkpoints of sharded PyTorch training state.
 
-The public API mirrors megatron-core's `dist_checkpointing`: build a sharded state dict of
-`ShardedTensor`s / `ShardedObject`s and plain values, then `save` and `load` it on every
-rank. Loading may use a different sharding than saving.
-
-The names below are imported on first use (PEP 562), so that `import dist_checkpointing`
-alone does not import torch: the `dist-ckpt` command inspects small checkpoints in well
-under a second that way.
+The public API mirrors megatron-core's `dist_checkpointing`. Names are imported on first
+use (PEP 562), so `import dist_checkpointing` alone does not import torch.
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
-"""The few coordination functions the package uses, and the error-agreement rule.
+"""The package's coordination functions and the error-agreement rule.
 
-Every function whose docstring says "collective" must be called by all ranks of the group,
-in the same order. Without an initialized process group each collapses to its one-rank
-meaning, so the same code runs in single-process scripts and tests.
-
-The agreement rule: a step that may fail on some ranks is followed by `agree_on_errors`,
-which turns a failure anywhere into an exception everywhere (naming the ranks and causes),
-so one rank's error never leaves the others waiting in the next collective.
-
-Why this module is over 400 lines: the collectives, the lifetime of the library's own
-process groups and the error-agreement rule (with the grouped cross-rank message it
-builds) are one contract; every other module reaches ranks only through it.
+"Collective" functions are called by all ranks of the group in the same order (without a
+process group, each has its one-rank meaning); a dead or silent peer raises
+`DistributedFailureError`. `agree_on_errors` turns a failure on any rank into an exception
+on every rank, so no rank is left waiting in the next collective.
 """
 
 from __future__ import annotations
@@ -25,7 +18,6 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tupl
 import torch.distributed as dist
 
 from . import errors
-from ._object_gather import all_gather_pickled
 from .errors import CheckpointingException, DistributedFailureError
 
 __all__ = [
@@ -58,21 +50,15 @@ Group = Optional[Any]
 _MAX_MESSAGE = 2000  # one rank's cause
 _MAX_TOTAL_MESSAGE = 4000  # every cause together (see format_rank_failures)
 
-
-DEFAULT_TIMEOUT_S = float(os.environ.get("DIST_CKPT_TIMEOUT_S", "600"))
-_timeout_s = DEFAULT_TIMEOUT_S
+_timeout_s = float(os.environ.get("DIST_CKPT_TIMEOUT_S", "600"))
 _coordination: Any = None
 _coordination_key: Any = None
 
 
 def set_collective_timeout(seconds: float) -> None:
-    """Sets how long checkpoint collectives wait for the other ranks before failing.
-
-    Every rank must set the same value at the same point of the program. The library's
-    coordination (error agreement, metadata exchange) runs on its own gloo group created
-    with this timeout, so a dead or stuck rank turns into a `DistributedFailureError` on
-    the others within it, instead of a hang. Default: `DIST_CKPT_TIMEOUT_S` from the
-    environment, else 600 s.
+    """Sets how long checkpoint collectives wait for the other ranks before raising
+    `DistributedFailureError` (same value on every rank; default `DIST_CKPT_TIMEOUT_S`, else
+    600 s).
 
     Raises:
         CheckpointingException: for a non-positive value.
@@ -96,11 +82,7 @@ _teardown_registered = False
 
 
 def new_own_group(ranks: Optional[List[int]] = None, **kwargs: Any) -> Any:
-    """Collective: `dist.new_group(ranks, **kwargs)`, destroyed by the library at exit.
-
-    Groups the library creates for itself go through here, so that they are destroyed
-    while the interpreter is intact (see `_teardown`).
-    """
+    """Collective: `dist.new_group(ranks, **kwargs)`, destroyed by the library at exit."""
     group = dist.new_group(ranks, **kwargs)
     _own_groups.append(group)
     _register_teardown()
@@ -124,13 +106,9 @@ def _register_teardown() -> None:
 def _teardown() -> None:
     """At exit: stops the library's background work, then destroys its process groups.
 
-    Why: a gloo worker thread can still hold the last reference to a finished collective's
-    tensors when a script exits right after a checkpoint call. If that reference is dropped
-    after interpreter finalization began, the thread cannot take the GIL, Python ends the
-    thread (pthread_exit), and the unwinding through a C++ destructor aborts the process
-    ("terminate called without an active exception"). Destroying our groups here joins
-    their worker threads while the interpreter still works. Groups the user destroyed
-    already (e.g. by `destroy_process_group()`) are skipped.
+    A gloo worker thread that drops its last tensor reference after interpreter
+    finalization began aborts the process ("terminate called without an active
+    exception"); destroying our groups here joins those threads while the interpreter works.
     """
     global _coordination, _coordination_key
     for fn in list(_teardown_fns):
@@ -154,11 +132,8 @@ def _teardown() -> None:
 
 
 def _group(group: Group) -> Group:
-    """`group`, or (for None) the coordination group: gloo, all ranks, our timeout.
-
-    Created on first use, which is collective: every rank makes its first checkpoint
-    collective call at the same point.
-    """
+    """`group`, or (for None) the coordination group: gloo, all ranks, our timeout (created
+    on first use, collectively)."""
     global _coordination, _coordination_key
     if group is not None:
         return group
@@ -200,29 +175,18 @@ def get_world_size(group: Group = None) -> int:
 
 
 def all_gather_object(obj: T, group: Group = None) -> List[T]:
-    """Collective: returns every rank's `obj`, indexed by group rank.
-
-    Raises:
-        DistributedFailureError: another rank died or timed out.
-    """
+    """Collective: returns every rank's `obj`, indexed by group rank."""
     if not is_distributed():
         return [obj]
     g = _group(group)
-    world = dist.get_world_size(g)
+    out: List[Any] = [None] * dist.get_world_size(g)
     with _collective("all_gather_object"):
-        if dist.get_backend(g) == "gloo":  # one exchange for small objects, not two
-            return all_gather_pickled(obj, g, world)
-        out: List[Any] = [None] * world
         dist.all_gather_object(out, obj, group=g)
     return out
 
 
 def gather_object(obj: T, dst: int = 0, group: Group = None) -> Optional[List[T]]:
-    """Collective: group rank `dst` receives every rank's `obj` (indexed by rank); others None.
-
-    Raises:
-        DistributedFailureError: another rank died or timed out.
-    """
+    """Collective: group rank `dst` receives every rank's `obj` (indexed by rank); others None."""
     if not is_distributed():
         return [obj]
     g = _group(group)
@@ -233,11 +197,7 @@ def gather_object(obj: T, dst: int = 0, group: Group = None) -> Optional[List[T]
 
 
 def broadcast_object(obj: T, src: int = 0, group: Group = None) -> T:
-    """Collective: returns group rank `src`'s `obj` on every rank.
-
-    Raises:
-        DistributedFailureError: another rank died or timed out.
-    """
+    """Collective: returns group rank `src`'s `obj` on every rank."""
     if not is_distributed():
         return obj
     holder = [obj]
@@ -247,11 +207,7 @@ def broadcast_object(obj: T, src: int = 0, group: Group = None) -> T:
 
 
 def all_reduce_max(values: List[int], group: Group = None) -> List[int]:
-    """Collective: the element-wise maximum of small int vectors over ranks (cheap flags).
-
-    Raises:
-        DistributedFailureError: another rank died or timed out.
-    """
+    """Collective: the element-wise maximum of small int vectors over ranks (cheap flags)."""
     if not is_distributed():
         return list(values)
     import torch
@@ -263,11 +219,7 @@ def all_reduce_max(values: List[int], group: Group = None) -> List[int]:
 
 
 def barrier(group: Group = None) -> None:
-    """Collective: waits until every rank of `group` arrives.
-
-    Raises:
-        DistributedFailureError: another rank died or timed out.
-    """
+    """Collective: waits until every rank of `group` arrives."""
     if is_distributed():
         with _collective("barrier"):
             dist.barrier(group=_group(group))
@@ -301,33 +253,14 @@ def _ranks_label(ranks: List[int]) -> str:
 
 
 def format_rank_failures(what: str, failed: List[Tuple[int, str]]) -> str:
-    """One readable message for failures reported by many ranks.
-
-    Args:
-        what: the failed step, e.g. "Load".
-        failed: (rank, cause) for each failing rank.
-
-    Returns:
-        "<what> failed on " followed by `describe_rank_failures(failed)`.
-    """
+    """`<what> failed on <describe_rank_failures(failed)>`."""
     return f"{what} failed on {describe_rank_failures(failed)}"
 
 
 def describe_rank_failures(failed: List[Tuple[int, str]]) -> str:
-    """The ranks and causes of a failure, grouped and bounded in length.
-
-    Ranks that report the same text are grouped ("ranks 0-1023: ..."), distinct causes are
-    kept in the order of their lowest rank, and the text stays under about
-    `_MAX_TOTAL_MESSAGE` characters: causes that do not fit are counted, with their ranks.
-
-    Args:
-        failed: (rank, cause) for each failing rank.
-
-    Returns:
-        "ranks <ranges>: <cause>" ("rank <r>" for one) for one distinct cause, else the
-        ranges of all failing ranks followed by each group as "ranks <ranges>: <cause>",
-        separated by "; ".
-    """
+    """The ranks and causes of a failure: "ranks <ranges>: <cause>", ranks with the same
+    cause grouped (in order of their lowest rank), "; "-separated, and cut to about
+    `_MAX_TOTAL_MESSAGE` characters (the causes left out are counted, with their ranks)."""
     groups: Dict[str, List[int]] = {}
     for rank, cause in sorted(failed, key=lambda rc: rc[0]):
         groups.setdefault(cause, []).append(rank)
@@ -369,15 +302,12 @@ def error_report(error: Optional[BaseException]) -> Optional[Tuple[str, str]]:
 def raise_on_reported_errors(
     reports: List[Optional[Tuple[str, str]]], error: Optional[BaseException], what: str
 ) -> None:
-    """Raises on this rank if any rank's report (see `error_report`) is a failure.
-
-    Every rank holding the same `reports` raises, so callers that already exchanged reports
-    (piggybacked on a gather of other data) need no further collective.
+    """Raises on this rank if any rank's report (see `error_report`) is a failure; every
+    rank holding the same `reports` raises, without a further collective.
 
     Raises:
-        CheckpointingException: the failing rank's own class when it is one of ours (else
-            `DistributedFailureError`), naming each failing rank and its cause; chained to
-            the local exception on the ranks that failed.
+        CheckpointingException: of the failing rank's class when it is one of ours (else
+            `DistributedFailureError`), naming each failing rank and its cause.
     """
     failed: List[Tuple[int, Tuple[str, str]]] = [
         (rank, rep) for rank, rep in enumerate(reports) if rep is not None
@@ -399,28 +329,13 @@ def raise_on_reported_errors(
 
 
 def agree_on_errors(error: Optional[BaseException], what: str, group: Group = None) -> None:
-    """Collective: raises on every rank if `error` is set on any rank.
-
-    Args:
-        error: this rank's failure in the step, or None.
-        what: the step's name, used in the message.
-        group: the process group.
-
-    Raises:
-        CheckpointingException: see `raise_on_reported_errors`.
-    """
+    """Collective: raises on every rank (see `raise_on_reported_errors`) if `error` (this
+    rank's failure in step `what`, or None) is set on any rank."""
     raise_on_reported_errors(all_gather_object(error_report(error), group), error, what)
 
 
 def run_collectively(what: str, fn: Callable[..., T], *args: Any, group: Group = None) -> T:
-    """Collective: runs `fn(*args)` locally, then agrees on failure across ranks.
-
-    Returns:
-        `fn`'s result, when no rank failed.
-
-    Raises:
-        CheckpointingException: on every rank, when `fn` raised on any rank.
-    """
+    """Collective: returns `fn(*args)`, or raises on every rank when it raised on any."""
     result: Any = None
     error: Optional[BaseException] = None
     try:

@@ -1,16 +1,9 @@
 """Flat shards (`ShardedTensor.flattened_range`) as ordinary N-D pieces.
 
-A flat shard holds a contiguous range of the row-major flattening of a grid piece. That
-range is exactly a union of at most `2 * ndim - 1` boxes, each itself a contiguous run of
-the flat data: a partial leading row, a block of whole rows, a partial trailing row, and so
-on recursively along the inner axes. So a flat shard is saved as those boxes, whose data
-are views of the flat tensor (no copy), and loaded by asking for the same boxes with views
-of the flat destination as their data. The checkpoint then holds an ordinary N-D tensor:
-any layout, flat or not, on any world size, reads it, and its metadata is the unflattened
-tensor's.
-
-The expansion is a `ShardedTensorFactory`, so the usual factory machinery of save and
-load (build before, merge after) applies it and puts the flat tensor back.
+A flat range of a row-major grid piece is a union of at most `2 * ndim - 1` boxes (partial
+leading row, whole rows, partial trailing row, recursively). A flat shard is saved and
+loaded as those boxes, with views of the flat tensor as data, through a
+`ShardedTensorFactory`; the checkpoint holds an ordinary N-D tensor that any layout reads.
 """
 
 from __future__ import annotations
@@ -32,15 +25,9 @@ Box = Tuple[Tuple[int, ...], Tuple[int, ...], int]  # offset in the piece, shape
 def flat_range_boxes(shape: Tuple[int, ...], start: int, stop: int) -> List[Box]:
     """Splits the flat range `[start, stop)` of a row-major `shape` into boxes.
 
-    Args:
-        shape: the (non-flat) shape.
-        start: first flat index.
-        stop: one past the last flat index.
-
     Returns:
-        `(offset, box_shape, flat_start)` triples in flat order; each box covers the flat
-        indices `[flat_start, flat_start + prod(box_shape))`, and together they cover the
-        range exactly once. Empty for an empty range.
+        `(offset, box_shape, flat_start)` triples in flat order, covering the range exactly
+        once; each covers flat indices `[flat_start, flat_start + prod(box_shape))`.
     """
     if start >= stop:
         return []
@@ -73,16 +60,8 @@ def flat_range_boxes(shape: Tuple[int, ...], start: int, stop: int) -> List[Box]
 
 
 def flat_shard_pieces(sh: ShardedTensor) -> List[ShardedTensor]:
-    """The ordinary pieces of a flat shard, their data views of its flat data.
-
-    Args:
-        sh: a ShardedTensor with `flattened_range` and data (1-D).
-
-    Returns:
-        One ShardedTensor per box of its range (irregular grid; same key, dtype, global
-        shape, replica id, prepended axes and shape-mismatch flag). An empty range gives
-        one empty piece, so the key still takes part in validation and strict checks.
-    """
+    """The ordinary pieces (one per box, data viewing the flat data) of a flat shard with
+    data; an empty range gives one empty piece, so the key still takes part in checks."""
     assert sh.flattened_range is not None and sh.data is not None
     start = int(sh.flattened_range.start)
     stop = int(sh.flattened_range.stop)
@@ -95,19 +74,10 @@ def flat_shard_pieces(sh: ShardedTensor) -> List[ShardedTensor]:
     for offset, shape, flat_start in boxes:
         n = math.prod(shape)
         data = sh.data[flat_start - start : flat_start - start + n].view(shape)
+        off = tuple(sh.global_offset[:p]) + tuple(o + c for o, c in zip(offset, chunk_offset))
+        meta = (sh.replica_id, p, sh.allow_shape_mismatch)
         pieces.append(
-            ShardedTensor(
-                sh.key,
-                data,
-                sh.dtype,
-                shape,
-                sh.global_shape,
-                tuple(sh.global_offset[:p]) + tuple(o + c for o, c in zip(offset, chunk_offset)),
-                None,
-                sh.replica_id,
-                p,
-                sh.allow_shape_mismatch,
-            )
+            ShardedTensor(sh.key, data, sh.dtype, shape, sh.global_shape, off, None, *meta)
         )
     return pieces
 

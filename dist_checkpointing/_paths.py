@@ -11,11 +11,7 @@ __all__ = ["check_key_is_safe_relative_path", "safe_join"]
 
 
 def check_key_is_safe_relative_path(key: str, what: str = "key") -> None:
-    """Checks that `key` can be used as a path relative to a checkpoint directory.
-
-    Args:
-        key: the key to check.
-        what: how to name the key in the error message.
+    """Checks that `key` (named `what` in messages) is a safe path relative to a checkpoint.
 
     Raises:
         CheckpointingException: if the key is empty, absolute, contains a NUL byte or a
@@ -35,15 +31,7 @@ def check_key_is_safe_relative_path(key: str, what: str = "key") -> None:
 
 
 def safe_join(root: str | os.PathLike[str], key: str, suffix: str = "") -> Path:
-    """Joins `key + suffix` under `root`, refusing anything that would escape `root`.
-
-    Args:
-        root: the checkpoint directory.
-        key: a relative, '/'-separated key.
-        suffix: appended to the last path component (e.g. '.pt').
-
-    Returns:
-        The joined path.
+    """Joins `key + suffix` (suffix on the last component) under `root`.
 
     Raises:
         CheckpointingException: if the key is unsafe or resolves outside `root`.

@@ -1,9 +1,6 @@
-"""From a user's sharded state dict to what save and load work on; the shared load preamble.
-
-Used by `serialization` (checkpoint directories) and `tensor_aware_state_dict` (local
-checkpoints), so both treat megatron-core's mapping objects (converted to ours first), factories, LocalNonpersistentObjects, strict modes and sharding
-validation the same way.
-"""
+"""From a user's sharded state dict to what save and load work on, shared by `serialization`
+and `tensor_aware_state_dict`: megatron objects, factories, non-persistent values, strict
+modes and validation are treated the same way."""
 
 from __future__ import annotations
 
@@ -53,12 +50,8 @@ def _is_nonpersistent(x: Any) -> bool:
 
 
 def _detached(leaf: Any) -> Any:
-    """A copy of a ShardedTensor whose destination requires grad (a parameter), detached.
-
-    Loads write into the destination in place, also from reader threads, where grad mode
-    is on whatever the caller set; the detached tensor shares the parameter's storage, so
-    the parameter still receives the values. The caller's object is not modified.
-    """
+    """A copy of a ShardedTensor whose destination requires grad, detached (same storage),
+    so in-place loads from reader threads work whatever their grad mode."""
     if isinstance(leaf, ShardedTensor) and leaf.data is not None and leaf.data.requires_grad:
         leaf = copy.copy(leaf)
         leaf.data = leaf.data.detach()
@@ -77,19 +70,9 @@ def nested_sharded(tree: Any) -> List[ShardedBase]:
 def save_preprocess(
     sharded_state_dict: ShardedStateDict, content_metadata: Optional[dict]
 ) -> Tuple[ShardedStateDict, CommonStateDict]:
-    """Splits a state to save into `(sharded leaves, common state)`.
-
-    Flat shards become their ordinary pieces (see `_flat`), factories are applied and
-    LocalNonpersistentObjects dropped, on a copy of the containers (the caller's dict is
-    not modified).
-
-    Args:
-        sharded_state_dict: the state.
-        content_metadata: stored under `CONTENT_METADATA_KEY` in the common state if given.
-
-    Returns:
-        The sharded part and the common part.
-    """
+    """Splits a state to save into `(sharded leaves, common state)`, on a copy of the
+    containers: flat shards expanded, factories applied, LocalNonpersistentObjects dropped,
+    `content_metadata` (if given) stored under `CONTENT_METADATA_KEY`."""
     sd = expand_flat_shards(convert_sharded_state_dict(_shallow_copy(sharded_state_dict)))
     if content_metadata is not None:
         sd[CONTENT_METADATA_KEY] = content_metadata
@@ -100,15 +83,8 @@ def save_preprocess(
 
 @dataclass
 class LoadRequest:
-    """A load request after the preamble (see `prepare_load_request`).
-
-    Attributes:
-        sharded: the sharded leaves to load (factories applied, strict mode applied).
-        nonpersistent: the LocalNonpersistentObjects' local values, to merge into the result.
-        factories: the factories, for `apply_factory_merges` on the loaded result.
-        missing_keys: requested keys absent from the checkpoint (when the mode computes them).
-        unexpected_keys: stored keys not requested (when the mode computes them).
-    """
+    """A load request after `prepare_load_request`: the sharded leaves to load, the
+    non-persistent values and factories to merge back, and the key mismatches found."""
 
     sharded: ShardedStateDict
     nonpersistent: StateDict
@@ -125,24 +101,10 @@ def prepare_load_request(
 ) -> LoadRequest:
     """The load preamble: factories, non-persistent values, strict handling, validation.
 
-    Collective when `validate_access_integrity` or `strict` needs every rank's request
-    (and whatever `stored_metadata` does); every rank calls it with the same flags.
-
-    Args:
-        sharded_state_dict: what the caller asks to load (not modified).
-        strict: key mismatch handling.
-        validate_access_integrity: check the request's sharding across ranks.
-        stored_metadata: returns the checkpoint's `{key: sharded metadata}`; called only
-            when `strict` compares requested and stored keys.
-
-    Returns:
-        The prepared request.
-
-    Raises:
-        KeyMismatchError: under a raising strict mode.
-        ShardingIntegrityError: the request's sharding is invalid (on every rank).
+    Collective when validation or `strict` needs every rank's request; `stored_metadata`
+    (the checkpoint's `{key: sharded metadata}`) is called only when `strict` needs it.
+    Raises `KeyMismatchError` or `ShardingIntegrityError` on every rank.
     """
-    # flat shards become factories of ordinary pieces, merged back into the flat tensor
     sd = expand_flat_shards(convert_sharded_state_dict(_shallow_copy(sharded_state_dict)))
     factories, _ = extract_matching_values(
         sd, lambda x: isinstance(x, ShardedTensorFactory), return_lists_as_dicts=True
@@ -174,20 +136,9 @@ def finish_load(
     ckpt: Any,
     start: float,
 ) -> Union[StateDict, Tuple[StateDict, Set[str], Set[str]]]:
-    """The load epilogue every flow shares: merge, factory merges, the INFO line, the result.
-
-    Args:
-        prepared: the request `prepare_load_request` returned.
-        result: the common state, the non-persistent values already merged into it.
-        loaded: what the sharded strategy loaded; merged into `result`.
-        strict: key mismatch handling (decides the return form).
-        log: the logger of the entry point (its name shows in the INFO line).
-        ckpt: the checkpoint directory, for the INFO line.
-        start: `time.perf_counter()` at the start of the load.
-
-    Returns:
-        `result`, or `(result, missing_keys, unexpected_keys)` when `strict` returns them.
-    """
+    """The load epilogue: merges `loaded` into `result` (the common state with non-persistent
+    values), applies factory merges, logs on `log`, and returns `result` (or
+    `(result, missing_keys, unexpected_keys)` when `strict` returns them)."""
     merge(result, loaded)
     apply_factory_merges(result, prepared.factories)
     _dist.log_rank0(

@@ -17,14 +17,10 @@ SHOW_AFTER_S = 3.0
 
 @contextlib.contextmanager
 def byte_progress(desc: str, total: int) -> Iterator[Optional[Callable[[int], None]]]:
-    """Yields a thread-safe `advance(nbytes)` that drives a tqdm bar, or None.
+    """Yields a thread-safe `advance(nbytes)` driving a tqdm bar of `total` bytes, or None.
 
-    The bar is shown on rank 0 only, when stderr is a terminal, after `SHOW_AFTER_S`
-    seconds, and is removed when the operation ends (log lines keep the summary).
-
-    Args:
-        desc: what is in progress, e.g. "load ckpt/iter_100".
-        total: the bytes expected.
+    The bar shows on rank 0 only, when stderr is a terminal, after `SHOW_AFTER_S` seconds,
+    and is removed at the end.
     """
     if total <= 0 or _dist.get_rank() != 0 or not sys.stderr.isatty():
         yield None

@@ -39,13 +39,7 @@ def torch_load(
 ) -> Any:
     """Loads a `torch.save` payload onto the CPU, translating failures.
 
-    Args:
-        source: a path or a binary stream.
-        what: names the payload in error messages (path, key).
-        weights_only: False allows arbitrary unpickling (trusted checkpoints only).
-
-    Returns:
-        The loaded object.
+    `what` names the payload in messages; `weights_only=False` allows arbitrary unpickling.
 
     Raises:
         UnsafeCheckpointError: the payload holds objects outside the safe allowlist.

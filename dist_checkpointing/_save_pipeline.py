@@ -1,8 +1,4 @@
-"""The steps of `serialization.save` shared by every backend: preparation, validation, commit.
-
-`save` runs them in order (see its docstring); the shared-directory write lives in
-`serialization`, the node-local one in `_node_local_flow`.
-"""
+"""The steps of `serialization.save` shared by every backend: preparation, validation, commit."""
 
 from __future__ import annotations
 
@@ -41,12 +37,7 @@ DeferredCalls = List[Tuple[Callable[..., Any], Tuple[Any, ...]]]
 
 @dataclass
 class SavePlan:
-    """What `prepare_save` worked out on one rank.
-
-    Attributes:
-        node_local: whether the sharded strategy keeps each rank's whole state on its node
-            (the one place the flow is chosen; see `_node_local_flow`).
-    """
+    """What `prepare_save` worked out on one rank."""
 
     sharded: SaveShardedStrategy
     common: SaveCommonStrategy
@@ -68,11 +59,8 @@ def prepare_save(
     content_metadata: Optional[dict],
     preprocess_common: Union[Callable[[CommonStateDict], StateDict], bool, None],
 ) -> SavePlan:
-    """The local part of a save's preparation (no collectives; may raise).
-
-    `preprocess_common` is None when the common state is not compared across ranks, True
-    to compare it as is, or the caller's preprocessing function.
-    """
+    """The local part of a save's preparation (no collectives; may raise). `preprocess_common`:
+    None (no cross-rank comparison), True (compare as is) or the caller's function."""
     sharded = resolve_strategy(StrategyAction.SAVE_SHARDED, sharded_strategy, ("torch_dist", 1))
     common = resolve_strategy(StrategyAction.SAVE_COMMON, common_strategy, ("torch", 1))
     node_local = isinstance(sharded, NodeLocalSaveShardedStrategy)
@@ -131,15 +119,8 @@ def agree_on_preparation(
     validate_access_integrity: bool,
     preprocess_common: Optional[Callable[[CommonStateDict], StateDict]],
 ) -> SavePlan:
-    """Collective: agrees on preparation failures, then validates the global sharding.
-
-    One exchange carries every rank's failure, sharding digest and common-state digest.
-    The exchange of every rank's shard metadata is skipped when every rank reports the same
-    structure digest as the last validated save (decided from the exchanged reports, so all
-    ranks skip or exchange together). Rank 0 logs where other ranks' common state differs.
-
-    Returns:
-        `plan` (the same on every rank in kind).
+    """Collective: agrees on preparation failures, then validates the global sharding (skipped
+    on all ranks when every rank's sharding digest equals the last validated save's).
 
     Raises:
         CheckpointingException: on every rank, if preparation failed on any rank.
@@ -189,11 +170,8 @@ def _log_common_differences(
 
 
 def save_common(plan: SavePlan, ckpt: Path) -> ShardedStateDict:
-    """Writes the common state (and ShardedObjects the sharded strategy cannot store).
-
-    Returns:
-        What is left for the sharded strategy.
-    """
+    """Writes the common state (and ShardedObjects the sharded strategy cannot store);
+    returns what is left for the sharded strategy."""
     plan.common.save_common(plan.common_part, ckpt)
     if plan.sharded.can_handle_sharded_objects:
         return plan.sharded_part
@@ -205,10 +183,8 @@ def save_common(plan: SavePlan, ckpt: Path) -> ShardedStateDict:
 
 
 def make_commit(plan: SavePlan, ckpt: Path, start: float) -> Callable[[], None]:
-    """The commit step: `metadata.json`, by rank 0 (or by every rank for node-local saves).
-
-    The returned function is collective: it runs after every rank's data is durable.
-    """
+    """The collective commit, run once every rank's data is durable: `metadata.json` by
+    rank 0 (by every rank for node-local saves)."""
 
     def commit() -> None:
         def write_config() -> None:

@@ -1,9 +1,5 @@
-"""Invariant checks of the sharded data model, run when a `ShardedTensor` is built.
-
-Kept apart from `mapping.py` so that module holds only the classes (whose module path is
-recorded in pickles and must not change) while the long list of checks lives here. Every
-check raises `CheckpointingException` naming the key and the broken invariant.
-"""
+"""Invariant checks run when a `ShardedTensor` is built; each raises `CheckpointingException`
+naming the key and the broken invariant."""
 
 from __future__ import annotations
 
@@ -52,11 +48,7 @@ def check_replica_id(replica_id: Any, key: str) -> ReplicaId:
 
 
 def check_sharded_tensor(st: ShardedTensor) -> None:
-    """Checks that `st` describes a valid piece of its global tensor; normalizes int tuples.
-
-    Raises:
-        CheckpointingException: naming the key and the broken invariant.
-    """
+    """Checks that `st` describes a valid piece of its global tensor; normalizes int tuples."""
     key = st.key
     if not isinstance(key, str) or not key or "\x00" in key:
         raise CheckpointingException(f"ShardedTensor key must be a non-empty string: {key!r}")

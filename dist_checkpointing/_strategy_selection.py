@@ -1,10 +1,4 @@
-"""Which load strategies read a checkpoint: `metadata.json`, the registry, compatibility checks.
-
-`verify_checkpoint_and_load_strategy` is the local check (re-exported by `serialization`);
-`select_load_strategies` is its collective form used by `load`, including the one node-local
-rule: a rank whose node lost its copy of a node-local checkpoint adopts the other ranks'
-record, since its part can be fetched from a replica holder.
-"""
+"""Which load strategies read a checkpoint: `metadata.json`, the registry, compatibility checks."""
 
 from __future__ import annotations
 
@@ -15,7 +9,7 @@ from typing import Any, Optional, Tuple, Union
 
 from . import _dist
 from ._types import StateDict
-from .core import maybe_load_config
+from .core import CheckpointingConfig, maybe_load_config
 from .errors import CheckpointingException, NotACheckpointError
 from .strategies.base import (
     LoadCommonStrategy,
@@ -25,7 +19,7 @@ from .strategies.base import (
     resolve_strategy,
 )
 
-__all__ = ["verify_checkpoint_and_load_strategy", "compatible_strategy", "select_load_strategies"]
+__all__ = ["verify_checkpoint_and_load_strategy", "compatible_strategies", "select_load_strategies"]
 
 logger = logging.getLogger(__name__)
 
@@ -37,16 +31,12 @@ def verify_checkpoint_and_load_strategy(
     sharded_strategy: Union[LoadShardedStrategy, Tuple[str, int], None] = None,
     common_strategy: Union[LoadCommonStrategy, Tuple[str, int], None] = None,
 ) -> Tuple[LoadShardedStrategy, LoadCommonStrategy]:
-    """Checks that `checkpoint_dir` is a complete checkpoint and picks strategies for it.
-
-    Strategies not given are looked up from `metadata.json`; given or not, each must declare
-    itself compatible with the recorded backend and version.
+    """Checks that `checkpoint_dir` is a complete checkpoint and picks strategies for it
+    (from `metadata.json` unless given), each checked compatible with the recorded ones.
 
     Raises:
         NotACheckpointError: no such directory, or no `metadata.json` in it.
-        CheckpointCorruptedError: `metadata.json` is invalid.
-        StrategyNotFoundError: no strategy is registered for the recorded backend/version.
-        IncompatibleCheckpointError: a strategy cannot read this checkpoint.
+        CheckpointingException: invalid `metadata.json`, or no compatible strategy.
     """
     path = Path(checkpoint_dir)
     if not path.is_dir():
@@ -56,52 +46,35 @@ def verify_checkpoint_and_load_strategy(
     config = maybe_load_config(path)
     if config is None:
         raise NotACheckpointError(f"{path} is not a distributed checkpoint: no metadata.json")
-    sharded = compatible_strategy(
-        StrategyAction.LOAD_SHARDED,
-        sharded_strategy,
-        config.sharded_backend,
-        config.sharded_backend_version,
-    )
-    common = compatible_strategy(
-        StrategyAction.LOAD_COMMON,
-        common_strategy,
-        config.common_backend,
-        config.common_backend_version,
-    )
-    return sharded, common
+    return compatible_strategies(config, sharded_strategy, common_strategy)
 
 
-def compatible_strategy(action: StrategyAction, spec: Any, backend: str, version: int) -> Any:
-    """The given (or registered) load strategy for `(backend, version)`, checked compatible."""
-    strategy = resolve_strategy(action, spec, (backend, version))
-    strategy.check_backend_compatibility(backend)
-    strategy.check_version_compatibility(version)
-    return strategy
+def compatible_strategies(c: CheckpointingConfig, sharded: Any, common: Any) -> Tuple[Any, Any]:
+    """The given (or registered) load strategies for config `c`, checked compatible."""
+    found = []
+    for action, spec, backend, version in (
+        (StrategyAction.LOAD_SHARDED, sharded, c.sharded_backend, c.sharded_backend_version),
+        (StrategyAction.LOAD_COMMON, common, c.common_backend, c.common_backend_version),
+    ):
+        strategy = resolve_strategy(action, spec, (backend, version))
+        strategy.check_backend_compatibility(backend)
+        strategy.check_version_compatibility(version)
+        found.append(strategy)
+    return found[0], found[1]
 
 
 def select_load_strategies(
     ckpt: Path, sharded_strategy: Any, common_strategy: Any
 ) -> Tuple[LoadShardedStrategy, LoadCommonStrategy, Optional[StateDict]]:
-    """Collective: the load strategies for `ckpt`, checked on every rank, and the
-    checkpoint's common state, agreed on in the same exchange (each exchange of a 4-rank
-    load cost 3-10 ms on this project's 2-core VM).
-
-    A rank whose directory lacks the checkpoint (its node lost it) adopts the record of
-    the other ranks when they hold a node-local checkpoint, whose parts can be fetched from
-    replica holders; otherwise every rank raises.
-
-    Args:
-        ckpt: the checkpoint directory.
-        sharded_strategy: instance or `(backend, version)`; None: from `metadata.json`.
-        common_strategy: the same for the common state.
+    """Collective: the load strategies for `ckpt` and its common state, agreed on in one
+    exchange. A rank whose node lost a node-local checkpoint adopts the other ranks' record
+    (its part can be fetched from a replica holder); otherwise every rank raises.
 
     Returns:
-        `(sharded strategy, common strategy, common state)`; the common state is None for
-        node-local checkpoints, whose ranks each read their own with their part.
+        `(sharded strategy, common strategy, common state)` (None for node-local ones).
 
     Raises:
-        CheckpointingException: on every rank, where any rank found no usable checkpoint
-            or strategy, or failed to load the common state.
+        CheckpointingException: on every rank, where any rank failed.
     """
     found: Optional[Tuple[LoadShardedStrategy, LoadCommonStrategy]] = None
     error: Optional[BaseException] = None
@@ -147,20 +120,7 @@ def select_load_strategies(
         )
         error = None
         try:
-            found = (
-                compatible_strategy(
-                    StrategyAction.LOAD_SHARDED,
-                    sharded_strategy,
-                    record.sharded_backend,
-                    record.sharded_backend_version,
-                ),
-                compatible_strategy(
-                    StrategyAction.LOAD_COMMON,
-                    common_strategy,
-                    record.common_backend,
-                    record.common_backend_version,
-                ),
-            )
+            found = compatible_strategies(record, sharded_strategy, common_strategy)
         except Exception as e:  # agreed on below
             error = e
     _dist.agree_on_errors(error, what)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Tuple, Union
+from typing import Any, Dict, Tuple, Union
 
 __all__ = ["ReplicaId", "StateDict", "ShardedStateDict", "CommonStateDict"]
 
@@ -14,4 +14,3 @@ StateDict = Dict[str, Any]
 ShardedStateDict = Dict[str, Any]
 #: The non-sharded part of a state dict, written once by rank 0.
 CommonStateDict = Dict[str, Any]
-NestedContainer = Union[Dict[Any, Any], List[Any]]

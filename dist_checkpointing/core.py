@@ -1,8 +1,6 @@
-"""Checkpoint-level metadata: `metadata.json`, the commit marker of a checkpoint.
+"""`metadata.json`: the commit marker of a checkpoint, naming the strategies that read it.
 
-A directory is a complete checkpoint exactly when it holds a valid `metadata.json`. The file
-names the strategies that read the checkpoint and is written last, atomically, after every
-rank's data is durable.
+A directory is a complete checkpoint exactly when it holds a valid `metadata.json`.
 """
 
 from __future__ import annotations
@@ -14,8 +12,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from ._fileio import atomic_write, read_capped
 from .errors import CheckpointCorruptedError, CheckpointingException
+from .storage.fileio import atomic_write, read_capped
 
 __all__ = [
     "CONFIG_FNAME",
@@ -34,13 +32,8 @@ _MAX_CONFIG_BYTES = 1 << 20
 
 @dataclass
 class CheckpointingConfig:
-    """Contents of `metadata.json`: which strategies wrote (and can read) a checkpoint.
-
-    Attributes:
-        sharded_backend: backend of the sharded part, e.g. 'torch_dist'.
-        sharded_backend_version: version of that backend's format.
-        common_backend: backend of the common part, e.g. 'torch'.
-        common_backend_version: version of that backend's format.
+    """Contents of `metadata.json`: the `(backend, version)` of the sharded part (e.g.
+    'torch_dist') and of the common part (e.g. 'torch') that wrote, and can read, a checkpoint.
 
     Raises:
         CheckpointCorruptedError: when a field has the wrong type or value.
@@ -66,7 +59,7 @@ class CheckpointingConfig:
         """Builds a config from parsed JSON, ignoring unknown fields (newer writers).
 
         Raises:
-            CheckpointCorruptedError: if `data` is not an object or lacks `sharded_backend`.
+            CheckpointCorruptedError: `data` is not an object, or a field is missing or bad.
         """
         if not isinstance(data, dict):
             raise CheckpointCorruptedError(
@@ -84,13 +77,7 @@ class CheckpointingConfig:
 def maybe_load_config(
     checkpoint_dir: Union[str, os.PathLike[str]],
 ) -> Optional[CheckpointingConfig]:
-    """Reads `metadata.json` of a checkpoint.
-
-    Args:
-        checkpoint_dir: the checkpoint directory.
-
-    Returns:
-        The config, or None when the directory has no `metadata.json`.
+    """Reads `metadata.json` of a checkpoint (None when there is none).
 
     Raises:
         CheckpointCorruptedError: if `metadata.json` exists but is not a valid config.
@@ -124,8 +111,4 @@ def save_config(config: CheckpointingConfig, checkpoint_dir: Union[str, os.PathL
     This is the commit of a checkpoint: call it only once all data is durable.
     """
     payload = json.dumps(asdict(config), sort_keys=True).encode("utf-8")
-
-    def write(f: Any) -> None:
-        f.write(payload)
-
-    atomic_write(Path(checkpoint_dir) / CONFIG_FNAME, write)
+    atomic_write(Path(checkpoint_dir) / CONFIG_FNAME, lambda f: f.write(payload))

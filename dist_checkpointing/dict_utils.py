@@ -1,8 +1,4 @@
-"""Helpers for nested dict/list state dicts.
-
-A state dict is a tree of dicts and lists whose leaves are anything else. These helpers
-walk, split, merge and compare such trees; none of them know about sharding.
-"""
+"""Helpers that walk, split, merge and compare nested dict/list trees (no sharding here)."""
 
 from __future__ import annotations
 
@@ -33,17 +29,14 @@ def extract_matching_values(
     """Splits a nested dict/list into the leaves that match `predicate` and those that don't.
 
     Args:
-        x: a nested dict or list.
+        x: a nested dict or list (else ValueError).
         predicate: called on every leaf.
-        return_lists_as_dicts: keep list positions by returning `{index: value}` dicts in
-            place of lists (otherwise matching list elements are compacted into lists).
+        return_lists_as_dicts: keep list positions as `{index: value}` dicts instead of
+            compacted lists.
 
     Returns:
-        (matching, non_matching): two trees with the structure of `x`. Empty sub-containers
-        of `x` are kept on the non-matching side.
-
-    Raises:
-        ValueError: if `x` is neither a dict nor a list.
+        (matching, non_matching) trees with the structure of `x`; empty sub-containers go
+        to non_matching.
     """
 
     def put(target: Any, k: Any, v: Any) -> None:
@@ -78,11 +71,6 @@ def extract_matching_values(
 
 def diff(x1: Any, x2: Any, prefix: KeyPath = ()) -> Tuple[List[KeyPath], List[KeyPath], List[Any]]:
     """Compares two nested trees.
-
-    Args:
-        x1: left tree.
-        x2: right tree.
-        prefix: key path of `x1`/`x2` inside an enclosing tree (used in recursion).
 
     Returns:
         (only_left, only_right, mismatch): key paths present only in `x1`, only in `x2`, and
@@ -139,16 +127,12 @@ def nested_items_iter(x: Any) -> Iterator[Tuple[Any, Any]]:
 
 def nested_values(x: Any) -> Iterator[Any]:
     """Yields every leaf of a nested dict/list, depth first, in insertion order."""
-    for _, v in nested_items_iter(x):
-        yield v
+    return (v for _, v in nested_items_iter(x))
 
 
 def dict_list_map_inplace(f: Callable[[Any], Any], x: Any) -> Any:
-    """Replaces every leaf `v` of a nested dict/list with `f(v)`, in place.
-
-    Returns:
-        `x` itself (or `f(x)` when `x` is a leaf).
-    """
+    """Replaces every leaf `v` of a nested dict/list with `f(v)` in place; returns `x` (or
+    `f(x)` when `x` is a leaf)."""
     if isinstance(x, dict):
         for k, v in x.items():
             x[k] = dict_list_map_inplace(f, v)
@@ -169,10 +153,8 @@ def dict_list_map_outplace(f: Callable[[Any], Any], x: Any) -> Any:
 
 
 def merge(x1: Any, x2: Any, key: KeyPath = ()) -> Any:
-    """Merges `x2` into `x1` in place and returns `x1`.
-
-    Dicts are merged key by key; lists of equal length element by element; a dict with int
-    keys merges into a list by index. Any other pair is a conflict.
+    """Merges `x2` into `x1` in place and returns `x1`: dicts key by key, equal-length lists
+    element by element, a dict with int keys into a list by index.
 
     Raises:
         ValueError: on lists of different lengths or two leaves at the same key path.
@@ -205,11 +187,7 @@ def map_reduce(
     value_fn: Callable[[T], V] = lambda x: x,  # type: ignore[assignment,return-value]
     reduce_fn: Callable[[List[V]], Any] = lambda x: x,
 ) -> Dict[K, Any]:
-    """Groups `xs` by `key_fn`, maps each with `value_fn` and reduces each group.
-
-    Returns:
-        `{key: reduce_fn([value_fn(x) for x in group])}` in first-seen key order.
-    """
+    """Returns `{key_fn(x): reduce_fn([value_fn(x) for x in group])}`, keys in first-seen order."""
     groups: Dict[K, List[V]] = {}
     for x in xs:
         groups.setdefault(key_fn(x), []).append(value_fn(x))

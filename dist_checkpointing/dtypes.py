@@ -1,12 +1,6 @@
-"""Which dtype conversions a load may make silently, and the opt-in for the others.
-
-A tensor stored as one dtype and requested as another is converted on load. Exact
-conversions (every stored value is represented exactly, e.g. float16 -> float32,
-int8 -> int32, int16 -> float32) load; lossy ones (float -> int, a wider float to a
-narrower one, an integer to a narrower integer or to a float that cannot hold all its
-values, anything -> bool) raise `LossyDtypeConversionError` unless the caller opts in with
-`load(..., allow_lossy_dtype_conversion=True)` or
-`TorchDistLoadShardedStrategy(allow_lossy_dtype_conversion=True)`.
+"""Which dtype conversions a load may make silently: exact ones (every stored value kept,
+e.g. float16 -> float32); lossy ones raise `LossyDtypeConversionError` unless opted in with
+`allow_lossy_dtype_conversion=True` (on `load` or `TorchDistLoadShardedStrategy`).
 """
 
 from __future__ import annotations
@@ -80,20 +74,9 @@ def lossy_conversion_allowed(allow: bool) -> Iterator[None]:
 def check_dtype_conversion(
     key: str, stored: torch.dtype, requested: torch.dtype, allow_lossy: bool = False
 ) -> bool:
-    """Checks loading `key`, stored as `stored`, into a `requested` tensor.
-
-    Args:
-        key: the tensor's key (for the message).
-        stored: the dtype in the checkpoint.
-        requested: the dtype of the destination.
-        allow_lossy: the caller's opt-in (the load-wide opt-in also counts).
-
-    Returns:
-        True when the conversion is lossy and allowed (the caller may warn), else False.
-
-    Raises:
-        LossyDtypeConversionError: a lossy conversion without the opt-in.
-    """
+    """Checks loading `key`, stored as `stored`, into a `requested` tensor: False when
+    exact, True when lossy and allowed (by `allow_lossy` or the load-wide opt-in), else
+    raises `LossyDtypeConversionError`."""
     if is_exact_conversion(stored, requested):
         return False
     if allow_lossy or _allow_lossy.get():

@@ -1,8 +1,4 @@
-"""Every exception the library raises, under one root: `CheckpointingException`.
-
-Messages name what is at fault (key, path, rank, or the (action, backend, version)
-triple), so a failure in a 1000-rank job can be traced without a debugger.
-"""
+"""Every exception the library raises, under one root: `CheckpointingException`."""
 
 from __future__ import annotations
 
@@ -119,11 +115,7 @@ class UnsupportedShardedObjectError(CheckpointingException):
 
 
 def close_matches(key: str, available: Iterable[str], n: int = 5) -> str:
-    """A message suffix naming up to `n` keys of `available` that look like `key`.
-
-    Returns:
-        " (closest keys in the checkpoint: 'a', 'b')", or "" when nothing is close.
-    """
+    """A message suffix naming up to `n` keys of `available` like `key` ('' if none)."""
     found = difflib.get_close_matches(key, list(available), n=n, cutoff=0.6)
     if not found:
         return ""

@@ -1,14 +1,8 @@
 """Who saves or loads each replicated shard within a group, and moving shards between ranks.
 
-Shared by the fully parallel strategy wrappers (`strategies.fully_parallel`) and the local
-checkpoint bridge (`tensor_aware_state_dict`): when several ranks of a group hold the same
-shard (data parallel replicas), one of them does the I/O and the others receive it.
-
-- `distribute_shards_to_ranks`: a pure, deterministic assignment of shards to holders that
-  balances bytes (largest shards first, each to the least loaded holder).
-- `compute_distribution`: collective; gathers who holds what and applies it.
-- `exchange_shards`: collective; sends every rank the shards it wants and lacks, point to
-  point, from a rank that has them.
+Shared by `strategies.fully_parallel` and `tensor_aware_state_dict`: of the ranks holding
+a shard, one does the I/O (`distribute_shards_to_ranks`, pure; `compute_distribution`,
+collective) and `exchange_shards` sends it to the others.
 """
 
 from __future__ import annotations
@@ -41,11 +35,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: A shard of a global tensor: `(key, global_offset)`.
-
-#: Bytes a rank posts to the shard exchange before waiting for them to arrive: bounds the
-#: host copies of CUDA shards in flight (CPU shards arrive in the buffers they are kept in).
+#: Bytes a rank posts to the shard exchange before waiting: bounds host copies in flight.
 IN_FLIGHT_BYTES = 1 << 30
+#: A shard of a global tensor: `(key, global_offset)`.
 ShardId = Tuple[str, Tuple[int, ...]]
 
 
@@ -65,12 +57,8 @@ def group_ranks(group: Optional[dist.ProcessGroup]) -> Tuple[int, ...]:
 
 @dataclass(frozen=True)
 class ShardDistribution:
-    """Which global rank does the I/O for each ShardedTensor shard of a group.
-
-    Attributes:
-        saver: shard id `(key, global_offset)` -> global rank that saves (or loads) it.
-        group: global ranks of the parallelization group it was computed for.
-    """
+    """`saver`: shard id -> global rank that saves (or loads) it, within `group` (global
+    ranks of the parallelization group)."""
 
     saver: Dict[ShardId, int]
     group: Tuple[int, ...]
@@ -79,18 +67,10 @@ class ShardDistribution:
 def distribute_shards_to_ranks(
     holders: Mapping[ShardId, Sequence[int]], sizes: Mapping[ShardId, int], ranks: Iterable[int]
 ) -> Dict[ShardId, int]:
-    """Assigns each shard to one of its holders, balancing bytes. Pure and deterministic.
+    """Assigns each shard to one of its holders, balancing bytes: largest shards first (ties
+    by id), each to the holder with the fewest bytes so far (lowest rank on ties).
 
-    Largest shards first (ties by shard id), each to the holder with the fewest bytes
-    assigned so far (lowest rank on ties).
-
-    Args:
-        holders: shard -> ranks that hold it (each must be in `ranks`).
-        sizes: shard -> bytes.
-        ranks: every rank of the group (ranks holding nothing still count as empty).
-
-    Returns:
-        shard -> the rank that does its I/O.
+    `ranks` lists every rank of the group (each holder among them). Returns shard -> rank.
     """
     load = {rank: 0 for rank in ranks}
     saver: Dict[ShardId, int] = {}
@@ -124,17 +104,9 @@ def compute_distribution(
     group: Optional[dist.ProcessGroup],
     only_main_replicas: bool = False,
 ) -> ShardDistribution:
-    """Collective over all ranks (each passing its own group): the byte-balanced distribution.
-
-    Args:
-        sharded: this rank's sharded state dict; ShardedTensors with data count as held.
-        group: the parallelization group (None: all ranks).
-        only_main_replicas: distribute only shards whose main replica is held within the
-            group (a save: shards whose main replica lives in another group are that
-            group's to write).
-
-    Returns:
-        The distribution, identical on every rank of the group.
+    """Collective over all ranks (each passing its own group, None: all ranks): the
+    byte-balanced distribution of the ShardedTensors with data, the same on the group's ranks.
+    `only_main_replicas`: only shards whose main replica is in the group (a save).
 
     Raises:
         CheckpointingException: ranks of the group disagree on its membership.
@@ -152,17 +124,19 @@ def compute_distribution(
                 f"Rank {_dist.get_rank()} and rank {r} disagree on the parallelization group: "
                 f"{ranks} vs {everyone[r][0]}"
             )
-    holders: Dict[ShardId, List[int]] = {}
-    sizes: Dict[ShardId, int] = {}
-    has_main: Dict[ShardId, bool] = {}
-    for r in ranks:
-        for sid, (nbytes, main) in everyone[r][1].items():
-            holders.setdefault(sid, []).append(r)
-            sizes[sid] = max(sizes.get(sid, 0), nbytes)
-            has_main[sid] = has_main.get(sid, False) or main
-    if only_main_replicas:
-        holders = {sid: h for sid, h in holders.items() if has_main[sid]}
-    return ShardDistribution(distribute_shards_to_ranks(holders, sizes, ranks), ranks)
+    has_main = {sid for r in ranks for sid, (_, main) in everyone[r][1].items() if main}
+    holdings = [
+        (
+            r,
+            {
+                s: n
+                for s, (n, _) in everyone[r][1].items()
+                if not only_main_replicas or s in has_main
+            },
+        )
+        for r in ranks
+    ]
+    return ShardDistribution(distribute(holdings), ranks)
 
 
 def exchange_shards(
@@ -170,29 +144,14 @@ def exchange_shards(
 ) -> int:
     """Collective: fetches into `tensors` the wanted shards this rank lacks.
 
-    Every rank learns who holds and who wants what; then every rank posts its sends and
-    receives without blocking (so transfers between different pairs of ranks run
-    concurrently), waiting for them whenever `IN_FLIGHT_BYTES` are posted (which bounds
-    the host copies of CUDA shards) and at the end. Each shard comes from the lowest rank
-    holding it, over the library's gloo group as a host tensor (a CUDA tensor is copied to
-    the host once, however many ranks receive it, and arrives back on the receiver's
-    device). Both ends of a pair post their messages in the same global order (sorted by
-    shard id, then receiver), which is how the receiver's buffers match the sender's
-    messages. No deadlock: a rank waits only on transfers it posted, all earlier in that
-    order than any it has not posted, so the earliest unfinished transfer always has both
-    ends posted (or about to post) it.
+    Each shard comes from the lowest rank holding it, as a host tensor over the library's
+    gloo group. All ranks post non-blocking sends and receives in one global order (shard
+    id, then receiver), so buffers match messages and the earliest unfinished transfer
+    always has both ends posted (no deadlock); they wait every `IN_FLIGHT_BYTES`.
 
-    Args:
-        tensors: shard id -> tensor this rank holds (None: lacks); filled in place.
-        wanted: the ShardedTensors this rank needs; a received shard arrives in the
-            first one's `data` when that is a contiguous CPU tensor of the sent shape and
-            dtype, else in a new tensor on its `data` device (CPU when it has none).
-
-    Returns:
-        Bytes this rank sent.
-
-    Raises:
-        CheckpointingException: a wanted shard is held by no rank (naming it and who asked).
+    `tensors` maps shard ids to the tensors held here (None: lacks); a wanted shard arrives
+    in the first wanted ShardedTensor's `data` when it can, else on its `data` device.
+    Returns the bytes this rank sent; raises `CheckpointingException` if no rank holds one.
     """
     me = _dist.get_rank()
     need = sorted({shard_id(sh) for sh in wanted if tensors.get(shard_id(sh)) is None})
@@ -267,8 +226,8 @@ def exchange_shards(
 def _receive_buffer(
     destination: Optional[torch.Tensor], shape: Tuple[int, ...], dtype: torch.dtype
 ) -> torch.Tensor:
-    """`destination` itself when the shard can arrive in it (a contiguous CPU tensor of the
-    sender's shape and dtype: saves copying every received byte again), else a new buffer."""
+    """`destination` itself if it is a contiguous CPU tensor of the sent shape and dtype,
+    else a new buffer."""
     if (
         destination is not None
         and destination.device.type == "cpu"
@@ -281,7 +240,6 @@ def _receive_buffer(
 
 
 def _posted(work: Optional[dist.Work]) -> dist.Work:
-    """A point-to-point operation's handle (torch types it Optional; it is None only for
-    ranks outside the group, which never post here)."""
+    """A point-to-point handle (None only for ranks outside the group, never here)."""
     assert work is not None
     return work

@@ -1,18 +1,9 @@
 """Checksums of a checkpoint's bytes: `checksums.json`, a sidecar that other readers ignore.
 
-The file records xxh3-64 digests of
-- each stored item of the data files, by (file, offset): the exact byte range that the
-  format's metadata points to;
-- whole small files (`.metadata`, `common.pt`);
-and a digest of its own content, so a damaged sidecar is detected too.
-
-Why xxh3-64 (the `xxhash` package): it is the fastest well-kept checksum available here
-(several GB/s per core, see the README), and it detects the accidental corruption that
-checkpoints suffer (bit flips, truncation, torn writes); it is not a defense against an
-attacker, who could rewrite the sidecar too.
-
-A checkpoint without the sidecar (written by megatron-core or stock DCP) loads without
-verification; a checkpoint with one is verified by default.
+It records xxh3-64 digests of each stored item of the data files (by file and offset), of
+whole small files (`.metadata`, `common.pt`), and of itself. xxh3-64 is fast and catches
+accidental corruption (bit flips, truncation, torn writes), not an attacker. A checkpoint
+without the sidecar (megatron-core, stock DCP) loads unverified.
 """
 
 from __future__ import annotations
@@ -26,8 +17,8 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 
 import xxhash
 
-from ._fileio import atomic_write, read_capped
 from .errors import CheckpointCorruptedError
+from .storage.fileio import atomic_write, read_capped
 
 __all__ = [
     "CHECKSUMS_FNAME",
@@ -67,10 +58,7 @@ def file_checksum(path: PathArg) -> int:
     """xxh3-64 of a whole file, streamed."""
     h = new_hasher()
     with open(path, "rb") as f:
-        while True:
-            block = f.read(16 << 20)
-            if not block:
-                break
+        for block in iter(lambda: f.read(16 << 20), b""):
             h.update(block)
     return h.intdigest()
 
@@ -81,12 +69,8 @@ BLOCK = 4 << 20
 
 @dataclass(frozen=True)
 class ItemSum:
-    """The digest(s) of one stored item.
-
-    Either `digest` covers the whole item (`data_len == 0`), or the item is a frame (the
-    bytes before `data_off` and after `data_off + data_len`, hashed together into `digest`)
-    around a data region hashed per `block`-byte block into `blocks`.
-    """
+    """The digest(s) of one stored item: `digest` of the whole item (`data_len == 0`), or of
+    the frame around a data region `[data_off, data_off + data_len)` hashed per `block`."""
 
     length: int
     digest: int
@@ -113,13 +97,8 @@ class ItemSum:
         return h.intdigest() == self.digest and self.bad_block(view[self.data_off : end], 0) is None
 
     def bad_block(self, data: Any, start: int) -> Optional[int]:
-        """The first mismatching block of the data region, or None.
-
-        Args:
-            data: data-region bytes from data byte `start` (a block boundary) to a block
-                boundary or the end of the region.
-            start: where `data` starts in the data region.
-        """
+        """The first mismatching block of `data`, the data region's bytes from `start` (a
+        block boundary) to a block boundary or the region's end; or None."""
         view = memoryview(data).cast("B")
         first = start // self.block
         for i in range(0, len(view), self.block):
@@ -137,8 +116,7 @@ def blocked_sum(length: int, frame: int, data_off: int, data: Any) -> ItemSum:
 
 
 class BlockSums:
-    """The `blocked_sum` of a data region fed in pieces of any size (e.g. chunks copied
-    from a GPU one at a time), without holding the whole region."""
+    """The `blocked_sum` of a data region fed in pieces of any size."""
 
     def __init__(self) -> None:
         self.blocks: List[int] = []
@@ -179,12 +157,8 @@ class BlockSums:
 
 @dataclass
 class Checksums:
-    """Digests of a checkpoint's files and stored items.
-
-    Attributes:
-        files: file name -> digest of the whole file.
-        ranges: data file name -> {offset: (length, digest)} of each stored item.
-    """
+    """Digests of a checkpoint's whole files (`files`) and stored items (`ranges`: file ->
+    {offset: ItemSum})."""
 
     files: Dict[str, int] = field(default_factory=dict)
     ranges: Dict[str, Dict[int, ItemSum]] = field(default_factory=dict)
@@ -198,8 +172,7 @@ class Checksums:
         """The digests of an item, or None when the file's items were not recorded.
 
         Raises:
-            CheckpointCorruptedError: the file's items are recorded but not this one (the
-                metadata points somewhere the writer never wrote).
+            CheckpointCorruptedError: the file's items are recorded but not this one.
         """
         table = self.ranges.get(name)
         if table is None:
@@ -213,11 +186,7 @@ class Checksums:
         return entry
 
     def verify_file(self, name: str, data: Any, where: str) -> None:
-        """Checks a whole file's bytes when its digest is recorded.
-
-        Raises:
-            CheckpointCorruptedError: on a mismatch.
-        """
+        """Raises `CheckpointCorruptedError` if a recorded whole-file digest mismatches."""
         expected = self.files.get(name)
         if expected is not None and checksum(data) != expected:
             raise CheckpointCorruptedError(
@@ -240,12 +209,8 @@ class Checksums:
 
     @classmethod
     def from_json(cls, raw: bytes, where: str) -> Checksums:
-        """Parses and checks the sidecar.
-
-        Raises:
-            CheckpointCorruptedError: malformed, self-digest mismatch, or an unknown format
-                or algorithm.
-        """
+        """Parses and checks the sidecar; raises `CheckpointCorruptedError` if it is
+        malformed, damaged, or of an unknown format or algorithm."""
         try:
             body = json.loads(raw.decode("utf-8"))
             if not isinstance(body, dict):
@@ -314,11 +279,8 @@ def write_checksums(checkpoint_dir: PathArg, checksums: Checksums) -> None:
 
 
 def read_checksums(checkpoint_dir: PathArg) -> Optional[Checksums]:
-    """Reads `checksums.json`, or returns None when the checkpoint has none.
-
-    Raises:
-        CheckpointCorruptedError: the file exists but is damaged or unsupported.
-    """
+    """Reads `checksums.json` (None when absent); raises `CheckpointCorruptedError` if it
+    is damaged or unsupported."""
     path = Path(checkpoint_dir) / CHECKSUMS_FNAME
     raw = read_capped(path, _MAX_BYTES)
     return None if raw is None else Checksums.from_json(raw, str(path))

@@ -1,20 +1,9 @@
-"""The sharded state dict data model.
+"""The sharded state dict data model: nested dicts/lists whose leaves are `ShardedTensor`,
+`ShardedObject`, `ShardedTensorFactory`, `LocalNonpersistentObject`, or anything else
+("common" state, written once by rank 0). Classes validate their metadata at construction.
 
-A sharded state dict is a nested dict/list whose leaves are:
-- `ShardedTensor`: this rank's piece of a global tensor (key, global shape, offset, replica id);
-- `ShardedObject`: this rank's piece of a global grid of arbitrary objects;
-- `ShardedTensorFactory`: a tensor that expands into a sub-state-dict before saving and is
-  merged back after loading;
-- `LocalNonpersistentObject`: a value kept out of the checkpoint and restored locally;
-- anything else: "common" state, written once by rank 0.
-
-Every class validates its metadata at construction: a shard that cannot exist in its global
-tensor is rejected with a `CheckpointingException` before any I/O starts (the checks
-themselves live in `_shard_checks.py`).
-
-Why this module is over 400 lines: the four leaf classes and their alternate constructors
-(`from_rank_offsets`, `from_rank_offsets_flat`, `narrow`) must stay here, because pickled
-checkpoints and megatron-style code refer to them as `dist_checkpointing.mapping.<name>`.
+Over 400 lines: the leaf classes stay in one module because pickled checkpoints and
+megatron's code name them by this module's path.
 """
 
 from __future__ import annotations
@@ -27,13 +16,7 @@ from typing import Any, Callable, List, Optional, Tuple, Union
 import torch
 
 from ._paths import check_key_is_safe_relative_path
-from ._shard_checks import (
-    as_int_tuple,
-    check_flattened_range,
-    check_replica_id,
-    check_sharded_tensor,
-    flat_len,
-)
+from ._shard_checks import as_int_tuple, check_replica_id, check_sharded_tensor
 from ._types import ReplicaId, ShardedStateDict, StateDict
 from .dict_utils import dict_list_map_inplace
 from .errors import CheckpointingException
@@ -56,11 +39,7 @@ logger = logging.getLogger(__name__)
 
 
 def is_main_replica(replica_id: ReplicaId) -> bool:
-    """Whether `replica_id` marks the main replica (0, or a tuple of zeros).
-
-    The main replica of each shard is the copy that gets written; the application chooses
-    replica ids so that exactly one copy of every shard is main.
-    """
+    """Whether `replica_id` marks the main replica (0, or all zeros): the copy that is saved."""
     if isinstance(replica_id, int):
         return replica_id == 0
     return all(r == 0 for r in replica_id)
@@ -92,22 +71,17 @@ class ShardedTensor(ShardedBase):
         dtype: dtype of the global tensor.
         local_shape: shape of `data` (without prepended axes).
         global_shape: shape of the global tensor (with prepended axes).
-        global_offset: offset of `data` in the global tensor, in elements, one per global axis.
-        axis_fragmentations: number of pieces along each global axis for a regular grid, or
-            None for irregular shardings.
+        global_offset: offset of `data` in the global tensor, one per global axis.
+        axis_fragmentations: pieces along each global axis (regular grid), or None.
         replica_id: which copy of this piece this is; only main replicas are saved.
-        prepend_axis_num: number of leading global axes of size 1 locally (the local tensor is
-            unsqueezed that many times to sit in the global tensor).
-        allow_shape_mismatch: on load, accept a checkpoint whose global shape differs (the
-            overlapping region is loaded, the rest is zeros; e.g. padded vocabularies).
-        flattened_range: for a *flat* shard (megatron-core <= 0.13's distributed optimizer):
-            `data` is the 1-D slice `flattened_range` of the row-major flattening of a local
-            piece of shape `local_shape` at `global_offset`. None for ordinary shards. Flat
-            shards are stored as ordinary N-D pieces, so any layout, flat or not, loads them.
+        prepend_axis_num: leading global axes of size 1 that `data` lacks.
+        allow_shape_mismatch: on load, accept another global shape (the overlap is loaded,
+            the rest is zeros; e.g. padded vocabularies).
+        flattened_range: for a flat shard (megatron-core <= 0.13's distributed optimizer),
+            the slice of the row-major flattened local piece that `data` holds.
 
     Raises:
-        CheckpointingException: at construction, when the metadata does not describe a valid
-            piece of the global tensor.
+        CheckpointingException: at construction, on metadata that is not a valid piece.
     """
 
     key: str
@@ -126,18 +100,8 @@ class ShardedTensor(ShardedBase):
         self.validate_metadata_integrity()
 
     def validate_metadata_integrity(self) -> None:
-        """Checks that the metadata describes a valid piece of the global tensor.
-
-        Raises:
-            CheckpointingException: naming the key and the broken invariant.
-        """
+        """Raises `CheckpointingException` unless this is a valid piece of the global tensor."""
         check_sharded_tensor(self)
-
-    def _check_flattened_range(self) -> None:
-        check_flattened_range(self)
-
-    def _flat_len(self) -> int:
-        return flat_len(self)
 
     @property
     def prepended_local_shape(self) -> Tuple[int, ...]:
@@ -159,11 +123,7 @@ class ShardedTensor(ShardedBase):
         return prepended + rest
 
     def local_chunk_offset_in_global(self) -> Tuple[int, ...]:
-        """The position of this piece in the global grid of pieces, one index per axis.
-
-        Raises:
-            CheckpointingException: if an offset is not a multiple of the local size.
-        """
+        """The position of this piece in the global grid of pieces (raises off a regular grid)."""
         out = list(self.global_offset[: self.prepend_axis_num])
         for off, size in zip(self.global_offset[self.prepend_axis_num :], self.local_shape):
             if size == 0 or off % size != 0:
@@ -174,12 +134,8 @@ class ShardedTensor(ShardedBase):
         return tuple(out)
 
     def max_allowed_chunks(self) -> Tuple[int, ...]:
-        """The size of one grid piece along each global axis (global size / fragmentation).
-
-        Raises:
-            CheckpointingException: if the tensor has no regular grid, or an axis does not
-                divide evenly (unless `allow_shape_mismatch`).
-        """
+        """Global size / fragmentation along each axis (raises without a regular grid or
+        when an axis does not divide evenly, unless `allow_shape_mismatch`)."""
         if self.axis_fragmentations is None:
             raise CheckpointingException(f"{self.key!r} has no axis_fragmentations")
         out = []
@@ -208,18 +164,8 @@ class ShardedTensor(ShardedBase):
             self.data = data
 
     def narrow(self, dim: int, start: int, length: int) -> List[ShardedTensor]:
-        """Narrows the local tensor along `dim` on every rank, like `torch.narrow`.
-
-        The global tensor shrinks proportionally: every rank keeps `length` of its
-        `local_shape[dim]` elements, so the grid stays regular.
-
-        Args:
-            dim: local axis (prepended axes not counted).
-            start: first element kept.
-            length: number of elements kept.
-
-        Returns:
-            A one-element list with the narrowed ShardedTensor.
+        """Narrows the local tensor along local axis `dim` on every rank, like `torch.narrow`
+        (the global tensor shrinks proportionally); returns a one-element list.
 
         Raises:
             CheckpointingException: if the sharding along `dim` is not a regular grid.
@@ -270,13 +216,8 @@ class ShardedTensor(ShardedBase):
             *rank_offsets: `(axis, axis_rank_offset, axis_fragmentations)` triples: along
                 global `axis` the tensor is split in `axis_fragmentations` equal pieces and
                 `data` is piece number `axis_rank_offset`.
-            replica_id: see `ShardedTensor`.
-            prepend_axis_num: see `ShardedTensor`.
+            replica_id, prepend_axis_num, allow_shape_mismatch: see `ShardedTensor`.
             flattened_range: must be None (flat shards: `from_rank_offsets_flat`).
-            allow_shape_mismatch: see `ShardedTensor`.
-
-        Returns:
-            The ShardedTensor.
 
         Raises:
             CheckpointingException: on an invalid or repeated axis, or a position outside
@@ -310,17 +251,9 @@ class ShardedTensor(ShardedBase):
             global_shape[axis] = local * fragm
             global_offset[axis] = local * pos
             fragmentations[axis] = fragm
+        shapes = tuple(data.shape), tuple(global_shape), tuple(global_offset), tuple(fragmentations)
         return cls(
-            key,
-            data,
-            data.dtype,
-            tuple(data.shape),
-            tuple(global_shape),
-            tuple(global_offset),
-            tuple(fragmentations),
-            replica_id,
-            prepend_axis_num,
-            allow_shape_mismatch,
+            key, data, data.dtype, *shapes, replica_id, prepend_axis_num, allow_shape_mismatch
         )
 
     @classmethod
@@ -335,12 +268,8 @@ class ShardedTensor(ShardedBase):
         prepend_axis_num: int = 0,
         allow_shape_mismatch: bool = False,
     ) -> ShardedTensor:
-        """Builds a flat shard: `data` is a slice of this rank's flattened grid piece.
-
-        As megatron-core (<= 0.13) builds distributed-optimizer state: the piece of shape
-        `non_flat_local_shape` sits on a regular grid given by `rank_offsets` (as in
-        `from_rank_offsets`), and this rank holds only `flattened_range` of its row-major
-        flattening.
+        """Builds a flat shard: `data` is `flattened_range` of this rank's flattened grid piece
+        (of shape `non_flat_local_shape`, placed by `rank_offsets`), as megatron-core <= 0.13.
 
         Args:
             key: unique name of the global tensor.
@@ -348,16 +277,11 @@ class ShardedTensor(ShardedBase):
             non_flat_local_shape: shape of the whole grid piece.
             *rank_offsets: `(axis, axis_rank_offset, axis_fragmentations)` triples.
             flattened_range: the slice of the flattened piece held here (required).
-            replica_id: see `ShardedTensor`.
-            prepend_axis_num: see `ShardedTensor`.
-            allow_shape_mismatch: see `ShardedTensor`.
-
-        Returns:
-            The ShardedTensor.
+            replica_id, prepend_axis_num, allow_shape_mismatch: see `ShardedTensor`.
 
         Raises:
-            CheckpointingException: without `flattened_range`, with data that is not 1-D
-                or not as long as the range, or on invalid rank offsets.
+            CheckpointingException: without `flattened_range`, on data that is not 1-D of
+                the range's length, or on invalid rank offsets.
         """
         if flattened_range is None:
             raise CheckpointingException(
@@ -396,14 +320,10 @@ class ShardedTensor(ShardedBase):
 
 @dataclass
 class ShardedObject(ShardedBase):
-    """This rank's piece of a global grid of arbitrary (picklable) objects.
-
-    Unlike tensors, object grids cannot be resharded: a load must ask for exactly the pieces
-    that were saved.
+    """This rank's piece of a global grid of picklable objects (not reshardable).
 
     Attributes:
-        key: name of the global object; it becomes a path under some backends, so it must be
-            a safe relative path ('/'-separated, no '..', not absolute).
+        key: name of the global object; a safe relative path ('/'-separated, no '..').
         data: the local object, or None for metadata-only instances.
         global_shape: shape of the grid of pieces.
         global_offset: position of this piece in the grid.
@@ -423,11 +343,7 @@ class ShardedObject(ShardedBase):
         self.validate_metadata_integrity()
 
     def validate_metadata_integrity(self) -> None:
-        """Checks the key is a safe relative path and the offset lies in the grid.
-
-        Raises:
-            CheckpointingException: naming the key and the broken invariant.
-        """
+        """Raises `CheckpointingException` on an unsafe key or an offset outside the grid."""
         check_key_is_safe_relative_path(self.key, "ShardedObject key")
         self.global_shape = as_int_tuple(self.global_shape, "global_shape", self.key)
         self.global_offset = as_int_tuple(self.global_offset, "global_offset", self.key)
@@ -459,8 +375,7 @@ class ShardedObject(ShardedBase):
         """Parses a `unique_key` back into a metadata-only ShardedObject.
 
         Raises:
-            CheckpointingException: if `unique_key` is not of the form
-                `<key>/shard_<offset>_<shape>`.
+            CheckpointingException: if it is not `<key>/shard_<offset>_<shape>`.
         """
         try:
             key, shard = unique_key.rsplit("/", 1)
@@ -487,9 +402,8 @@ FactoryMergeFn = Callable[[StateDict], torch.Tensor]
 class ShardedTensorFactory(ShardedBase):
     """A tensor that expands into a sub-state-dict for saving and is merged back after load.
 
-    Used e.g. for optimizer states that follow their parameter's sharding through a
-    transformation. `build_fn(key, data, replica_id, flattened_range)` returns the
-    sub-state-dict to save; `merge_fn(loaded_sub_state_dict)` returns the tensor.
+    `build_fn(key, data, replica_id, flattened_range)` returns the sub-state-dict to save;
+    `merge_fn(loaded_sub_state_dict)` returns the tensor.
     """
 
     key: str
@@ -537,12 +451,9 @@ def apply_factory_merges(x1: Any, x2: Any, key: Tuple[Any, ...] = ()) -> Any:
     """Merges loaded sub-state-dicts back into tensors, following the factories in `x2`.
 
     Args:
-        x1: the loaded state dict (modified in place).
+        x1: the loaded state dict (modified in place and returned).
         x2: a tree with the structure of (part of) `x1` holding the original factories.
         key: key path of `x1` in the enclosing tree (for error messages).
-
-    Returns:
-        `x1`, with every factory's subtree replaced by `factory.merge_fn(subtree)`.
 
     Raises:
         CheckpointingException: when the trees do not line up.

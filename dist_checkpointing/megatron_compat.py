@@ -1,22 +1,6 @@
-"""Megatron-Core interoperability: its mapping objects as input, and this package in its place.
-
-Two ways to run megatron-core model code on this package:
-
-1. Hand megatron's objects to our entry points. `model.sharded_state_dict()` built by
-   megatron-core (0.14 through 0.19) holds megatron's `ShardedTensor`, `ShardedObject`,
-   `ShardedTensorFactory` and `LocalNonpersistentObject`. Every entry point that takes a
-   sharded state dict (`save`, `load`, validation, `MCoreTensorAwareStateDict`, the local
-   backend) calls `convert_sharded_state_dict` first: megatron's objects are recognised by
-   class name, module (`megatron.core.dist_checkpointing...`) and fields, without importing
-   megatron, and replaced by ours (same data tensor, same metadata), so they are saved and
-   loaded exactly like ours. Factories are converted with a `build_fn` that converts what
-   megatron's builder returns.
-2. `install()`: makes `import megatron.core.dist_checkpointing` (and every submodule) resolve
-   to this package, so megatron's model code builds our objects and calls our functions.
-
-Nothing that carries a tensor shard is ever pickled into the common state: a leaf (at any
-depth of dicts and lists, or inside a tuple) that looks like a sharded object but cannot be
-handled raises `UnsupportedShardedObjectError` naming its key.
+"""Megatron-Core interoperability: entry points convert megatron-core's (0.14-0.19) mapping
+objects to ours (`convert_sharded_state_dict`, recognising them without importing megatron),
+and `install()` makes `megatron.core.dist_checkpointing` resolve to this package.
 """
 
 from __future__ import annotations
@@ -63,16 +47,8 @@ _OUR_PACKAGE = __name__.rsplit(".", 1)[0]
 #: Fields each megatron class must have for us to convert it (0.14-0.19 all have these).
 _FIELDS = {
     "ShardedTensor": (
-        "key",
-        "data",
-        "dtype",
-        "local_shape",
-        "global_shape",
-        "global_offset",
-        "axis_fragmentations",
-        "replica_id",
-        "prepend_axis_num",
-        "allow_shape_mismatch",
+        *("key", "data", "dtype", "local_shape", "global_shape", "global_offset"),
+        *("axis_fragmentations", "replica_id", "prepend_axis_num", "allow_shape_mismatch"),
     ),
     "ShardedObject": ("key", "data", "global_shape", "global_offset", "replica_id"),
     "ShardedTensorFactory": ("key", "data", "build_fn", "merge_fn", "replica_id"),
@@ -87,13 +63,9 @@ _SHARDED_SIGNATURES = (
 _OURS = (ShardedBase, LocalNonpersistentObject)
 
 
-def _module_of(obj: Any) -> str:
-    return getattr(type(obj), "__module__", "") or ""
-
-
 def is_megatron_object(obj: Any) -> bool:
     """Whether `obj` is an instance of a class defined in megatron-core's dist_checkpointing."""
-    module = _module_of(obj)
+    module = getattr(type(obj), "__module__", "") or ""
     return module == MEGATRON_PACKAGE or module.startswith(MEGATRON_PACKAGE + ".")
 
 
@@ -125,12 +97,8 @@ def _build_fn_converting(build_fn: Callable[..., Any], key: str) -> Callable[...
 
 
 def _unprepended(obj: Any) -> Any:
-    """`obj.data` without the size-1 prepended axes that megatron's own save leaves on it.
-
-    megatron-core's torch_dist save reshapes `data` of ShardedTensors with
-    `prepend_axis_num` in place to the prepended shape; a view with the local shape shares
-    the storage, so loads into it still land in the caller's tensor.
-    """
+    """`obj.data` without the size-1 prepended axes that megatron's own save reshapes it to
+    in place (a view, so loads still land in the caller's tensor)."""
     data, local = obj.data, tuple(obj.local_shape)
     prepended = (1,) * int(obj.prepend_axis_num) + local
     if isinstance(data, torch.Tensor) and obj.prepend_axis_num and tuple(data.shape) == prepended:
@@ -139,20 +107,11 @@ def _unprepended(obj: Any) -> Any:
 
 
 def convert_object(obj: Any, where: str = "state dict leaf") -> Any:
-    """Converts one megatron-core mapping object into ours (others are returned unchanged).
-
-    Args:
-        obj: any leaf.
-        where: the leaf's key path, for error messages.
-
-    Returns:
-        Our equivalent object sharing `obj`'s data, or `obj` itself when it is not
-        megatron's.
+    """Converts one megatron-core mapping object into ours sharing its data (others are
+    returned unchanged); `where` (the leaf's key path) and the key go in messages.
 
     Raises:
-        UnsupportedShardedObjectError: a megatron object of an unknown class, missing
-            fields, naming `where` and the key. Flat shards (`flattened_range`, megatron-core
-            <= 0.13's distributed optimizer) convert to ours.
+        UnsupportedShardedObjectError: a megatron object of an unknown class or missing fields.
     """
     if not is_megatron_object(obj):
         return obj
@@ -170,19 +129,10 @@ def convert_object(obj: Any, where: str = "state dict leaf") -> Any:
     flattened_range = getattr(obj, "flattened_range", None)  # megatron <= 0.13 flat shards
     try:
         if name == "ShardedTensor":
-            return ShardedTensor(
-                key,
-                _unprepended(obj),
-                obj.dtype,
-                tuple(obj.local_shape),
-                tuple(obj.global_shape),
-                tuple(obj.global_offset),
-                None if obj.axis_fragmentations is None else tuple(obj.axis_fragmentations),
-                obj.replica_id,
-                obj.prepend_axis_num,
-                obj.allow_shape_mismatch,
-                flattened_range,
-            )
+            fragm = None if obj.axis_fragmentations is None else tuple(obj.axis_fragmentations)
+            shape = tuple(obj.local_shape), tuple(obj.global_shape), tuple(obj.global_offset), fragm
+            meta = (obj.replica_id, obj.prepend_axis_num, obj.allow_shape_mismatch, flattened_range)
+            return ShardedTensor(key, _unprepended(obj), obj.dtype, *shape, *meta)
         if name == "ShardedObject":
             return ShardedObject(
                 key, obj.data, tuple(obj.global_shape), tuple(obj.global_offset), obj.replica_id
@@ -205,8 +155,7 @@ def _convert(x: Any, path: Tuple[Any, ...]) -> Any:
         return x
     where = "/".join(map(str, path)) or "<root>"
     if isinstance(x, tuple):
-        # tuples are leaves of a state dict (saved whole as common state): nothing sharded
-        # may hide in them
+        # tuples are saved whole as common state: nothing sharded may hide in them
         for i, v in enumerate(x):
             if looks_sharded(v) or isinstance(v, (dict, list, tuple)) and _has_sharded(v):
                 raise _unsupported(v, f"{where}[{i}]", "sharded leaves inside a tuple")
@@ -235,21 +184,13 @@ def _has_sharded(x: Any) -> bool:
 def convert_sharded_state_dict(
     sharded_state_dict: Any, path: Sequence[Any] = ()
 ) -> ShardedStateDict:
-    """Replaces every megatron-core mapping object in a tree by ours, IN PLACE.
+    """Replaces every megatron-core mapping object in a tree by ours, IN PLACE (entry points
+    call it on a shallow copy of the caller's tree).
 
-    Entry points call it on their own shallow copy of the caller's tree, so the caller's
-    containers and objects are never modified.
-
-    Args:
-        sharded_state_dict: a nested dict/list (or a single leaf).
-        path: key path of the tree in an enclosing one (for messages).
-
-    Returns:
-        The same tree (or converted leaf).
+    Returns the tree (or converted leaf); `path` is its key path, for messages.
 
     Raises:
-        UnsupportedShardedObjectError: a leaf looks sharded but cannot be handled (naming
-            its key path).
+        UnsupportedShardedObjectError: a leaf looks sharded but cannot be handled.
         CheckpointingException: a megatron object whose metadata is invalid.
     """
     return _convert(sharded_state_dict, tuple(path))
@@ -304,22 +245,12 @@ def is_installed() -> bool:
 def install() -> None:
     """Makes `megatron.core.dist_checkpointing` and its submodules resolve to this package.
 
-    Call it once, before anything imports `megatron.core` (megatron's package imports its
-    `dist_checkpointing.mapping` at import time). Afterwards
-    `from megatron.core.dist_checkpointing.mapping import ShardedTensor` gives our class,
-    `megatron.core.dist_checkpointing.save` is our `save`, and so on for every module this
-    package has (`mapping`, `serialization`, `utils`, `optimizer`, `dict_utils`, `core`,
-    `validation`, `exchange_utils`, `tensor_aware_state_dict`, `strategies.base`,
-    `strategies.torch`, `strategies.fully_parallel`, `strategies.async_utils`, ...).
-    A megatron module we do not have (e.g. `strategies.zarr`) fails to import with
-    ModuleNotFoundError instead of silently mixing megatron's code with ours. The parent
-    packages `megatron` and `megatron.core` stay megatron's: megatron-core must be
-    installed. Idempotent.
+    Call it before anything imports `megatron.core` (which must be installed). A submodule
+    we lack (e.g. `strategies.zarr`) then raises ModuleNotFoundError. Idempotent.
 
     Raises:
         CheckpointingException: megatron-core's own dist_checkpointing is already imported
-            (objects built from it exist; mixing the two is refused). Its objects are still
-            accepted by our entry points: hand them to `dist_checkpointing.save/load`.
+            (mixing the two is refused; its objects are still accepted by save/load).
     """
     global _finder
     if is_installed():
@@ -344,8 +275,6 @@ def install() -> None:
 
 def uninstall() -> List[str]:
     """Undoes `install()`: removes the finder and the aliased modules from `sys.modules`.
-
-    Modules that already imported names from the alias keep them.
 
     Returns:
         The module names that were removed from `sys.modules`.

@@ -1,11 +1,5 @@
-"""Sharding for optimizer state, derived from the sharding of the model parameters.
-
-An optimizer keeps per-parameter state (Adam's `exp_avg`, `exp_avg_sq`) shaped like the
-parameter, so each state tensor is sharded exactly like its parameter. These helpers map
-the optimizer's parameter ids to the model's ShardedTensors and turn a
-`torch.optim.Optimizer.state_dict()` into a sharded state dict, with megatron-core's names
-and signatures (`megatron.core.dist_checkpointing.optimizer`).
-"""
+"""Optimizer state sharded like its parameters (megatron-core's names and signatures): each
+per-parameter state tensor (Adam's `exp_avg`, ...) gets its parameter's sharding."""
 
 from __future__ import annotations
 
@@ -52,14 +46,8 @@ def _local(t: Any) -> Any:
 
 
 def get_optim_param_to_id_map(optim_params_iter: Iterable[torch.nn.Parameter]) -> Dict[int, int]:
-    """Maps `id(param)` to the param's position in the optimizer's parameter order.
-
-    Args:
-        optim_params_iter: the optimizer's parameters, in its `param_groups` order.
-
-    Returns:
-        `{id(param): index}`; a parameter listed twice keeps its first index.
-    """
+    """Maps `id(param)` to its first position in the optimizer's parameters (in
+    `param_groups` order)."""
     out: Dict[int, int] = {}
     for index, param in enumerate(optim_params_iter):
         out.setdefault(id(_local(param)), index)
@@ -69,18 +57,9 @@ def get_optim_param_to_id_map(optim_params_iter: Iterable[torch.nn.Parameter]) -
 def get_param_id_to_sharded_param_map(
     model_sharded_state_dict: ShardedStateDict, optim_params_iter: Iterable[torch.nn.Parameter]
 ) -> Dict[int, ShardedParam]:
-    """Maps optimizer state ids to the model ShardedTensors (or factories) of their params.
-
-    A model leaf matches a parameter when its `data` is that very tensor object.
-
-    Args:
-        model_sharded_state_dict: the model's sharded state dict (any structure).
-        optim_params_iter: the optimizer's parameters, in its `param_groups` order.
-
-    Returns:
-        `{optimizer state id: ShardedTensor or ShardedTensorFactory}`; parameters with no
-        model leaf are absent (logged on rank 0 when nothing matched at all).
-    """
+    """Maps optimizer state ids (positions in `optim_params_iter`) to the model's
+    ShardedTensors (or factories) whose `data` is that very parameter; unmatched parameters
+    are absent (a warning on rank 0 when none matched)."""
     leaves, _ = extract_sharded_tensors_and_factories(model_sharded_state_dict)
     param_ids = get_optim_param_to_id_map(optim_params_iter)
     out: Dict[int, ShardedParam] = {}
@@ -102,15 +81,8 @@ def get_param_id_to_sharded_param_map(
 def make_sharded_optimizer_tensor(
     model_param: ShardedParam, optim_param: torch.Tensor, prefix: str
 ) -> ShardedParam:
-    """A ShardedTensor (or factory) for one optimizer state tensor, sharded like its param.
-
-    Args:
-        model_param: the parameter's ShardedTensor or ShardedTensorFactory.
-        optim_param: the optimizer state tensor (same local shape as the parameter).
-        prefix: prepended to the key as `<prefix>.<model key>`.
-
-    Returns:
-        A copy of `model_param` with the new key and `optim_param` as data (and its dtype).
+    """A copy of `model_param` keyed `<prefix>.<model key>` with `optim_param` (same local
+    shape) as data, for one optimizer state tensor.
 
     Raises:
         CheckpointingException: the shapes differ (naming the key).
@@ -124,7 +96,6 @@ def make_sharded_optimizer_tensor(
             f"Optimizer state {key!r} has shape {tuple(optim_param.shape)}, its parameter "
             f"{model_param.key!r} has local shape {tuple(model_param.local_shape)}"
         )
-    # dataclasses.replace re-runs the constructor's validation
     return replace(model_param, key=key, data=optim_param, dtype=optim_param.dtype)
 
 
@@ -135,15 +106,13 @@ def optim_state_to_sharding_state(
 ) -> None:
     """Turns a `torch.optim` state dict into a sharded state dict, in place.
 
-    `optim_state_dict["state"][id][name]` becomes a ShardedTensor keyed
-    `optimizer.state.<name>.<param key>`, sharded like the parameter; `param_groups` are
-    deep-copied and their `params` lists wrapped in `LocalNonpersistentObject` (the ids are
-    local to this optimizer, so the loading process keeps its own).
+    `["state"][id][name]` becomes a ShardedTensor keyed `optimizer.state.<name>.<param key>`;
+    the `params` lists of (deep-copied) `param_groups` become LocalNonpersistentObjects.
 
     Args:
         optim_state_dict: `{"state": {...}, "param_groups": [...]}`.
         id_to_sharded_param_map: from `get_param_id_to_sharded_param_map`.
-        exclude_keys: state names left out (e.g. `"step"`, a scalar per parameter).
+        exclude_keys: state names left out (e.g. `"step"`).
 
     Raises:
         CheckpointingException: a state id has no sharded parameter.

@@ -1,12 +1,8 @@
 """Entry points: `save`, `load` and the metadata/maintenance helpers.
 
-All entry points that take a process group's worth of ranks are collective: call them on
-every rank, in the same order. A failure on any rank raises a `CheckpointingException` on
-every rank.
-
-`save` and `load` choose their flow once, from the sharded strategy's class: node-local
-backends go to `_node_local_flow`; the steps every backend shares live in `_prepare`,
-`_save_pipeline` and `_strategy_selection`.
+Collective entry points are called on every rank, in the same order; a failure on any rank
+raises a `CheckpointingException` on every rank. Node-local backends take the flow in
+`_node_local_flow`; shared steps live in `_prepare`, `_save_pipeline`, `_strategy_selection`.
 """
 
 from __future__ import annotations
@@ -103,15 +99,11 @@ def save(
     """Collective: saves a sharded state dict as a checkpoint directory.
 
     Steps:
-    1. Every rank resolves the strategies, creates the directory, builds factories and
-       splits its state into sharded leaves and common state (LocalNonpersistentObjects are
-       dropped); rank 0 refuses a directory that already holds a complete checkpoint.
-       Failures anywhere raise everywhere.
-    2. With `validate_access_integrity`, the shard metadata of all ranks is checked: main
-       replicas cover each tensor exactly once and ranks agree on shapes and dtypes; rank 0
-       logs where other ranks' common state differs from its own.
-    3. Rank 0 writes `common.pt`; ShardedObjects go to the common strategy if the sharded
-       one cannot store them.
+    1. Resolve strategies, create the directory (refusing a complete checkpoint), build
+       factories, split sharded leaves from common state.
+    2. With `validate_access_integrity`, check the global sharding; rank 0 logs where
+       other ranks' common state differs from its own.
+    3. Rank 0 writes the common state (and ShardedObjects if the sharded strategy can't).
     4. The sharded strategy writes the shards.
     5. Rank 0 writes `metadata.json` (the commit) once every rank's data is durable.
 
@@ -121,13 +113,11 @@ def save(
         sharded_strategy: instance or `(backend, version)`; default ('torch_dist', 1).
         common_strategy: instance or `(backend, version)`; default ('torch', 1).
         validate_access_integrity: run the sharding checks of step 2.
-        async_sharded_save: return an async request for step 4-5 instead of running them
-            (requires an `AsyncSaveShardedStrategy`).
+        async_sharded_save: return an async request for steps 4-5 (needs an
+            `AsyncSaveShardedStrategy`).
         preprocess_common_before_consistancy_check: applied to the common state before the
-            cross-rank comparison (e.g. to drop keys expected to differ); must not modify its
-            argument.
-        content_metadata: a dict stored in the common state, read back with
-            `load_content_metadata`.
+            cross-rank comparison (e.g. to drop keys expected to differ), without modifying it.
+        content_metadata: a dict saved with the state (see `load_content_metadata`).
 
     Returns:
         None, or the async request when `async_sharded_save`.
@@ -188,31 +178,26 @@ def load(
     *,
     allow_lossy_dtype_conversion: bool = False,
 ) -> LoadResult:
-    """Collective: loads a checkpoint into the layout that `sharded_state_dict` describes.
-
-    The requested sharding may differ from the saved one (other world size, axis or number
-    of pieces): each rank reads exactly the regions it asks for.
+    """Collective: loads a checkpoint into the (possibly different) sharding that
+    `sharded_state_dict` describes.
 
     Steps:
-    1. Check `metadata.json` and pick compatible strategies (from it unless given).
-    2. Load the common state; it forms the base of the result.
-    3. Build factories; put LocalNonpersistentObjects' local values in place.
-    4. Apply `strict` (key mismatch handling) and, with `validate_access_integrity`, check
-       that the request is a valid sharding.
-    5. Load ShardedTensors/ShardedObjects, merge them in, apply factory merges.
+    1. Check `metadata.json`, pick compatible strategies and load the common state.
+    2. Build factories; put LocalNonpersistentObjects' local values in place.
+    3. Apply `strict` and, with `validate_access_integrity`, check the request's sharding.
+    4. Load ShardedTensors/ShardedObjects, merge them in, apply factory merges.
 
     Args:
-        sharded_state_dict: what to load and where (ShardedTensors may carry the destination
-            tensors; those without data are allocated on the CPU).
+        sharded_state_dict: what to load and where (ShardedTensors without data are
+            allocated on the CPU).
         checkpoint_dir: the checkpoint directory.
         sharded_strategy: instance or `(backend, version)`; default from `metadata.json`.
         common_strategy: instance or `(backend, version)`; default from `metadata.json`.
         validate_access_integrity: check the request's sharding across ranks.
         strict: a `StrictHandling` (or its value) for requested-vs-stored key mismatches.
         allow_lossy_dtype_conversion: load tensors into dtypes that cannot hold every stored
-            value (float -> int, float32 -> bfloat16, ...); without it such a request raises
-            `LossyDtypeConversionError` naming the key and both dtypes. Exact conversions
-            (float16 -> float32, int8 -> int64, ...) always load.
+            value (float32 -> bfloat16, ...); without it that raises
+            `LossyDtypeConversionError`. Exact conversions always load.
 
     Returns:
         The loaded state dict; under RETURN_UNEXPECTED / RETURN_ALL a tuple
@@ -287,10 +272,7 @@ def _sharded_metadata(
 
 
 def load_common_state_dict(checkpoint_dir: PathArg) -> StateDict:
-    """Loads only the common (non-sharded) state of a checkpoint. Not collective.
-
-    For node-local backends, this rank's common state from its own directory.
-    """
+    """Loads only the common state of a checkpoint (node-local: this rank's). Not collective."""
     sharded, common = verify_checkpoint_and_load_strategy(checkpoint_dir)
     if isinstance(sharded, NodeLocalLoadShardedStrategy):
         return _node_local_flow.load_common_state_dict(sharded, Path(checkpoint_dir))
@@ -310,10 +292,7 @@ def load_sharded_metadata(
     sharded_strategy: Optional[LoadShardedStrategy] = None,
     common_strategy: Optional[LoadCommonStrategy] = None,
 ) -> ShardedStateDict:
-    """Returns tensors (by key) and ShardedObjects (by unique key) of a checkpoint, no data.
-
-    Not collective.
-    """
+    """Returns tensors (by key) and ShardedObjects (by unique key), no data. Not collective."""
     sharded, common = verify_checkpoint_and_load_strategy(
         checkpoint_dir, sharded_strategy, common_strategy
     )
@@ -331,11 +310,8 @@ def load_plain_tensors(checkpoint_dir: PathArg) -> StateDict:
 def load_content_metadata(
     checkpoint_dir: Optional[PathArg] = None, *, preloaded_state_dict: Optional[StateDict] = None
 ) -> Optional[dict]:
-    """Returns the `content_metadata` given to `save`, or None if there was none.
-
-    Args:
-        checkpoint_dir: the checkpoint (read if `preloaded_state_dict` is not given).
-        preloaded_state_dict: an already loaded common or full state dict.
+    """Returns the `content_metadata` given to `save` (or None), read from
+    `preloaded_state_dict` (a loaded common or full state dict) or else `checkpoint_dir`.
 
     Raises:
         CheckpointingException: if neither argument is given.
@@ -348,9 +324,7 @@ def load_content_metadata(
 
 
 def remove_sharded_tensors(checkpoint_dir: PathArg, key_prefix: str) -> None:
-    """Removes the tensors whose keys start with `key_prefix` (saved with that separation hint).
-
-    Not collective: run it on one process.
-    """
+    """Removes the tensors whose keys start with `key_prefix` (saved with that separation
+    hint). Not collective: run it on one process."""
     sharded, _ = verify_checkpoint_and_load_strategy(checkpoint_dir)
     sharded.remove_sharded_tensors(Path(checkpoint_dir), key_prefix)

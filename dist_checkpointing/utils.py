@@ -1,12 +1,5 @@
-"""Helpers that split sharded state dicts by leaf kind and rename sharded keys.
-
-Model code builds its sharded state dict bottom-up: every submodule produces keys relative
-to itself, and the parent renames them (`add_prefix_for_sharding`,
-`replace_prefix_for_sharding`, `apply_prefix_mapping`). The `extract_*` helpers split a
-sharded state dict into the leaves of one kind and the rest, keeping the tree structure.
-The names and signatures are megatron-core's (`megatron.core.dist_checkpointing.utils`), so
-its model code runs unchanged on this package.
-"""
+"""Helpers that split sharded state dicts by leaf kind and rename sharded keys, with
+megatron-core's names and signatures (`megatron.core.dist_checkpointing.utils`)."""
 
 from __future__ import annotations
 
@@ -43,11 +36,7 @@ _KEYED = (ShardedTensor, ShardedTensorFactory, ShardedObject)
 
 
 def zip_strict(*args: Iterable[Any]) -> Iterable[Tuple[Any, ...]]:
-    """`zip` that refuses iterables of different lengths, naming every length.
-
-    Raises:
-        CheckpointingException: when the lengths differ.
-    """
+    """`zip` that raises `CheckpointingException` on iterables of different lengths."""
     lists: List[List[Any]] = [list(a) for a in args]
     lengths = [len(a) for a in lists]
     if len(set(lengths)) > 1:
@@ -98,12 +87,7 @@ extract_nonpersistent = _extractor(
 
 
 def add_prefix_for_sharding(sharded_state_dict: ShardedStateDict, prefix: str) -> None:
-    """Prepends `prefix` to the key of every sharded leaf, in place.
-
-    Args:
-        sharded_state_dict: the tree whose leaves are renamed.
-        prefix: prepended as is (include the separator, e.g. `"decoder."`).
-    """
+    """Prepends `prefix` as is (e.g. `"decoder."`) to the key of every sharded leaf, in place."""
 
     def add(leaf: Any) -> Any:
         if isinstance(leaf, ShardedBase):
@@ -118,15 +102,9 @@ def replace_prefix_for_sharding(
 ) -> None:
     """Replaces `old_prefix` by `new_prefix` in the key of every keyed sharded leaf, in place.
 
-    Args:
-        sharded_state_dict: the tree whose ShardedTensors, factories and ShardedObjects are
-            renamed.
-        old_prefix: every such key must start with it.
-        new_prefix: what replaces it.
-
     Raises:
-        CheckpointingException: naming the first key that does not start with `old_prefix`
-            (keys renamed before it stay renamed, as in megatron-core).
+        CheckpointingException: naming the first key without `old_prefix` (keys renamed
+            before it stay renamed, as in megatron-core).
     """
 
     def replace(leaf: Any) -> Any:
@@ -142,14 +120,8 @@ def replace_prefix_for_sharding(
 
 
 def apply_prefix_mapping(sharded_state_dict: ShardedStateDict, prefix_map: Dict[str, str]) -> None:
-    """Renames the keys that start with one of `prefix_map`'s prefixes, in place.
-
-    Args:
-        sharded_state_dict: the tree whose ShardedTensors, factories and ShardedObjects are
-            renamed.
-        prefix_map: old prefix -> new prefix; for each key the first matching old prefix
-            (in the dict's order) is replaced; keys matching none are left alone.
-    """
+    """Renames, in place, each keyed sharded leaf whose key starts with an old prefix of
+    `prefix_map` (old -> new; the first match in the dict's order), leaving others alone."""
 
     def remap(leaf: Any) -> Any:
         if isinstance(leaf, _KEYED):

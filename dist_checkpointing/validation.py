@@ -1,10 +1,8 @@
-"""Sharding integrity checks and strict-load handling.
+"""Sharding integrity checks and strict-load handling: pure functions of metadata, except
+the collective `determine_global_metadata`.
 
-The checks are pure functions of metadata (testable without processes); the only collective
-here is `determine_global_metadata`.
-
-Why this module is over 400 lines: the sharding integrity checks and the strict-load
-handling share the same key and shard indexing; both are pure functions of metadata.
+Over 400 lines: the integrity checks and the strict-mode handling are both megatron's public
+`validation` module, whose path users import.
 """
 
 from __future__ import annotations
@@ -56,9 +54,8 @@ _OVERLAP_BLOCK = 512
 class StrictHandling(Enum):
     """What `load` does when requested keys and checkpoint keys differ.
 
-    "Unexpected" keys are requested but absent from the checkpoint; "missing" keys are in the
-    checkpoint but requested by no rank. `*_UNEXPECTED` modes look only at unexpected keys
-    (no extra exchange between ranks); `*_ALL` modes need every rank's request.
+    "Unexpected" keys are requested but not in the checkpoint; "missing" keys are in the
+    checkpoint but requested by no rank (`*_ALL` modes: needs every rank's request).
     """
 
     #: No check: an unexpected key fails inside the load strategy.
@@ -71,8 +68,7 @@ class StrictHandling(Enum):
     RAISE_UNEXPECTED = "raise_unexpected"
     #: Raise before loading if any key is unexpected or missing.
     RAISE_ALL = "raise_all"
-    #: Skip unexpected keys; `load` returns (state_dict, missing_keys, unexpected_keys) with
-    #: missing_keys empty.
+    #: Like RETURN_ALL, with missing_keys empty.
     RETURN_UNEXPECTED = "return_unexpected"
     #: Skip unexpected keys; `load` returns (state_dict, missing_keys, unexpected_keys).
     RETURN_ALL = "return_all"
@@ -101,11 +97,7 @@ class StrictHandling(Enum):
 
 
 def parse_strict_flag(strict: Union[str, StrictHandling]) -> StrictHandling:
-    """Turns a `StrictHandling` or its string value into a `StrictHandling`.
-
-    Raises:
-        ValueError: for an unknown value.
-    """
+    """Turns a `StrictHandling` or its string value into a `StrictHandling` (else ValueError)."""
     if isinstance(strict, StrictHandling):
         return strict
     try:
@@ -118,12 +110,8 @@ def parse_strict_flag(strict: Union[str, StrictHandling]) -> StrictHandling:
 def determine_global_metadata(
     sharded_state_dict: ShardedStateDict,
 ) -> Tuple[LocalMetadata, GlobalMetadata]:
-    """Collective: call on all ranks. Exchanges every rank's shard metadata (no data).
-
-    Returns:
-        (local_metadata, global_metadata): this rank's metadata-only shards, and the list of
-        every rank's, indexed by rank.
-    """
+    """Collective: call on all ranks. Returns (local_metadata, global_metadata): this rank's
+    metadata-only shards, and every rank's, indexed by rank."""
     local: LocalMetadata = []
     error: Optional[BaseException] = None
     try:  # megatron-core's objects count like ours; anything unhandled fails on every rank
@@ -138,10 +126,6 @@ def determine_global_metadata(
     gathered = all_gather_object((local, error_report(error)))
     raise_on_reported_errors([g[1] for g in gathered], error, "determine_global_metadata")
     return local, [g[0] for g in gathered]
-
-
-def _volume(shape: Sequence[int]) -> int:
-    return math.prod(shape)
 
 
 def _first_overlap(starts: np.ndarray, ends: np.ndarray) -> Optional[Tuple[int, int]]:
@@ -165,20 +149,17 @@ def _first_overlap(starts: np.ndarray, ends: np.ndarray) -> Optional[Tuple[int, 
 
 
 def _tensor_problems(key: str, shards: List[Tuple[int, ShardedTensor]]) -> List[str]:
-    problems = []
     rank0, ref = shards[0]
     for rank, sh in shards[1:]:
         if sh.global_shape != ref.global_shape:
-            problems.append(
+            return [
                 f"{key!r}: global_shape {sh.global_shape} on rank {rank} differs from "
                 f"{ref.global_shape} on rank {rank0}"
-            )
-            return problems
+            ]
         if sh.dtype != ref.dtype:
-            problems.append(
+            return [
                 f"{key!r}: dtype {sh.dtype} on rank {rank} differs from {ref.dtype} on rank {rank0}"
-            )
-            return problems
+            ]
     main = [(rank, sh) for rank, sh in shards if is_main_replica(sh.replica_id)]
     if not main:
         return [
@@ -199,14 +180,14 @@ def _tensor_problems(key: str, shards: List[Tuple[int, ShardedTensor]]) -> List[
             f"{a.prepended_local_shape} and rank {rb} offset {b.global_offset} shape "
             f"{b.prepended_local_shape}"
         ]
-    covered = sum(_volume(sh.prepended_local_shape) for _, sh in main)
-    total = _volume(ref.global_shape)
+    covered = sum(math.prod(sh.prepended_local_shape) for _, sh in main)
+    total = math.prod(ref.global_shape)
     if covered != total:
-        problems.append(
+        return [
             f"Invalid access pattern for {key!r}: main replicas cover {covered} of {total} "
             f"elements of global shape {ref.global_shape} (a gap)"
-        )
-    return problems
+        ]
+    return []
 
 
 def _object_problems(key: str, shards: List[Tuple[int, ShardedObject]]) -> List[str]:
@@ -228,7 +209,7 @@ def _object_problems(key: str, shards: List[Tuple[int, ShardedObject]]) -> List[
                 f"{seen[sh.global_offset]} and {rank})"
             ]
         seen[sh.global_offset] = rank
-    total = _volume(ref.global_shape)
+    total = math.prod(ref.global_shape)
     if len(seen) != total:
         return [
             f"Invalid access pattern: {total - len(seen)} ShardedObject are missing "
@@ -239,13 +220,9 @@ def _object_problems(key: str, shards: List[Tuple[int, ShardedObject]]) -> List[
 
 
 def find_sharding_problems(global_metadata: GlobalMetadata) -> List[str]:
-    """Lists what is wrong with a global sharding (empty when it is valid).
-
-    For each ShardedTensor key: every rank agrees on global shape and dtype, and the main
-    replicas cover the global tensor exactly once (no overlap, no gap). For each
-    ShardedObject key: ranks agree on the grid shape and every grid cell has exactly one main
-    replica. A key used both as a tensor and as an object is a problem too.
-    """
+    """Lists what is wrong with a global sharding (empty when valid): ranks disagreeing on
+    shape or dtype, main replicas that overlap or leave a gap, a key used as both a tensor
+    and an object."""
     tensors: Dict[str, List[Tuple[int, ShardedTensor]]] = defaultdict(list)
     objects: Dict[str, List[Tuple[int, ShardedObject]]] = defaultdict(list)
     for rank, local in enumerate(global_metadata):
@@ -272,13 +249,12 @@ def validate_sharding_integrity(
     """Checks that the shards of all ranks form valid global tensors and objects.
 
     Args:
-        global_metadata: every rank's metadata-only shards, indexed by rank (as returned by
-            `determine_global_metadata`); every rank passes the same list, so every rank
-            reaches the same verdict without further communication.
+        global_metadata: every rank's metadata-only shards, indexed by rank (as from
+            `determine_global_metadata`), so every rank reaches the same verdict.
         common_state_dict: accepted for API compatibility; not inspected.
 
     Raises:
-        ShardingIntegrityError: listing the problems found (see `find_sharding_problems`).
+        ShardingIntegrityError: listing the problems (see `find_sharding_problems`).
     """
     problems = find_sharding_problems(global_metadata)
     if problems:
@@ -294,11 +270,7 @@ def validate_sharding_integrity(
 
 
 def metadata_fingerprint(local_metadata: LocalMetadata) -> str:
-    """A digest of a rank's shard geometry (keys, shapes, offsets, dtypes, replica ids).
-
-    Equal digests on every rank mean the same global sharding as the save that produced
-    them, so a validation of it can be reused.
-    """
+    """A digest of a rank's shard geometry (keys, shapes, offsets, dtypes, replica ids)."""
     h = hashlib.blake2b(digest_size=16)
     for sh in local_metadata:
         if isinstance(sh, ShardedTensor):
@@ -329,13 +301,8 @@ def determine_missing_and_unexpected_keys(
     local_metadata: LocalMetadata,
     global_metadata: Optional[GlobalMetadata] = None,
 ) -> Tuple[Set[str], Set[str]]:
-    """Compares requested keys with checkpoint keys.
-
-    Returns:
-        (missing_keys, unexpected_keys): checkpoint keys no rank requested (empty when
-        `global_metadata` is None), and keys this rank requested that the checkpoint lacks.
-        ShardedObjects are named by their `unique_key`.
-    """
+    """Returns (missing_keys, unexpected_keys): checkpoint keys no rank requested (empty
+    without `global_metadata`), and keys this rank requested that the checkpoint lacks."""
     local_keys = {_sharded_key(sh) for sh in local_metadata}
     unexpected = local_keys - ckpt_sharded_metadata.keys()
     missing: Set[str] = set()
@@ -368,9 +335,8 @@ def _listing(keys: Set[str]) -> str:
 def _report(
     missing: Set[str], unexpected: Set[str], available: Optional[Sequence[str]] = None
 ) -> str:
-    """The key-mismatch message; `available` (checkpoint keys) feeds the close-match hints."""
-    # megatron-core's titles and "Missing keys" / "Unexpected keys" labels, which users'
-    # scripts match on, then the keys themselves
+    """The key-mismatch message, with megatron-core's titles and labels (scripts match on
+    them); `available` (checkpoint keys) feeds the close-match hints."""
     titles, bodies = [], []
     if missing:
         titles.append(
@@ -405,18 +371,16 @@ def validate_integrity_and_strict_load(
     global_metadata: Optional[GlobalMetadata] = None,
     ckpt_sharded_metadata: Optional[CkptShardedMetadata] = None,
 ) -> Tuple[ShardedStateDict, Set[str], Set[str]]:
-    """Applies the strict mode and the sharding integrity check before a load.
-
-    Raising modes agree across ranks (a collective when a process group is initialized), so
-    a key unexpected on one rank raises on every rank.
+    """Applies the strict mode and the sharding integrity check before a load (raising
+    modes are agreed on across ranks: collective when a process group is initialized).
 
     Returns:
         (sharded_state_dict without unexpected keys, missing_keys, unexpected_keys).
 
     Raises:
         KeyMismatchError: under RAISE_UNEXPECTED / RAISE_ALL when keys differ.
-        ShardingIntegrityError: when `validate_access_integrity` and the request is invalid.
-        ValueError: when metadata needed by `strict` was not provided.
+        ShardingIntegrityError: the request is invalid (with `validate_access_integrity`).
+        ValueError: metadata needed by `strict` was not provided.
     """
     missing: Set[str] = set()
     unexpected: Set[str] = set()

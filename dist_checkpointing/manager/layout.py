@@ -13,8 +13,8 @@ import re
 from pathlib import Path
 from typing import Optional, Union
 
-from .._fileio import atomic_write, read_capped
 from ..errors import CheckpointingException
+from ..storage.fileio import atomic_write, read_capped
 
 __all__ = ["LATEST_FNAME", "step_dir_name", "parse_step", "read_latest", "write_latest"]
 

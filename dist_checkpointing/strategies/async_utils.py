@@ -1,8 +1,4 @@
-"""Async save service, re-exported at its reference path (see `dist_checkpointing.async_save`).
-
-megatron-core's code imports `AsyncRequest` and `AsyncCallsQueue` from here; the names are
-defined in `dist_checkpointing.async_save`, whose `__all__` is the one list of them.
-"""
+"""megatron-core's import path of the async save service (`dist_checkpointing.async_save`)."""
 
 from __future__ import annotations
 

@@ -1,19 +1,6 @@
-"""The strategy registry and the strategy base classes.
-
-A strategy is selected by `(StrategyAction, backend, version)`. Built-in strategies are
-registered lazily, on the first lookup, by `_register_builtin_strategies`; importing this
-module registers nothing. Users add their own with `register_default_strategy` and select
-them in `save`/`load` by `(backend, version)` or by passing an instance.
-
-Protocol of a save: `save()` runs on every rank; a `SaveShardedStrategy.save` must be
-collective-safe (all ranks call it, all succeed or all raise). The checkpoint records the
-strategy's `(backend, version)` in `metadata.json`; `load` looks that pair up under
-`LOAD_SHARDED`/`LOAD_COMMON` and then asks the strategy `check_backend_compatibility` and
-`check_version_compatibility`, which raise on mismatch.
-
-Why one module of about 430 lines: the registry checks every strategy against the base class
-of its action, and these bases are the extension points users subclass; keeping both here
-keeps the public path `strategies.base` for every name without an import cycle.
+"""The strategy registry, keyed by `(StrategyAction, backend, version)`, and the strategy
+base classes. Built-ins register lazily on the first lookup. The `(backend, version)` a
+save records in `metadata.json` selects the load strategies, which check compatibility.
 """
 
 from __future__ import annotations
@@ -61,21 +48,16 @@ class StrategyAction(Enum):
     SAVE_SHARDED = "save_sharded"
 
 
-#: What the registry holds: a strategy instance of the base class its action requires.
 StrategyBase = Union["LoadStrategyBase", "SaveStrategyBase"]
-RegistryKey = Tuple[StrategyAction, str, int]
 
 #: The registry. Changed only by `register_default_strategy`.
-_registry: Dict[RegistryKey, StrategyBase] = {}
+_registry: Dict[Tuple[StrategyAction, str, int], StrategyBase] = {}
 _builtins_registered = False
 
 
 class _RegistryView(Mapping[str, Mapping[Tuple[str, int], StrategyBase]]):
-    """Read-only `view[action.value][(backend, version)]` of the registry.
-
-    The reference layout of `default_strategies`, kept for code that reads it; it reflects
-    registrations made later, and cannot be written (use `register_default_strategy`).
-    """
+    """Read-only, live `view[action.value][(backend, version)]` of the registry (megatron's
+    layout of `default_strategies`; write with `register_default_strategy`)."""
 
     def __getitem__(self, action_value: str) -> Mapping[Tuple[str, int], StrategyBase]:
         action = StrategyAction(action_value)
@@ -118,14 +100,6 @@ def _registered_listing() -> str:
 def get_default_strategy(action: StrategyAction, backend: str, version: int) -> StrategyBase:
     """Returns the strategy registered for `(action, backend, version)`.
 
-    Args:
-        action: what the strategy is for.
-        backend: the backend name.
-        version: the format version.
-
-    Returns:
-        The registered strategy instance (built-ins are registered on the first call).
-
     Raises:
         StrategyNotFoundError: naming the triple and listing what is registered.
     """
@@ -147,17 +121,9 @@ def register_default_strategy(
 ) -> None:
     """Registers `strategy` for `(action, backend, version)`, replacing any earlier one.
 
-    Args:
-        action: what the strategy is for; `strategy` must be an instance of its base class
-            (`LoadCommonStrategy`, `LoadShardedStrategy`, `SaveCommonStrategy` or
-            `SaveShardedStrategy`).
-        backend: the backend name (non-empty).
-        version: the format version (a positive int).
-        strategy: the instance.
-
     Raises:
-        CheckpointingException: on a malformed backend/version or a strategy of the wrong
-            kind for `action`.
+        CheckpointingException: on an empty backend, a non-positive version, or a strategy
+            that is not an instance of `action`'s base class.
     """
     if not isinstance(action, StrategyAction):
         raise CheckpointingException(f"Unknown strategy action {action!r}")
@@ -176,15 +142,8 @@ def register_default_strategy(
 def resolve_strategy(
     action: StrategyAction, spec: Any, default: Optional[Tuple[str, int]] = None
 ) -> Any:
-    """Turns a strategy argument of `save`/`load` into a strategy instance.
-
-    Args:
-        action: what the strategy is for.
-        spec: a strategy instance, a `(backend, version)` tuple, or None.
-        default: the `(backend, version)` used when `spec` is None.
-
-    Returns:
-        The strategy instance (an instance of the base class of `action`).
+    """Turns a strategy argument of `save`/`load` (an instance, a `(backend, version)` tuple,
+    or None for `default`) into an instance of `action`'s base class.
 
     Raises:
         StrategyNotFoundError: if the tuple is not registered.
@@ -228,12 +187,7 @@ class LoadStrategyBase(ABC):
 
 
 class SaveStrategyBase(ABC):  # noqa: B024 (abstract methods live in the subclasses)
-    """Base of save strategies: knows the `(backend, version)` it writes.
-
-    Args:
-        backend: backend name recorded in `metadata.json`.
-        version: format version recorded in `metadata.json`.
-    """
+    """Base of save strategies: knows the `(backend, version)` it records in `metadata.json`."""
 
     def __init__(self, backend: str, version: int) -> None:
         self.backend = backend
@@ -286,11 +240,7 @@ class LoadShardedStrategy(LoadStrategyBase):
         return self.load_tensors_metadata(checkpoint_dir)
 
     def remove_sharded_tensors(self, checkpoint_dir: CheckpointDir, key_prefix: str) -> None:
-        """Removes the tensors whose keys start with `key_prefix` from a checkpoint.
-
-        Raises:
-            CheckpointingException: if the strategy cannot do it.
-        """
+        """Removes the tensors whose keys start with `key_prefix` (raises if unsupported)."""
         raise CheckpointingException(f"{self} cannot remove sharded tensors")
 
 
@@ -322,15 +272,12 @@ class SaveCommonStrategy(SaveStrategyBase):
     def deferred_save_common(
         self, common_state_dict: StateDict, checkpoint_dir: CheckpointDir
     ) -> Optional[List[Tuple[Callable[..., Any], Tuple[Any, ...]]]]:
-        """Prepares the common save to run later, in an async save's background writer.
-
-        Called on every rank at `save()` time; whatever the calls capture must be a snapshot
-        (the caller may change its state as soon as `save()` returns). Return None (the
-        default, on every rank alike) to have `save_common` run synchronously instead.
+        """Prepares, on every rank at `save()` time, the common save to run in an async save's
+        background writer; the calls must capture a snapshot of the state.
 
         Returns:
             `(function, args)` calls to run in the background on this rank (possibly none),
-            or None.
+            or None (the default, on every rank alike) to run `save_common` synchronously.
         """
         return None
 
@@ -350,10 +297,8 @@ class SaveShardedStrategy(SaveStrategyBase):
 
 
 class AsyncSaveShardedStrategy(SaveShardedStrategy):
-    """A sharded save strategy that can also write in the background.
-
-    `async_save` does the caller-side part (planning, copy to host memory) and returns an
-    `AsyncRequest` for the rest; `save` runs that same request synchronously.
+    """A sharded save strategy that can also write in the background: `async_save` does the
+    caller-side part and returns an `AsyncRequest` for the rest; `save` runs it synchronously.
     """
 
     @abstractmethod
@@ -368,12 +313,8 @@ class AsyncSaveShardedStrategy(SaveShardedStrategy):
 
 
 class NodeLocalSaveShardedStrategy(AsyncSaveShardedStrategy):
-    """A backend that stores each rank's whole state (sharded and common) on its own node.
-
-    The checkpoint directory need not be shared: `save` gives the strategy the common state
-    too, and every rank writes its own `metadata.json`, so each node can recognize a
-    complete checkpoint from its own directory.
-    """
+    """A backend that stores each rank's whole state (sharded and common) on its own node;
+    every rank writes its own `metadata.json`, so the directory need not be shared."""
 
     @property
     def can_handle_sharded_objects(self) -> bool:

@@ -1,11 +1,5 @@
-"""The 'torch' common strategy, version 1: `common.pt`, and ShardedObjects as files.
-
-Rank 0 writes the common state dict to `<ckpt>/common.pt`. For sharded backends that do not
-store ShardedObjects themselves, each main replica is written to
-`<ckpt>/<key>/shard_<offset>_<shape>.pt`, its path checked to stay inside the checkpoint.
-Loads use `torch.load(weights_only=True)` unless the strategy is built with
-`weights_only=False` (trusted checkpoints only).
-"""
+"""The 'torch' common strategy, version 1: rank 0 writes `common.pt`; ShardedObjects (for
+sharded backends that don't store them) go to `<ckpt>/<key>/shard_<offset>_<shape>.pt`."""
 
 from __future__ import annotations
 
@@ -17,7 +11,6 @@ from typing import Any, Callable, List, Optional, Tuple
 import torch
 
 from .._dist import get_rank
-from .._fileio import atomic_write
 from .._paths import safe_join
 from .._safe_load import torch_load
 from .._types import ShardedStateDict, StateDict
@@ -25,6 +18,7 @@ from ..dict_utils import dict_list_map_inplace, nested_values
 from ..errors import CheckpointCorruptedError, CheckpointingException
 from ..integrity import read_checksums
 from ..mapping import ShardedObject, is_main_replica
+from ..storage.fileio import atomic_write
 from .base import (
     CheckpointDir,
     LoadCommonStrategy,
@@ -95,11 +89,7 @@ class TorchCommonSaveStrategy(SaveCommonStrategy):
     def save_sharded_objects(
         self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir
     ) -> None:
-        """Writes each main-replica ShardedObject to `<checkpoint_dir>/<unique_key>.pt`.
-
-        Raises:
-            CheckpointingException: if a key would escape `checkpoint_dir`.
-        """
+        """Writes each main-replica ShardedObject to `<checkpoint_dir>/<unique_key>.pt`."""
         for sh_obj in nested_values(sharded_objects_state_dict):
             if isinstance(sh_obj, ShardedObject) and is_main_replica(sh_obj.replica_id):
                 path = safe_join(checkpoint_dir, sh_obj.unique_key, ".pt")
@@ -115,11 +105,9 @@ class TorchCommonLoadStrategy(LoadCommonStrategy):
     """Reads `common.pt` and per-object `.pt` files.
 
     Args:
-        weights_only: keep True (the default) to refuse arbitrary pickled objects; set False
-            only for checkpoints you trust, or allowlist classes with
-            `torch.serialization.add_safe_globals`.
-        verify_checksums: check `common.pt` against the checkpoint's `checksums.json` when
-            it records one.
+        weights_only: False allows arbitrary unpickling (trusted checkpoints only; else
+            allowlist classes with `torch.serialization.add_safe_globals`).
+        verify_checksums: check `common.pt` against `checksums.json` when it records one.
     """
 
     def __init__(self, weights_only: bool = True, verify_checksums: bool = True) -> None:
@@ -133,12 +121,10 @@ class TorchCommonLoadStrategy(LoadCommonStrategy):
         require_version(self, BACKEND, SUPPORTED_VERSIONS, loaded_version)
 
     def load_common(self, checkpoint_dir: CheckpointDir) -> StateDict:
-        """Loads `common.pt`; without it, the `common_state` ShardedObject of the DCP files
-        (the layout of megatron-core 0.17 and later).
+        """Loads `common.pt` (without it, megatron-core >= 0.17's `common_state` in the DCP files).
 
         Raises:
-            CheckpointCorruptedError: if it is missing, malformed, fails verification, or
-                is not a dict.
+            CheckpointCorruptedError: missing, malformed, failing verification, or not a dict.
             UnsafeCheckpointError: if it holds objects outside the safe allowlist.
         """
         path = Path(checkpoint_dir) / COMMON_STATE_FNAME
@@ -161,20 +147,15 @@ class TorchCommonLoadStrategy(LoadCommonStrategy):
         return state
 
     def _load_common_from_dcp(self, ckpt: Path) -> StateDict:
-        """megatron-core >= 0.17 layout: the common state is the ShardedObject
-        `common_state` (one piece) inside the DCP files, and there is no `common.pt`.
-
-        Raises:
-            CheckpointCorruptedError: the DCP files hold no `common_state` either, or it is
-                not a dict.
-        """
+        """The common state as megatron-core >= 0.17 stores it: ShardedObject `common_state`."""
         from .torch_dist.load import TorchDistLoadShardedStrategy  # the files are DCP's
 
         request = {"common": ShardedObject(MCORE_COMMON_STATE_KEY, None, (1,), (0,))}
-        try:
-            state = TorchDistLoadShardedStrategy(
-                weights_only=self.weights_only, verify_checksums=self.verify_checksums
-            )._load_local(request, ckpt)[0]["common"]
+        dcp = TorchDistLoadShardedStrategy(
+            weights_only=self.weights_only, verify_checksums=self.verify_checksums
+        )
+        try:  # not collective: this rank plans and reads on its own
+            state = dcp._read(request, ckpt, dcp._plan(request, ckpt))[0]["common"]
         except CheckpointCorruptedError:
             raise
         except CheckpointingException as e:

@@ -1,19 +1,9 @@
 """Fully parallel save and load: replicated shards written once and read once per group.
 
-With data parallelism every rank of a data-parallel group holds the same shards; a plain
-save writes each shard from its main replica only, so one rank of the group does all the
-writing while the others idle. The wrappers here spread that I/O over the group:
-
-- `FullyParallelSaveStrategyWrapper` makes, for each shard whose main replica is in the
-  group, one of the ranks holding it the writer, balancing bytes across ranks, then lets
-  the wrapped strategy write (each shard still written exactly once).
-- `FullyParallelLoadStrategyWrapper` makes one rank of the group read each requested shard
-  (bytes balanced likewise), then sends every other rank that asked for it a copy.
-
-Both reuse `exchange_utils` (the same distribution and exchange as
-`MCoreTensorAwareStateDict(algo="fully_parallel")`). The exchange runs over the library's
-gloo group with host tensors, so it works for CPU tensors on gloo and CUDA tensors on NCCL
-(copied to the host and back).
+Data-parallel replicas hold the same shards, so a plain save writes each from one rank while
+the others idle. `FullyParallelSaveStrategyWrapper` picks a writer for each shard among the
+ranks holding it, balancing bytes; `FullyParallelLoadStrategyWrapper` has one rank read each
+requested shard and sends it to the others that asked for it (`exchange_utils`).
 """
 
 from __future__ import annotations
@@ -56,25 +46,14 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: megatron-core's names for its load exchanges (0.13-0.19; `--ckpt-fully-parallel-load-
-#: exchange-algo`), all accepted. In megatron they differ in how shards travel: "broadcast"
-#: (its default) broadcasts each shard from its reader to the group, "gather_rounds" all-
-#: gathers shards in rounds per dtype (both on CUDA tensors only), "gather_object" all-
-#: gathers every loaded shard as Python objects (each rank receives all of them; the one
-#: that works on CPU). Here each name gives the same result by the same exchange: every
-#: shard goes point to point from its reader to only the ranks that asked for it, as host
-#: tensors over the library's gloo group, so a rank receives no shard it does not need and
-#: every name works on CPU and CUDA tensors alike. The name is kept (`exchange_algo`) and
-#: logged; an unknown one raises.
+#: megatron-core's names for its load exchanges, all accepted; here each one sends every
+#: shard point to point from its reader to the ranks that asked for it.
 EXCHANGE_ALGOS = ("broadcast", "gather_rounds", "gather_object")
 
 
 class _DistributionCache:
-    """A distribution reused while this rank's shard structure stays the same.
-
-    Whether to recompute is agreed by all ranks (one small collective), so a rank whose
-    structure changed never leaves the others out of the recomputation.
-    """
+    """A distribution reused while every rank's shard structure stays the same (agreed on
+    by all ranks, so they recompute together)."""
 
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
@@ -113,15 +92,27 @@ class _DistributionCache:
         return distribution
 
 
-class FullyParallelSaveStrategyWrapper(AsyncSaveShardedStrategy):
+class _Wrapper:
+    """What both wrappers take from the strategy they wrap."""
+
+    base_strategy: Any
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        return bool(self.base_strategy.can_handle_sharded_objects)
+
+    def __str__(self) -> str:
+        return f"FullyParallel({self.base_strategy})"
+
+
+class FullyParallelSaveStrategyWrapper(_Wrapper, AsyncSaveShardedStrategy):
     """Spreads the writing of replicated shards over `parallelization_group`, then saves.
 
     Args:
         strategy: the sharded save strategy that writes (e.g. `TorchDistSaveShardedStrategy`);
             it must write main replicas only.
         parallelization_group: the ranks that share the writing (default: all ranks).
-        do_cache_distribution: reuse the distribution while the shard structure is
-            unchanged (one small collective checks that instead of recomputing it).
+        do_cache_distribution: reuse the distribution while the shard structure is unchanged.
     """
 
     def __init__(
@@ -142,17 +133,9 @@ class FullyParallelSaveStrategyWrapper(AsyncSaveShardedStrategy):
         self.parallelization_group = parallelization_group
         self._cache = _DistributionCache(do_cache_distribution)
 
-    @property
-    def can_handle_sharded_objects(self) -> bool:
-        return self.base_strategy.can_handle_sharded_objects
-
     def apply_saving_parallelization(self, sharded_state_dict: ShardedStateDict) -> None:
-        """Collective: marks, in place, which rank writes each shard of the group.
-
-        Each ShardedTensor leaf whose shard has a main replica in the group is replaced by a
-        copy whose `replica_id` is 0 on the rank chosen to write it and 1 elsewhere; other
-        leaves (and the caller's ShardedTensor objects) are left unchanged.
-        """
+        """Collective: replaces, in place, each ShardedTensor whose shard has a main replica
+        in the group by a copy with `replica_id` 0 on the rank chosen to write it, else 1."""
         distribution = self._cache.get(sharded_state_dict, self.parallelization_group, True)
         me = _dist.get_rank()
 
@@ -169,11 +152,7 @@ class FullyParallelSaveStrategyWrapper(AsyncSaveShardedStrategy):
     def async_save(
         self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir
     ) -> AsyncRequest:
-        """Collective: distributes the writing, then starts the wrapped strategy's async save.
-
-        Raises:
-            CheckpointingException: the wrapped strategy cannot save asynchronously.
-        """
+        """Collective: distributes the writing, then starts the wrapped strategy's async save."""
         if not isinstance(self.base_strategy, AsyncSaveShardedStrategy):
             raise CheckpointingException(f"{self.base_strategy} does not support async save")
         self.apply_saving_parallelization(sharded_state_dict)
@@ -183,9 +162,6 @@ class FullyParallelSaveStrategyWrapper(AsyncSaveShardedStrategy):
         """Collective: distributes the writing, then saves with the wrapped strategy."""
         self.apply_saving_parallelization(sharded_state_dict)
         self.base_strategy.save(sharded_state_dict, checkpoint_dir)
-
-    def __str__(self) -> str:
-        return f"FullyParallel({self.base_strategy})"
 
 
 def _tensor_paths(tree: Any, path: Tuple[Any, ...] = ()) -> Iterator[Tuple[Tuple[Any, ...], Any]]:
@@ -206,19 +182,15 @@ def _at(tree: Any, path: Tuple[Any, ...]) -> Any:
     return tree
 
 
-class FullyParallelLoadStrategyWrapper(LoadShardedStrategy):
+class FullyParallelLoadStrategyWrapper(_Wrapper, LoadShardedStrategy):
     """Reads each requested shard once within `parallelization_group`, then exchanges it.
 
     Args:
         strategy: the sharded load strategy that reads (e.g. `TorchDistLoadShardedStrategy`).
         parallelization_group: the ranks that share the reading (default: all ranks).
-        do_cache_distribution: reuse the distribution while the request structure is
-            unchanged.
-        exchange_algo: one of megatron-core's names (`EXCHANGE_ALGOS`: "broadcast",
-            "gather_rounds", "gather_object"), accepted so megatron-LM's arguments carry
-            over. Each gives the same loaded tensors by the same exchange here: shards
-            move point to point from the rank that read them to the ranks that asked for
-            them (see `EXCHANGE_ALGOS` for what megatron does differently per name).
+        do_cache_distribution: reuse the distribution while the request is unchanged.
+        exchange_algo: one of megatron-core's names (`EXCHANGE_ALGOS`), accepted so
+            megatron-LM's arguments carry over; all exchange the same way here.
 
     Raises:
         CheckpointingException: an unknown `exchange_algo`, or a node-local strategy.
@@ -248,10 +220,6 @@ class FullyParallelLoadStrategyWrapper(LoadShardedStrategy):
         self.exchange_algo = exchange_algo
         self._cache = _DistributionCache(do_cache_distribution)
 
-    @property
-    def can_handle_sharded_objects(self) -> bool:
-        return self.base_strategy.can_handle_sharded_objects
-
     def check_backend_compatibility(self, loaded_backend: str) -> None:
         self.base_strategy.check_backend_compatibility(loaded_backend)
 
@@ -270,16 +238,8 @@ class FullyParallelLoadStrategyWrapper(LoadShardedStrategy):
     def load(
         self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir
     ) -> StateDict:
-        """Collective: loads the request, each shard read by one rank of the group.
-
-        Steps: agree on the reader of every requested shard (bytes balanced over the ranks
-        asking for it); read this rank's share (and every ShardedObject) with the wrapped
-        strategy; exchange the shards; put received shards into the requested destination
-        tensors (in place when the request carries them).
-
-        Returns:
-            The loaded state dict, as the wrapped strategy would return it.
-        """
+        """Collective: loads the request, each shard read by one rank of the group and sent
+        to the others that asked for it."""
         logger.debug("fully parallel load, exchange_algo=%r (point to point)", self.exchange_algo)
         # ShardedTensors without destinations still count as wanted: give them data
         request = _with_destinations(sharded_state_dict)
@@ -310,9 +270,6 @@ class FullyParallelLoadStrategyWrapper(LoadShardedStrategy):
 
         dict_list_map_inplace(fill, deferred)
         return merge(loaded, deferred)
-
-    def __str__(self) -> str:
-        return f"FullyParallel({self.base_strategy})"
 
 
 def _with_destinations(sharded_state_dict: ShardedStateDict) -> ShardedStateDict:

@@ -114,28 +114,3 @@ def call_load(
 ) -> Any:
     """dc.load(builder(), ckpt, **kwargs) on this rank."""
     return dc.load(builder(), ckpt, **(kwargs or {}))
-
-
-def gather_objects_counting_exchanges(sizes_by_rank: List[int]) -> List[Any]:
-    """`_dist.all_gather_object` of a payload of `sizes_by_rank[rank]` bytes (plus nested
-    values), next to torch's own function on the same object; returns what each gave and
-    how many `dist.all_gather` calls ours made."""
-    from dist_checkpointing import _dist
-
-    me = dist.get_rank()
-    obj = {"rank": me, "blob": bytes([me % 251]) * sizes_by_rank[me], "nested": [me, None, 1.5]}
-    calls = []
-    real = dist.all_gather
-
-    def counting(*args: Any, **kwargs: Any) -> Any:
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    dist.all_gather = counting  # type: ignore[assignment]
-    try:
-        ours = _dist.all_gather_object(obj)
-    finally:
-        dist.all_gather = real  # type: ignore[assignment]
-    theirs: List[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(theirs, obj)
-    return [ours, theirs, len(calls)]
