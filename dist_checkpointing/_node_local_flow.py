@@ -1,10 +1,8 @@
-"""The node-local flow of `save` and `load` (backends such as `('local', 1)`).
+"""The node-local flow of `save` and `load` (backends such as `('local', 2)`).
 
-A `NodeLocalSaveShardedStrategy` keeps each rank's whole state (sharded and common) on that
-rank's node: the checkpoint directory need not be shared, every rank writes its own
-`metadata.json`, and the common state travels with the rank's part instead of `common.pt`.
-`serialization.save`/`load` choose this flow once, from the strategy's class, and hand over
-here; everything specific to node-local checkpoints is in this module.
+Each rank's whole state (sharded and common) stays on its node: the directory need not be
+shared, every rank writes its own `metadata.json`, and the common state travels with the
+rank's part instead of `common.pt`. `serialization.save`/`load` hand over here.
 """
 
 from __future__ import annotations
@@ -32,17 +30,8 @@ LoadResult = Union[StateDict, Tuple[StateDict, Set[str], Set[str]]]
 def save(
     plan: SavePlan, ckpt: Path, async_sharded_save: bool, commit: Callable[[], None]
 ) -> Optional[AsyncRequest]:
-    """Collective: writes every rank's state on its node, then commits on every rank.
-
-    Args:
-        plan: the agreed preparation (`plan.node_local` is True).
-        ckpt: the checkpoint directory (this rank's).
-        async_sharded_save: return the request instead of writing now.
-        commit: the collective commit step (every rank writes its `metadata.json`).
-
-    Returns:
-        None, or the request (with `commit` as its last finalize function).
-    """
+    """Collective: writes every rank's state on its node, then `commit` (every rank writes
+    its `metadata.json`); with `async_sharded_save`, returns the request instead."""
     sharded = plan.sharded
     assert isinstance(sharded, NodeLocalSaveShardedStrategy)
     if async_sharded_save:
@@ -63,18 +52,10 @@ def load(
     stored_metadata: Callable[[], Optional[ShardedStateDict]],
     start: float,
 ) -> LoadResult:
-    """Collective: the node-local part of `serialization.load` (after strategy selection).
-
-    Each rank's common state comes with its part (no `common.pt` collective).
-
-    Returns:
-        As `serialization.load`.
-    """
+    """Collective: the node-local part of `serialization.load` (after strategy selection)."""
 
     def every_ranks_metadata() -> Optional[ShardedStateDict]:
-        # each rank stores only its own part: the checkpoint's keys are the union of the
-        # parts (else a key stored by another rank would never count as missing). Called
-        # by the collective preamble on every rank when the strict mode compares keys.
+        # each rank stores only its own part: the checkpoint's keys are the union of them
         parts = _dist.all_gather_object(stored_metadata())
         union: ShardedStateDict = {}
         for part in parts:

@@ -1,8 +1,6 @@
 """`MCoreTensorAwareStateDict`: sharded state dicts saved by the local checkpoint manager.
 
-The bridge between the sharded state dicts of this package and `local/`'s
-`TensorAwareStateDict` interface, so a training loop hands its usual sharded state dict to
-`LocalCheckpointManager`:
+The bridge from this package's sharded state dicts to `local/`'s `TensorAwareStateDict`:
 
     tasd, cache = MCoreTensorAwareStateDict.from_state_dict(sharded_sd, algo="fully_parallel")
     manager.save(tasd, iteration)
@@ -10,15 +8,10 @@ The bridge between the sharded state dicts of this package and `local/`'s
     tasd, _ = manager.load()
     state_dict = tasd.to_state_dict(sharded_sd, algo="fully_parallel")
 
-The wrapped state keeps every ShardedTensor and ShardedObject with its metadata (the tensors
-travel as raw bytes, the rest in the hollow state); plain values form the common part.
-
-`algo="atomic"`: every rank stores every shard it holds, replicas included. With
-`"fully_parallel"` the replicas of a shard within `parallelization_group` are stored once:
-each shard goes to one of the ranks holding it, spreading bytes evenly (the assignment is
-returned for reuse as `cached_metadata` by later saves of the same structure), and
-`to_state_dict(algo="fully_parallel")` sends every rank the shards it asks for and did not
-store, from a rank that did.
+`algo="atomic"`: every rank stores every shard it holds, replicas included.
+`"fully_parallel"`: each shard replicated within `parallelization_group` is stored by one
+of its holders, spreading bytes evenly, and `to_state_dict` sends every rank the shards it
+asks for and did not store.
 """
 
 from __future__ import annotations
@@ -47,10 +40,7 @@ from .exchange_utils import (
 from .local.base_state_dict import TensorAwareStateDict, allow_in_hollow_state
 from .local.basic_state_dict import _usable_device
 from .mapping import ShardedBase, ShardedObject, ShardedTensor, apply_factory_merges
-from .validation import (
-    StrictHandling,
-    parse_strict_flag,
-)
+from .validation import StrictHandling, parse_strict_flag
 
 __all__ = ["MCoreTensorAwareStateDict", "ShardDistribution"]
 
@@ -70,8 +60,8 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
 
     Attributes:
         common: the plain (non-sharded) values.
-        sharded_state_dict: ShardedTensors and ShardedObjects, with their metadata; under
-            `fully_parallel` the ShardedTensors this rank does not store have no data.
+        sharded_state_dict: ShardedTensors (without data where another rank stores them)
+            and ShardedObjects.
     """
 
     common: StateDict
@@ -92,16 +82,13 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
     ) -> Tuple[MCoreTensorAwareStateDict, Optional[ShardDistribution]]:
         """Wraps a sharded state dict for `LocalCheckpointManager.save`.
 
-        Collective with `algo="fully_parallel"` and no `cached_metadata` (every rank calls
-        it, each with its own `parallelization_group`).
+        Collective with `algo="fully_parallel"` and no `cached_metadata`.
 
         Args:
-            sharded_state_dict: the state, as for `dist_checkpointing.save`. Not modified
-                (factories are applied to a copy; LocalNonpersistentObjects are left out).
+            sharded_state_dict: the state, as for `dist_checkpointing.save` (not modified).
             algo: "atomic" (every rank stores all it holds) or "fully_parallel" (replicas
                 within `parallelization_group` stored once).
-            parallelization_group: the group whose replicas are deduplicated (default: all
-                ranks).
+            parallelization_group: the group whose replicas are deduplicated (default: all).
             cached_metadata: the distribution returned by an earlier call with the same
                 structure; skips the exchange.
 
@@ -147,8 +134,6 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
 
         sharded = dict_list_map_outplace(own_leaf, sharded)
         return cls(common=common, sharded_state_dict=sharded), distribution
-
-    # ---- the TensorAwareStateDict interface ----------------------------------------------
 
     def _all_sharded_tensors(self) -> List[ShardedTensor]:
         return [x for x in nested_values(self.sharded_state_dict) if isinstance(x, ShardedTensor)]
@@ -241,8 +226,6 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
             if sh.data.device != target:
                 sh.data = sh.data.to(target, non_blocking=non_blocking)
 
-    # ---- back to a state dict -------------------------------------------------------------
-
     def to_state_dict(
         self,
         sharded_state_dict: ShardedStateDict,
@@ -256,29 +239,24 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
         """Builds the state dict that `sharded_state_dict` asks for from this loaded state.
 
         Collective when `validate_access_integrity`, a global `strict` mode or
-        `algo="fully_parallel"` asks for an exchange. The layout must be the saved one
-        (same shards per rank); local checkpoints do not reshard.
+        `algo="fully_parallel"` asks for an exchange. The layout must be the saved one.
 
         Args:
             sharded_state_dict: the request, as for `dist_checkpointing.load`.
             algo: "fully_parallel" fetches shards this rank did not store from a rank that
-                did (point to point); "atomic" expects every rank to hold all it asks for.
+                did; "atomic" expects every rank to hold all it asks for.
             exchange_algo: accepted for compatibility; shards always move point to point.
             validate_access_integrity: check the request's sharding across ranks.
-            parallelization_group: accepted for compatibility (any rank holding a shard
-                can send it).
+            parallelization_group: accepted for compatibility.
             strict: key mismatch handling, as for `dist_checkpointing.load`.
             return_mismatch_keys: also return `(missing_keys, unexpected_keys)`.
 
         Returns:
-            The state dict (common values, LocalNonpersistentObjects, loaded shards with
-            factory merges applied); with `return_mismatch_keys` a tuple
-            `(state_dict, missing_keys, unexpected_keys)`.
+            The state dict; with `return_mismatch_keys`, `(state_dict, missing, unexpected)`.
 
         Raises:
             CheckpointingException: the state is hollow, `algo` is unknown, or a requested
-                shard was stored by no rank or with another shape or dtype (naming it; on
-                every rank when the call is collective).
+                shard was stored by no rank or with another shape or dtype (naming it).
         """
         self._require(False, "build a state dict")
         _check_algo(algo)

@@ -11,28 +11,25 @@ Layout (little-endian):
      xxh3_64 of the header, xxh3_64 of the table]
 
 The header is read with `torch.load(weights_only=True)`: a planted pickle does not run.
-Building an image is split in two so that a save blocks only for the copy of the tensors to
-host memory: `start_image` (caller) copies the tensors and the header into one buffer;
-`finish_image` (background) fills in the checksums and the footer.
+A save blocks only for `start_image` (the copy to host memory); `finish_image` (checksums
+and footer) runs in the background.
 """
 
 from __future__ import annotations
 
 import io
-import os
 import struct
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import numpy as np
 import torch
 
 from .._safe_load import torch_load
 from ..errors import CheckpointCorruptedError, CheckpointingException
-from ..integrity import checksum, new_hasher
-from ..storage import ALIGN, ImagePool, read_file
-from ..storage.segments import write_segments
+from ..integrity import checksum
+from ..storage import ALIGN, ImagePool, read_file, write_segments
 from .base_state_dict import TensorAwareStateDict, hollow_state_classes
 from .basic_state_dict import BasicTensorAwareStateDict  # noqa: F401  (registers its classes)
 
@@ -50,41 +47,18 @@ MAGIC = b"DCLCKPT1"
 FORMAT_VERSION = 1
 _FOOTER = struct.Struct("<8sQQQQQ")
 _ALIGN = 64
-
-
-def _aligned(n: int) -> int:
-    return -(-n // _ALIGN) * _ALIGN
-
+_POOL_GRANULE = 1 << 20  # sizes rounded up to this, so equal structures share buffers
 
 #: pooled, page-aligned image buffers (pinned when filled from CUDA), reused across saves
 _POOL = ImagePool(max_free=1, max_signatures=2)
 
 # torch's `safe_globals` context swaps a process-wide set and restores its own snapshot on
-# exit: two threads inside it at once (parts read in parallel during a recovery) can each
-# drop the other's classes, and a header then fails to unpickle. One header at a time.
+# exit: two threads inside it at once can each drop the other's classes. One at a time.
 _HEADER_LOCK = threading.Lock()
 
 
-def load_header(data: bytes, what: str, weights_only: bool = True) -> Any:
-    """Unpickles a local file's header with the hollow-state classes allowed.
-
-    Args:
-        data: the header's bytes (checksum already verified).
-        what: names the file in error messages.
-        weights_only: False allows arbitrary unpickling (trusted files only).
-
-    Returns:
-        The header object.
-
-    Raises:
-        UnsafeCheckpointError, CheckpointCorruptedError: as `torch_load`.
-    """
-    # our own classes are allowed here whatever the process-wide allowlist holds
-    with _HEADER_LOCK, torch.serialization.safe_globals(list(hollow_state_classes())):  # type: ignore[arg-type]
-        return torch_load(io.BytesIO(data), what, weights_only)
-
-
-_POOL_GRANULE = 1 << 20  # sizes rounded up to this, so equal structures share buffers
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
 
 
 @dataclass(frozen=True)
@@ -96,13 +70,20 @@ class _Layout:
         return ("local", self.size)
 
 
+def load_header(data: bytes, what: str, weights_only: bool = True) -> Any:
+    """Unpickles a header (checksum already verified) with the hollow-state classes allowed,
+    whatever the process-wide allowlist holds; `what` names it in errors."""
+    with _HEADER_LOCK, torch.serialization.safe_globals(list(hollow_state_classes())):  # type: ignore[arg-type]
+        return torch_load(io.BytesIO(data), what, weights_only)
+
+
 @dataclass
 class LocalImage:
     """A local checkpoint part: its bytes (complete once finished).
 
-    Staged images hold every byte in one host buffer (`buffer`, from a pool when `pooled`).
-    Unstaged images (a synchronous save of CPU tensors) reference the tensors' own memory
-    (`sources`) and hold only the header, checksum table and footer (`tail`).
+    Staged images hold every byte in one host buffer (`buffer`, from the pool when
+    `pooled`). Unstaged images (a sync save of CPU tensors) reference the tensors' own
+    memory (`sources`) and hold only the header, checksum table and footer (`tail`).
     """
 
     ckpt_id: Tuple[Any, ...]
@@ -128,20 +109,15 @@ class LocalImage:
 
     def segments(self) -> List[np.ndarray]:
         """The image's bytes as consecutive flat uint8 arrays."""
-        return [seg for seg, _ in self._owned_segments()]
-
-    def _owned_segments(self) -> List[Tuple[np.ndarray, Optional[int]]]:
-        """The segments, each with the index of the tensor whose bytes it is (or None)."""
         if self.buffer is not None:
-            return [(self.buffer.numpy(), None)]
+            return [self.buffer.numpy()]
         assert self.sources is not None and self.tail is not None
-        out: List[Tuple[np.ndarray, Optional[int]]] = []
-        for k, ((off, n), src) in enumerate(zip(self.slots, self.sources)):
-            out.append((src, k))
-            pad = _aligned(off + n) - (off + n)
-            if pad:
-                out.append((np.zeros(pad, dtype=np.uint8), None))
-        out.append((self.tail, None))
+        out: List[np.ndarray] = []
+        for (off, n), src in zip(self.slots, self.sources):
+            out.append(src)
+            if _aligned(off + n) > off + n:
+                out.append(np.zeros(_aligned(off + n) - (off + n), dtype=np.uint8))
+        out.append(self.tail)
         return out
 
     def padded(self) -> Optional[np.ndarray]:
@@ -177,24 +153,12 @@ def start_image(
     names: Optional[List[str]] = None,
     stage: bool = True,
 ) -> LocalImage:
-    """Copies `state` into an image buffer (the part of a save the caller waits for).
+    """Copies `state` (unchanged afterwards) into an unfinished image, recording `ckpt_id`
+    and the tensors' `names` (for messages) in the header.
 
-    The tensors are taken out of `state` to serialize its hollow part and put back before
-    returning, so `state` is unchanged afterwards. With `stage`, the copy is complete on
-    return (device copies are synchronized), so the caller may modify its tensors at once;
-    the buffer comes from a pool of page-aligned buffers (pinned when a tensor is on CUDA).
-    Without `stage` (only for CPU tensors the caller leaves alone until the image is
-    written), the image references the tensors' memory and nothing is copied.
-
-    Args:
-        state: the state to store (not hollow).
-        ckpt_id: the checkpoint id recorded in the header.
-        names: optional per-tensor names for error messages (e.g. ShardedTensor keys).
-        stage: copy the tensors into a host buffer (required for CUDA tensors, async
-            saves and replication).
-
-    Returns:
-        An unfinished image; pass it to `finish_image` before writing or sending it.
+    With `stage`, the copy is complete on return (into a pooled buffer, pinned when a
+    tensor is on CUDA), so the caller may modify its tensors at once. Without it (CPU
+    tensors left alone until the image is written), the image references their memory.
 
     Raises:
         CheckpointingException: if the hollow state cannot be serialized.
@@ -225,44 +189,31 @@ def start_image(
             ) from e
     finally:
         state.insert_tensors(tensors)
-    header_bytes = raw.getbuffer()
-    header_offset = offset
-    total = header_offset + len(header_bytes) + 8 * len(tensors) + _FOOTER.size
-    if not stage and not any(t.is_cuda for t in tensors):
-        tail = np.zeros(total - header_offset, dtype=np.uint8)
-        tail[: len(header_bytes)] = np.frombuffer(header_bytes, dtype=np.uint8)
+    header_bytes = np.frombuffer(raw.getbuffer(), dtype=np.uint8)
+    h_off, h_len = offset, header_bytes.size
+    total = h_off + h_len + 8 * len(tensors) + _FOOTER.size
+    on_cuda = any(t.is_cuda for t in tensors)
+    if not stage and not on_cuda:
+        tail = np.zeros(total - h_off, dtype=np.uint8)
+        tail[:h_len] = header_bytes
         sources = [_byte_view(t) for t in tensors]
-        return LocalImage(
-            tuple(ckpt_id), None, slots, header_offset, len(header_bytes), False, sources, tail
-        )
+        return LocalImage(tuple(ckpt_id), None, slots, h_off, h_len, False, sources, tail)
     rounded = -(-(total + ALIGN) // _POOL_GRANULE) * _POOL_GRANULE
-    pooled = _POOL.acquire(_Layout(rounded), pin=any(t.is_cuda for t in tensors))
+    pooled = _POOL.acquire(_Layout(rounded), pin=on_cuda)
     buffer = pooled[:total]
     for (off, n), t in zip(slots, tensors):
         if n:
-            dst = buffer[off : off + n].view(t.dtype).view(t.shape)
-            dst.copy_(t, non_blocking=t.is_cuda)
-        # alignment padding: without this, leftover bytes (of the heap, or of an earlier
-        # image in a reused buffer) would be written to the file
+            buffer[off : off + n].view(t.dtype).view(t.shape).copy_(t, non_blocking=t.is_cuda)
+        # zero the alignment padding: a reused buffer holds an earlier image's bytes
         buffer[off + n : _aligned(off + n)].zero_()
     for device in {t.device for t in tensors if t.is_cuda}:
         torch.cuda.synchronize(device)
-    flat = buffer.numpy()
-    flat[header_offset : header_offset + len(header_bytes)] = np.frombuffer(
-        header_bytes, dtype=np.uint8
-    )
-    return LocalImage(
-        tuple(ckpt_id), buffer, slots, header_offset, len(header_bytes), pooled=pooled
-    )
+    buffer.numpy()[h_off : h_off + h_len] = header_bytes
+    return LocalImage(tuple(ckpt_id), buffer, slots, h_off, h_len, pooled=pooled)
 
 
 def finish_image(image: LocalImage, sums: Optional[List[int]] = None) -> LocalImage:
-    """Computes the checksums and writes the footer (runs in the background).
-
-    Args:
-        image: the image (returned).
-        sums: the tensors' checksums when already computed (e.g. as they were written).
-    """
+    """Computes the checksums (unless given in `sums`) and writes the footer; returns `image`."""
     if image.finished:
         return image
     if image.buffer is not None:
@@ -276,43 +227,28 @@ def finish_image(image: LocalImage, sums: Optional[List[int]] = None) -> LocalIm
             sums = [checksum(src) for src in image.sources]
         tail = image.tail
     table = np.array(sums, dtype="<u8").view(np.uint8)
-    t0 = image.header_len
-    tail[t0 : t0 + table.size] = table
+    t0, t1 = image.header_len, image.header_len + table.size
+    tail[t0:t1] = table
     footer = _FOOTER.pack(
         MAGIC,
         image.header_offset,
         image.header_len,
         len(image.slots),
         checksum(tail[:t0]),
-        checksum(tail[t0 : t0 + table.size]),
+        checksum(tail[t0:t1]),
     )
-    tail[t0 + table.size :] = np.frombuffer(footer, dtype=np.uint8)
+    tail[t1:] = np.frombuffer(footer, dtype=np.uint8)
     image.finished = True
     return image
-
-
-def _dtype(name: Any, where: str) -> torch.dtype:
-    dtype = getattr(torch, name, None) if isinstance(name, str) else None
-    if not isinstance(dtype, torch.dtype):
-        raise CheckpointCorruptedError(f"{where}: unknown dtype {name!r} in the header")
-    return dtype
 
 
 def decode_image(
     buffer: torch.Tensor, where: str, verify: bool = True, weights_only: bool = True
 ) -> Tuple[Tuple[Any, ...], TensorAwareStateDict]:
-    """Parses and checks an image; returns its id and its state with the tensors inserted.
-
-    The tensors are views into `buffer` (no copy).
-
-    Args:
-        buffer: the image bytes (uint8, 1-D, on the CPU).
-        where: names the image in error messages (its path, or who sent it).
-        verify: check each tensor's checksum (the header and table are always checked).
-        weights_only: False unpickles the header without the allowlist (trusted files only).
-
-    Returns:
-        `(ckpt_id, state)`.
+    """Parses and checks an image (uint8 CPU bytes): `(ckpt_id, state)`, the tensors views
+    into `buffer`. `where` names it in errors; `verify` checks each tensor's checksum (the
+    header and table are always checked); `weights_only=False` unpickles the header
+    without the allowlist (trusted files only).
 
     Raises:
         CheckpointCorruptedError: truncated or malformed image, or a checksum mismatch
@@ -326,17 +262,16 @@ def decode_image(
     magic, h_off, h_len, count, h_sum, t_sum = _FOOTER.unpack(flat[size - _FOOTER.size :].tobytes())
     if magic != MAGIC:
         raise CheckpointCorruptedError(f"{where}: not a local checkpoint file (bad magic)")
-    table_off = h_off + h_len
-    if table_off + 8 * count + _FOOTER.size != size:
+    t_off = h_off + h_len
+    if t_off + 8 * count + _FOOTER.size != size:
         raise CheckpointCorruptedError(f"{where}: inconsistent sizes in the footer (truncated?)")
-    if checksum(flat[h_off:table_off]) != h_sum:
-        raise CheckpointCorruptedError(
-            f"{where}: header checksum mismatch (bytes {h_off}-{table_off})"
-        )
-    table_bytes = flat[table_off : table_off + 8 * count]
-    if checksum(table_bytes) != t_sum:
+    if checksum(flat[h_off:t_off]) != h_sum:
+        raise CheckpointCorruptedError(f"{where}: header checksum mismatch (bytes {h_off}-{t_off})")
+    table = flat[t_off : t_off + 8 * count]
+    if checksum(table) != t_sum:
         raise CheckpointCorruptedError(f"{where}: checksum table mismatch")
-    header = load_header(flat[h_off:table_off].tobytes(), f"{where} (header)", weights_only)
+    sums = table.view("<u8")
+    header = load_header(flat[h_off:t_off].tobytes(), f"{where} (header)", weights_only)
     if not isinstance(header, dict) or header.get("format") != FORMAT_VERSION:
         raise CheckpointCorruptedError(
             f"{where}: unsupported local checkpoint header (format "
@@ -349,22 +284,19 @@ def decode_image(
         raise CheckpointCorruptedError(
             f"{where}: header lists {len(entries)} tensors, footer {count}"
         )
-    sums = table_bytes.view("<u8")
     tensors = []
     for i, entry in enumerate(entries):
         label = names[i] if isinstance(names, list) and i < len(names) else f"#{i}"
         try:
             off, n, dtype_name, shape = entry
-            dtype = _dtype(dtype_name, where)
+            dtype = getattr(torch, dtype_name, None) if isinstance(dtype_name, str) else None
+            if not isinstance(dtype, torch.dtype):
+                raise CheckpointCorruptedError(
+                    f"{where}: unknown dtype {dtype_name!r} in the header"
+                )
             numel = int(np.prod(shape, dtype=np.int64)) if len(shape) else 1
-            valid = (
-                isinstance(off, int)
-                and isinstance(n, int)
-                and 0 <= off
-                and off + n <= h_off
-                and n == numel * dtype.itemsize
-                and off % _ALIGN == 0
-            )
+            valid = isinstance(off, int) and isinstance(n, int) and 0 <= off
+            valid = valid and off + n <= h_off and n == numel * dtype.itemsize and off % _ALIGN == 0
         except (TypeError, ValueError) as e:
             raise CheckpointCorruptedError(f"{where}: malformed entry for tensor {label}") from e
         if not valid:
@@ -385,62 +317,24 @@ def decode_image(
 
 
 def write_image(image: LocalImage, path: str, fsync: bool = True, overwrite: bool = False) -> None:
-    """Writes an image to `path` (created, must not exist), finishing it first if needed.
-
-    An unfinished unstaged image (a sync save of CPU tensors, not replicated) is finished
-    while it is written: each tensor is hashed piece by piece as it is written (the pieces
-    still in the CPU caches, the hashing overlapping the disk's work, as the `torch_dist`
-    sync save does), and the checksum table and footer are filled in just before the tail
-    is written. Otherwise `finish_image` runs first.
-
-    Through the shared I/O layer (`storage.write_segments`). With `fsync` (the durability
-    policy, see the manager) the file is written as a `torch_dist` sync save writes: with
-    O_DIRECT where the file system allows it, else buffered, then fsync'd. Without `fsync`,
-    buffered writes from the image's own memory and no fsync.
-
-    With `overwrite`, `path` is an existing file (a recycled part, see the manager) written
-    over in place and truncated to the image's size.
+    """Writes an image (finished first if needed) to the new file `path`, or over the
+    existing one with `overwrite`; with `fsync`, O_DIRECT where possible, then fsync'd.
 
     Raises:
         FileExistsError: `path` exists (without `overwrite`).
         OSError: the write failed (the partial file is removed).
     """
-    direct = fsync
-    if image.finished or image.staged:
-        finish_image(image)
-        write_segments(
-            path,
-            image.segments(),
-            direct=direct,
-            fsync=fsync,
-            overwrite=overwrite,
-            padded=image.padded(),
-        )
-        return
-    owned = image._owned_segments()
-    hashers = [new_hasher() for _ in image.slots]
-
-    def prepare(i: int) -> Optional[Callable[[np.ndarray], None]]:
-        if i == len(owned) - 1:  # the tail: every tensor was hashed
-            finish_image(image, [h.intdigest() for h in hashers])
-        k = owned[i][1]
-        return hashers[k].update if k is not None else None
-
+    finish_image(image)
     write_segments(
         path,
-        [seg for seg, _ in owned],
-        direct=direct,
+        image.segments(),
+        direct=fsync,
         fsync=fsync,
         overwrite=overwrite,
-        prepare=prepare,
+        padded=image.padded(),
     )
 
 
 def read_image(path: str) -> torch.Tensor:
-    """Reads a whole file into a new uint8 tensor (through `storage.read_file`).
-
-    Raises:
-        OSError: the file cannot be read (FileNotFoundError when missing).
-        CheckpointCorruptedError: the file shrank while it was read.
-    """
+    """Reads a whole file into a new uint8 tensor (OSError when it cannot be read)."""
     return read_file(path)

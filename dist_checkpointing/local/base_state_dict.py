@@ -1,15 +1,11 @@
 """`TensorAwareStateDict`: the interface between a user's state and the local checkpoint manager.
 
-The manager moves a state in two parts: its tensors (raw bytes, written and replicated
-without pickling) and the rest, the "hollow" state, which keeps enough about each tensor
-(shape, dtype, device) to rebuild it. Implementations decide what the tensors are and how
-the hollow state is represented; the manager only uses the methods below.
-
-Hollow states are stored with `torch.save` and read back with `torch.load(weights_only=True)`,
-so an implementation class (and any non-tensor object it holds) must be allowlisted with
-`torch.serialization.add_safe_globals([...])`; the package's own classes are allowlisted
-when their module is imported, and also registered with `allow_in_hollow_state`, which the
-manager honours whatever the process-wide allowlist holds.
+The manager moves a state in two parts: its tensors (raw bytes, never pickled) and the
+"hollow" rest, which keeps each tensor's shape, dtype and device. Hollow states are read
+with `torch.load(weights_only=True)`, so an implementation class (and any non-tensor
+object it holds) must be allowlisted with `torch.serialization.add_safe_globals`; the
+package's own classes are also registered with `allow_in_hollow_state`, which the manager
+honours whatever the process-wide allowlist holds.
 """
 
 from __future__ import annotations
@@ -90,10 +86,8 @@ class TensorAwareStateDict(ABC):
         """Moves every tensor back to the device it came from (no-op for host tensors)."""
 
     def tensor_names(self) -> Optional[List[str]]:
-        """Names of the tensors, in `pop_tensors` order, for messages; None when unnamed.
-
-        The manager records them in the checkpoint so a corrupted tensor is reported by name.
-        """
+        """Names of the tensors, in `pop_tensors` order, to report a corrupted tensor by
+        name; None when unnamed."""
         return None
 
     def _require(self, hollow: bool, what: str) -> None:

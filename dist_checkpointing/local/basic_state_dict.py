@@ -1,8 +1,7 @@
 """`BasicTensorAwareStateDict`: a `TensorAwareStateDict` over nested dicts and lists.
 
-Tensors may live on any device (CUDA or CPU, mixed); each is restored to the device it came
-from. Non-tensor leaves stay in the hollow state and are stored with `torch.save`, so they
-must be types that `torch.load(weights_only=True)` accepts (or be allowlisted).
+Each tensor is restored to the device it came from. Non-tensor leaves stay in the hollow
+state, so they must be types `torch.load(weights_only=True)` accepts (or be allowlisted).
 """
 
 from __future__ import annotations
@@ -50,26 +49,20 @@ def _usable_device(device: str) -> torch.device:
 
 def _map_leaves(fn: Callable[[Any], Any], tree: Any) -> Any:
     """Applies `fn` to every non-container leaf, in place, in a fixed (insertion) order."""
-    if isinstance(tree, dict):
-        for k in tree:
+    if isinstance(tree, (dict, list)):
+        for k in tree.keys() if isinstance(tree, dict) else range(len(tree)):
             tree[k] = _map_leaves(fn, tree[k])
-        return tree
-    if isinstance(tree, list):
-        for i in range(len(tree)):
-            tree[i] = _map_leaves(fn, tree[i])
         return tree
     return fn(tree)
 
 
-def _leaves(tree: Any) -> Iterable[Any]:
-    if isinstance(tree, dict):
-        for v in tree.values():
-            yield from _leaves(v)
-    elif isinstance(tree, list):
-        for v in tree:
-            yield from _leaves(v)
+def _leaves(tree: Any, path: str = "") -> Iterable[Tuple[str, Any]]:
+    """`(path, leaf)` of every non-container leaf, '/'-joined paths, in insertion order."""
+    if isinstance(tree, (dict, list)):
+        for k, v in tree.items() if isinstance(tree, dict) else enumerate(tree):
+            yield from _leaves(v, f"{path}/{k}" if path else str(k))
     else:
-        yield tree
+        yield path, tree
 
 
 class BasicTensorAwareStateDict(TensorAwareStateDict):
@@ -115,12 +108,12 @@ class BasicTensorAwareStateDict(TensorAwareStateDict):
     @property
     def tensors(self) -> List[torch.Tensor]:
         self._require(False, "list tensors")
-        return [x for x in _leaves(self.state_dict) if isinstance(x, torch.Tensor)]
+        return [x for _, x in _leaves(self.state_dict) if isinstance(x, torch.Tensor)]
 
     def placeholders(self) -> List[TensorPlaceholder]:
         """The placeholders of a hollow state, in `pop_tensors` order."""
         self._require(True, "list placeholders")
-        return [x for x in _leaves(self.state_dict) if isinstance(x, TensorPlaceholder)]
+        return [x for _, x in _leaves(self.state_dict) if isinstance(x, TensorPlaceholder)]
 
     def insert_tensors(self, tensor_data: Iterable[torch.Tensor]) -> None:
         self._require(True, "insert tensors")
@@ -169,20 +162,11 @@ class BasicTensorAwareStateDict(TensorAwareStateDict):
 
     def tensor_names(self) -> List[str]:
         """'/'-joined paths of the tensor leaves, in `pop_tensors` order (for messages)."""
-        names: List[str] = []
-
-        def walk(x: Any, path: str) -> None:
-            if isinstance(x, dict):
-                for k, v in x.items():
-                    walk(v, f"{path}/{k}" if path else str(k))
-            elif isinstance(x, list):
-                for i, v in enumerate(x):
-                    walk(v, f"{path}/{i}" if path else str(i))
-            elif isinstance(x, (torch.Tensor, TensorPlaceholder)):
-                names.append(path)
-
-        walk(self.state_dict, "")
-        return names
+        return [
+            p
+            for p, x in _leaves(self.state_dict)
+            if isinstance(x, (torch.Tensor, TensorPlaceholder))
+        ]
 
     def __getitem__(self, key: Any) -> Any:
         return self.state_dict[key]

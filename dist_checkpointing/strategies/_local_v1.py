@@ -1,9 +1,8 @@
-"""Reading ('local', 1) rank states (format 1), kept so that version-1 checkpoints still load.
+"""Reading ('local', 1) rank states, so that version-1 checkpoints still load.
 
-Version 1 stored each rank's state as a `BasicTensorAwareStateDict` holding
-`{"format": 1, "world_size", "common", "sharded": {"<key> (<offsets>)": {"global_shape",
-"local_shape", "data"}}, "objects": {unique_key: value}}`. Version 2 stores an
-`MCoreTensorAwareStateDict` instead (see `strategies.local`); nothing writes version 1 any more.
+Version 1 stored a `BasicTensorAwareStateDict` of `{"format": 1, "world_size", "common",
+"sharded": {"<key> (<offsets>)": {"global_shape", "local_shape", "data"}}, "objects":
+{unique_key: value}}`.
 """
 
 from __future__ import annotations

@@ -1,20 +1,12 @@
 """The ('local', 2) backend: each rank's whole state on node-local storage, replicated.
 
 `dc.save(sharded_sd, ckpt_dir, sharded_strategy=('local', 2))` hands each rank's sharded
-leaves and common state to `LocalCheckpointManager` as one `MCoreTensorAwareStateDict` (the
-bridge megatron-style loops use with the manager directly), stored as the part
-`<ckpt_dir>/<rank>/iter_0000000_<rank>_local.pt`, with copies on other ranks when the
-strategy has a replication strategy. `algo="atomic"` (default) stores every shard a rank
-holds; `algo="fully_parallel"` stores each shard replicated within `parallelization_group`
-once, and the load sends every rank the shards it did not store. `ckpt_dir` need not be
-shared between ranks: every rank writes its own `metadata.json`.
-
-`dc.load(sharded_sd, ckpt_dir)` gives every rank back its own part, fetching it from a
-replica holder when its node lost it. The layout must be the saved one (same world size,
-same shards): the backend does not reshard; save with ('torch_dist', 1) for that.
-
-Version 1 (a `BasicTensorAwareStateDict` of string-keyed slots, see `_local_v1`) is still
-read; nothing writes it any more.
+leaves and common state to `LocalCheckpointManager` as one `MCoreTensorAwareStateDict`,
+stored as `<ckpt_dir>/<rank>/iter_0000000_<rank>_local.pt` (copies on other ranks with a
+replication strategy). `ckpt_dir` need not be shared: every rank writes its own
+`metadata.json`. `dc.load` gives every rank back its own part, from a replica holder when
+its node lost it; the layout must be the saved one (no resharding). Version 1 (see
+`_local_v1`) is still read; nothing writes it.
 """
 
 from __future__ import annotations
@@ -79,13 +71,11 @@ class LocalSaveShardedStrategy(NodeLocalSaveShardedStrategy):
     Args:
         backend: recorded in `metadata.json` ('local').
         version: recorded in `metadata.json`; only 2 is written (version 1 is read only).
-        repl_strategy: where copies go, e.g.
-            `CliqueReplicationStrategy.from_replication_params(replication_jump=8)`;
-            None keeps each part on its own node only.
+        repl_strategy: where copies go (e.g. a `CliqueReplicationStrategy`); None keeps
+            each part on its own node only.
         algo: "atomic" (every rank stores every shard it holds) or "fully_parallel"
             (replicas within `parallelization_group` stored once).
-        parallelization_group: the group deduplicated by "fully_parallel" (default: all
-            ranks).
+        parallelization_group: the group deduplicated by "fully_parallel" (default: all).
 
     Raises:
         CheckpointingException: another backend or version, or an unknown `algo`.
@@ -113,7 +103,6 @@ class LocalSaveShardedStrategy(NodeLocalSaveShardedStrategy):
         self.repl_strategy = repl_strategy
         self.algo = algo
         self.parallelization_group = parallelization_group
-        self._distribution: Any = None
 
     def _rank_state(
         self, sharded_state_dict: ShardedStateDict, common_state_dict: StateDict
@@ -121,21 +110,22 @@ class LocalSaveShardedStrategy(NodeLocalSaveShardedStrategy):
         for sh in nested_values(sharded_state_dict):
             if isinstance(sh, ShardedTensor) and sh.data is None:
                 raise CheckpointingException(f"ShardedTensor {sh.key!r} has no data to save")
-        state, distribution = MCoreTensorAwareStateDict.from_state_dict(
+        state, _ = MCoreTensorAwareStateDict.from_state_dict(
             sharded_state_dict,
             algo=self.algo,
             parallelization_group=self.parallelization_group,
             cached_metadata=None,
         )
         state.common = common_state_dict
-        self._distribution = distribution
         return state
 
-    def _manager(self, checkpoint_dir: CheckpointDir) -> LocalCheckpointManager:
-        manager = LocalCheckpointManager(checkpoint_dir, "", self.repl_strategy)
-        # parts left by an earlier, uncommitted save into this directory
-        manager._cleanup_failed_save(_ITERATION)
-        return manager
+    def _save(
+        self, sharded: ShardedStateDict, common: StateDict, ckpt: CheckpointDir, is_async: bool
+    ) -> Optional[AsyncRequest]:
+        state = self._rank_state(sharded, common)
+        manager = LocalCheckpointManager(ckpt, "", self.repl_strategy)
+        manager._cleanup_failed_save(_ITERATION)  # parts of an earlier, uncommitted save here
+        return manager.save(state, _ITERATION, is_async=is_async)
 
     def async_save_rank_state(
         self,
@@ -143,8 +133,7 @@ class LocalSaveShardedStrategy(NodeLocalSaveShardedStrategy):
         common_state_dict: StateDict,
         checkpoint_dir: CheckpointDir,
     ) -> AsyncRequest:
-        state = self._rank_state(sharded_state_dict, common_state_dict)
-        request = self._manager(checkpoint_dir).save(state, _ITERATION, is_async=True)
+        request = self._save(sharded_state_dict, common_state_dict, checkpoint_dir, True)
         assert request is not None
         return request
 
@@ -154,8 +143,7 @@ class LocalSaveShardedStrategy(NodeLocalSaveShardedStrategy):
         common_state_dict: StateDict,
         checkpoint_dir: CheckpointDir,
     ) -> None:
-        state = self._rank_state(sharded_state_dict, common_state_dict)
-        self._manager(checkpoint_dir).save(state, _ITERATION)
+        self._save(sharded_state_dict, common_state_dict, checkpoint_dir, False)
 
 
 class LocalLoadShardedStrategy(NodeLocalLoadShardedStrategy):
@@ -196,7 +184,8 @@ class LocalLoadShardedStrategy(NodeLocalLoadShardedStrategy):
         state, _ = manager.load()
         return self._checked(state, checkpoint_dir)
 
-    def _checked(self, state: Any, where: Any) -> Any:
+    @staticmethod
+    def _checked(state: Any, where: Any) -> Any:
         if not isinstance(state, MCoreTensorAwareStateDict) and not is_v1_state(state):
             raise CheckpointingException(
                 f"{where}: not a ('local', 1) or ('local', 2) rank state ({type(state).__name__})"

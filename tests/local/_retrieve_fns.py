@@ -8,7 +8,7 @@ from typing import List, Optional, Tuple
 
 import torch.distributed as dist
 
-from dist_checkpointing.local.replication import _retrieve
+from dist_checkpointing.local.replication import strategies
 from dist_checkpointing.storage import faults
 from tests.local import _local_fns as F
 
@@ -20,7 +20,7 @@ def recover_with_spy(tmp: str, chunk: int, factor: int) -> Tuple[bool, List[Tupl
         (state equal to the saved one, the (offset, nbytes) reads of the lost part's file
         made here, that file's size here or -1 when this rank holds no copy).
     """
-    _retrieve.CHUNK_BYTES = chunk
+    strategies.TRANSFER_CHUNK = chunk
     lost = dist.get_world_size() - 1
     m = F.manager(tmp, 1, factor)
     held = os.listdir(m.local_ckpt_dir) if m.local_ckpt_dir.is_dir() else []

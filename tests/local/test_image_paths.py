@@ -1,6 +1,6 @@
 """Local images through every write path give the same file and load back bit-exactly:
-staged (pooled buffer) or unstaged (written from the tensors themselves), with O_DIRECT +
-fsync or buffered without fsync, on CPU and (with the `gpu` mark) from CUDA tensors."""
+staged (pooled buffer) or unstaged (written from the tensors themselves), durable (fsync)
+or not, on CPU and (with the `gpu` mark) from CUDA tensors."""
 
 from __future__ import annotations
 
@@ -44,18 +44,13 @@ def _equal(a: dict, b: dict) -> bool:
 
 @pytest.mark.parametrize("small_chunks", [False, True])
 @pytest.mark.parametrize("fsync", [True, False])
-@pytest.mark.parametrize("direct", [True, False])
 def test_staged_and_unstaged_images_write_the_same_bytes(
-    tmp_path, monkeypatch, fsync, small_chunks, direct
+    tmp_path, monkeypatch, fsync, small_chunks
 ):
-    from dist_checkpointing.local import _image
-
     if small_chunks:  # many chunk boundaries, inside and across segments
         from dist_checkpointing.storage import segments
 
         monkeypatch.setattr(segments, "CHUNK", 3 * 4096)
-    # the sync write path (O_DIRECT or buffered), forced either way
-    monkeypatch.setattr(_image, "_direct_writes", lambda image, path: direct or image.staged)
     files = []
     # staged; unstaged finished first (as before replication); unstaged finished while
     # written (each tensor hashed as it is written)
@@ -108,36 +103,19 @@ def test_manager_round_trip_is_bit_exact_on_every_path(tmp_path, device, fsync, 
     assert _equal(_state(device), got)
 
 
-@pytest.mark.parametrize(
-    "probe, want_direct",
-    [(True, True), (False, False)],
-    ids=["probe-o-direct", "probe-page-cache"],
-)
-def test_durable_sync_image_takes_the_torch_dist_sync_write_path(
-    tmp_path, monkeypatch, probe, want_direct
-):
-    from dist_checkpointing.local import _image
-    from dist_checkpointing.storage import direct as storage_direct
-    from dist_checkpointing.storage import segments
+def test_durable_image_is_written_direct_and_fsynced(tmp_path, monkeypatch):
+    import os
 
-    monkeypatch.setattr(_image, "prefer_direct_writes", lambda directory, nbytes: probe)
+    from dist_checkpointing.local import _image
+
     calls: list = []
-    real_write, real_finish = _image.write_segments, storage_direct.FileWriter.finish
+    real_write, real_fsync = _image.write_segments, os.fsync
     monkeypatch.setattr(
         _image,
         "write_segments",
         lambda *a, **k: (calls.append(("write", k["direct"], k["fsync"])), real_write(*a, **k))[1],
     )
-    monkeypatch.setattr(
-        segments,
-        "start_writeback",
-        lambda fd, off, n: calls.append(("writeback",)),
-    )
-    monkeypatch.setattr(
-        storage_direct.FileWriter,
-        "finish",
-        lambda self: (calls.append(("fsync",)), real_finish(self))[1],
-    )
+    monkeypatch.setattr(os, "fsync", lambda fd: (calls.append(("fsync",)), real_fsync(fd))[1])
     files = []
     for stage in (False, True):
         # unfinished: the sync save's part is hashed as it is written
@@ -145,11 +123,8 @@ def test_durable_sync_image_takes_the_torch_dist_sync_write_path(
         write_image(image, str(tmp_path / f"{stage}.pt"), fsync=True)
         release_image(image)
         files.append((tmp_path / f"{stage}.pt").read_bytes())
-    unstaged = calls[: calls.index(("fsync",)) + 1]
-    assert unstaged[0] == ("write", want_direct, True) and unstaged[-1] == ("fsync",)
-    # buffered: the disk's writeback is started as the file is written, as torch_dist does
-    assert (("writeback",) in unstaged) == (not want_direct)
-    assert calls[len(unstaged)] == ("write", True, True)  # staged (async): O_DIRECT always
+    assert [c for c in calls if c[0] == "write"] == [("write", True, True)] * 2
+    assert calls.count(("fsync",)) >= 2 and calls[-1] == ("fsync",)
     assert files[0] == files[1]
     _, state = decode_image(read_image(str(tmp_path / "False.pt")), "x")
     assert _equal(_state(), state.state_dict)

@@ -1,5 +1,5 @@
-"""Recovery at load streams a lost part from its holder's file (read and sent chunk by chunk,
-each byte read once) and verifies it at the receiver; a bad copy falls back to another."""
+"""Recovery at load sends a lost part from its holder's file (read once, sent chunk by
+chunk) and verifies it at the receiver; a bad copy falls back to another."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ pytestmark = pytest.mark.timeout(240)
 
 @pytest.mark.parametrize("size", [2, 4])
 @pytest.mark.parametrize("chunk", [4096, 5000])
-def test_lost_part_is_streamed_bit_exact_and_read_once(world_factory, tmp_path, size, chunk):
+def test_lost_part_is_sent_bit_exact_and_read_once(world_factory, tmp_path, size, chunk):
     world = world_factory(size)
     tmp = str(tmp_path)
     world.run_ok(F.save_iterations, tmp, [3], 1, 2, False, timeout=90)

@@ -2,22 +2,16 @@
 
 Layout (the reference layout, so operators' scripts keep working):
 `<root>/<session_id>/<rank>/iter_<iteration, 7+ digits>_<owner rank>_local.pt`, written
-first as `..._local.dirty.pt` and renamed at commit; with `fsync` (the default without
-replication) the file is fsync'd before and the directory after the rename.
-The files are our byte images (see `.._image`), not pickles: loading one never runs code.
+first as `..._local.dirty.pt` and renamed at commit; with `fsync` the file is fsync'd
+before and the directory after the rename. The files are byte images (see `.._image`),
+not pickles: loading one never runs code.
 
-Superseded parts are recycled, not deleted: once a newer iteration is committed, up to as
-many older parts as that iteration has here are renamed to `spare_<hex>.bin` (a name no
-scan takes for a part), and the next save moves a spare to its dirty name and writes over
-it in place (truncated to size). Writing over allocated blocks skips the file system's
-block allocation and, on a disk mounted with `discard`, the freeing of the old blocks: on
-the CI VM (ext4, discard) two processes replacing a 512 MiB part each took 1.51 s median
-(12 alternated samples, buffered with writeback + fsync) against 2.85 s for unlink +
-new file, and 1.84 s against 3.14 s with O_DIRECT (docs/performance.md, issue 14). The
-directory therefore also holds the spares between saves (the space a save needs anyway).
-A recycled file holds an older part's bytes until it is written over: the dirty name is
-never loaded, and a committed file torn by a machine crash (no fsync) can hold an older
-part's bytes with valid checksums, which `load` rejects by the part id in its header.
+Superseded parts are recycled: once a newer iteration is committed, up to as many older
+parts as that iteration has here are renamed to `spare_<hex>.bin` (a name no scan takes
+for a part), and the next save moves a spare to its dirty name and writes over it in
+place, which skips the file system's block allocation and freeing. A recycled file holds
+an older part's bytes until written over; `load` rejects such bytes by the part id in the
+header.
 """
 
 from __future__ import annotations
@@ -28,21 +22,20 @@ import re
 import threading
 import uuid
 from pathlib import Path
-from typing import Iterable, List, Optional, Tuple, Union
+from typing import Callable, Iterable, List, Optional, Tuple, TypeVar, Union
 
 import torch
 
-from ..._fileio import fsync_dir
 from ...errors import CheckpointCorruptedError, CheckpointingException
-from ...storage import StreamedFile
+from ...storage import StreamedFile, fsync_dir
 from .._image import LocalImage, read_image, write_image
-from .._read import FilePartSource, Part, read_part
 from ..replication.strategies import CkptID, ReplicationStrategy
 from .base_manager import BaseCheckpointManager, SameMachineReplicationException
 
 __all__ = ["LocalCheckpointManager"]
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 _NAME = re.compile(r"iter_(\d{7,})_(\d+)_local(\.dirty)?\.pt")
 #: a superseded part kept for the next save to write over (never a checkpoint)
@@ -93,18 +86,12 @@ class LocalCheckpointManager(BaseCheckpointManager):
         return self.local_ckpt_dir / f"iter_{iteration:07d}_{owner}_local{suffix}.pt"
 
     def _scan(self) -> List[Tuple[CkptID, bool, Path]]:
-        try:
-            entries = list(self.local_ckpt_dir.iterdir())
-        except FileNotFoundError:
-            return []
-        out = []
-        for path in entries:
-            m = _NAME.fullmatch(path.name)
-            if m and path.is_file():
-                out.append(
-                    ((int(m.group(1)), int(m.group(2)), self.session_id), bool(m.group(3)), path)
-                )
-        return out
+        """This rank's parts: `(id, dirty, path)`."""
+        return [
+            ((int(m.group(1)), int(m.group(2)), self.session_id), bool(m.group(3)), p)
+            for p, m in self._named(_NAME)
+            if p.is_file()
+        ]
 
     def _my_ckpt_ids(self) -> Iterable[CkptID]:
         return [ckpt_id for ckpt_id, dirty, _ in self._scan() if not dirty]
@@ -116,24 +103,6 @@ class LocalCheckpointManager(BaseCheckpointManager):
         path = self._path(ckpt_id)
         try:
             return read_image(str(path)), str(path)
-        except FileNotFoundError as e:
-            raise CheckpointCorruptedError(f"{path}: local checkpoint file is missing") from e
-        except OSError as e:
-            raise CheckpointCorruptedError(f"{path}: cannot be read: {e}") from e
-
-    def _read_part(self, ckpt_id: CkptID, own: bool) -> Tuple[Part, str, bool]:
-        path = self._path(ckpt_id)
-        try:
-            return read_part(str(path), own), str(path), True
-        except FileNotFoundError as e:
-            raise CheckpointCorruptedError(f"{path}: local checkpoint file is missing") from e
-        except OSError as e:
-            raise CheckpointCorruptedError(f"{path}: cannot be read: {e}") from e
-
-    def _part_source(self, ckpt_id: CkptID) -> FilePartSource:
-        path = self._path(ckpt_id)
-        try:
-            return FilePartSource(str(path))
         except FileNotFoundError as e:
             raise CheckpointCorruptedError(f"{path}: local checkpoint file is missing") from e
         except OSError as e:
@@ -153,9 +122,8 @@ class LocalCheckpointManager(BaseCheckpointManager):
     def _claim_spare(self, dirty: Path) -> bool:
         """Moves a spare to the (new) dirty name `dirty`; False when there is none.
 
-        Exclusive like creating the file: a spare is first renamed to a name of this
-        thread's own (two claimers cannot both get it), then linked to `dirty`, which
-        fails if `dirty` exists.
+        Exclusive like creating the file: a spare is renamed to a name of this thread's
+        own, then linked to `dirty`, which fails if `dirty` exists.
 
         Raises:
             FileExistsError: `dirty` exists (another writer of this part).
@@ -182,43 +150,43 @@ class LocalCheckpointManager(BaseCheckpointManager):
                 return True
         return False
 
-    def _save_image(self, image: LocalImage, ckpt_id: CkptID) -> None:
+    def _write_dirty(self, ckpt_id: CkptID, write: Callable[[str, bool], T]) -> T:
+        """`write(path, reused)` of a new dirty part: created exclusively (a spare moved
+        there exclusively), as the reference opens it with "bx"; an existing dirty file
+        belongs to another writer (or an interrupted save) and is left alone."""
         self.local_ckpt_dir.mkdir(parents=True, exist_ok=True)
         dirty = self._path(ckpt_id, dirty=True)
         try:
-            # created exclusively (a spare moved there exclusively), as the reference opens
-            # it with "bx": an existing dirty file belongs to another writer (or an
-            # interrupted save) and is left alone
-            reused = self._claim_spare(dirty)
-            write_image(image, str(dirty), fsync=self.fsync, overwrite=reused)
+            return write(str(dirty), self._claim_spare(dirty))
         except FileExistsError as e:
             raise SameMachineReplicationException(ckpt_id) from e
 
+    def _save_image(self, image: LocalImage, ckpt_id: CkptID) -> None:
+        self._write_dirty(
+            ckpt_id, lambda p, reused: write_image(image, p, fsync=self.fsync, overwrite=reused)
+        )
+
     def _open_image(self, ckpt_id: CkptID, nbytes: int) -> StreamedFile:
-        self.local_ckpt_dir.mkdir(parents=True, exist_ok=True)
-        try:
-            # O_DIRECT: a replica is read only after its owner is lost; the page cache and
-            # the CPU are left to this rank's own part and to training
-            dirty = self._path(ckpt_id, dirty=True)
-            reused = self._claim_spare(dirty)
-            return StreamedFile(str(dirty), nbytes, fsync=self.fsync, direct=True, overwrite=reused)
-        except FileExistsError as e:
-            raise SameMachineReplicationException(ckpt_id) from e
+        # O_DIRECT: a replica is read back only after its owner is lost
+        return self._write_dirty(
+            ckpt_id,
+            lambda p, reused: StreamedFile(
+                p, nbytes, fsync=self.fsync, direct=True, overwrite=reused
+            ),
+        )
 
     def _commit(self, ckpt_id: CkptID) -> None:
         os.replace(self._path(ckpt_id, dirty=True), self._path(ckpt_id))
         if self.fsync:
             fsync_dir(self.local_ckpt_dir)
 
-    def _remove(self, paths: Iterable[Path], durable: bool = True) -> None:
-        """Unlinks `paths`; with `durable`, the directory is fsync'd after (the unlinks
-        survive a machine crash)."""
-        removed = False
+    def _remove(self, paths: Iterable[Path], durable: bool = True, changed: bool = False) -> None:
+        """Unlinks `paths`; with `durable`, fsyncs the directory after any change (so the
+        unlinks, and renames the caller `changed`, survive a machine crash)."""
         for path in paths:
-            logger.debug("removing %s", path)
             path.unlink(missing_ok=True)
-            removed = True
-        if removed and durable:
+            changed = True
+        if changed and durable:
             fsync_dir(self.local_ckpt_dir)
 
     def _cleanup(self, iteration: int) -> None:
@@ -232,18 +200,12 @@ class LocalCheckpointManager(BaseCheckpointManager):
         for _, dirty, path in reversed(older):  # the newest older parts: likely the same sizes
             if room and not dirty:
                 spare = self.local_ckpt_dir / f"spare_{uuid.uuid4().hex}.bin"
-                logger.debug("keeping %s as %s for the next save", path, spare.name)
                 os.rename(path, spare)
                 room, recycled = room - 1, True
-        # Durable only with `fsync`: without it (a replica elsewhere), a machine crash that
-        # loses these renames and unlinks brings back an older iteration's name, whose file
-        # is either complete (older than the newest complete one, so never chosen) or holds
-        # a newer part's bytes (recycled), which `load` rejects by the part id in its
-        # header. The directory fsync also flushes the disk's write cache (the replicas just
-        # written): 0.26-0.48 s of a 1.0-1.3 s replicated save at 2 ranks x 128 MiB here.
-        self._remove([p for _, _, p in older if p.exists()] + self._stale_claims(), self.fsync)
-        if recycled and self.fsync:
-            fsync_dir(self.local_ckpt_dir)
+        # Durable only with `fsync`: a crash that loses these renames and unlinks brings
+        # back an older name, either never chosen or rejected by the part id in its header.
+        stale = [p for _, _, p in older if p.exists()] + self._stale_claims()
+        self._remove(stale, self.fsync, changed=recycled)
 
     def _stale_claims(self) -> List[Path]:
         """Spares left half-moved by a process that died (not this one) in `_claim_spare`."""

@@ -1,23 +1,13 @@
 """The streamed replication exchange: images sent from their own memory, written as they arrive.
 
-A clique exchange moves each member's image (a sequence of byte segments: one staged buffer,
-or the tensors' own memory plus small padding and header segments) to every other member:
+Sender: the image's segments are cut into messages of at most `CHUNK` bytes, large pieces
+sent from the memory they live in, small ones packed together; every message to every peer
+is posted at once. Receiver: each peer's messages land in a small window of pooled aligned
+buffers, each placed at its file offset modulo the page size and written to the replica's
+file on arrival, so a received image is never held whole in memory.
 
-- Sender: the image is cut into messages of at most `CHUNK` bytes. Large pieces are sent
-  straight from the memory they live in (no copy of the state); small pieces (alignment
-  padding, the header, small tensors) are packed together into one message. Every message
-  to every peer is posted at once: nothing waits per tensor or per chunk.
-- Receiver: the message sizes come first (one small all-gather), then each peer's messages
-  are received into a few pooled aligned buffers (a sliding window of posted receives),
-  each placed at its file offset modulo the page size, and each one is written to the
-  replica's file as soon as it has arrived, while the next ones are still on the wire: with
-  O_DIRECT straight from that buffer (a replica is read back only after its owner's node
-  is lost, so it skips the page cache and its copy). A received image is never held whole
-  in memory.
-
-A receiver that cannot write (file exists, disk full) keeps receiving and drops the bytes
-until the peer's last message, then raises: the sender never waits for a receive that is
-never posted.
+A receiver that cannot write keeps receiving (and drops the bytes) until the peer's last
+message, then raises: a sender never waits for a receive that is never posted.
 """
 
 from __future__ import annotations
@@ -32,10 +22,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ...storage.buffers import ALIGN, CHUNK
+from ...storage import ALIGN
 
 __all__ = ["ImageSink", "pack_messages", "stream_exchange"]
 
+#: bytes per message at most
+CHUNK = 64 << 20
 #: pieces smaller than this are packed with their neighbours into one message
 SMALL = 1 << 20
 #: chunk buffers per peer being received (posted receives in flight)
@@ -46,8 +38,7 @@ _lock = threading.Lock()
 
 
 def _buffers(n: int) -> List[np.ndarray]:
-    """`n` page-aligned receive buffers of `CHUNK + ALIGN` bytes (reused across saves): a
-    chunk is placed at its file offset modulo `ALIGN`, so its pages go to disk as they are."""
+    """`n` page-aligned receive buffers of `CHUNK + ALIGN` bytes, reused across saves."""
     with _lock:
         got = [_free.pop() for _ in range(min(n, len(_free)))]
     return got + [
@@ -78,12 +69,8 @@ OpenSink = Callable[[CkptID, int], ImageSink]
 
 
 def pack_messages(segments: Sequence[np.ndarray], chunk: int = CHUNK) -> List[np.ndarray]:
-    """Cuts the concatenation of `segments` into messages of at most `chunk` bytes.
-
-    Pieces of `SMALL` bytes or more are views of the segments (no copy); runs of smaller
-    pieces are copied into one packed message. The messages, concatenated, are the segments'
-    bytes in order.
-    """
+    """Cuts the concatenation of `segments` into messages of at most `chunk` bytes: pieces
+    of `SMALL` bytes or more as views (no copy), runs of smaller ones packed into one."""
     out: List[np.ndarray] = []
     pack: List[np.ndarray] = []
     packed = 0
@@ -171,13 +158,8 @@ def stream_exchange(
 ) -> List[Tuple[CkptID, int]]:
     """Collective over `group` (the ranks `ranks`): every member's image to every other member.
 
-    Args:
-        group: a gloo group over `ranks` (None: the default group).
-        ranks: the members, in group order.
-        me: this rank.
-        id_: this rank's image id.
-        segments: this rank's image (finished) as consecutive byte segments.
-        open_sink: opens where a received image is written.
+    `group` is a gloo group over `ranks` (None: the default group); `segments` are this
+    rank's finished image; `open_sink` opens where a received image is written.
 
     Returns:
         `(id, nbytes)` of each image received and written, in `ranks` order.

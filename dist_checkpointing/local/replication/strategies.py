@@ -1,30 +1,23 @@
 """Replication strategies: where copies of each rank's local checkpoint part are kept.
 
 `CliqueReplicationStrategy` splits the ranks into cliques of `replication_factor` ranks,
-`replication_jump` apart, and gives every member of a clique a copy of every other member's
-part. Parts travel as byte images (see `.._image`): raw tensor bytes sent over a gloo
-process group, never pickled tensors, straight from the memory they live in and written to
-the receiver's file as they arrive (`._stream`). Copies are byte-identical, checksums
-included.
+`replication_jump` apart; every member keeps a copy of every other member's part. Parts
+travel as byte images (see `.._image`) over gloo, never as pickled tensors, and copies are
+byte-identical, checksums included. Gloo on host buffers even with NCCL training: the
+bytes are in host memory anyway, and GPU memory and NCCL streams stay out of it.
 
-Retrieval (at load) is planned from what every rank holds, identically on every rank, so a
-missing part raises `NoReplicasAvailableError` on every rank rather than hanging one. Any
-holder in the world may send a part (not only clique members), so a part stays reachable
-after replication parameters change between runs.
-
-Why gloo on host buffers even with NCCL training: the bytes are in host memory anyway (they
-are written to local disk from there), and exchanging them over gloo keeps GPU memory and
-NCCL streams out of a background exchange.
+Retrieval at load is planned from what every rank holds, identically on every rank, and
+any holder may send a part, so a part stays reachable after the replication parameters
+change between runs.
 """
 
 from __future__ import annotations
 
 import datetime
 import logging
-import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -45,21 +38,20 @@ __all__ = [
     "LazyCliqueReplicationStrategy",
     "clique_ranks",
     "plan_retrieval",
-    "execute_plan",
+    "transfer_parts",
 ]
 
 logger = logging.getLogger(__name__)
 
 #: bytes per message of the replication exchange
 _CHUNK = 64 << 20
+#: bytes per message of a transfer at load
+TRANSFER_CHUNK = 16 << 20
+#: tags of one transfer's messages: transfer index * _TAG_SPAN + message index
+_TAG_SPAN = 1 << 20
 
 #: (iteration, owner rank, session id)
 CkptID = Tuple[int, int, str]
-
-
-def describe_id(ckpt_id: Any) -> str:
-    """'iteration I, rank R' for a checkpoint id (for messages)."""
-    return describe_ckpt_id(ckpt_id)
 
 
 def clique_ranks(
@@ -96,31 +88,15 @@ class ExchangePlan:
 
     transfers: List[Tuple[int, int, CkptID]] = field(default_factory=list)
 
-    def plan(self, sender: int, receiver: int, id_: CkptID) -> None:
-        self.transfers.append((sender, receiver, id_))
-
-    def required_ids(self, rank: Optional[int] = None) -> Set[CkptID]:
-        """Parts that `rank` (default: this rank) must provide, for itself or for others."""
-        rank = _dist.get_rank() if rank is None else rank
-        return {id_ for s, _, id_ in self.transfers if s == rank}
-
-    def received_ids(self, rank: Optional[int] = None) -> List[CkptID]:
-        """Parts that `rank` (default: this rank) ends up with."""
-        rank = _dist.get_rank() if rank is None else rank
-        return [id_ for _, r, id_ in self.transfers if r == rank]
-
 
 def plan_retrieval(
     available: Mapping[int, Iterable[CkptID]], wanted: Mapping[int, Sequence[CkptID]]
 ) -> ExchangePlan:
-    """Plans who provides each wanted part (pure; every rank computes the same plan).
+    """Plans who provides each wanted part (pure: every rank computes the same plan).
 
-    A receiver that holds a part keeps it; otherwise the holder with the fewest sends so
-    far sends it (lowest rank on ties).
-
-    Args:
-        available: rank -> parts it holds.
-        wanted: receiver rank -> parts it needs.
+    `available` maps each rank to the parts it holds, `wanted` each receiver to the parts
+    it needs. A receiver that holds a part keeps it; otherwise the holder with the fewest
+    sends so far sends it (lowest rank on ties).
 
     Raises:
         NoReplicasAvailableError: a wanted part is held by no rank (names it and the receiver).
@@ -137,7 +113,7 @@ def plan_retrieval(
             candidates = holders.get(key, [])  # type: ignore[arg-type]
             if not candidates:
                 raise NoReplicasAvailableError(
-                    f"No rank holds a usable copy of the local checkpoint part ({describe_id(key)}) "
+                    f"No rank holds a usable copy of the local checkpoint part ({describe_ckpt_id(key)}) "
                     f"needed by rank {receiver}"
                 )
             sender = (
@@ -147,7 +123,7 @@ def plan_retrieval(
             )
             if sender != receiver:  # keeping one's own copy costs no network
                 sends[sender] = sends.get(sender, 0) + 1
-            plan.plan(sender, receiver, key)  # type: ignore[arg-type]
+            plan.transfers.append((sender, receiver, key))  # type: ignore[arg-type]
     return plan
 
 
@@ -164,79 +140,71 @@ def host_group() -> Any:
     return _host_group
 
 
-def execute_plan(
-    plan: ExchangePlan, my_data: Mapping[CkptID, torch.Tensor], group: Any = None
-) -> Dict[CkptID, torch.Tensor]:
-    """Collective over `group` (all ranks): moves byte images as `plan` says.
+def transfer_parts(
+    plan: ExchangePlan, load: Callable[[CkptID], torch.Tensor], group: Any = None
+) -> Tuple[Dict[CkptID, Tuple[int, torch.Tensor]], List[CkptID]]:
+    """Collective over `group` (a gloo group over all ranks, None: the default group):
+    runs the plan's transfers between different ranks.
 
-    Args:
-        plan: the same plan on every rank.
-        my_data: the images (uint8 CPU tensors) this rank provides: at least
-            `plan.required_ids()`.
-        group: a gloo group over all ranks (None: the default group).
+    The sender reads each part it sends (`load`) and sends it in chunks; a part it cannot
+    read is announced with size -1 and not sent, so no receive waits for it.
 
     Returns:
-        The images this rank receives (or keeps), by id.
-
-    Raises:
-        CheckpointingException: this rank lacks an image the plan asks it to send.
+        `(received, unsent)`: the parts received here, `id -> (sender, bytes)`, not
+        verified; and the parts this rank could not read for sending.
     """
     me = _dist.get_rank()
-    missing = plan.required_ids(me) - set(my_data)
-    if missing:
-        raise CheckpointingException(
-            f"Rank {me} was planned to provide {sorted(describe_id(m) for m in missing)} but does not hold them"
-        )
-    sizes: Dict[CkptID, int] = {}
-    for part in _dist.all_gather_object(
-        {id_: int(my_data[id_].numel()) for id_ in plan.required_ids(me)}, group
-    ):
+    mine: Dict[int, torch.Tensor] = {}
+    sizes: Dict[int, int] = {}
+    unsent: List[CkptID] = []
+    for index, (sender, receiver, id_) in enumerate(plan.transfers):
+        if sender == me != receiver:
+            try:
+                mine[index] = load(id_)
+            except (CheckpointingException, OSError) as e:
+                logger.warning("cannot read part %s to send it to rank %d: %s", id_, receiver, e)
+                unsent.append(id_)
+            sizes[index] = int(mine[index].numel()) if index in mine else -1
+    for part in _dist.all_gather_object(sizes, group):
         sizes.update(part)
-    received: Dict[CkptID, torch.Tensor] = {}
+    received: Dict[CkptID, Tuple[int, torch.Tensor]] = {}
     works = []
-    for tag, (sender, receiver, id_) in enumerate(plan.transfers):
-        if sender == receiver:
-            if sender == me:
-                received[id_] = my_data[id_]
-        elif sender == me:
-            works.append(dist.isend(my_data[id_].contiguous(), dst=receiver, group=group, tag=tag))
-        elif receiver == me:
-            buf = torch.empty(sizes[id_], dtype=torch.uint8)
-            works.append(dist.irecv(buf, src=sender, group=group, tag=tag))
-            received[id_] = buf
+    op: Any
+    for index, (sender, receiver, id_) in enumerate(plan.transfers):
+        if sender == receiver or sizes.get(index, -1) < 0 or me not in (sender, receiver):
+            continue
+        if sender == me:
+            buf, op, peer = mine[index], dist.isend, receiver
+        else:
+            buf, op, peer = torch.empty(sizes[index], dtype=torch.uint8), dist.irecv, sender
+            received[id_] = (sender, buf)
+        for k, lo in enumerate(range(0, sizes[index], TRANSFER_CHUNK)):
+            works.append(
+                op(buf[lo : lo + TRANSFER_CHUNK], peer, group=group, tag=index * _TAG_SPAN + k)
+            )
     for w in works:
         if w is not None:
             w.wait()
-    return received
+    return received, unsent
 
 
 class ReplicationStrategy(ABC):
     """Decides where copies of each rank's local checkpoint part go (the manager's contract).
 
-    What `BaseCheckpointManager.save` calls, in this order, for every save:
-    1. `prepare()`: on every rank, in the caller's thread, before any background work;
-       collective over all ranks (it may create process groups).
-    2. `replicate_stream(image, id_, open_sink)`: on every rank, in the manager's one
-       background thread, after this rank's part is serialized and checksummed (while this
-       rank's own part is being written); collective over the ranks this rank exchanges
-       with (and only those, as other ranks may be at another point of their background
-       work). It writes every part received into a sink the manager opens (a dirty file).
-       The default implementation calls `replicate_images` (the one method a strategy must
-       implement) and writes what it returns; strategies that can stream override it.
+    For every save, `BaseCheckpointManager.save` calls, on every rank:
+    1. `prepare()`: in the caller's thread, collective over all ranks (it may create
+       process groups).
+    2. `replicate_stream(image, id_, open_sink)`: in the manager's one background thread,
+       collective over the ranks this rank exchanges with, and only those. It writes every
+       part received into a sink the manager opens (a dirty file). The default calls
+       `replicate_images` (the one method a strategy must implement).
 
-    Loading does not call the
-    strategy: retrieval is planned from what every rank holds (`plan_retrieval`,
-    `execute_plan`), so parts stay reachable after the replication parameters change.
-
-    Invariant: the returned images are byte-identical to what their owners passed in
-    (checksums included), so each copy verifies on its own.
+    Loading does not call the strategy (see `plan_retrieval`). Copies are byte-identical to
+    what their owners passed in, so each copy verifies on its own.
     """
 
     def prepare(self) -> None:
-        """Collective: builds what the strategy needs (process groups) in the caller thread.
-
-        Strategies that build lazily must do it here, not in the background thread.
-        """
+        """Collective: builds what the strategy needs (process groups) in the caller thread."""
         return None
 
     @abstractmethod
@@ -259,15 +227,12 @@ class ReplicationStrategy(ABC):
         """Collective over this rank's exchange group: sends this rank's part, writes copies.
 
         Args:
-            image: this rank's finished part (staged in one buffer, or its tensors' memory).
+            image: this rank's finished part.
             id_: its id.
             open_sink: `(id, nbytes) -> sink` opens where a received part is written.
 
         Returns:
             `(id, nbytes)` of each part written, this rank's own part excluded.
-
-        Raises:
-            What the exchange or the sinks raised.
         """
         buffer = image.buffer
         if buffer is None:  # an unstaged image: one contiguous copy for `replicate_images`
@@ -344,28 +309,18 @@ class CliqueReplicationStrategy(ReplicationStrategy):
         logger.debug("replication cliques %s (rank %d)", cliques, me)
         return cls(mine)
 
-    def _to_target(self, t: torch.Tensor) -> torch.Tensor:
-        return t if self.target_device == "cpu" else t.to(self.target_device)
-
     def replicate_images(
         self, image: torch.Tensor, id_: CkptID
     ) -> List[Tuple[CkptID, torch.Tensor]]:
-        """Collective over the clique: sends this rank's image to every other member.
-
-        Safe to run in a background thread (it uses only the clique group).
-
-        Returns:
-            The other members' `(id, image)` pairs.
-        """
+        """Collective over the clique: sends this rank's image to every other member and
+        returns theirs as `(id, image)` pairs."""
         if len(self.ranks) == 1:
             return []
-        start = time.perf_counter()
         me = _dist.get_rank()
         infos: List[Any] = [None] * len(self.ranks)
         dist.all_gather_object(infos, (tuple(id_), int(image.numel())), group=self.local_group)
-        # every send and receive is posted at once, in large chunks: both directions of
-        # each pair run together and nothing waits per tensor or per chunk
-        mine = self._to_target(image)
+        # every send and receive posted at once, in large chunks: nothing waits per chunk
+        mine = image.to(self.target_device)
         works, out = [], []
         for peer, (other_id, nbytes) in zip(self.ranks, infos):
             if peer == me:
@@ -383,42 +338,20 @@ class CliqueReplicationStrategy(ReplicationStrategy):
         for w in works:
             if w is not None:
                 w.wait()
-        out = [(i, b.cpu()) for i, b in out]
-        received = sum(int(b.numel()) for _, b in out)
-        elapsed = time.perf_counter() - start
-        logger.info(
-            "replicated %.1f MB to %d peers, received %.1f MB in %.2f s",
-            image.numel() / 1e6,
-            len(self.ranks) - 1,
-            received / 1e6,
-            elapsed,
-        )
-        return out  # type: ignore[return-value]
+        return [(i, b.cpu()) for i, b in out]  # type: ignore[misc]
 
     def replicate_stream(
         self, image: LocalImage, id_: CkptID, open_sink: OpenSink
     ) -> List[Tuple[CkptID, int]]:
         """Collective over the clique: streams this rank's part to every other member and
-        writes theirs chunk by chunk as they arrive (see `._stream`).
-
-        Safe to run in a background thread (it uses only the clique group).
-        """
+        writes theirs chunk by chunk as they arrive (see `._stream`)."""
         if len(self.ranks) == 1:
             return []
         if self.target_device != "cpu":  # exchange buffers on a device: whole images
             return super().replicate_stream(image, id_, open_sink)
-        start = time.perf_counter()
-        out = stream_exchange(
+        return stream_exchange(
             self.local_group, self.ranks, _dist.get_rank(), id_, image.segments(), open_sink
         )
-        logger.info(
-            "replicated %.1f MB to %d peers, received and wrote %.1f MB in %.2f s",
-            image.nbytes / 1e6,
-            len(self.ranks) - 1,
-            sum(n for _, n in out) / 1e6,
-            time.perf_counter() - start,
-        )
-        return out
 
 
 class LazyCliqueReplicationStrategy(CliqueReplicationStrategy):
