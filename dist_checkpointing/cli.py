@@ -12,7 +12,7 @@ import json
 import logging
 import sys
 from dataclasses import asdict
-from typing import Any, Callable, Dict, List, NoReturn, Optional
+from typing import Any, Callable, List, NoReturn, Optional
 
 __all__ = ["main"]
 
@@ -168,23 +168,19 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    ls = sub.add_parser("ls", help="list the checkpoints under a root, newest first")
+    def verb(name: str, fn: Callable[[argparse.Namespace], int], text: str) -> Any:
+        p = sub.add_parser(name, help=text)
+        p.set_defaults(fn=fn)
+        return p
+
+    ls = verb("ls", _ls, "list the checkpoints under a root, newest first")
     ls.add_argument("root", help="directory holding checkpoint directories (iter_NNNNNNN)")
-    ls.add_argument("--json", action="store_true", help="machine-readable output")
-    ls.set_defaults(fn=_ls)
-
-    insp = sub.add_parser("inspect", help="backend, tensors, shards, values and checksums")
+    insp = verb("inspect", _inspect, "backend, tensors, shards, values and checksums")
     insp.add_argument("path", help="checkpoint directory")
-    insp.add_argument("--json", action="store_true", help="machine-readable output")
-    insp.set_defaults(fn=_inspect)
-
-    ver = sub.add_parser("verify", help="read every byte and check every checksum")
+    ver = verb("verify", _verify, "read every byte and check every checksum")
     ver.add_argument("path", help="checkpoint directory")
-    ver.add_argument("--json", action="store_true", help="machine-readable output")
-    ver.set_defaults(fn=_verify)
-
-    conv = sub.add_parser(
-        "convert", help="write the full tensors as safetensors shards or one torch file"
+    conv = verb(
+        "convert", _convert, "write the full tensors as safetensors shards or one torch file"
     )
     conv.add_argument("path", help="torch_dist or PyTorch DCP checkpoint directory")
     conv.add_argument("out", help="output directory (safetensors) or file (torch)")
@@ -192,18 +188,15 @@ def _parser() -> argparse.ArgumentParser:
     conv.add_argument(
         "--max-shard-size", default="5GB", help="bytes per safetensors file (default 5GB)"
     )
-    conv.add_argument("--json", action="store_true", help="machine-readable output")
-    conv.set_defaults(fn=_convert)
-
-    diff = sub.add_parser("diff", help="compare two checkpoints (exit 0 only when equal)")
+    diff = verb("diff", _diff, "compare two checkpoints (exit 0 only when equal)")
     diff.add_argument("a")
     diff.add_argument("b")
     diff.add_argument("--rtol", type=float, default=0.0, help="relative tolerance (default 0)")
     diff.add_argument("--atol", type=float, default=0.0, help="absolute tolerance (default 0)")
-    diff.add_argument("--json", action="store_true", help="machine-readable output")
-    diff.set_defaults(fn=_diff)
+    for p in (ls, insp, ver, conv, diff):
+        p.add_argument("--json", action="store_true", help="machine-readable output")
 
-    demo = sub.add_parser("demo", help="save, reshard and load a multi-rank checkpoint on CPU")
+    demo = verb("demo", _demo, "save, reshard and load a multi-rank checkpoint on CPU")
     demo.add_argument("--world-size", type=int, default=4)
     demo.add_argument("--hidden", type=int, default=512)
     demo.add_argument("--layers", type=int, default=4)
@@ -211,7 +204,6 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--dir", default="", help="parent directory of the checkpoint (default: a temp dir)"
     )
-    demo.set_defaults(fn=_demo)
     return parser
 
 
@@ -232,11 +224,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         format="%(levelname)s %(name)s: %(message)s",
     )
     fn: Callable[[argparse.Namespace], int] = args.fn
-    handled: Dict[type, int] = {}
     try:
-        from .errors import CheckpointingException
-
-        handled = {CheckpointingException: EXIT_ERROR, ValueError: EXIT_ERROR, OSError: EXIT_ERROR}
         return fn(args)
     except KeyboardInterrupt:
         print("dist-ckpt: interrupted", file=sys.stderr)
@@ -244,7 +232,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     except BrokenPipeError:  # output piped into `head`
         return EXIT_OK
     except Exception as e:  # one line per error, never a traceback
-        known = any(isinstance(e, t) for t in handled)
+        from .errors import CheckpointingException
+
+        known = isinstance(e, (CheckpointingException, ValueError, OSError))
         kind = "error" if known else f"internal error ({type(e).__name__})"
         print(f"dist-ckpt {args.command}: {kind}: {_one_line(e)}", file=sys.stderr)
         return EXIT_ERROR

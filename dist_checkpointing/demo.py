@@ -72,21 +72,14 @@ def _state(cfg: DemoConfig, swap_axes: bool, with_data: bool) -> Dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
     sd: Dict[str, Any] = {}
     for key, shape, dtype, axis in _specs(cfg):
+        full = _global_tensor(key, shape, dtype) if with_data else torch.empty(shape, dtype=dtype)
         if axis < 0:
-            local = (
-                _global_tensor(key, shape, dtype) if with_data else torch.empty(shape, dtype=dtype)
-            )
-            sd[key] = ShardedTensor.from_rank_offsets(key, local, replica_id=rank)
+            sd[key] = ShardedTensor.from_rank_offsets(key, full, replica_id=rank)
             continue
         if swap_axes and len(shape) == 2:
             axis = 1 - axis
         size = shape[axis] // world
-        if with_data:
-            local = _global_tensor(key, shape, dtype).narrow(axis, rank * size, size).clone()
-        else:
-            local = torch.empty(
-                *(size if a == axis else s for a, s in enumerate(shape)), dtype=dtype
-            )
+        local = full.narrow(axis, rank * size, size).clone()
         sd[key] = ShardedTensor.from_rank_offsets(key, local, (axis, rank, world))
     sd["rng"] = ShardedObject(
         "rng_state", {"rank": rank, "seed": 1234 + rank} if with_data else None, (world,), (rank,)
@@ -99,10 +92,8 @@ def _worker(rank: int, cfg: DemoConfig, rendezvous: str, ckpt: str, log_level: i
     from . import serialization
     from .mapping import ShardedTensor
 
-    # one intra-op thread per rank, as torchrun sets for several processes per node
-    # (OMP_NUM_THREADS=1): with torch's default (a thread per core in every rank), 4 ranks
-    # on 2 cores spun against each other in the load's copies, which took 0.42-0.68 s
-    # instead of 0.14 s on our CI VM
+    # one intra-op thread per rank, as torchrun sets (OMP_NUM_THREADS=1): threads of
+    # several ranks on the same cores otherwise spin against each other
     torch.set_num_threads(1)
     # spawned processes start with logging unconfigured: use the launcher's level
     logging.basicConfig(level=log_level, format=f"%(levelname)s rank {rank} %(name)s: %(message)s")
@@ -115,7 +106,7 @@ def _worker(rank: int, cfg: DemoConfig, rendezvous: str, ckpt: str, log_level: i
         timeout=datetime.timedelta(minutes=5),
     )
     try:
-        # importing torch.distributed.checkpoint costs seconds once per process; keep it out of the timings
+        # importing torch.distributed.checkpoint is slow: keep it out of the timings
         serialization.get_default_save_sharded_strategy()
         state = _state(cfg, swap_axes=False, with_data=True)
         nbytes = sum(
@@ -148,15 +139,8 @@ def _worker(rank: int, cfg: DemoConfig, rendezvous: str, ckpt: str, log_level: i
         times = torch.tensor([save_s, load_s], dtype=torch.float64)
         dist.all_reduce(times, op=dist.ReduceOp.MAX)
         if rank == 0:
-            _print_report(
-                cfg,
-                ckpt,
-                len(_specs(cfg)),
-                int(totals[0]),
-                float(times[0]),
-                float(times[1]),
-                int(totals[1]),
-            )
+            nbytes, bad = int(totals[0]), int(totals[1])
+            _print_report(cfg, ckpt, nbytes, float(times[0]), float(times[1]), bad)
         if totals[1]:
             raise SystemExit(f"rank {rank}: mismatched {mismatches}")
     finally:
@@ -164,27 +148,25 @@ def _worker(rank: int, cfg: DemoConfig, rendezvous: str, ckpt: str, log_level: i
 
 
 def _print_report(
-    cfg: DemoConfig, ckpt: str, n: int, nbytes: int, save_s: float, load_s: float, bad: int
+    cfg: DemoConfig, ckpt: str, nbytes: int, save_s: float, load_s: float, bad: int
 ) -> None:
-    files = sorted(os.listdir(ckpt))
+    n, save_rate, load_rate = len(_specs(cfg)), nbytes / save_s / 1e9, nbytes / load_s / 1e9
+    head = ("tensors", "bytes", "save s", "save GB/s", "load s", "load GB/s")
     print(f"dist_checkpointing demo: {cfg.world_size} ranks (gloo), checkpoint {ckpt}")
     print(
         "  saved with tensor-parallel splits on the usual axes; loaded with every split axis swapped"
     )
-    print(f"  files: {', '.join(files)}")
-    print()
+    print(f"  files: {', '.join(sorted(os.listdir(ckpt)))}\n")
+    print("  {:>8} {:>12} {:>8} {:>10} {:>8} {:>10}".format(*head))
     print(
-        f"  {'tensors':>8} {'bytes':>12} {'save s':>8} {'save GB/s':>10} {'load s':>8} {'load GB/s':>10}"
+        f"  {n:>8} {nbytes:>12,} {save_s:>8.3f} {save_rate:>10.3f} {load_s:>8.3f} {load_rate:>10.3f}\n"
     )
-    print(
-        f"  {n:>8} {nbytes:>12,} {save_s:>8.3f} {nbytes / save_s / 1e9:>10.3f} {load_s:>8.3f} {nbytes / load_s / 1e9:>10.3f}"
-    )
-    print()
-    print(
-        "  verified: every byte of every resharded tensor, the ShardedObjects and the common state"
-        if not bad
-        else f"  FAILED: {bad} mismatches"
-    )
+    if bad:
+        print(f"  FAILED: {bad} mismatches")
+    else:
+        print(
+            "  verified: every byte of every resharded tensor, the ShardedObjects and the common state"
+        )
 
 
 def run_demo(cfg: DemoConfig) -> None:

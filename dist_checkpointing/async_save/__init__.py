@@ -1,13 +1,7 @@
-"""Async save: requests, the processes that run them, and the queue that finalizes them.
-
-Two phases, as in tensorstore: when `save(..., async_sharded_save=True)` returns, the data
-is *copied* (the caller may change its tensors); once the request is finalized, it is
-*committed* (durable, `metadata.json` written).
-
-Modules: `request` (`AsyncRequest`, the call states), `callers` (the processes that run a
-request's `async_fn`), `queue` (`AsyncCallsQueue`: scheduling and collective finalization).
-This package depends only on the core (`_dist`, `errors`), so both `strategies/` and
-`local/` use it.
+"""Async save: requests (`request`), the processes that run them (`callers`), and the queue
+that finalizes them (`queue`). When `save(..., async_sharded_save=True)` returns, the data
+is *copied*; once the request is finalized, it is *committed* (durable). Depends only on the
+core, so both `strategies/` and `local/` use it.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """Callers: run a request's `async_fn` in another process, away from the training loop.
 
-`TemporalAsyncCaller` forks a fresh process per request (no pickling: the child sees the
-host buffers; a child stuck in the fork is replaced); `PersistentAsyncCaller` keeps one
-spawned worker fed through a queue (no start-up cost per save; host buffers travel as
+`TemporalAsyncCaller` forks a process per request (the child sees the host buffers);
+`PersistentAsyncCaller` feeds one spawned worker through a queue (host buffers travel as
 shared memory). Each reports a call's outcome once, as a `CallStatus`.
 """
 
@@ -41,12 +40,8 @@ def _is_main_test(test: ast.expr) -> bool:
 
 
 def _unguarded_main_line() -> Optional[Tuple[str, int]]:
-    """(script, line) when the main script's top level calls us outside a main guard.
-
-    A spawned process re-runs the main script's top-level code, except what is under
-    `if __name__ == "__main__":`. Returns None when that cannot hurt (no script, a call
-    from a thread or under the guard) or cannot be told (source unavailable).
-    """
+    """(script, line) when the main script's top level calls us outside its main guard
+    (which a spawned process would re-run); None when harmless or unknown."""
     main = sys.modules.get("__main__")
     path = getattr(main, "__file__", None)
     if main is None or not path:
@@ -73,11 +68,8 @@ def _unguarded_main_line() -> Optional[Tuple[str, int]]:
 
 
 def check_main_guard() -> None:
-    """Refuses to start a spawned writer that would re-run the user's unguarded script.
-
-    Raises:
-        CheckpointingException: naming the script and line, and saying what to do.
-    """
+    """Raises `CheckpointingException` (script, line, remedy) when a spawned writer would
+    re-run the user's unguarded script."""
     where = _unguarded_main_line()
     if where is None:
         return
@@ -123,14 +115,10 @@ def _lower_priority(niceness: int) -> None:
             logger.debug("could not lower writer priority: %s", e)
 
 
-#: the first message of a forked writer: it runs Python, so the fork itself completed
-_STARTED = "started"
-
-
 def _temporal_child(
     fn: Callable[..., Any], args: Tuple[Any, ...], conn: Any, niceness: int
 ) -> None:
-    conn.send(_STARTED)
+    conn.send("started")  # Python runs: the fork itself completed
     _lower_priority(niceness)
     conn.send(_run_and_report(fn, args))
     conn.close()
@@ -152,12 +140,10 @@ class _Fork:
 class TemporalAsyncCaller(AsyncCaller):
     """A fresh forked process per request; it inherits the host buffers without copying.
 
-    A forked child can hang before it runs any Python: CPython up to 3.11 takes, in the
-    child, a runtime lock that another thread of the parent may have held at the moment of
-    the fork (a native thread entering Python holds it briefly without the GIL). Such a
-    child never sends its start message; after `startup_timeout` seconds it is killed and
-    the writer forked again (it had not run any of the request), up to `max_attempts`
-    forks in all, after which the call fails, which fails the save on every rank.
+    A forked child can hang before running Python (CPython <= 3.11 takes a runtime lock in
+    the child that another parent thread may have held at the fork). Such a child never
+    sends its start message: after `startup_timeout` seconds it is killed and forked again
+    (none of the request ran), up to `max_attempts` forks, then the call fails.
 
     Args:
         niceness: added to the writer's nice value so training keeps the CPU.
@@ -201,8 +187,8 @@ class TemporalAsyncCaller(AsyncCaller):
         )
 
     def _await_start(self, call_idx: int, call: _Fork, block: bool) -> Optional[CallStatus]:
-        """Waits (with `block`) for the writer's start message, forking again a writer stuck
-        before it; returns a final status when the writer died or never started."""
+        """Waits for the writer's start message (re-forking a stuck writer); returns a status
+        unless it started."""
         while not call.started:
             deadline = call.forked_at + self.startup_timeout
             if call.recv.poll(max(deadline - time.monotonic(), 0.0) if block else 0):
@@ -227,14 +213,9 @@ class TemporalAsyncCaller(AsyncCaller):
                     f"{self.startup_timeout:g} s, {call.attempts} times (the last, pid {pid}, "
                     f"was killed); nothing of the request ran",
                 )
-            logger.warning(
-                "background writer for call %d (pid %d) did not start within %g s: killed it "
-                "and forked another (a fork can hang in CPython <= 3.11 when another thread "
-                "enters Python at that moment)",
-                call_idx,
-                pid,
-                self.startup_timeout,
-            )
+            msg = "background writer for call %d (pid %d) did not start within %g s: "
+            msg += "killed it and forked another"
+            logger.warning(msg, call_idx, pid, self.startup_timeout)
             self._fork(call_idx, call)
         return None
 
@@ -270,27 +251,13 @@ class TemporalAsyncCaller(AsyncCaller):
         self._calls.clear()
 
 
-def _logging_setup() -> Tuple[int, bool]:
-    """What a spawned worker needs to log like this process: the package's level, and
-    whether this process shows log records at all (has handlers)."""
-    return (
-        logging.getLogger("dist_checkpointing").getEffectiveLevel(),
-        bool(logging.getLogger().handlers),
-    )
-
-
-def _apply_logging_setup(setup: Tuple[int, bool]) -> None:
-    """In a spawned worker (logging unconfigured): log at the parent's level."""
-    level, shown = setup
-    if shown:
-        logging.basicConfig(format="%(levelname)s async writer %(name)s: %(message)s")
-    logging.getLogger("dist_checkpointing").setLevel(level)
-
-
 def _persistent_worker(
     tasks: Any, results: Any, niceness: int, log_setup: Tuple[int, bool] = (logging.WARNING, True)
 ) -> None:
-    _apply_logging_setup(log_setup)
+    level, shown = log_setup  # the parent's: a spawned process starts unconfigured
+    if shown:
+        logging.basicConfig(format="%(levelname)s async writer %(name)s: %(message)s")
+    logging.getLogger("dist_checkpointing").setLevel(level)
     _lower_priority(niceness)
     while True:
         task = tasks.get()
@@ -325,9 +292,11 @@ class PersistentAsyncCaller(AsyncCaller):
         if self._proc is not None and self._proc.is_alive():
             return
         self._tasks, self._results = self._ctx.Queue(), self._ctx.Queue()
+        level = logging.getLogger("dist_checkpointing").getEffectiveLevel()
+        log_setup = (level, bool(logging.getLogger().handlers))
         self._proc = self._ctx.Process(
             target=_persistent_worker,
-            args=(self._tasks, self._results, self.niceness, _logging_setup()),
+            args=(self._tasks, self._results, self.niceness, log_setup),
             daemon=True,
             name="dc-async-worker",
         )

@@ -1,13 +1,10 @@
 """`AsyncCallsQueue`: schedules async requests and finalizes them once every rank is done.
 
-Protocol:
-1. Every rank builds an `AsyncRequest` and passes it to `schedule_async_request`; a caller
-   (see `.callers`) runs its `async_fn` in another process, or the queue watches its future.
-2. Every rank calls `maybe_finalize_async_calls` the same number of times. A call is
-   finalized only when it has finished on every rank (a collective check); then its
-   finalize functions run in order on every rank. A failure on any rank raises
-   `AsyncSaveError` on every rank, the call is dropped (nothing is committed), and the
-   queue keeps working.
+Every rank schedules its `AsyncRequest` (a caller runs its `async_fn` in another process,
+or the queue watches its future), then calls `maybe_finalize_async_calls` the same number of
+times. A call is finalized once it finished on every rank: its finalize functions run in
+order on every rank. A failure on any rank raises `AsyncSaveError` on every rank and drops
+the call (nothing is committed); the queue keeps working.
 """
 
 from __future__ import annotations
@@ -78,12 +75,10 @@ def _warn_unfinalized_at_exit() -> None:
     for q in list(_live_queues):
         n = q.get_num_unfinalized_calls()
         if n:
-            logger.warning(
-                "Process exiting with %d unfinalized async checkpoint save(s): they are not "
-                "committed and will not be loaded. Call AsyncCallsQueue.close() (or "
-                "maybe_finalize_async_calls(blocking=True)) on every rank before exiting.",
-                n,
-            )
+            msg = "Process exiting with %d unfinalized async checkpoint save(s): they are not "
+            msg += "committed and will not be loaded. Call AsyncCallsQueue.close() (or "
+            msg += "maybe_finalize_async_calls(blocking=True)) on every rank before exiting."
+            logger.warning(msg, n)
         q._shutdown_callers()
 
 
@@ -93,9 +88,8 @@ class AsyncCallsQueue:
     Args:
         persistent: use one persistent worker process (True) or a fresh forked process per
             request (False).
-        writer_niceness: how much lower than the training process the writers run (Unix
-            nice increment; 0 keeps the same priority). Writes mostly wait on the disk, so a
-            low priority costs them little and keeps the CPU for training.
+        writer_niceness: Unix nice increment of the writers (0: the same priority). Writes
+            mostly wait on the disk, so a low priority keeps the CPU for training cheaply.
     """
 
     def __init__(self, persistent: bool = False, *, writer_niceness: int = 19) -> None:
@@ -192,12 +186,9 @@ class AsyncCallsQueue:
                     fn()
             finally:
                 call.request.run_cleanup()
-            logger.info(
-                "async save call %d (%s) finalized %.2f s after scheduling",
-                call.idx,
-                call.request.description,
-                time.perf_counter() - call.scheduled_at,
-            )
+            took = time.perf_counter() - call.scheduled_at
+            msg = "async save call %d (%s) finalized %.2f s after scheduling"
+            logger.info(msg, call.idx, call.request.description, took)
             finalized.append(call.idx)
         return finalized
 

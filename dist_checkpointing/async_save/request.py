@@ -1,10 +1,8 @@
 """`AsyncRequest`: one save's background work and its collective finalization.
 
-A request carries either a function to run away from the training loop (`async_fn`, run
-by a caller in another process) or a future for work that already runs in the caller's
-own background threads (`from_future`). Producers (save strategies, `serialization`, the
-local checkpoint manager) build requests; `AsyncCallsQueue` runs and finalizes them.
-Requests are changed only through their methods, and only until they are scheduled.
+The work is a function run in another process (`async_fn`) or a future for work already
+running in this process's threads (`from_future`). Requests change only through their
+methods, and only until `AsyncCallsQueue` schedules them.
 """
 
 from __future__ import annotations
@@ -23,14 +21,12 @@ logger = logging.getLogger(__name__)
 
 
 class CallState(enum.Enum):
-    """Where a scheduled call stands on one rank."""
+    """Where a scheduled call stands on one rank: still RUNNING, finished OK (payload: the
+    result), or FAILED (raised, crashed or killed; payload: a message)."""
 
     RUNNING = "running"
-    """The background work has not finished."""
     OK = "ok"
-    """It finished; the payload is `async_fn`'s return value."""
     FAILED = "failed"
-    """It raised, crashed or was killed; the payload is a message."""
 
 
 #: (state, payload): the payload is the result (OK), a message (FAILED) or None (RUNNING)
@@ -53,19 +49,17 @@ class AsyncRequest:
     """A save whose writes run in the background and whose finalization is collective.
 
     Attributes:
-        async_fn: run in the background process with `async_fn_args`; its return value is
-            stored in `result` (it must be picklable for the persistent caller).
+        async_fn: run in the background with `async_fn_args` (picklable for the persistent
+            caller); its return value becomes `result`.
         async_fn_args: arguments of `async_fn`.
-        finalize_fns: zero-argument callables run in order on every rank once every rank's
-            background work finished; they may be collective.
+        finalize_fns: run in order on every rank once every rank's work finished; they may
+            be collective.
         preload_fn: run in the caller before scheduling (e.g. to finish host copies).
-        cleanup_fns: run after finalization or failure, on this rank (e.g. to return host
-            buffers to their pool).
-        is_frozen: set when the request is scheduled; it cannot change afterwards.
+        cleanup_fns: run on this rank after finalization or failure.
+        is_frozen: set when scheduled; no change afterwards.
         result: the background work's return value, set before the finalize functions run.
         description: names the request in logs and errors.
-        future: background work already running in this process (see `from_future`);
-            mutually exclusive with `async_fn`.
+        future: work already running in this process (`from_future`); excludes `async_fn`.
     """
 
     async_fn: Optional[Callable[..., Any]]
@@ -93,27 +87,19 @@ class AsyncRequest:
         cleanup_fns: Optional[List[Callable[[], Any]]] = None,
         description: str = "",
     ) -> AsyncRequest:
-        """A request for work already running in this process's own background threads.
-
-        The queue polls `future` instead of starting a process; its result becomes the
-        request's `result`, and its exception fails the call on every rank.
+        """A request for work already running in this process's threads: the queue polls
+        `future`; its result becomes `result`, its exception fails the call on every rank.
 
         Args:
             future: the running work.
-            finalize_fns: as the attribute.
-            cleanup_fns: as the attribute.
-            description: as the attribute.
+            finalize_fns, cleanup_fns, description: as the attributes.
 
         Returns:
             The request (not scheduled).
         """
+        cleanup = list(cleanup_fns or [])
         return cls(
-            None,
-            (),
-            finalize_fns,
-            cleanup_fns=list(cleanup_fns or []),
-            description=description,
-            future=future,
+            None, (), finalize_fns, cleanup_fns=cleanup, description=description, future=future
         )
 
     def _check_not_frozen(self, what: str) -> None:
@@ -134,11 +120,10 @@ class AsyncRequest:
     def prepend_async_fn(self, fn: Callable[..., Any], *args: Any) -> None:
         """Makes the background work run `fn(*args)` first, then the current `async_fn`.
 
-        The request's `result` stays the current `async_fn`'s return value (or `fn`'s when
-        there was none). `fn` and `args` must be picklable for the persistent caller.
+        `result` stays the current `async_fn`'s return value (or `fn`'s when there was none).
 
         Args:
-            fn: the work to run first, in the same background process.
+            fn: the work to run first, in the same background process (picklable).
             *args: its arguments.
 
         Raises:
@@ -162,11 +147,7 @@ class AsyncRequest:
         return self
 
     def run_background_work(self) -> Any:
-        """Runs (or waits for) the background work in the caller; returns its result.
-
-        Raises:
-            Exception: whatever the work raised.
-        """
+        """Runs (or waits for) the background work in the caller; returns its result."""
         if self.future is not None:
             return self.future.result()
         if self.async_fn is not None:
@@ -174,11 +155,8 @@ class AsyncRequest:
         return None
 
     def execute_sync(self) -> Any:
-        """Runs preload, the background work and the finalize functions in the caller.
-
-        Returns:
-            The background work's result.
-        """
+        """Runs preload, the background work and the finalize functions here; returns the
+        background work's result."""
         try:
             if self.preload_fn is not None:
                 self.preload_fn()

@@ -14,24 +14,12 @@ def steps_to_delete(
     keep_last: int,
     keep_period: Optional[int] = None,
 ) -> List[int]:
-    """The steps whose directories go once `newest_committed` is committed.
+    """The steps (ascending) whose directories go once `newest_committed` is committed.
 
-    Kept: the `keep_last` newest complete steps up to `newest_committed` (never fewer than
-    one: the newest committed is always kept), every step that is a multiple of
-    `keep_period`, and everything newer than `newest_committed` (another save's business).
-    Deleted: older complete steps beyond those, and incomplete steps older than
-    `newest_committed` (saves that crashed or failed; in-order finalization means none of
-    them is still running).
-
-    Args:
-        complete: steps with a committed checkpoint.
-        incomplete: steps with a directory but no commit record.
-        newest_committed: the step just committed.
-        keep_last: how many complete checkpoints to keep (>= 1).
-        keep_period: keep every step divisible by it for ever (None: no such rule).
-
-    Returns:
-        Steps to delete, ascending.
+    Kept: the `keep_last` newest complete steps up to `newest_committed` (at least that
+    one), every multiple of `keep_period`, and every newer step (another save's business).
+    Deleted: other complete steps, and incomplete ones older than `newest_committed`
+    (crashed or failed saves: finalization is in order, so none of them still runs).
     """
     older = sorted(s for s in complete if s <= newest_committed)
     kept = set(older[-max(1, keep_last) :])

@@ -1,24 +1,19 @@
 """`CheckpointManager`: when to save, how many to keep, which checkpoint to load.
 
-One manager per training job, created and called on every rank, in the style of Orbax's
-`CheckpointManager`: the training loop calls `save(step, state)` every step and
-`load(state)` once at start; the manager decides whether a save is due, runs it (async by
-default), commits it, moves the `latest` record, applies retention, and on load falls back
-from a damaged or missing checkpoint to the next usable one.
+One manager per training job, on every rank (as Orbax's): the loop calls `save(step,
+state)` every step and `load(state)` once at start; the manager decides whether a save is
+due, runs it (async by default), commits it, moves the `latest` record, applies retention,
+and on load falls back from a damaged or missing checkpoint to the next usable one.
 
-Two tiers:
-- persistent: `torch_dist` checkpoints under `<root>/iter_<step, 7 digits>` every
-  `save_interval` steps (shared storage; reshardable);
-- local (optional): node-local checkpoints every `local_save_interval` steps through
-  `LocalCheckpointManager` (with replication when a strategy is given), for fast recovery
-  from a lost node; same layout required at load.
+Two tiers: persistent `torch_dist` checkpoints under `<root>/iter_<step, 7 digits>` every
+`save_interval` steps (reshardable), and optional node-local ones every
+`local_save_interval` steps through `LocalCheckpointManager` (fast recovery, same layout).
 
-Every public method is collective (call it on every rank, in the same order) except
-`latest_step`, `all_steps` and `should_save`.
+Every public method is collective (on every rank, in the same order) except `latest_step`,
+`all_steps` and `should_save`.
 
-Why this module is over 400 lines: it is the one `CheckpointManager` class, whose public
-methods share the tier bookkeeping; the retention rule and the `latest` record live in
-their own modules of this package.
+Over 400 lines: the schedule, the two tiers, retention and the fallback load all act on the
+manager's one record of steps; `options.py`, `layout.py` and `_retention.py` hold the rest.
 """
 
 from __future__ import annotations
@@ -161,7 +156,11 @@ class CheckpointManager:
         return True
 
     def _schedule(self, step: int, tier: str, request: Any, on_commit: Callable[[], None]) -> None:
-        """Hands a background save to the queue; `on_commit` runs when it is finalized."""
+        """Hands a background save to the queue; `on_commit` runs when it is finalized (now,
+        for a synchronous save: no request)."""
+        if request is None:
+            on_commit()
+            return
 
         def committed() -> None:
             on_commit()  # if this raises, `_finalize` takes the entry as the failed save
@@ -180,9 +179,6 @@ class CheckpointManager:
 
         state, _ = MCoreTensorAwareStateDict.from_state_dict(sharded_state_dict, algo="atomic")
         request = self._local.save(state, step, is_async=self.options.async_save)
-        if request is None:
-            self._local_committed(step)
-            return
         self._schedule(step, "local", request, lambda: self._local_committed(step))
 
     def _local_committed(self, step: int) -> None:
@@ -200,9 +196,6 @@ class CheckpointManager:
             sharded_strategy=self.options.sharded_strategy,
             async_sharded_save=self.options.async_save,
         )
-        if request is None:
-            self._persistent_committed(step)
-            return
         self._schedule(step, "persistent", request, lambda: self._persistent_committed(step))
 
     def _clear_target(self, path: Path) -> None:
@@ -218,18 +211,11 @@ class CheckpointManager:
 
     def _persistent_committed(self, step: int) -> None:
         """Collective (in finalization): `latest` record, then retention, on rank 0."""
-        deleted = self._on_rank0(
-            f"latest record and retention after step {step}", self._retain, step
-        )
+        what = f"latest record and retention after step {step}"
+        deleted = self._on_rank0(what, self._retain, step)
         self._persistent_latest = max(self._persistent_latest, step)
-        _dist.log_rank0(
-            logger,
-            logging.INFO,
-            "checkpoint of step %d committed; latest = %d; removed %s",
-            step,
-            step,
-            deleted or "nothing",
-        )
+        msg = "checkpoint of step %d committed; latest = %d; removed %s"
+        _dist.log_rank0(logger, logging.INFO, msg, step, step, deleted or "nothing")
 
     def _retain(self, step: int) -> List[int]:
         write_latest(self.root, step)
@@ -242,12 +228,8 @@ class CheckpointManager:
         return doomed
 
     def _failed(self, step: int, tier: str, error: CheckpointingException) -> None:
-        """Collective: a save of `step` failed on some rank (so, agreed, on every rank).
-
-        The persistent directory it left is removed (it was never committed, so nothing
-        names or loads it); the local manager removes its own leftovers. Then the policy:
-        raise, or log, record and go on.
-        """
+        """Collective: a save of `step` failed (on every rank, agreed). Removes the
+        uncommitted persistent directory, then raises, or logs, records and goes on."""
         if tier == "persistent":
             self._on_rank0(
                 f"cleanup after the failed save of step {step}", self._remove_failed, step
@@ -255,15 +237,8 @@ class CheckpointManager:
         if self.options.on_error == "raise":
             raise error
         self.failed_saves.append((step, str(error)))
-        _dist.log_rank0(
-            logger,
-            logging.ERROR,
-            "%s checkpoint save of step %d failed (on_error='continue': training goes on, the "
-            "next due save runs normally): %s",
-            tier,
-            step,
-            error,
-        )
+        msg = "%s checkpoint save of step %d failed (on_error='continue': training goes on): %s"
+        _dist.log_rank0(logger, logging.ERROR, msg, tier, step, error)
 
     def _remove_failed(self, step: int) -> None:
         """Rank 0: removes the directory of a failed save unless it is a committed one."""
@@ -313,10 +288,9 @@ class CheckpointManager:
     ) -> Tuple[StateDict, int]:
         """Collective: loads the newest usable checkpoint of either tier.
 
-        Candidates, tried in order until one loads on every rank: newest first; at equal
-        steps the local tier first. A candidate is skipped (and the reason logged) when it
-        is missing on some rank, incomplete, or fails its checksums. Newer candidates that
-        failed are moved aside (persistent: renamed `iter_X.unusable-<time>`; local:
+        Candidates are tried newest first (the local tier first at equal steps); one missing
+        on some rank, incomplete or failing its checksums is skipped and logged. Newer ones
+        that failed are moved aside (persistent: renamed `iter_X.unusable-<time>`; local:
         removed) so that later saves and retention see one timeline.
 
         Args:
@@ -336,7 +310,10 @@ class CheckpointManager:
         skipped: List[Tuple[str, str]] = []
         for step, tier, path in candidates:
             try:
-                state = self._try_load(tier, path, sharded_state_dict, load_kwargs)
+                what = f"load of the {tier} checkpoint {path}"
+                state = self._agreed(
+                    what, self._load_one, tier, path, sharded_state_dict, load_kwargs
+                )
             except CheckpointingException as e:
                 skipped.append((f"{tier} step {step} ({path})", str(e)))
                 _dist.log_rank0(
@@ -345,17 +322,9 @@ class CheckpointManager:
                 continue
             self.last_restore = RestoreInfo(step, tier, path, skipped)
             self._after_restore(step)
-            _dist.log_rank0(
-                logger,
-                logging.INFO,
-                "loaded the %s checkpoint of step %d (%s)%s",
-                tier,
-                step,
-                path,
-                f"; skipped {len(skipped)} newer: " + "; ".join(s for s, _ in skipped)
-                if skipped
-                else "",
-            )
+            more = f"; skipped {len(skipped)} newer: " + "; ".join(s for s, _ in skipped)
+            msg = "loaded the %s checkpoint of step %d (%s)%s"
+            _dist.log_rank0(logger, logging.INFO, msg, tier, step, path, more if skipped else "")
             return state, step
         skipped = _dist.broadcast_object(skipped)  # one message, the same on every rank
         what = "; ".join(f"{c}: {why}" for c, why in skipped) or "none found"
@@ -366,7 +335,7 @@ class CheckpointManager:
         )
 
     def _candidates(self) -> List[Tuple[int, str, str]]:
-        out: List[Tuple[int, str, str]] = []
+        out = []
         if self._local is not None:
             self._local.latest_iteration = -1  # rescan: files may have changed since startup
             newest = self._local.find_latest()
@@ -377,24 +346,15 @@ class CheckpointManager:
         out.sort(key=lambda c: (c[0], c[1] == "local"), reverse=True)
         return out
 
-    def _try_load(
+    def _load_one(
         self, tier: str, path: str, sharded_state_dict: ShardedStateDict, load_kwargs: Any
-    ) -> StateDict:
-        """Collective: one candidate; any rank's failure raises on every rank."""
-        result: Any = None
-        error: Optional[BaseException] = None
-        try:
-            if tier == "local":
-                state, _ = self._local.load()
-                result = state.to_state_dict(_fresh(sharded_state_dict), algo="atomic")
-            else:
-                from ..serialization import load
+    ) -> Any:
+        if tier == "local":
+            state, _ = self._local.load()
+            return state.to_state_dict(_fresh(sharded_state_dict), algo="atomic")
+        from ..serialization import load
 
-                result = load(_fresh(sharded_state_dict), path, **load_kwargs)
-        except Exception as e:  # agreed on below, so every rank skips alike
-            error = e
-        _dist.agree_on_errors(error, f"load of the {tier} checkpoint {path}")
-        return result
+        return load(_fresh(sharded_state_dict), path, **load_kwargs)
 
     def _after_restore(self, step: int) -> None:
         """Collective: newer checkpoints that failed to load leave the timeline."""
@@ -442,8 +402,8 @@ class CheckpointManager:
         return complete, incomplete
 
     def _startup(self) -> List[int]:
-        """Rank 0: creates the root, removes incomplete directories (no save of this job runs
-        yet, so they are crash leftovers), repairs the `latest` record, returns complete steps."""
+        """Rank 0: creates the root, removes incomplete directories (crash leftovers: no save
+        runs yet), repairs the `latest` record, returns the complete steps."""
         self.root.mkdir(parents=True, exist_ok=True)
         complete, incomplete = self._scan()
         for s in incomplete:
@@ -461,14 +421,18 @@ class CheckpointManager:
         return complete
 
     def _on_rank0(self, what: str, fn: Callable[..., T], *args: Any) -> T:
-        """Collective: runs `fn` on rank 0 only; its failure raises on every rank; every rank
-        gets its result."""
+        """Collective: runs `fn` on rank 0; every rank gets its result or its failure."""
+        return self._agreed(what, fn, *args, rank0_only=True)
+
+    @staticmethod
+    def _agreed(what: str, fn: Callable[..., T], *args: Any, rank0_only: bool = False) -> T:
+        """Collective: runs `fn` (on every rank, or on rank 0 only); a failure raises everywhere."""
         result: Any = None
         error: Optional[BaseException] = None
-        if _dist.get_rank() == 0:
+        if not rank0_only or _dist.get_rank() == 0:
             try:
                 result = fn(*args)
             except Exception as e:  # agreed on below
                 error = e
         _dist.agree_on_errors(error, what)
-        return _dist.broadcast_object(result)
+        return _dist.broadcast_object(result) if rank0_only else result

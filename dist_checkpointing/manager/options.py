@@ -22,17 +22,14 @@ class CheckpointManagerOptions:
         save_interval: a persistent checkpoint every this many steps (step % N == 0).
         keep_last: persistent checkpoints kept (the newest K complete ones; >= 1).
         keep_period: also keep every step divisible by this for ever (None: off).
-        async_save: persistent and local saves run in the background; the manager
-            finalizes them (in later `save` calls, `wait_until_finished` or `close`).
+        async_save: saves run in the background (finalized by later calls).
         local_root: node-local directory of the local tier (None: no local tier).
         local_save_interval: a local checkpoint every this many steps (needs `local_root`).
         replication: a `ReplicationStrategy` for the local tier (None: no copies).
         session_id: names this job's local checkpoints under `local_root`.
-        on_error: 'raise' (default): a failed save raises on every rank; 'continue': it
-            is logged (and recorded in `failed_saves`), training goes on, the next due
-            save runs normally.
-        sharded_strategy: persistent backend, as for `dist_checkpointing.save` (default
-            `('torch_dist', 1)`).
+        on_error: 'raise': a failed save raises on every rank; 'continue': it is logged and
+            recorded in `failed_saves`, and training goes on.
+        sharded_strategy: persistent backend, as for `dist_checkpointing.save`.
 
     Raises:
         CheckpointingException: an invalid value.
@@ -50,16 +47,13 @@ class CheckpointManagerOptions:
     sharded_strategy: Any = None
 
     def __post_init__(self) -> None:
-        for name in ("save_interval", "keep_last"):
-            value = getattr(self, name)
+        for name in ("save_interval", "keep_last", "keep_period", "local_save_interval"):
+            value, optional = getattr(self, name), name in ("keep_period", "local_save_interval")
+            if optional and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise CheckpointingException(f"{name} must be an int >= 1, got {value!r}")
-        for name in ("keep_period", "local_save_interval"):
-            value = getattr(self, name)
-            if value is not None and (
-                isinstance(value, bool) or not isinstance(value, int) or value < 1
-            ):
-                raise CheckpointingException(f"{name} must be None or an int >= 1, got {value!r}")
+                what = "None or an int" if optional else "an int"
+                raise CheckpointingException(f"{name} must be {what} >= 1, got {value!r}")
         if self.on_error not in _ON_ERROR:
             raise CheckpointingException(
                 f"on_error must be one of {_ON_ERROR}, got {self.on_error!r}"

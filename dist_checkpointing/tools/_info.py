@@ -9,13 +9,19 @@ import re
 import reprlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Union
+
+from ..errors import NotACheckpointError
 
 __all__ = [
+    "PathArg",
     "TensorInfo",
     "ChecksumCoverage",
     "CheckpointInfo",
+    "SMALL_OBJECT",
+    "check_dir",
     "short_repr",
+    "unwrap_object",
     "disk_size",
     "date_of",
     "LocalPart",
@@ -23,6 +29,9 @@ __all__ = [
     "fill_local",
 ]
 
+PathArg = Union[str, "os.PathLike[str]"]
+SMALL_OBJECT = 64 << 10  # stored objects up to this size are read to show their value
+_SHARDED_OBJECT = re.compile(r"/shard_\d+(_\d+)*$")
 _repr = reprlib.Repr()
 _repr.maxstring = 40
 _repr.maxother = 40
@@ -58,16 +67,16 @@ class CheckpointInfo:
 
     Attributes:
         path: the directory.
-        kind: 'torch_dist' (or another backend named by `metadata.json`), 'dcp', 'local'
-            or 'incomplete'.
+        kind: the backend named by `metadata.json` ('torch_dist', 'local'), 'dcp' or
+            'incomplete'.
         complete: whether it is committed (loadable).
-        step: from a `iter_NNNNNNN` directory name, else None.
+        step: from an `iter_NNNNNNN` directory name, else None.
         backend: `sharded_backend v<version>` (or 'dcp' / None).
-        size: bytes on disk (all files below the directory).
-        date: modification time of the commit record (or of the directory), ISO 8601 UTC.
-        tensors: stored tensors (empty when `deep` was False).
+        size: bytes on disk.
+        date: modification time of the commit record (or the directory), ISO 8601 UTC.
+        tensors: stored tensors.
         objects: stored objects and common values: key -> short repr ('' when not read).
-        checksums: coverage by `checksums.json` (local parts: by their own checksums).
+        checksums: checksum coverage (local parts: by their own checksums).
         world_size: ranks that wrote it, when known.
         problem: why it is incomplete or unreadable, else ''.
         latest: whether the root's `latest` record names it.
@@ -91,6 +100,20 @@ class CheckpointInfo:
     def tensor_bytes(self) -> int:
         """Bytes of all stored tensors (global shapes)."""
         return sum(t.nbytes for t in self.tensors)
+
+
+def check_dir(path: Path) -> None:
+    """Raises `NotACheckpointError` unless `path` is a directory."""
+    if not path.is_dir():
+        what = "not a directory" if path.exists() else "no such file or directory"
+        raise NotACheckpointError(f"{path}: {what}")
+
+
+def unwrap_object(key: str, value: Any) -> Any:
+    """A stored value as saved: ShardedObjects are stored as one-element lists."""
+    if _SHARDED_OBJECT.search(key) and isinstance(value, list) and len(value) == 1:
+        return value[0]
+    return value
 
 
 def short_repr(value: Any) -> str:
@@ -154,15 +177,11 @@ def fill_local(
     rank_state: Callable[[LocalPart], Dict[str, Any]],
     deep: bool,
 ) -> None:
-    """Fills `info` from a local checkpoint's parts (the full and the torch-free reader).
+    """Fills `info` from a local checkpoint's parts (for the full and the torch-free reader).
 
-    Args:
-        info: what to fill (tensors, objects, world size, checksum coverage).
-        parts: the parts found, at least one.
-        rank_state: reads one part: a dict with `world_size` (or None), `common`, `objects`
-            and `sharded`: `"<key> (<offset>)"` -> `(global shape, dtype name, item size)`.
-            Called once per owner rank, on the owner's own copy when present.
-        deep: False fills only the world size and checksum coverage (reads no part).
+    `rank_state` reads one part (the owner's own copy when present) into a dict with
+    `world_size` (or None), `common`, `objects` and `sharded`: `"<key> (<offset>)"` ->
+    `(global shape, dtype name, item size)`. Without `deep`, no part is read.
     """
     owners = sorted({p.owner for p in parts})
     info.checksums = ChecksumCoverage(

@@ -1,16 +1,11 @@
-"""`describe` without importing torch, for `dist-ckpt inspect` on DCP and local checkpoints.
+"""`describe` without importing torch (seconds saved), for `dist-ckpt inspect`.
 
-Importing torch costs seconds; a look at a small checkpoint should not. This module reads
-`metadata.json` and `checksums.json` (JSON), DCP's `.metadata` and `torch.save` payloads
-(`common.pt`, stored objects) with unpicklers that map an allowlist of torch's classes to
-plain stand-ins (dtype names, shapes), and builds the same `CheckpointInfo` as the full
-reader. Anything outside the allowlist (another backend, an unknown class in the common
-state, a damaged file) raises `Unsupported`, and the caller uses the full reader, which
-gives the authoritative answer or error.
-
-Local checkpoints (`('local', 1)` and `('local', 2)`) are read by `_light_local` with the
-same unpickler. It imports nothing that imports torch: only the standard library,
-`xxhash`, and the torch-free `_info` module.
+Reads `metadata.json` and `checksums.json`, DCP's `.metadata` and `torch.save` payloads
+(`common.pt`, stored objects) with an unpickler that maps an allowlist of torch's classes
+to plain stand-ins, and builds the same `CheckpointInfo` as the full reader. Anything else
+(another backend, an unknown class, a damaged file) raises `Unsupported`, and the caller
+uses the full reader, which gives the authoritative answer or error. Local checkpoints are
+read by `_light_local`. Only the standard library, `xxhash` and `_info` are imported.
 """
 
 from __future__ import annotations
@@ -18,21 +13,29 @@ from __future__ import annotations
 import io
 import json
 import math
-import os
 import pickle
 import re
 import zipfile
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple
 
-from ._info import CheckpointInfo, ChecksumCoverage, TensorInfo, date_of, disk_size, short_repr
+import xxhash
+
+from ._info import (
+    SMALL_OBJECT,
+    CheckpointInfo,
+    ChecksumCoverage,
+    PathArg,
+    TensorInfo,
+    date_of,
+    disk_size,
+    short_repr,
+    unwrap_object,
+)
 
 __all__ = ["Unsupported", "describe_light"]
 
-PathArg = Union[str, "os.PathLike[str]"]
 _STEP_DIR = re.compile(r"iter_(\d{7,})")  # as manager.layout.parse_step
-_SHARDED_OBJECT = re.compile(r"/shard_\d+(_\d+)*$")
-_SMALL_OBJECT = 64 << 10
 _MAX_METADATA = 64 << 20
 _ITEMSIZE = {
     "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "complex64": 8, "complex128": 16,
@@ -84,31 +87,15 @@ def _stub(name: str) -> type:
 _DCP = "torch.distributed.checkpoint.metadata"
 _PLANNER = "torch.distributed.checkpoint.planner"
 _Classes = Dict[Tuple[str, str], Any]
+_DCP_NAMES = (
+    "Metadata TensorStorageMetadata BytesStorageMetadata ChunkStorageMetadata TensorProperties "
+    "MetadataIndex StorageMeta"
+)
+# megatron-core pickles its global save plan (plain dataclasses and enums) beside it
+_PLANNER_NAMES = "SavePlan WriteItem TensorWriteData BytesIOWriteData LoadPlan ReadItem"
 _METADATA_CLASSES: _Classes = {
-    **{
-        (_DCP, n): _stub(n)
-        for n in (
-            "Metadata",
-            "TensorStorageMetadata",
-            "BytesStorageMetadata",
-            "ChunkStorageMetadata",
-            "TensorProperties",
-            "MetadataIndex",
-            "StorageMeta",
-        )
-    },
-    # megatron-core pickles its global save plan (plain dataclasses and enums) beside it
-    **{
-        (_PLANNER, n): _stub(n)
-        for n in (
-            "SavePlan",
-            "WriteItem",
-            "TensorWriteData",
-            "BytesIOWriteData",
-            "LoadPlan",
-            "ReadItem",
-        )
-    },
+    **{(_DCP, n): _stub(n) for n in _DCP_NAMES.split()},
+    **{(_PLANNER, n): _stub(n) for n in _PLANNER_NAMES.split()},
     (_PLANNER, "WriteItemType"): lambda value: value,
     (_PLANNER, "LoadItemType"): lambda value: value,
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _stub("_StorageInfo"),
@@ -117,7 +104,7 @@ _METADATA_CLASSES: _Classes = {
     ("builtins", "frozenset"): frozenset,
     **{
         ("torch", n): n
-        for n in ("strided", "sparse_coo", "contiguous_format", "channels_last", "preserve_format")
+        for n in "strided sparse_coo contiguous_format channels_last preserve_format".split()
     },
     (_DCP, "_MEM_FORMAT_ENCODING"): lambda value: value,
     ("torch.serialization", "_get_layout"): lambda name: name,
@@ -205,8 +192,6 @@ def _checksums(ckpt: Path) -> Any:
     path = ckpt / "checksums.json"
     if not path.exists():
         return None
-    import xxhash
-
     body = _json(path)
     if not isinstance(body, dict) or not isinstance(body.get("digest"), str):
         raise Unsupported("checksums.json damaged")
@@ -251,15 +236,8 @@ def describe_light(path: PathArg, deep: bool = True) -> CheckpointInfo:
         from ._light_local import describe_local_light
 
         backend = f"local v{config.get('sharded_backend_version', 1)}"
-        info = CheckpointInfo(
-            str(ckpt),
-            "local",
-            True,
-            step,
-            backend,
-            disk_size(ckpt),
-            date_of(ckpt / "metadata.json"),
-        )
+        date = date_of(ckpt / "metadata.json")
+        info = CheckpointInfo(str(ckpt), "local", True, step, backend, disk_size(ckpt), date)
         describe_local_light(ckpt, info, deep)
         return info
     if not (ckpt / ".metadata").is_file():
@@ -268,19 +246,12 @@ def describe_light(path: PathArg, deep: bool = True) -> CheckpointInfo:
     if config is None and ours:
         raise Unsupported("incomplete")
     sums = _checksums(ckpt) if config is not None else None
-    info = CheckpointInfo(
-        str(ckpt),
-        "torch_dist" if config else "dcp",
-        True,
-        step,
-        f"torch_dist v{config['sharded_backend_version']}" if config else "dcp",
-        disk_size(ckpt),
-        date_of(ckpt / ("metadata.json" if config else ".metadata")),
-    )
+    kind = "torch_dist" if config else "dcp"
+    backend = f"torch_dist v{config['sharded_backend_version']}" if config else "dcp"
+    date = date_of(ckpt / ("metadata.json" if config else ".metadata"))
+    info = CheckpointInfo(str(ckpt), kind, True, step, backend, disk_size(ckpt), date)
     raw = _read(ckpt / ".metadata", _MAX_METADATA)
     if sums is not None:
-        import xxhash
-
         recorded = sums.get("files", {}).get(".metadata")
         if recorded is None or int(recorded, 16) != xxhash.xxh3_64_intdigest(raw):
             raise Unsupported(".metadata does not match its checksum")
@@ -301,9 +272,8 @@ def _fill(ckpt: Path, info: CheckpointInfo, metadata: Any, sums: Any, deep: bool
         where[index.fqn] = storage
         coverage.items += 1
         coverage.bytes += int(storage.length)
-        if sums is not None and str(storage.offset) in sums["ranges"].get(
-            str(storage.relative_path), {}
-        ):
+        ranges = sums["ranges"].get(str(storage.relative_path), {}) if sums else {}
+        if str(storage.offset) in ranges:
             coverage.items_covered += 1
             coverage.bytes_covered += int(storage.length)
     if sums is not None:
@@ -318,15 +288,12 @@ def _fill(ckpt: Path, info: CheckpointInfo, metadata: Any, sums: Any, deep: bool
         if not isinstance(dtype, _DType):
             raise Unsupported(f"dtype of {key!r}")
         shape = [int(s) for s in md.size]
-        info.tensors.append(
-            TensorInfo(
-                key, shape, str(dtype), math.prod(shape) * dtype.itemsize, shards.get(key, 0)
-            )
-        )
+        nbytes = math.prod(shape) * dtype.itemsize
+        info.tensors.append(TensorInfo(key, shape, str(dtype), nbytes, shards.get(key, 0)))
     for key in objects:
         value = ""
         storage = where.get(key)
-        if deep and storage is not None and int(storage.length) <= _SMALL_OBJECT:
+        if deep and storage is not None and int(storage.length) <= SMALL_OBJECT:
             value = short_repr(_object(ckpt, key, storage, sums))
         info.objects[key] = value
     if deep and (ckpt / "common.pt").is_file():
@@ -348,14 +315,9 @@ def _object(ckpt: Path, key: str, storage: Any, sums: Any) -> Any:
     except OSError as e:
         raise Unsupported(str(e)) from e
     if sums is not None:  # show only verified values
-        import xxhash
-
         entry = sums["ranges"].get(rel, {}).get(str(storage.offset))
         if not isinstance(entry, list) or len(entry) != 2:
             raise Unsupported(f"no whole-item checksum for {key!r}")
         if int(entry[1], 16) != xxhash.xxh3_64_intdigest(data):
             raise Unsupported(f"{key!r} does not match its checksum")
-    value = _torch_payload(data)
-    if _SHARDED_OBJECT.search(key) and isinstance(value, list) and len(value) == 1:
-        return value[0]
-    return value
+    return unwrap_object(key, _torch_payload(data))

@@ -1,12 +1,10 @@
 """`describe` of ('local', 1) and ('local', 2) checkpoints without importing torch.
 
-A local part is one byte image (see `local/_image.py` and docs/formats.md): raw tensor
-bytes, a `torch.save` header holding the hollow state, a table of xxh3-64 checksums and a
-48-byte footer. This module checks the footer, the header's and the table's checksums and
-every tensor's checksum (as the full reader does, with `xxhash` on the raw bytes), then
-reads the header with `_light`'s allowlisting unpickler, our hollow-state classes mapped to
-plain stand-ins. Anything it does not recognise raises `Unsupported`, and the caller uses
-the full reader, which gives the authoritative answer or error (a damaged part included).
+A local part is one byte image (`local/_image.py`): tensor bytes, a `torch.save` header
+holding the hollow state, a table of xxh3-64 checksums and a footer. The footer and every
+checksum are checked as the full reader does; the header is read with `_light`'s unpickler,
+our hollow-state classes mapped to stand-ins. Anything not recognised (a damaged part
+included) raises `Unsupported`, and the caller uses the full reader.
 """
 
 from __future__ import annotations
@@ -15,8 +13,10 @@ import struct
 from pathlib import Path
 from typing import Any, Dict, Iterator, Tuple
 
+import xxhash
+
 from ._info import CheckpointInfo, LocalPart, fill_local, local_parts
-from ._light import Unsupported, _DType, _Stub, _torch_payload
+from ._light import Unsupported, _DType, _Stub, _stub, _torch_payload
 
 __all__ = ["describe_local_light"]
 
@@ -30,22 +30,17 @@ class _TensorAware(_Stub):
     """MCoreTensorAwareStateDict (version 2) or BasicTensorAwareStateDict (version 1)."""
 
 
-class _ShardedTensor(_Stub):
-    pass
+_ShardedTensor = _stub("ShardedTensor")
 
 
 class _ShardedObject(_Stub):
     data: Any  # set by unpickling, like every field of a stand-in
 
 
-class _Placeholder(_Stub):
-    pass
-
-
 _CLASSES: Dict[Tuple[str, str], Any] = {
     ("dist_checkpointing.tensor_aware_state_dict", "MCoreTensorAwareStateDict"): _TensorAware,
     ("dist_checkpointing.local.basic_state_dict", "BasicTensorAwareStateDict"): _TensorAware,
-    ("dist_checkpointing.local.basic_state_dict", "TensorPlaceholder"): _Placeholder,
+    ("dist_checkpointing.local.basic_state_dict", "TensorPlaceholder"): _stub("TensorPlaceholder"),
     ("dist_checkpointing.mapping", "ShardedTensor"): _ShardedTensor,
     ("dist_checkpointing.mapping", "ShardedObject"): _ShardedObject,
     ("builtins", "slice"): slice,  # flattened_range of flat shards
@@ -63,8 +58,6 @@ def _leaves(x: Any) -> Iterator[Any]:
 
 
 def _xxh3(data: memoryview) -> int:
-    import xxhash
-
     return int(xxhash.xxh3_64_intdigest(data))
 
 
@@ -110,35 +103,35 @@ def _unique_key(sh: Any) -> str:
     return f"{sh.key}/shard_{offset}_{shape}"
 
 
-def _rank_state(state: Any) -> Dict[str, Any]:
-    """A part's state in the shape `tools._storage.read_local_part` returns."""
+def _entry(slot: str, shape: Any, dtype: Any) -> Tuple[Tuple[int, ...], str, int]:
+    if not isinstance(dtype, _DType):
+        raise Unsupported(f"dtype of {slot!r}")
+    return tuple(shape), str(dtype), dtype.itemsize
+
+
+def _rank_state(part: LocalPart) -> Dict[str, Any]:
+    """A part's state in the shape `fill_local` reads."""
+    state = _read_part(part.path)
     if hasattr(state, "sharded_state_dict"):  # version 2
-        every = [x for x in _leaves(state.sharded_state_dict) if isinstance(x, _ShardedTensor)]
+        leaves = list(_leaves(state.sharded_state_dict))
+        every = [x for x in leaves if isinstance(x, _ShardedTensor)]
         sharded = {}
-        for i in state._stored or []:
-            sh = every[i]
-            sharded[f"{sh.key} {tuple(sh.global_offset)}"] = {
-                "global_shape": tuple(sh.global_shape),
-                "dtype": sh.dtype,
-            }
-        objects = {
-            _unique_key(sh): sh.data
-            for sh in _leaves(state.sharded_state_dict)
-            if isinstance(sh, _ShardedObject)
-        }
+        for sh in (every[i] for i in state._stored or []):
+            slot = f"{sh.key} {tuple(sh.global_offset)}"
+            sharded[slot] = _entry(slot, sh.global_shape, sh.dtype)
+        objects = {_unique_key(x): x.data for x in leaves if isinstance(x, _ShardedObject)}
         return {"world_size": None, "common": state.common, "sharded": sharded, "objects": objects}
     sd = state.state_dict  # version 1: data are placeholders
     if not isinstance(sd, dict) or not isinstance(sd.get("sharded"), dict):
         raise Unsupported("not a ('local', 1) rank state")
     sharded = {
-        slot: {"global_shape": tuple(e["global_shape"]), "dtype": e["data"].dtype}
-        for slot, e in sd["sharded"].items()
+        slot: _entry(slot, e["global_shape"], e["data"].dtype) for slot, e in sd["sharded"].items()
     }
     return {**sd, "sharded": sharded}
 
 
 def describe_local_light(ckpt: Path, info: CheckpointInfo, deep: bool) -> None:
-    """Fills `info` for a local checkpoint whose `metadata.json` was read (`_describe_local`).
+    """Fills `info` for a local checkpoint whose `metadata.json` was read.
 
     Raises:
         Unsupported: no parts, a damaged part, or anything not recognised.
@@ -147,17 +140,6 @@ def describe_local_light(ckpt: Path, info: CheckpointInfo, deep: bool) -> None:
     if not parts:
         raise Unsupported("no parts")
     try:
-        fill_local(info, parts, _light_rank_state, deep)
+        fill_local(info, parts, _rank_state, deep)
     except (AttributeError, TypeError, KeyError, ValueError, IndexError) as e:
         raise Unsupported(f"unexpected local part ({type(e).__name__})") from e
-
-
-def _light_rank_state(part: LocalPart) -> Dict[str, Any]:
-    sd = _rank_state(_read_part(part.path))
-    sharded = {}
-    for slot, entry in sd["sharded"].items():
-        dtype = entry["dtype"]
-        if not isinstance(dtype, _DType):
-            raise Unsupported(f"dtype of {slot!r}")
-        sharded[slot] = (entry["global_shape"], str(dtype), dtype.itemsize)
-    return {**sd, "sharded": sharded}

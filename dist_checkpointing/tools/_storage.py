@@ -1,14 +1,13 @@
 """The one place where the tools read checkpoint files below the public API.
 
 Everything the `dist-ckpt` verbs need from the backends' private modules (DCP metadata,
-raw item reads, local checkpoint images) goes through the functions here, so that a change
-of those modules touches this file only.
+raw item reads, local checkpoint images) goes through here, so a change of those modules
+touches this file only.
 """
 
 from __future__ import annotations
 
 import io
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Tuple
@@ -25,13 +24,12 @@ from .._safe_load import torch_load
 from ..errors import CheckpointCorruptedError, CheckpointingException
 from ..integrity import Checksums, read_checksums
 from ..strategies.torch_dist.metadata_file import DCP_METADATA_FNAME, read_metadata
-from ..strategies.torch_dist.plan import DATA_SUFFIX, TensorRequest, plan_tensor_reads
+from ..strategies.torch_dist.plan import TensorRequest, plan_tensor_reads
 from ..strategies.torch_dist.reader import read_byte_items, read_tensor_items
-from ._info import LocalPart, local_parts
+from ._info import LocalPart, unwrap_object
 
 __all__ = [
     "DCP_METADATA_FNAME",
-    "DATA_SUFFIX",
     "COMMON_FNAME",
     "StoredItem",
     "is_stock_dcp",
@@ -42,12 +40,15 @@ __all__ = [
     "stored_items",
     "read_full_tensor",
     "read_object",
-    "LocalPart",
-    "local_parts",
     "read_local_part",
 ]
 
 COMMON_FNAME = "common.pt"
+
+#: DCP's `.metadata` of a checkpoint, read safely (verified when the checksums list it)
+read_dcp_metadata = read_metadata
+#: `checksums.json` of a checkpoint, or None (megatron-core and stock DCP write none)
+maybe_checksums = read_checksums
 
 
 @dataclass(frozen=True)
@@ -62,8 +63,8 @@ class StoredItem:
 
 
 def is_stock_dcp(ckpt: Path) -> bool:
-    """A PyTorch DCP checkpoint not written by us: `.metadata`, no `metadata.json`, and none
-    of the files our saves write before their commit (`common.pt`, `checksums.json`)."""
+    """A PyTorch DCP checkpoint not written by us: `.metadata`, and none of the files our
+    saves write (`metadata.json`, `common.pt`, `checksums.json`)."""
     from ..core import CONFIG_FNAME
     from ..integrity import CHECKSUMS_FNAME
 
@@ -72,64 +73,30 @@ def is_stock_dcp(ckpt: Path) -> bool:
     )
 
 
-def read_dcp_metadata(ckpt: Path, checksums: Optional[Checksums] = None) -> Metadata:
-    """DCP's `.metadata` of `ckpt`, read safely (verified when `checksums` list it).
-
-    Raises:
-        CheckpointCorruptedError: missing, damaged or not DCP metadata.
-        UnsafeCheckpointError: it references classes outside DCP's metadata types.
-    """
-    return read_metadata(ckpt, checksums)
-
-
-def maybe_checksums(ckpt: Path) -> Optional[Checksums]:
-    """`checksums.json` of `ckpt`, or None (megatron-core and stock DCP write none).
-
-    Raises:
-        CheckpointCorruptedError: the file exists but is damaged.
-    """
-    return read_checksums(ckpt)
-
-
 def tensor_entries(metadata: Metadata) -> Dict[str, TensorStorageMetadata]:
     """`{key: metadata}` of the stored tensors."""
-    return {
-        k: v
-        for k, v in metadata.state_dict_metadata.items()
-        if isinstance(v, TensorStorageMetadata)
-    }
+    entries = metadata.state_dict_metadata.items()
+    return {k: v for k, v in entries if isinstance(v, TensorStorageMetadata)}
 
 
 def object_keys(metadata: Metadata) -> List[str]:
     """Keys of the stored byte entries (ShardedObjects, megatron's common state)."""
-    return sorted(
-        k for k, v in metadata.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata)
-    )
+    entries = metadata.state_dict_metadata.items()
+    return sorted(k for k, v in entries if isinstance(v, BytesStorageMetadata))
 
 
 def stored_items(metadata: Metadata) -> Iterator[StoredItem]:
     """Every stored item (tensor chunk or object) with its file and byte range."""
     for index, info in metadata.storage_data.items():
-        yield StoredItem(
-            index.fqn,
-            tuple(index.offset) if index.offset is not None else (),
-            str(info.relative_path),
-            int(info.offset),
-            int(info.length),
-        )
+        offsets = tuple(index.offset) if index.offset is not None else ()
+        file = str(info.relative_path)
+        yield StoredItem(index.fqn, offsets, file, int(info.offset), int(info.length))
 
 
 def read_full_tensor(
-    ckpt: Path,
-    metadata: Metadata,
-    key: str,
-    checksums: Optional[Checksums] = None,
-    out: Optional[torch.Tensor] = None,
+    ckpt: Path, metadata: Metadata, key: str, checksums: Optional[Checksums] = None
 ) -> torch.Tensor:
     """Reads one whole (unsharded) tensor, chunk by chunk, verified against `checksums`.
-
-    Memory: the tensor itself, plus (for chunks that are not a contiguous block of it, e.g.
-    column shards) one stored chunk at a time in a reusable buffer.
 
     Raises:
         CheckpointingException: unknown key, or a chunk missing from the metadata.
@@ -139,8 +106,7 @@ def read_full_tensor(
     if not isinstance(stored, TensorStorageMetadata):
         raise CheckpointingException(f"{ckpt}: no tensor {key!r}")
     shape = tuple(stored.size)
-    if out is None:
-        out = torch.empty(shape, dtype=stored.properties.dtype)
+    out = torch.empty(shape, dtype=stored.properties.dtype)
     reads = plan_tensor_reads(TensorRequest(key, 0, (0,) * len(shape), shape), stored)
 
     def resolve(r: Any) -> torch.Tensor:
@@ -158,28 +124,19 @@ def read_object(
 ) -> Any:
     """Reads one stored byte entry and unpickles it safely (`weights_only`).
 
-    Returns the stored value (ShardedObjects are stored as one-element lists: unwrapped).
-
     Raises:
         CheckpointCorruptedError: missing or damaged bytes.
         UnsafeCheckpointError: the bytes hold objects outside the safe allowlist.
     """
     (raw,) = read_byte_items(ckpt, metadata, [MetadataIndex(key)], checksums)
-    value = torch_load(io.BytesIO(raw), f"{key!r} in {ckpt}")
-    if _SHARDED_OBJECT.search(key) and isinstance(value, list) and len(value) == 1:
-        return value[0]  # ShardedObjects are stored as one-element lists
-    return value
-
-
-_SHARDED_OBJECT = re.compile(r"/shard_\d+(_\d+)*$")
+    return unwrap_object(key, torch_load(io.BytesIO(raw), f"{key!r} in {ckpt}"))
 
 
 def read_local_part(part: LocalPart) -> Dict[str, Any]:
     """Reads and verifies one ('local', 1) or ('local', 2) part; returns its rank state.
 
-    The state holds `world_size` (None for version 2, which does not record it), `common`,
-    `sharded` (`"<key> (<offset>)"` -> `{global_shape, local_shape, data}`) and `objects`;
-    a version-2 part (an `MCoreTensorAwareStateDict`) is presented in the same shape.
+    The state holds `world_size` (None for version 2), `common`, `objects` and `sharded`
+    (`"<key> (<offset>)"` -> `{global_shape, local_shape, data}`).
 
     Raises:
         CheckpointCorruptedError: unreadable, damaged, or not a local rank state.

@@ -1,40 +1,54 @@
-"""`convert_checkpoint`: the full (unsharded) tensors of a DCP-format checkpoint, as
-Hugging Face safetensors shards or one `torch.save` file. Not collective; no process group.
+"""`convert_checkpoint`: the full tensors of a `torch_dist` (ours, megatron-core) or stock
+DCP checkpoint as safetensors shards or one `torch.save` file. Not collective.
 
-Sources: `torch_dist` checkpoints (ours, megatron-core 0.16-0.19) and stock PyTorch DCP
-checkpoints. Only tensors are converted (objects and common state are not tensors).
-
-Memory bound: the largest tensor, plus (when that tensor was stored in pieces that are not
-contiguous blocks of it, e.g. column shards) its largest stored piece, plus fixed I/O
-buffers (about 16 MiB): tensors are read one at a time, each assembled from its stored
-chunks and written out before the next is read; output files are laid out from the
-metadata alone, so nothing else is held.
+Tensors are read and written one at a time into files laid out from the metadata alone,
+so memory stays at the largest tensor (plus one stored chunk of it and I/O buffers).
+safetensors: 8-byte header length, JSON header (space-padded to 8 bytes), the tensors'
+bytes. torch: a stored zip of `archive/data.pkl` (tensors refer to storages
+`archive/data/<i>` by persistent id), the storages, `byteorder` and `version`.
 """
 
 from __future__ import annotations
 
+import collections
+import io
 import json
+import math
 import os
+import pickle
 import re
+import struct
 import sys
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, BinaryIO, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 
 from ..core import maybe_load_config
 from ..errors import CheckpointExistsError, CheckpointingException, NotACheckpointError
+from ..strategies.torch_dist.zipformat import STORAGE_CLASS
 from . import _storage
-from ._formats import TorchZipWriter, safetensors_header, tensor_bytes
+from ._info import PathArg, check_dir
 
 __all__ = ["ConvertResult", "convert_checkpoint", "parse_size", "SAFETENSORS_INDEX"]
 
-PathArg = Union[str, "os.PathLike[str]"]
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _UNITS.update({"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40})
+_Entry = Tuple[str, torch.dtype, Tuple[int, ...]]  # key, dtype, shape
+_ST_CODES = (
+    "float64 F64 float32 F32 float16 F16 bfloat16 BF16 int64 I64 int32 I32 int16 I16 int8 I8 "
+    "uint8 U8 bool BOOL float8_e4m3fn F8_E4M3 float8_e5m2 F8_E5M2 uint16 U16 uint32 U32 uint64 U64"
+).split()
+#: dtype -> safetensors' name for it (the unsigned types that this torch has)
+SAFETENSORS_DTYPES: Dict[torch.dtype, str] = {
+    getattr(torch, name): code
+    for name, code in zip(_ST_CODES[::2], _ST_CODES[1::2])
+    if isinstance(getattr(torch, name, None), torch.dtype)
+}
 
 
 @dataclass
@@ -44,6 +58,100 @@ class ConvertResult:
     files: List[str] = field(default_factory=list)
     tensors: int = 0
     bytes: int = 0
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The raw bytes of a contiguous CPU tensor, without a copy."""
+    flat = t.contiguous().reshape(-1)
+    if flat.numel() == 0:
+        return memoryview(b"")
+    return memoryview(flat.view(torch.uint8).numpy())  # type: ignore[arg-type]
+
+
+def safetensors_header(entries: List[_Entry]) -> bytes:
+    """The length prefix and header of a safetensors file holding `entries` in order.
+
+    Raises:
+        CheckpointingException: a dtype safetensors cannot store.
+    """
+    header: Dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for key, dtype, shape in entries:
+        code = SAFETENSORS_DTYPES.get(dtype)
+        if code is None:
+            raise CheckpointingException(f"{key!r}: safetensors cannot store dtype {dtype}")
+        nbytes = math.prod(shape) * dtype.itemsize
+        header[key] = {
+            "dtype": code,
+            "shape": list(shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+class _StorageRef:
+    def __init__(self, cls: Any, key: str, numel: int) -> None:
+        self.cls, self.key, self.numel = cls, key, numel
+
+
+class _Rebuild:
+    def __init__(self, ref: _StorageRef, shape: Tuple[int, ...]) -> None:
+        self.ref, self.shape = ref, shape
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        stride = torch.empty(self.shape, device="meta").stride()  # contiguous, no allocation
+        hooks: collections.OrderedDict[str, Any] = collections.OrderedDict()  # a plain one: pickled
+        args = (self.ref, 0, self.shape, stride, False, hooks)
+        return (torch._utils._rebuild_tensor_v2, args)
+
+
+class _Pickler(pickle.Pickler):
+    def persistent_id(self, obj):  # type: ignore[no-untyped-def]
+        if isinstance(obj, _StorageRef):
+            return ("storage", obj.cls, obj.key, "cpu", obj.numel)
+        return None
+
+
+class TorchZipWriter:
+    """Writes `{key: tensor}` as one `torch.save` file: `write(i, tensor)` per entry, `close()`.
+
+    Args:
+        f: the destination, opened for binary writing.
+        entries: `(key, dtype, shape)` of every tensor, in the order they will be written.
+
+    Raises:
+        CheckpointingException: a dtype `torch.save` files here cannot describe.
+    """
+
+    def __init__(self, f: BinaryIO, entries: List[_Entry]) -> None:
+        refs = {}
+        for i, (key, dtype, shape) in enumerate(entries):
+            name = STORAGE_CLASS.get(dtype)
+            if name is None:
+                raise CheckpointingException(f"{key!r}: cannot write dtype {dtype} as torch")
+            refs[key] = _Rebuild(_StorageRef(getattr(torch, name), str(i), math.prod(shape)), shape)
+        payload = io.BytesIO()
+        _Pickler(payload, protocol=2).dump(refs)
+        self._entries = entries
+        self._zip = zipfile.ZipFile(f, "w", zipfile.ZIP_STORED, allowZip64=True)
+        self._zip.writestr("archive/data.pkl", payload.getvalue())
+        self._zip.writestr("archive/byteorder", "little")
+
+    def write(self, index: int, tensor: torch.Tensor) -> None:
+        """Writes the data of entry `index` (its dtype and shape must match)."""
+        key, dtype, shape = self._entries[index]
+        if tensor.dtype != dtype or tuple(tensor.shape) != tuple(shape):
+            raise CheckpointingException(f"{key!r}: tensor does not match its declared entry")
+        with self._zip.open(f"archive/data/{index}", "w", force_zip64=True) as out:
+            out.write(tensor_bytes(tensor))
+
+    def close(self) -> None:
+        """Finishes the file (version record and zip directory)."""
+        self._zip.writestr("archive/version", "3\n")
+        self._zip.close()
 
 
 def parse_size(text: Union[str, int]) -> int:
@@ -67,10 +175,7 @@ def parse_size(text: Union[str, int]) -> int:
 
 def _source(ckpt: Path) -> Tuple[Any, Any]:
     """Metadata and checksums of a convertible checkpoint."""
-    if not ckpt.is_dir():
-        raise NotACheckpointError(
-            f"{ckpt}: " + ("not a directory" if ckpt.exists() else "no such file or directory")
-        )
+    check_dir(ckpt)
     config = maybe_load_config(ckpt)
     if config is not None and config.sharded_backend != "torch_dist":
         raise CheckpointingException(
@@ -90,11 +195,9 @@ def _progress(total: int, enabled: Optional[bool]) -> Any:
     return tqdm(total=total, unit="B", unit_scale=True, desc="convert", disable=not show)
 
 
-def _shards(
-    entries: List[Tuple[str, torch.dtype, Tuple[int, ...]]], limit: int
-) -> List[List[Tuple[str, torch.dtype, Tuple[int, ...]]]]:
+def _shards(entries: List[_Entry], limit: int) -> List[List[_Entry]]:
     """Packs entries in order into shards of at most `limit` bytes (a bigger tensor alone)."""
-    shards: List[List[Tuple[str, torch.dtype, Tuple[int, ...]]]] = [[]]
+    shards: List[List[_Entry]] = [[]]
     size = 0
     for e in entries:
         nbytes = _nbytes(e)
@@ -106,11 +209,8 @@ def _shards(
     return shards if shards[0] else []
 
 
-def _nbytes(entry: Tuple[str, torch.dtype, Tuple[int, ...]]) -> int:
-    n = entry[1].itemsize
-    for s in entry[2]:
-        n *= s
-    return n
+def _nbytes(entry: _Entry) -> int:
+    return math.prod(entry[2]) * entry[1].itemsize
 
 
 def convert_checkpoint(
@@ -154,20 +254,27 @@ def convert_checkpoint(
     ]
     result = ConvertResult(tensors=len(entries), bytes=sum(_nbytes(e) for e in entries))
     bar = _progress(result.bytes, progress)
+
+    def read(key: str) -> torch.Tensor:  # one whole tensor at a time
+        tensor = _storage.read_full_tensor(ckpt, metadata, key, checksums)
+        bar.update(tensor.nbytes)
+        return tensor
+
     try:
         if to == "torch":
-            _write_torch(ckpt, metadata, checksums, entries, dest, bar)
+            _write_torch(entries, dest, read)
             result.files.append(str(dest))
         else:
-            result.files = _write_safetensors(ckpt, metadata, checksums, entries, dest, limit, bar)
+            result.files = _write_safetensors(entries, dest, limit, read)
     finally:
         bar.close()
     return result
 
 
-def _write_torch(
-    ckpt: Path, metadata: Any, checksums: Any, entries: List[Any], dest: Path, bar: Any
-) -> None:
+_Read = Callable[[str], torch.Tensor]
+
+
+def _write_torch(entries: List[_Entry], dest: Path, read: _Read) -> None:
     if dest.exists():
         raise CheckpointExistsError(f"{dest} already exists; choose another output path")
     tmp = dest.with_name(dest.name + ".partial")
@@ -175,25 +282,14 @@ def _write_torch(
         with open(tmp, "wb") as f:
             writer = TorchZipWriter(f, entries)
             for i, (key, _, _) in enumerate(entries):
-                tensor = _storage.read_full_tensor(ckpt, metadata, key, checksums)
-                writer.write(i, tensor)
-                bar.update(tensor.nbytes)
-                del tensor
+                writer.write(i, read(key))
             writer.close()
         os.replace(tmp, dest)
     finally:
         tmp.unlink(missing_ok=True)
 
 
-def _write_safetensors(
-    ckpt: Path,
-    metadata: Any,
-    checksums: Any,
-    entries: List[Any],
-    dest: Path,
-    limit: int,
-    bar: Any,
-) -> List[str]:
+def _write_safetensors(entries: List[_Entry], dest: Path, limit: int, read: _Read) -> List[str]:
     if (dest / SAFETENSORS_INDEX).exists() or any(dest.glob("model-*.safetensors")):
         raise CheckpointExistsError(
             f"{dest} already holds safetensors files; choose another directory"
@@ -210,15 +306,10 @@ def _write_safetensors(
             with open(path, "wb") as f:
                 f.write(safetensors_header(shard))
                 for key, _, _ in shard:
-                    tensor = _storage.read_full_tensor(ckpt, metadata, key, checksums)
-                    f.write(tensor_bytes(tensor))
-                    bar.update(tensor.nbytes)
+                    f.write(tensor_bytes(read(key)))
                     weight_map[key] = name
-                    del tensor
-        index = {
-            "metadata": {"total_size": sum(_nbytes(e) for e in entries)},
-            "weight_map": weight_map,
-        }
+        total = sum(_nbytes(e) for e in entries)
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (dest / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     except BaseException:
         for path in written:  # no half-written set of files looks complete

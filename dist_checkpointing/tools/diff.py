@@ -6,21 +6,20 @@ tensor of each checkpoint in memory at a time), and the common state and objects
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Tuple, Union
+from typing import Any, Dict, List, Tuple
 
 import torch
 
 from ..core import maybe_load_config
 from ..errors import CheckpointingException
 from . import _storage
+from ._info import PathArg
 from .convert import _source
 
 __all__ = ["DiffReport", "diff_checkpoints"]
 
-PathArg = Union[str, "os.PathLike[str]"]
 _MCORE_COMMON_OBJECT = "common_state/"  # key prefix of megatron-core 0.17+ common state
 _SLICE = 1 << 20
 
@@ -48,13 +47,8 @@ class DiffReport:
     @property
     def equal(self) -> bool:
         """No difference found."""
-        return not (
-            self.only_in_a
-            or self.only_in_b
-            or self.mismatched
-            or self.differing
-            or self.differing_values
-        )
+        found = (self.only_in_a, self.only_in_b, self.mismatched, self.differing)
+        return not any(found) and not self.differing_values
 
 
 def _max_difference(a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float) -> float:
@@ -100,8 +94,8 @@ def _values(ckpt: Path, metadata: Any, checksums: Any) -> Dict[str, Any]:
     out: Dict[str, Any] = {}
     config = maybe_load_config(ckpt)
     has_common_file = (ckpt / _storage.COMMON_FNAME).exists()
-    # megatron-core 0.17+ keep the common state in the object `common_state` instead of
-    # common.pt: compared as common values, so their checkpoints and 0.16's (or ours) match
+    # megatron-core 0.17+ keep the common state in `common_state/` objects instead of
+    # common.pt: compared as common values, so that their checkpoints and ours match
     in_object = config is not None and not has_common_file
     common_object = False
     for key in _storage.object_keys(metadata):

@@ -10,9 +10,8 @@ Recognised kinds:
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
-from typing import Any, Dict, List, Union
+from typing import Any, Dict, List
 
 from ..core import CONFIG_FNAME, maybe_load_config
 from ..errors import CheckpointingException, NotACheckpointError
@@ -20,19 +19,21 @@ from ..integrity import CHECKSUMS_FNAME
 from ..manager.layout import parse_step, read_latest
 from . import _storage
 from ._info import (
+    SMALL_OBJECT,
     CheckpointInfo,
     ChecksumCoverage,
+    LocalPart,
+    PathArg,
     TensorInfo,
+    check_dir,
     date_of,
     disk_size,
     fill_local,
+    local_parts,
     short_repr,
 )
 
 __all__ = ["TensorInfo", "ChecksumCoverage", "CheckpointInfo", "describe", "list_checkpoints"]
-
-PathArg = Union[str, "os.PathLike[str]"]
-_SMALL_OBJECT = 64 << 10  # bytes entries up to this size are read to show their value
 
 
 def describe(path: PathArg, deep: bool = True) -> CheckpointInfo:
@@ -106,9 +107,11 @@ def _describe_dcp(ckpt: Path, info: CheckpointInfo, deep: bool) -> None:
     checksums = _storage.maybe_checksums(ckpt)
     metadata = _storage.read_dcp_metadata(ckpt, checksums)
     shards: Dict[str, int] = {}
+    sizes: Dict[str, int] = {}
     coverage = ChecksumCoverage(present=checksums is not None)
     for item in _storage.stored_items(metadata):
         shards[item.key] = shards.get(item.key, 0) + 1
+        sizes[item.key] = item.length
         coverage.items += 1
         coverage.bytes += item.length
         if checksums is not None and item.offset in checksums.ranges.get(item.file, {}):
@@ -120,15 +123,11 @@ def _describe_dcp(ckpt: Path, info: CheckpointInfo, deep: bool) -> None:
     for key, md in sorted(_storage.tensor_entries(metadata).items()):
         shape = [int(s) for s in md.size]
         dtype = md.properties.dtype
-        info.tensors.append(
-            TensorInfo(
-                key, shape, str(dtype), math.prod(shape) * dtype.itemsize, shards.get(key, 0)
-            )
-        )
-    sizes = {i.key: i.length for i in _storage.stored_items(metadata)}
+        nbytes = math.prod(shape) * dtype.itemsize
+        info.tensors.append(TensorInfo(key, shape, str(dtype), nbytes, shards.get(key, 0)))
     for key in _storage.object_keys(metadata):
         value = ""
-        if deep and sizes.get(key, 0) <= _SMALL_OBJECT:
+        if deep and sizes.get(key, 0) <= SMALL_OBJECT:
             try:
                 value = short_repr(_storage.read_object(ckpt, metadata, key, checksums))
             except CheckpointingException as e:
@@ -142,13 +141,13 @@ def _describe_dcp(ckpt: Path, info: CheckpointInfo, deep: bool) -> None:
 
 
 def _describe_local(ckpt: Path, info: CheckpointInfo, deep: bool) -> None:
-    parts = _storage.local_parts(ckpt)
+    parts = local_parts(ckpt)
     if not parts:
         raise NotACheckpointError(f"{ckpt}: a local checkpoint without any part")
     fill_local(info, parts, _local_rank_state, deep)
 
 
-def _local_rank_state(part: _storage.LocalPart) -> Dict[str, Any]:
+def _local_rank_state(part: LocalPart) -> Dict[str, Any]:
     sd = _storage.read_local_part(part)
     sharded = {
         slot: (entry["global_shape"], str(entry["data"].dtype), entry["data"].element_size())
@@ -164,19 +163,14 @@ def _looks_like_checkpoint(path: Path) -> bool:
 
 
 def list_checkpoints(root: PathArg) -> List[CheckpointInfo]:
-    """The checkpoints directly under `root` (complete or not), newest first.
-
-    Newest: highest step (from `iter_NNNNNNN` names), then latest date. The one named by
-    the root's `latest` record has `latest=True`.
+    """The checkpoints directly under `root` (complete or not), newest first (by step, then
+    date); the one named by the root's `latest` record has `latest=True`.
 
     Raises:
         NotACheckpointError: `root` does not exist or is not a directory.
     """
     base = Path(root)
-    if not base.is_dir():
-        raise NotACheckpointError(
-            f"{base}: " + ("not a directory" if base.exists() else "no such file or directory")
-        )
+    check_dir(base)
     latest = read_latest(base)
     found = [
         describe(p, deep=False)

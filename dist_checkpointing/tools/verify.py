@@ -1,31 +1,30 @@
 """`verify_checkpoint`: read every byte of a checkpoint and check every checksum.
 
-For `torch_dist` checkpoints with `checksums.json` (ours), each stored item is streamed
-from its file and compared with its recorded digests (per 4 MiB block for tensor data, so
-a damaged block is located to its byte range); whole files (`.metadata`, `common.pt`) are
-compared too. Checkpoints without checksums (megatron-core, stock DCP) are checked for
-structure only: every file is there and long enough, and every item decodes to what the
-metadata says. ('local', 1) and ('local', 2) parts are verified against the checksums in their images.
-Memory: one 16 MiB read buffer (one stored item when it must be decoded without checksums).
+With `checksums.json` (ours), each stored item is streamed and compared with its digests
+(per block for tensor data, so damage is located to a byte range), and whole files
+(`.metadata`, `common.pt`) too. Without (megatron-core, stock DCP), structure only: every
+file is there and long enough, every item decodes. Local parts are verified against the
+checksums in their images. Memory: one 16 MiB read buffer.
 """
 
 from __future__ import annotations
 
 import io
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, List, Optional, Tuple, Union
+from typing import Any, List, Optional, Tuple
 
 from .._safe_load import torch_load
 from ..core import CONFIG_FNAME, maybe_load_config
 from ..errors import CheckpointingException, NotACheckpointError
 from ..integrity import ALGORITHM, CHECKSUMS_FNAME, Checksums, ItemSum, checksum, new_hasher
 from . import _storage
+from ._info import PathArg, check_dir, local_parts
 
 __all__ = ["Problem", "VerifyReport", "verify_checkpoint"]
 
-PathArg = Union[str, "os.PathLike[str]"]
 _READ = 16 << 20
 
 
@@ -87,10 +86,7 @@ def verify_checkpoint(path: PathArg) -> VerifyReport:
         NotACheckpointError: `path` does not exist, or holds no checkpoint files at all.
     """
     ckpt = Path(path)
-    if not ckpt.is_dir():
-        raise NotACheckpointError(
-            f"{ckpt}: " + ("not a directory" if ckpt.exists() else "no such file or directory")
-        )
+    check_dir(ckpt)
     report = VerifyReport(str(ckpt), "incomplete", False)
     config = None
     try:
@@ -113,12 +109,9 @@ def verify_checkpoint(path: PathArg) -> VerifyReport:
                 f"checkpoint, or a save that did not finish"
             )
         return report
-    report.kind = (
-        config.sharded_backend
-        if config is not None
-        else ("dcp" if _storage.is_stock_dcp(ckpt) else "incomplete")
-    )
+    report.kind = "dcp" if _storage.is_stock_dcp(ckpt) else "incomplete"
     if config is not None:
+        report.kind = config.sharded_backend
         try:
             from ..serialization import verify_checkpoint_and_load_strategy
 
@@ -169,21 +162,26 @@ def _verify_dcp(ckpt: Path, report: VerifyReport) -> None:
         _verify_item(ckpt, item, expected, item.key in tensors, report)
 
 
+def _digest(f: Any, report: VerifyReport, length: float = math.inf) -> int:
+    """The checksum of the next `length` bytes of `f` (up to its end), counted as read."""
+    h = new_hasher()
+    while length > 0 and (piece := f.read(int(min(_READ, length)))):
+        h.update(piece)
+        report.bytes += len(piece)
+        length -= len(piece)
+    return h.intdigest()
+
+
 def _verify_whole_file(path: Path, name: str, digest: int, report: VerifyReport) -> None:
     try:
         with open(path, "rb") as f:
-            h = new_hasher()
-            while block := f.read(_READ):
-                h.update(block)
-                report.bytes += len(block)
+            ok = _digest(f, report) == digest
     except OSError as e:
         report.problems.append(Problem(name, f"cannot be read ({e.strerror or e})"))
         return
-    if h.intdigest() != digest:
-        size = path.stat().st_size
-        report.problems.append(
-            Problem(name, f"checksum mismatch ({ALGORITHM}): file damaged", "", 0, size)
-        )
+    if not ok:
+        msg = f"checksum mismatch ({ALGORITHM}): file damaged"
+        report.problems.append(Problem(name, msg, "", 0, path.stat().st_size))
 
 
 def _verify_item(
@@ -194,21 +192,19 @@ def _verify_item(
     report: VerifyReport,
 ) -> None:
     end = item.offset + item.length
+
+    def problem(message: str) -> None:
+        report.problems.append(Problem(item.file, message, item.key, item.offset, end))
+
     try:
         f = open(ckpt / item.file, "rb")
     except OSError as e:
-        report.problems.append(
-            Problem(item.file, f"cannot be read ({e.strerror or e})", item.key, item.offset, end)
-        )
+        problem(f"cannot be read ({e.strerror or e})")
         return
     with f:
         size = os.fstat(f.fileno()).st_size
         if size < end:
-            report.problems.append(
-                Problem(
-                    item.file, f"truncated: the file has {size} bytes", item.key, item.offset, end
-                )
-            )
+            problem(f"truncated: the file has {size} bytes")
             return
         f.seek(item.offset)
         if expected is None:
@@ -216,20 +212,10 @@ def _verify_item(
             report.bytes += len(payload)
             if is_tensor:
                 _decode_tensor(payload, item, report)
-            return
-        if not expected.blocked:
-            h = new_hasher()
-            for piece in _pieces(f, item.length):
-                h.update(piece)
-                report.bytes += len(piece)
-            if h.intdigest() != expected.digest:
-                report.problems.append(
-                    Problem(
-                        item.file, f"checksum mismatch ({ALGORITHM})", item.key, item.offset, end
-                    )
-                )
-            return
-        _verify_blocked(f, item, expected, report)
+        elif expected.blocked:
+            _verify_blocked(f, item, expected, report)
+        elif _digest(f, report, item.length) != expected.digest:
+            problem(f"checksum mismatch ({ALGORITHM})")
 
 
 def _verify_blocked(
@@ -243,41 +229,20 @@ def _verify_blocked(
         report.bytes += len(block)
         if checksum(block) != expected.blocks[k]:
             b0 = data_start + k * expected.block
-            report.problems.append(
-                Problem(
-                    item.file,
-                    f"checksum mismatch ({ALGORITHM}) in tensor data block {k}",
-                    item.key,
-                    b0,
-                    b0 + n,
-                )
-            )
+            msg = f"checksum mismatch ({ALGORITHM}) in tensor data block {k}"
+            report.problems.append(Problem(item.file, msg, item.key, b0, b0 + n))
     tail = f.read(item.length - expected.data_off - expected.data_len)
     report.bytes += len(head) + len(tail)
     h = new_hasher()
     h.update(head)
     h.update(tail)
     if h.intdigest() != expected.digest:
-        report.problems.append(
-            Problem(
-                item.file,
-                f"checksum mismatch ({ALGORITHM}) in the item's records around its data "
-                f"(bytes {item.offset}-{data_start} or after {data_start + expected.data_len})",
-                item.key,
-                item.offset,
-                item.offset + item.length,
-            )
+        msg = (
+            f"checksum mismatch ({ALGORITHM}) in the item's records around its data "
+            f"(bytes {item.offset}-{data_start} or after {data_start + expected.data_len})"
         )
-
-
-def _pieces(f: Any, length: int) -> Any:
-    left = length
-    while left > 0:
-        piece = f.read(min(_READ, left))
-        if not piece:
-            return
-        left -= len(piece)
-        yield piece
+        end = item.offset + item.length
+        report.problems.append(Problem(item.file, msg, item.key, item.offset, end))
 
 
 def _decode_tensor(payload: bytes, item: _storage.StoredItem, report: VerifyReport) -> None:
@@ -295,7 +260,7 @@ def _decode_tensor(payload: bytes, item: _storage.StoredItem, report: VerifyRepo
 
 
 def _verify_local(ckpt: Path, report: VerifyReport) -> None:
-    parts = _storage.local_parts(ckpt)
+    parts = local_parts(ckpt)
     if not parts:
         report.problems.append(Problem(str(ckpt), "a local checkpoint without any part"))
         return
