@@ -3,14 +3,10 @@
 It knows files, bytes and host buffers, nothing of sharded state dicts or strategies (it
 never imports `mapping`, `serialization` or `strategies`). Its interface:
 
-    direct: `read_region` (a file region into a buffer, O_DIRECT or through the page cache,
-        verified by the caller as it lands), `read_file`, `FileWriter`, and the one registry
-        of directories that refused O_DIRECT (buffered I/O there).
+    direct: `read_region`, `read_file`, `FileWriter`, the registry of O_DIRECT refusals.
     inflight: several read requests of one region in flight, delivered in order.
-    segments: a file written from byte segments through two aligned chunk buffers
-        (`write_segments`, `ChunkStream`); `StreamedFile` for chunks as they arrive.
-    buffers, pinned: aligned, pooled host buffers (bounce buffers, chunk pairs, `ImagePool`
-        of async-save images), page-locked for CUDA sources.
+    segments: files written from byte segments (`write_segments`, `StreamedFile`).
+    buffers, pinned: aligned, pooled host buffers, page-locked for CUDA sources.
     fileio: atomic replace and fsync helpers.
     faults: the fault-injection seam every read and write consults (tests).
     threads: files (writer threads) per rank for a sync save, from the machine's cores.

@@ -51,9 +51,8 @@ def bounce() -> np.ndarray:
 
 
 def private(nbytes: int) -> np.ndarray:
-    """A private, page-aligned buffer of `nbytes` (freed with the array). Private, not
-    shared: a forked child that takes a buffer its parent pooled gets its own copy of the
-    pages, never the parent's."""
+    """A private, page-aligned buffer of `nbytes` (freed with the array): a forked child
+    that takes a buffer its parent pooled gets its own copy of the pages."""
     return np.frombuffer(
         mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS),
         dtype=np.uint8,
@@ -68,12 +67,8 @@ def give_back(buf: np.ndarray) -> None:
 
 
 class ChunkBuffers:
-    """Pairs of page-aligned chunk buffers, reused across saves (one pair per file in flight),
-    private to the process.
-
-    A pair that receives device-to-host copies is page-locked once (`acquire(pin=True)`)
-    and stays so while pooled; a pinned pair dropped from the pool is unpinned first.
-    """
+    """Pairs of private page-aligned chunk buffers, reused across saves (one per file in
+    flight); pinned once by `acquire(pin=True)`, unpinned when dropped from the pool."""
 
     _free: List[List[np.ndarray]] = []
     _pinned: Dict[int, np.ndarray] = {}  # address -> buffer
@@ -118,11 +113,8 @@ class ChunkBuffers:
 
 
 def host_buffer(nbytes: int, pin: bool) -> torch.Tensor:
-    """A new uint8 host tensor of `nbytes`, page-locked when `pin` and CUDA is available.
-
-    For buffers that device tensors are copied into and that live as long as their owner
-    (local checkpoint images); pinned memory is freed with the tensor.
-    """
+    """A new uint8 host tensor of `nbytes`, page-locked when `pin` and CUDA is available
+    (freed with the tensor)."""
     buffer = torch.empty(nbytes, dtype=torch.uint8)
     if pin and torch.cuda.is_available():
         return buffer.pin_memory()
@@ -150,27 +142,19 @@ def _unpin_all(pinned: Dict[int, torch.Tensor], lock: threading.Lock) -> None:
 class ImagePool:
     """Shared, page-aligned host buffers holding whole file images, reused across saves.
 
-    Buffers are keyed by a layout's `signature` (equal signatures: same size and item
-    placement, so a buffer can be reused as is) and sized by its `size`. A save that
-    writes several files takes their buffers together (`acquire_group`) and gives them
-    back together (`release_group`): the pool keeps whole sets, so a save of 4 files with
-    equal layouts finds all 4 buffers again (a per-buffer bound would keep 2 of them and
-    allocate and pin the other 2 anew on every save).
-
-    Buffers that will receive copies from a GPU are page-locked (pinned) so those copies run
-    asynchronously; a buffer dropped from the pool is unpinned first. Free buffers (or
-    sets) are kept for the `max_signatures` layouts released most recently, so host memory
-    stays bounded when the saved structure keeps changing.
+    Buffers are keyed by a layout's `signature` (equal: reusable as is) and sized by its
+    `size`. A save of several files takes and returns their buffers as a set
+    (`acquire_group` / `release_group`), so it finds all of them again. Buffers for GPU
+    copies are pinned (unpinned when dropped); free ones are kept for the `max_signatures`
+    layouts released most recently.
 
     Args:
-        max_free: free buffers (or sets of buffers) kept per signature: 2 lets a save reuse
-            the images of the one before it while a third is still being written.
+        max_free: free buffers (or sets) kept per signature (2: a save reuses the images of
+            the one before while a third is still written).
         max_signatures: signatures whose free buffers are kept.
 
     Attributes:
-        allocated_bytes: bytes of the buffers alive (in use or kept free).
-        allocations: buffers allocated so far (a reused buffer is not counted again).
-        pins: buffers page-locked so far.
+        allocated_bytes, allocations, pins: bytes alive, buffers allocated, buffers pinned.
     """
 
     def __init__(self, max_free: int = 2, max_signatures: int = 4) -> None:

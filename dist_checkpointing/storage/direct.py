@@ -1,18 +1,11 @@
 """Direct I/O (O_DIRECT) with a buffered fallback: positional reads and writes of files.
 
-- `read_region` fills a destination with the bytes of a file region in large requests:
-  with O_DIRECT, `inflight.DEPTH` requests in flight (straight into the destination where
-  it is aligned, else through the slots of a reusable aligned bounce buffer); through the
-  page cache, one sequential stream of requests straight into the destination (the
-  kernel reads ahead on its own).
-- `FileWriter` writes a file in large positional requests, preallocated, with O_DIRECT where
-  the file system supports it (aligned requests, the last padded and the file truncated
-  back), fsync'd once when finished.
-- `read_file` reads a whole file into a new host tensor.
-
-Where a file system refuses O_DIRECT (EINVAL), the directory is remembered in one registry
-(`direct_allowed` / `refuse_direct`, logged once per directory and direction) and buffered
-I/O is used there from then on. Every request goes through `faults.check` (the test seam).
+`read_region` fills a destination from a file region (O_DIRECT: `inflight.DEPTH` requests
+in flight, through a bounce buffer where unaligned; buffered: one sequential stream);
+`FileWriter` writes a file in large aligned requests, preallocated, fsync'd once;
+`read_file` reads a whole file. A directory whose file system refused O_DIRECT (EINVAL) is
+remembered (`refuse_direct`) and buffered there from then on. Every request goes through
+`faults.check` (the test seam).
 """
 
 from __future__ import annotations
@@ -63,13 +56,8 @@ def direct_allowed(directory: str) -> bool:
 
 
 def refuse_direct(directory: str, e: BaseException, what: str) -> None:
-    """Records that O_DIRECT failed in `directory`; later I/O there is buffered (logged once).
-
-    Args:
-        directory: the directory (its file system refused O_DIRECT).
-        e: the error O_DIRECT gave.
-        what: "reads" or "writes", for the log line.
-    """
+    """Records that O_DIRECT failed (`e`) in `directory`; later I/O there is buffered
+    (logged once per `what`: "reads" or "writes")."""
     with _lock:
         _refused.setdefault(directory, str(e))
         if (directory, what) in _logged:
@@ -144,14 +132,10 @@ def read_region(
     """Reads `out.size` bytes of `path` from `offset` into `out` (flat uint8, C-contiguous).
 
     Args:
-        path: the file.
-        offset: where the region starts in it.
-        out: the destination.
         direct: read with O_DIRECT where the directory allows it (else through the page
             cache; a refusal is recorded and the read goes on buffered).
-        progress: called after each request with the number of leading bytes of `out`
-            filled (increasing, the last call with `out.size`), while those bytes are still
-            in the CPU caches: lets a caller verify or consume them without a second pass.
+        progress: called after each request with the leading bytes of `out` filled
+            (increasing, the last with `out.size`), to verify them while in the CPU caches.
         request: bytes per request (with O_DIRECT: rounded down to `ALIGN`).
 
     Raises:
@@ -186,7 +170,7 @@ def read_region(
 
 
 def read_file(path: PathLike) -> torch.Tensor:
-    """Reads a whole file into a new uint8 tensor (buffered, in large requests).
+    """Reads a whole file into a new uint8 tensor (buffered).
 
     Raises:
         OSError: the file cannot be opened (FileNotFoundError when missing) or read.
@@ -239,16 +223,13 @@ class FileWriter:
     """Writes one file in positional requests; switches to buffered I/O if O_DIRECT fails.
 
     Args:
-        path: the file.
-        size: its final size (preallocated; `finish` truncates to it).
-        direct: try O_DIRECT (requests must then be aligned: offsets and lengths multiples
-            of `ALIGN`, from aligned memory; the last may be padded past `size`).
-        exclusive: create the file, failing with FileExistsError if it exists (otherwise an
-            existing file is truncated).
+        size: the file's final size (preallocated; `finish` truncates to it).
+        direct: try O_DIRECT (requests must then be `ALIGN`ed in offset, length and memory;
+            the last may be padded past `size`).
+        exclusive: FileExistsError if the file exists (else it is truncated).
         preallocate: reserve `size` bytes up front.
-        overwrite: the file must exist and is written over in place, not truncated first
-            (its blocks are reused; `finish` truncates it to `size`). FileNotFoundError if
-            it does not exist.
+        overwrite: write over the existing file in place (its blocks reused; `finish`
+            truncates it to `size`); FileNotFoundError if it does not exist.
     """
 
     def __init__(

@@ -1,18 +1,10 @@
 """Test-facing fault injection for the I/O layer: errors, delays and crashes on chosen files.
 
-Tests (and chaos drills) install `Fault`s; every write and read of this package
-(`direct.pwrite_all`, `direct.read_region`, `direct.read_file`) consults them, so a test
-can make "the data file of rank 1" fail, hang or die half-written without knowing which
-orchestration function writes it. With no fault installed the check is one list test.
-
-A `Fault` applies to paths matching its `pattern` (`fnmatch`, against the full path and
-the file name) and to its `ops` ("write", "read"). Its actions, in order: record the call
-in `calls` (a fault with no action is a spy), sleep `delay_s`, raise `error`, and for writes
-let the process die (SIGKILL) once `die_after_bytes` bytes of the file were written (the
-bytes before that point reach the file, the rest never do).
-
-Faults live in the process that installs them and in processes forked from it later (the
-async writer forks); a spawned process starts with none.
+Every read and write of this package consults the installed `Fault`s, so a test can make
+"the data file of rank 1" fail, hang or die half-written. A fault's actions, in order:
+record the call in `calls` (no action: a spy), sleep `delay_s`, raise `error`, and for
+writes SIGKILL the process once `die_after_bytes` bytes of the file were written. Faults
+live in the installing process and processes forked from it later, not spawned ones.
 
 Example:
     with faults.injected(faults.Fault("*.distcp", error=OSError(errno.ENOSPC, "full"))):
@@ -53,10 +45,8 @@ class Fault:
         ops: operations affected: "write", "read".
         error: raised instead of performing the request.
         delay_s: slept before performing the request (a slow or hung disk).
-        die_after_bytes: writes only: SIGKILL the process once this many bytes (counted
-            from the start of the file) were written.
-        only_direct: apply to O_DIRECT requests only; with `error=OSError(errno.EINVAL,
-            ...)` this is a file system that refuses O_DIRECT (I/O falls back to buffered).
+        die_after_bytes: writes only: SIGKILL once this many bytes of the file were written.
+        only_direct: O_DIRECT requests only (with EINVAL: a file system refusing O_DIRECT).
     """
 
     pattern: str

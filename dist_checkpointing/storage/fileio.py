@@ -47,10 +47,8 @@ def read_capped(path: PathLike, limit: int) -> Optional[bytes]:
 def atomic_write(
     path: PathLike, write_fn: Callable[[io.BufferedWriter], Any], sync: bool = True
 ) -> None:
-    """Writes a file so that readers see either the old content or the complete new one.
-
-    Steps: write to `<path>.tmp.<pid>`, fsync it, rename over `path`, fsync the directory.
-    On failure the temp file is removed and `path` is left untouched.
+    """Writes a file so that readers see either the old content or the complete new one
+    (temp file, fsync, rename, directory fsync; on failure `path` is untouched).
 
     Args:
         path: destination file.

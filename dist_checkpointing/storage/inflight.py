@@ -1,11 +1,8 @@
 """Several read requests of one region in flight at once, reported in file order.
 
-O_DIRECT has no readahead: one synchronous stream of requests leaves the device idle while
-each request's bytes are copied and verified. With a few requests outstanding it works on
-the next ones meanwhile. Requests run on one thread pool per process (made on first use,
-again after a fork); completions are reported in file order, one call at a time, so a
-caller that verifies or scatters bytes as they land sees the same protocol as with one
-stream.
+O_DIRECT has no readahead, so a few requests are kept outstanding (on one thread pool per
+process) while earlier ones are verified; completions are reported in file order, one call
+at a time, as with one stream.
 """
 
 from __future__ import annotations
@@ -59,12 +56,8 @@ def _pipeline(
     read: Callable[[int], int],
     done: Callable[[int, int], bool],
 ) -> None:
-    """Runs `read(i)` for requests 0..count-1, `depth` at a time, and `done(i, got)` for each
-    in order in the calling thread; stops when `done` returns False.
-
-    Every started request has finished when this returns or raises, so nothing writes into
-    the caller's memory afterwards.
-    """
+    """Runs `read(i)` for 0..count-1, `depth` at a time, and `done(i, got)` for each in order
+    here, until `done` returns False; every started request has finished on return."""
     if depth <= 1 or count <= 1:
         for i in range(count):
             if not done(i, read(i)):
@@ -100,14 +93,10 @@ def read_in_flight(
     """Reads `len(out)` bytes at `offset` of `fd` straight into `out`, `depth` at a time.
 
     Args:
-        fd: an open file (with O_DIRECT, `offset`, `request` and `out` aligned as it requires).
-        offset: where the region starts.
-        out: flat uint8 destination (numpy array).
+        out: flat uint8 destination (with O_DIRECT, it, `offset` and `request` aligned).
         path: the file's name, for errors.
-        progress: called with the number of leading bytes of `out` filled, increasing, the
-            last call with `len(out)`; never concurrently.
-        request: bytes per request.
-        depth: requests in flight (1: one synchronous stream in the calling thread).
+        progress: called with the leading bytes of `out` filled, in order, never concurrently.
+        depth: requests of `request` bytes in flight (1: in the calling thread).
 
     Raises:
         CheckpointCorruptedError: the file ends before the region does.
@@ -141,16 +130,12 @@ def read_through_slots(
     slots: List[memoryview],
     deliver: Callable[[int, memoryview], None],
 ) -> bool:
-    """Reads `length` bytes at `offset` through reusable slots, `len(slots)` in flight.
-
-    For reads that cannot land in their destination directly (O_DIRECT into unaligned
-    memory): each request fills one slot on the request pool while the calling thread hands
-    earlier ones to `deliver(file_offset, data)`, in file order (`data` valid only during
-    the call); a slot is reused once its delivery returned.
+    """Reads `length` bytes at `offset` through reusable slots, `len(slots)` in flight,
+    handing each to `deliver(file_offset, data)` in file order (`data` valid during the
+    call only).
 
     Returns:
-        True when every byte was read; False when the file ended first (the short request
-        is delivered with what it read).
+        Whether every byte was read (else the short request was delivered as read).
     """
     size, nslots = len(slots[0]), len(slots)
     ats = list(range(offset, offset + length, size))

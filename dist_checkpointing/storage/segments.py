@@ -1,19 +1,10 @@
 """Writing a file given as a sequence of byte segments (its concatenation), at disk speed.
 
-Used by local checkpoint images, whose file is either one staged host buffer or, for a
-synchronous save of CPU tensors, the tensors' own memory interleaved with small padding
-and header segments (no full copy of the state is made).
-
-- With O_DIRECT (`direct=True`, where the file system allows it): segments that are one
-  page-aligned buffer are written as they are; anything else streams through the pooled
-  pair of aligned chunk buffers (`ChunkBuffers`), the copy of one chunk overlapping the
-  write of the other, as the torch_dist backend's synchronous save does.
-- Buffered (`direct=False`, or O_DIRECT refused): each segment is written from its own
-  memory (the kernel's page-cache copy is the only copy).
-- `fsync` decides whether the file is made durable before returning.
-
-`StreamedFile` is the other way in: a new file filled by positional writes of chunks as they
-arrive (a replica received over the network is written chunk by chunk, never held whole).
+Used by local checkpoint images (one staged buffer, or CPU tensors' own memory between
+small header segments). With O_DIRECT one page-aligned buffer is written as it is and
+anything else streams through a pooled pair of aligned chunk buffers (`ChunkStream`);
+buffered, each segment is written from its own memory. `StreamedFile` writes a new file
+from chunks as they arrive (a replica received over the network).
 """
 
 from __future__ import annotations
@@ -50,20 +41,13 @@ def write_segments(
     """Writes the concatenation of `segments` (flat uint8 arrays) to a new file.
 
     Args:
-        path: the file (created; with `exclusive`, FileExistsError if it exists).
-        segments: the file's bytes, in order.
         direct: try O_DIRECT (falls back to buffered writes where refused).
         fsync: make the file durable before returning.
-        exclusive: refuse an existing file.
-        overwrite: write over the existing file `path` in place (its blocks reused, no
-            truncation before; truncated to the written size at the end).
-        padded: when `segments` is a single buffer, the same buffer extended to a multiple
-            of `ALIGN` with zeros (page-aligned memory): written directly with O_DIRECT
-            (not with `prepare`).
-        prepare: called with a segment's index just before the segment is written (so it
-            may still fill a later segment's bytes); may return a callback that sees each
-            piece of that segment as it is written (e.g. to checksum it while the bytes are
-            in the CPU caches: no separate pass).
+        exclusive, overwrite: as in `FileWriter`.
+        padded: for a single segment, the same page-aligned buffer zero-padded to a multiple
+            of `ALIGN`: written directly with O_DIRECT (not with `prepare`).
+        prepare: called with a segment's index just before it is written; may return a
+            callback that sees each piece of it as it is written (to checksum it).
 
     Returns:
         The number of bytes written.
@@ -110,9 +94,8 @@ def write_segments(
 
 
 class ChunkStream:
-    """Appends bytes to a file through two aligned chunk buffers: filling one overlaps the
-    write of the other (one writer thread). `finish()` writes the padded tail and waits;
-    `close()` (always, in a `finally`) waits for a write in flight and frees the buffers.
+    """Appends bytes to a file through two aligned chunk buffers, filling one while the
+    other is written. `finish()` writes the padded tail; `close()` (always) frees them.
 
     Args:
         out: the file being written.
@@ -193,8 +176,7 @@ def _stream(
     file_pos: int = 0,
     prepare: Optional[Callable[[int], Optional[Callable[[np.ndarray], None]]]] = None,
 ) -> None:
-    """Streams segments through `ChunkStream`, from `file_pos` (aligned) on (`prepare`: as
-    in `write_segments`)."""
+    """Streams segments through `ChunkStream` from `file_pos` (aligned)."""
     stream = ChunkStream(out, file_pos)
     try:
         for i, seg in enumerate(segments):
@@ -207,21 +189,15 @@ def _stream(
 class StreamedFile:
     """A new file of known size, written front to back in chunks of any size as they arrive.
 
-    With `direct` (where the file system allows O_DIRECT), the page-aligned middle of each
-    chunk is written straight from the caller's memory when that memory is placed so that
-    its address and its file offset agree modulo `ALIGN` (see `placement`); the partial
-    pages at chunk borders are assembled in one aligned page and written when complete.
-    Nothing is copied into the page cache: for data this machine will probably never read
-    back (a replica of another machine's part). Otherwise writes are buffered. `close` makes
-    the file durable when `fsync`.
+    With `direct`, the page-aligned middle of each chunk is written straight from the
+    caller's memory when placed per `placement`; partial pages at chunk borders are
+    assembled in one aligned page. Nothing enters the page cache (a replica is rarely read
+    back here). Otherwise writes are buffered.
 
     Args:
-        path: the file (created; with `exclusive`, FileExistsError if it exists).
-        size: its final size (every byte of `[0, size)` is written, in order, before `close`).
+        size: the final size (every byte of `[0, size)` is written, in order, before `close`).
         fsync: fsync the file in `close`.
-        direct: try O_DIRECT.
-        exclusive: refuse an existing file.
-        overwrite: write over the existing file `path` in place (see `FileWriter`).
+        exclusive, overwrite: as in `FileWriter`.
 
     Raises:
         FileExistsError: `path` exists and `exclusive`.

@@ -1,8 +1,5 @@
-"""How many files (one writer thread each) a rank's synchronous `torch_dist` save writes.
-In the I/O layer so that both backends use one rule without the local tier importing a
-strategy. (Whether they are written with O_DIRECT is measured: `storage.write_probe`.)
-
-The rule, from what the machine has:
+"""How many files (one writer thread each) a rank's synchronous save writes: one rule for
+the torch_dist and local backends, from what the machine has.
 
     cores per local rank  = the cores this process may run on, divided by the ranks on this
                             node (LOCAL_WORLD_SIZE, else the CUDA device count when the
@@ -13,17 +10,8 @@ The rule, from what the machine has:
                           = min(4, cores per local rank // 2)   for CUDA sources
                           = min(4, cores per local rank // 4)   for CPU sources
 
-Why: on 2 cores with 2-4 ranks one file per rank measured best (0.85x the O_DIRECT
-ceiling, 0.71x with two files); every file is a thread that copies (device to host, for
-CUDA sources, then into the aligned chunk buffers) and writes, so a rank needs cores to
-spare for more. On a 16-core H100 node with one rank, 4 files took 3.38 s where 1 took
-5.76 s for 4 GiB of CUDA tensors (issue 14); CUDA sources get more threads than CPU ones
-because the device-to-host copies, not the disk, are what a single thread waits on. With
-this rule (4 files) the same node measured 3.59 s, 0.82x its 2.93 s O_DIRECT write; CUDA
-tensors then went through a pageable host copy of each whole tensor, since replaced by
-chunk-sized copies into pinned chunk buffers (`writer.write_streamed`), which leave one
-pass over the bytes on the CPU (the checksum). `python -m benchmarks.bench_gpu
---sync-files 1 2 8` measures the alternatives beside the default in one run.
+Why: every file is a thread that copies and writes; CUDA sources get more because one
+thread waits on the device-to-host copies, not the disk.
 """
 
 from __future__ import annotations
@@ -41,8 +29,7 @@ _MAX_FILES = 4
 
 
 def local_ranks(cuda_sources: bool) -> int:
-    """Ranks on this node: `LOCAL_WORLD_SIZE`, else the CUDA device count (for CUDA
-    sources), else the world size."""
+    """Ranks on this node (see the module docstring)."""
     env = os.environ.get("LOCAL_WORLD_SIZE", "")
     if env.isdigit() and int(env) > 0:
         return int(env)
@@ -67,7 +54,6 @@ def cores_per_local_rank(
     """Cores available to this rank (see the module docstring).
 
     Args:
-        cuda_sources: whether the saved tensors are on CUDA (counts ranks by GPUs).
         cpu_count: the machine's cores (default: `os.cpu_count()`).
         quota: the container's CPU quota in cores (default: read from the cgroup).
     """
@@ -85,12 +71,8 @@ def cores_per_local_rank(
 
 
 def default_file_count(cuda_sources: bool, cores: Optional[float] = None) -> int:
-    """Files per rank for a sync save (the rule in the module docstring).
-
-    Args:
-        cuda_sources: whether any tensor saved by this rank is on CUDA.
-        cores: cores per local rank (default: measured by `cores_per_local_rank`).
-    """
+    """Files per rank for a sync save (the rule in the module docstring); `cores`: cores
+    per local rank (default: `cores_per_local_rank`)."""
     c = cores_per_local_rank(cuda_sources) if cores is None else cores
     if c < 4:
         return 1

@@ -1,12 +1,11 @@
 """The 'torch_dist' backend, version 1: sharded tensors in PyTorch DCP's on-disk format.
 
 Who does what:
-    plan: what to write (items, files) and read (regions), DCP metadata building, names.
-    zipformat: the torch.save-compatible zip record layout of a tensor item, written and
-        parsed (the only module that knows it).
-    metadata_file: DCP's `.metadata`, written atomically, read with an allowlisting unpickler.
+    plan: what to write and read, DCP metadata building, names.
+    zipformat: the torch.save-compatible zip layout of a tensor item (only here).
+    metadata_file: DCP's `.metadata`, written atomically, read with an allowlist.
     writer: data files laid out and written (streamed or from staged images).
-    reader: stored chunks read once each, straight into destinations, verified.
+    reader, chunk_reader: stored chunks read once each, straight into destinations, verified.
     save: the save strategy (sync writes, async staging).
     finalize: rank 0 gathers the items and writes `.metadata` (with its caches).
     load: the load strategy (resharding reads).

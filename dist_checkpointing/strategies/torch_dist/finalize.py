@@ -62,11 +62,7 @@ class SaveFinalizer:
     ) -> None:
         """Collective: rank 0 gathers every rank's items and locations, writes `.metadata`.
 
-        Every rank learns the outcome; a failure anywhere raises on every rank.
-
         Args:
-            ckpt: the checkpoint directory.
-            items: this rank's write items.
             written: this rank's write results and item checksums.
             error: this rank's failure before finalization, if any.
             start: when the save started (`time.perf_counter`), for the log line.

@@ -6,11 +6,9 @@ of pieces `(x, y, z)` is stored as a DCP tensor of shape `(X // x, Y // y, Z // 
 whose chunks are `(grid index..., flat start)` with sizes `(1, ..., 1, flat length)`, and
 `Metadata.mcore_data[key]['nd_reformulated_orig_global_shape']` records `(X, Y, Z)`.
 
-We save flat shards as ordinary N-D pieces instead (see `dist_checkpointing._flat`), and
-read megatron's layout by translating it: each stored flat chunk is a union of boxes of the
-original tensor (`flat_range_boxes`), each a contiguous run of the chunk. A request reads
-the runs whose boxes it overlaps into temporary tensors and copies the overlaps into its
-destination. Everything here is planning on metadata; `load` does the I/O.
+We read it by translation: each stored flat chunk is a union of boxes of the original
+tensor (`flat_range_boxes`), each a contiguous run; a request reads the runs it overlaps
+into temporaries and copies the overlaps out. Planning only; `load` does the I/O.
 """
 
 from __future__ import annotations
@@ -76,9 +74,10 @@ class FlatCopy:
     hi: Tuple[int, ...]
 
 
-def _overlap(
+def overlap(
     a_off: Sequence[int], a_size: Sequence[int], b_off: Sequence[int], b_size: Sequence[int]
 ) -> Optional[Tuple[Tuple[int, ...], Tuple[int, ...]]]:
+    """The `(lo, hi)` corners of two boxes' overlap, or None where they do not overlap."""
     lo = tuple(max(x, y) for x, y in zip(a_off, b_off))
     hi = tuple(min(x + sx, y + sy) for x, sx, y, sy in zip(a_off, a_size, b_off, b_size))
     if any(h <= low for low, h in zip(lo, hi)):
@@ -100,20 +99,15 @@ def plan_reformulated_reads(
     """Plans the reads of one requested region from megatron's flat layout.
 
     Args:
-        key: the tensor.
-        stored: its stored (reformulated) metadata.
-        orig_shape: its original global shape.
-        offsets: the requested region's global offset (prepended axes included).
-        sizes: its shape (prepended axes included).
-        dest_slot: the request's destination slot (for the copies).
-        first_temp_slot: destination slot of the first temporary run.
-        dtype: dtype of the temporaries (the request's).
+        stored: the tensor `key`'s stored (reformulated) metadata; `orig_shape` its shape.
+        offsets: the requested region's global offset, `sizes` its shape (prepended axes
+            included), `dest_slot` its destination slot.
+        first_temp_slot: destination slot of the first temporary run (of `dtype`).
         allow_partial: accept a region the checkpoint covers only in part.
 
     Returns:
-        `(reads, temporaries, copies)`: each read fills one temporary (slot
-        `first_temp_slot + i`, shaped `(1, ..., 1, run length)` for the reader); then each
-        copy moves an overlap from a temporary into the destination.
+        `(reads, temporaries, copies)`: read i fills temporary i (slot `first_temp_slot +
+        i`); then each copy moves an overlap from a temporary into the destination.
 
     Raises:
         CheckpointingException: when part of the region is not in the checkpoint.
@@ -132,7 +126,7 @@ def plan_reformulated_reads(
             piece, start, start + int(chunk.sizes[-1])
         ):
             glob = tuple(o + b for o, b in zip(origin, box_off))
-            ov = _overlap(glob, box_shape, offsets, sizes)
+            ov = overlap(glob, box_shape, offsets, sizes)
             if ov is None:
                 continue
             lo, hi = ov
@@ -163,12 +157,7 @@ def plan_reformulated_reads(
 
 
 def apply_copies(copies: Sequence[FlatCopy], dests: Sequence[torch.Tensor]) -> None:
-    """Copies each overlap from its temporary into its destination.
-
-    Args:
-        copies: from `plan_reformulated_reads`.
-        dests: destination views by slot (prepended axes included).
-    """
+    """Copies each overlap (`plan_reformulated_reads`) into `dests` (views by slot)."""
     for c in copies:
         src = c.temp[tuple(slice(lo - b, hi - b) for lo, hi, b in zip(c.lo, c.hi, c.box_offset))]
         dst = dests[c.dest_slot][

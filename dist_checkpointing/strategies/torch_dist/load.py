@@ -1,8 +1,7 @@
 """Loading with the torch_dist backend: any requested sharding from DCP-format checkpoints.
 
-Collective: every rank reads `.metadata` (safely, `metadata_file`), plans reads for exactly
-the regions it asked for (any sharding: another world size, axis, or number of pieces;
-`plan.plan_tensor_reads`), and reads each needed stored chunk once (`reader`).
+Collective: every rank reads `.metadata` (`metadata_file`), plans reads for exactly the
+regions it asked for (`plan.plan_tensor_reads`), and reads each needed chunk once (`reader`).
 """
 
 from __future__ import annotations
@@ -108,16 +107,12 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         thread_count: data files read in parallel (each front to back, by one thread).
         verify_checksums: verify everything read against `checksums.json` when the
             checkpoint has one (a mismatch raises `CheckpointCorruptedError`).
-        direct_io: True (the default): whole chunks, or whole rows of them, read straight
-            into their destinations use O_DIRECT where the file system allows it (buffered
-            where it refuses); False: through the page cache. Other partial reads (column
-            blocks of a reshard) always go through the page cache, which the ranks of a
-            node share. To read each byte once per job when resharding, wrap the strategy
-            in `FullyParallelLoadStrategyWrapper`.
-        allow_lossy_dtype_conversion: load a tensor into a dtype that cannot hold every
-            stored value (float -> int, float32 -> bfloat16, ...), with a warning. Without
-            it such a request raises `LossyDtypeConversionError` (see
-            `dist_checkpointing.dtypes`); exact conversions always load.
+        direct_io: whole rows read straight into their destinations use O_DIRECT where the
+            file system allows it; False: through the page cache (as other partial reads
+            always are). `FullyParallelLoadStrategyWrapper` reads each byte once per job.
+        allow_lossy_dtype_conversion: load into a dtype that cannot hold every stored value
+            (float -> int, float32 -> bfloat16, ...) with a warning, instead of raising
+            `LossyDtypeConversionError` (see `dist_checkpointing.dtypes`).
 
     Raises:
         CheckpointingException: `thread_count` < 1.
@@ -155,12 +150,9 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
     def load(
         self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir
     ) -> StateDict:
-        """Collective: fills every requested shard from the checkpoint.
-
-        ShardedTensors without data are allocated on the CPU. A dtype different from the
-        stored one is converted when the conversion is exact, else raises (see
-        `allow_lossy_dtype_conversion`); a different global shape is an error unless the
-        tensor allows shape mismatch.
+        """Collective: fills every requested shard from the checkpoint (ShardedTensors
+        without data are allocated on the CPU; a different global shape is an error unless
+        the tensor allows shape mismatch).
 
         Returns:
             `sharded_state_dict` with every ShardedTensor/ShardedObject replaced by its data.
@@ -173,7 +165,9 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         stats: Optional[_LoadStats] = None
         error: Optional[BaseException] = None
         try:
-            result, stats = self._load_local(sharded_state_dict, ckpt)
+            result, stats = self._read(
+                sharded_state_dict, ckpt, self._plan(sharded_state_dict, ckpt)
+            )
         except Exception as e:  # agreed on below, with the other ranks' statistics
             error = e
         # one exchange carries both the error reports and the statistics for the log line
@@ -183,12 +177,6 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             _log_load(ckpt, [r[1] for r in reports if r[1] is not None])
         assert result is not None
         return result
-
-    def _load_local(
-        self, sharded_state_dict: ShardedStateDict, ckpt: Path
-    ) -> Tuple[StateDict, _LoadStats]:
-        """Not collective: this rank plans and reads on its own."""
-        return self._read(sharded_state_dict, ckpt, self._plan(sharded_state_dict, ckpt))
 
     def _plan(self, sharded_state_dict: ShardedStateDict, ckpt: Path) -> _Plan:
         """This rank's reads, destinations and objects (no data read yet)."""
@@ -398,9 +386,8 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         return out
 
     def remove_sharded_tensors(self, checkpoint_dir: CheckpointDir, key_prefix: str) -> None:
-        """Drops every key starting with `key_prefix`, and the data files named with it.
-
-        See `maintenance.remove_sharded_tensors` (not collective: call it on one process).
+        """Drops every key starting with `key_prefix`, and the data files named with it (see
+        `maintenance.remove_sharded_tensors`; not collective).
 
         Raises:
             CheckpointingException: if no data file starts with the prefix, or kept keys live

@@ -20,15 +20,8 @@ logger = logging.getLogger(__name__)
 
 
 def remove_sharded_tensors(ckpt: Path, key_prefix: str) -> None:
-    """Drops every key starting with `key_prefix`, and the data files named with it.
-
-    Works on checkpoints saved with `separation_hint=key_prefix`. The new `.metadata` is
-    written atomically (through `metadata_file`) before files go; `checksums.json` is
-    updated when present.
-
-    Args:
-        ckpt: the checkpoint directory.
-        key_prefix: the separation hint the keys were saved with (non-empty).
+    """Drops every key starting with `key_prefix` (a checkpoint's `separation_hint`), and the
+    data files named with it; `.metadata` (atomically) and `checksums.json` first.
 
     Raises:
         CheckpointingException: if no data file starts with the prefix, or kept keys live

@@ -1,10 +1,8 @@
 """DCP's `.metadata` file: written atomically, read with an allowlisting unpickler and checked.
 
-`.metadata` is a pickled `torch.distributed.checkpoint.metadata.Metadata` whose
-`storage_data` maps each item to a byte range of a data file. Reading it never runs
-arbitrary code: it is unpickled with an allowlist of DCP's metadata classes (stock DCP uses
-plain `pickle.load`), then its entries are checked (dtypes, chunk bounds, storage paths
-inside the checkpoint) so a damaged file is reported as corruption, not used.
+`.metadata` is a pickled DCP `Metadata`. Reading it never runs arbitrary code (an allowlist
+of DCP's metadata classes, where stock DCP uses `pickle.load`), and its entries are checked
+(dtypes, chunk bounds, storage paths) so a damaged file is reported as corruption.
 """
 
 from __future__ import annotations

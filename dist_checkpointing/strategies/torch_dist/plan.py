@@ -1,9 +1,7 @@
 """Pure planning for the torch_dist backend: what to write, what to read, and the metadata.
 
-Nothing here touches files or process groups, so every function is testable on plain data.
-Also here: the backend's name and versions, and how data files are named.
-The vocabulary is PyTorch DCP's (WriteItem, ReadItem, Metadata, ...), which keeps the
-on-disk format readable by `torch.distributed.checkpoint` and megatron-core.
+No files or process groups here; the vocabulary is PyTorch DCP's, so the format stays
+readable by `torch.distributed.checkpoint` and megatron-core.
 """
 
 from __future__ import annotations
@@ -32,6 +30,7 @@ from torch.distributed.checkpoint.planner import (
 
 from ...errors import CheckpointingException, ShardingIntegrityError
 from ...mapping import ShardedObject, ShardedTensor
+from .legacy_flat import overlap
 
 __all__ = [
     "BACKEND",
@@ -108,14 +107,13 @@ def split_into_files(
     """Groups a rank's entries into files of roughly equal byte size.
 
     Args:
-        entries: what this rank writes.
-        files_per_rank: number of files for each group (the writer uses one thread per file).
-        separation_hint: entries whose key starts with it go to files named with it as a
-            prefix, so `remove_sharded_tensors(prefix)` can drop them whole.
+        files_per_rank: files for each group (one writer thread each).
+        separation_hint: entries whose key starts with it go to files named with it, so
+            `remove_sharded_tensors(prefix)` can drop them whole.
 
     Returns:
-        `[(file name suffix group, entries)]` where the group is '' or the hint; empty
-        buckets are dropped. Largest entries are placed first, each into the lightest file.
+        `[(group, entries)]`, the group '' or the hint, no empty bucket (largest entries
+        first, each into the lightest file).
     """
     groups: Dict[str, List[WriteEntry]] = {}
     for e in entries:
@@ -148,13 +146,11 @@ def build_metadata(all_items: Sequence[Sequence[WriteItem]], dedup: bool = False
 
     Args:
         all_items: each rank's write items, indexed by rank.
-        dedup: keep the first of identical chunks written by several ranks (replicas saved
-            on purpose) instead of raising.
+        dedup: keep the first of identical chunks written by several ranks, not raise.
 
     Raises:
-        ShardingIntegrityError: if ranks disagree on a tensor's global shape or dtype, a key
-            is both a tensor and an object, or the same chunk or object is written twice.
-            Empty chunks (zero elements) register their tensor but add no chunk.
+        ShardingIntegrityError: ranks disagree on a tensor's shape or dtype, a key is both
+            a tensor and an object, or a chunk or object is written twice.
     """
     md: Dict[str, object] = {}
     seen_chunks: Dict[str, set] = {}
@@ -208,26 +204,14 @@ class TensorRequest:
     sizes: Tuple[int, ...]
 
 
-def _overlap(
-    a_off: Sequence[int], a_size: Sequence[int], b_off: Sequence[int], b_size: Sequence[int]
-) -> Optional[Tuple[List[int], List[int]]]:
-    lo = [max(x, y) for x, y in zip(a_off, b_off)]
-    hi = [min(x + sx, y + sy) for x, sx, y, sy in zip(a_off, a_size, b_off, b_size)]
-    if any(h <= low for low, h in zip(lo, hi)):
-        return None
-    return lo, [h - low for low, h in zip(lo, hi)]
-
-
 def plan_tensor_reads(
     request: TensorRequest, stored: TensorStorageMetadata, allow_partial: bool = False
 ) -> List[ReadItem]:
     """Plans the reads that fill one requested region from the stored chunks.
 
     Args:
-        request: the region to fill.
-        stored: the checkpoint's metadata of that tensor.
-        allow_partial: accept a region the checkpoint covers only in part (shape mismatch
-            allowed); otherwise an uncovered element is an error.
+        stored: the checkpoint's metadata of the requested tensor.
+        allow_partial: accept a region the checkpoint covers only in part.
 
     Returns:
         One ReadItem per overlapping stored chunk, with offsets into both sides.
@@ -238,10 +222,11 @@ def plan_tensor_reads(
     items = []
     covered = 0
     for idx, chunk in enumerate(stored.chunks):
-        ov = _overlap(request.offsets, request.sizes, tuple(chunk.offsets), tuple(chunk.sizes))
+        ov = overlap(request.offsets, request.sizes, tuple(chunk.offsets), tuple(chunk.sizes))
         if ov is None:
             continue
-        lo, lengths = ov
+        lo = list(ov[0])
+        lengths = [h - low for low, h in zip(*ov)]
         covered += math.prod(lengths)
         items.append(
             ReadItem(

@@ -63,26 +63,18 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         version: recorded in metadata.json (1).
         keep_only_main_replica: write only main replicas (True), or every replica and keep
             one copy of each chunk in the metadata (False).
-        thread_count: files per rank, written in parallel (one thread each). None (the
-            default) chooses from the machine: 1 with fewer than 4 cores per local rank,
-            else up to 4 (cores // 2 for CUDA sources, cores // 4 for CPU sources); see
-            `storage.threads`. One file per rank measured best on 2 cores with 2-4 ranks
-            (0.85x the O_DIRECT ceiling against 0.71x with two files at 4 ranks).
-        cached_metadata: accepted for API compatibility. Plans are always cached: this
-            strategy exchanges no plan before writing, and at finalization a rank whose
-            write plan is unchanged since its previous save sends only its digest.
+        thread_count: files per rank, written in parallel (one thread each); None: chosen
+            from the machine (see `storage.threads`).
+        cached_metadata: accepted for API compatibility (plans are always cached).
         separation_hint: keys starting with this prefix go to separate files named with it,
             so `remove_sharded_tensors(dir, prefix)` can drop them.
-        background_thread_count: threads of an async save's background writer. One thread
-            keeps the writer's CPU use (and its competition with training) lowest; the file
-            layout is the same as a sync save's.
-        direct_io: True (the default): write with O_DIRECT where the file system supports
-            it, falling back to buffered writes where it refuses (logged once per
-            directory); False: write through the page cache. Either way each file is
-            fsync'd before the save commits.
-        checksums: record an xxh3-64 of every stored item, of `.metadata` and of
-            `common.pt` in `checksums.json` (verified by default on load; other readers
-            ignore the file).
+        background_thread_count: threads of an async save's background writer (one keeps
+            its competition with training lowest).
+        direct_io: write with O_DIRECT where the file system supports it (else buffered,
+            logged once per directory); False: through the page cache. Either way each
+            file is fsync'd before the save commits.
+        checksums: record an xxh3-64 of every stored item, `.metadata` and `common.pt` in
+            `checksums.json` (verified by default on load).
     """
 
     def __init__(
@@ -191,13 +183,10 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
     def async_save(
         self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir
     ) -> AsyncRequest:
-        """Copies this rank's shards to host staging buffers and returns the write request.
+        """Copies this rank's shards to pooled host staging buffers; returns the write request.
 
-        The caller blocks only for the copy (and the serialization of ShardedObjects). The
-        request's `async_fn` writes the staged bytes (in a background process when
-        scheduled on an `AsyncCallsQueue`); its finalize function (collective) writes DCP's
-        `.metadata`. Staging buffers return to a pool, reused by later saves of the same
-        structure, when the request is finalized or fails.
+        The request's `async_fn` writes the staged bytes; its finalize function (collective)
+        writes DCP's `.metadata`. The buffers return to the pool when it is finalized or fails.
 
         Raises:
             CheckpointingException: on invalid input (e.g. a ShardedTensor without data);

@@ -1,18 +1,16 @@
-"""Verifying stored chunks against `checksums.json` as their bytes are read, never in a
-second pass.
+"""Verifying stored chunks against `checksums.json` as their bytes are read (no second pass).
 
-An item's `ItemSum` (see `integrity`) is either one digest of the whole item or a digest of
-its frame (the zip records around the data) plus one digest per `block` bytes of its data.
-`ChunkVerifier` checks a region that starts on a block boundary as `read_region` fills it;
-`RangeVerifier` checks a region with arbitrary ends (a resharded read of whole rows, read
-straight into its destination) by reading the bytes of its two partial edge blocks that lie
-outside it.
+An item's `ItemSum` (see `integrity`) is one digest of the whole item, or a digest of its
+frame (the zip records) plus one per `block` bytes of its data. `ChunkVerifier` checks a
+region starting on a block boundary; `RangeVerifier` one with arbitrary ends, reading the
+bytes of its partial edge blocks that lie outside it.
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable, List, Optional, Tuple, Union
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
@@ -95,30 +93,22 @@ def frame_matches(raw: Any, layout: Any, length: int, expected: ItemSum) -> bool
 
 def flat_bytes(t: torch.Tensor) -> Any:
     """A tensor's bytes as a flat uint8 numpy view (no copy)."""
-    import numpy as np
-
     if t.numel() == 0:
         return np.empty(0, dtype=np.uint8)
     return t.reshape(-1).view(torch.uint8).numpy()
 
 
 class ChunkVerifier:
-    """Verifies a chunk's data as `read_region` fills it: never a second pass over memory.
+    """Verifies a chunk's data as `read_region` fills it.
 
-    Called with the number of leading bytes of `data` (data-region bytes from `start`, a
-    block boundary) filled so far; hashes each completed checksum block at once, while its
-    bytes are still in the CPU caches (reads come in requests of `reader.READ_REQUEST`). Items
-    with one digest for the whole item feed the digest incrementally instead. `finish`
-    completes the check.
+    Called with the leading bytes of `data` (from `start`, a block boundary) filled so far;
+    hashes each completed block while it is still in the CPU caches (whole-item digests are
+    fed incrementally). `finish` completes the check.
 
     Args:
-        raw: the item's stream (its frame is read from it for whole-item digests).
-        layout: the chunk's parsed zip layout (`zipformat`).
-        data: the bytes being filled.
-        start: where `data` starts in the item's data region.
-        info: where the item is stored (for error messages).
-        expected: the item's digests; None: nothing to verify (progress is still passed on).
-        what: the item, for error messages.
+        raw: the item's stream (the frame of whole-item digests is read from it).
+        data: the bytes being filled, from `start` in the item's data region.
+        expected: the item's digests; None: nothing to verify (progress still passed on).
         consume: called with the number of leading bytes verified so far.
     """
 
@@ -187,22 +177,16 @@ class ChunkVerifier:
 
 
 class RangeVerifier:
-    """Verifies the blocks that a byte range of a blocked item's data region touches, as the
-    range is read straight into its destination.
+    """Verifies the blocks that a range `[a, b)` of a blocked item's data region touches, as
+    the range is read straight into its destination.
 
-    The range `[a, b)` of the data region need not start or end on a block boundary (rows
-    of a resharded load): the bytes of its first and last blocks that lie outside it are
-    read here into small buffers (at most one block each; the first before the range, the
-    last after it), and each block is hashed from its pieces once the read has filled the
-    destination through its end.
+    The bytes of its first and last blocks outside the range (rows of a resharded load) are
+    read here (the first before the range, the last after it).
 
     Args:
         read_edge: reads `n` data-region bytes from data offset `off`.
         data: the destination being filled with the range's bytes.
-        a: where the range starts in the data region.
-        info: where the item is stored (for error messages).
         expected: the item's digests (blocked).
-        what: the item, for error messages.
 
     Raises:
         CheckpointCorruptedError: (when called) on a damaged block, naming its bytes.
@@ -256,8 +240,7 @@ class RangeVerifier:
             parts.append(self.head)
         parts.append(self.view[max(lo, self.a) - self.a : min(hi, self.b) - self.a])
         if hi > self.b:
-            if not self.tail and self.tail_len:  # read after the range: files stay read
-                # front to back
+            if not self.tail and self.tail_len:  # after the range: files stay read in order
                 self.tail = self._edge(self.b, self.tail_len)
             parts.append(self.tail)
         return parts

@@ -1,23 +1,16 @@
 """The torch_dist writer: DCP-format data files written at the disk's speed.
 
-Each data file is laid out ahead of time (`plan_file`): per tensor item, the small zip
-records that make it a `torch.save` archive (`zipformat`) and the raw tensor bytes, placed
-at 4096-byte file offsets; per object item, its serialized bytes. The file is then written
-as one image in large sequential requests:
-
-- through the shared I/O layer's `storage.FileWriter`: O_DIRECT where the file system
-  supports it (aligned requests, the last one padded and the file truncated back), else
-  buffered (logged once per directory); preallocated, fsync'd once;
-- from a staged image (async save: the caller copied its tensors into a shared, aligned,
-  reusable host buffer) or streamed through two reusable aligned chunk buffers filled from
-  the tensors themselves (sync save).
-
-Each item's xxh3-64 is computed from the bytes as they are written.
+Each data file is laid out ahead of time (`plan_file`): per tensor item, its zip records
+(`zipformat`) around the raw bytes, placed at 4096-byte file offsets; per object item, its
+serialized bytes. The file is written in large requests through `storage.FileWriter`
+(O_DIRECT where allowed), from a staged image (async save) or streamed through two aligned
+chunk buffers (sync save); each item's xxh3-64 is computed as its bytes are written.
 """
 
 from __future__ import annotations
 
 import functools
+import io
 import logging
 import math
 from concurrent.futures import ThreadPoolExecutor
@@ -36,6 +29,7 @@ from ...storage import ALIGN, FileWriter, ImagePool, fsync_dir
 from ...storage.buffers import CHUNK
 from ...storage.segments import ChunkStream
 from .plan import WriteEntry
+from .verify import flat_bytes
 from .zipformat import zip_item_layout
 
 __all__ = [
@@ -106,8 +100,6 @@ def _layout(dtype: torch.dtype, shape: Tuple[int, ...], offset: int) -> Any:
 
 
 def _torch_save_bytes(t: torch.Tensor) -> bytes:
-    import io
-
     buf = io.BytesIO()
     torch.save(t.detach().cpu().contiguous().clone(), buf)
     return buf.getvalue()
@@ -139,14 +131,7 @@ def plan_file(name: str, entries: Sequence[WriteEntry]) -> FilePlan:
 
 def _byte_view(t: torch.Tensor) -> np.ndarray:
     """The bytes of a tensor (made contiguous on the CPU if needed) as a flat uint8 array."""
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    if not t.is_contiguous():
-        t = t.contiguous()
-    if t.numel() == 0:
-        return np.empty(0, dtype=np.uint8)
-    return t.reshape(-1).view(torch.uint8).numpy()
+    return flat_bytes(t.detach().cpu().contiguous())
 
 
 def _on_device(src: Any) -> bool:
@@ -183,17 +168,12 @@ def write_streamed(
 ) -> Tuple[List[WriteResult], List[ItemChecksum]]:
     """Writes a file from the tensors themselves (sync save), one chunk at a time.
 
-    Chunks are filled while the previous one is being written (one helper thread), so the
-    copy into the aligned buffer overlaps the disk. CUDA tensors are copied into the
-    (pinned) chunk buffers a chunk at a time, straight from the device: no pageable host
-    copy of a whole tensor first, and their checksums are computed from the chunks.
+    A chunk is filled while the previous one is written; CUDA tensors are copied straight
+    into the (pinned) chunk buffers and checksummed from there.
 
     Args:
-        directory: destination directory.
-        plan: the file's layout.
-        sources: per item, the tensor (tensor items laid out as zip) or None.
+        sources: per item of `plan`, the tensor (tensor items laid out as zip) or None.
         checksums: compute each item's xxh3-64.
-        direct: try O_DIRECT.
         progress: called with the bytes of each chunk handed to the disk.
 
     Returns:
@@ -277,10 +257,8 @@ def _image_sums(plan: FilePlan, flat: np.ndarray) -> List[ItemChecksum]:
 def write_image(
     directory: Path, plan: FilePlan, buf: torch.Tensor, checksums: bool, direct: bool = True
 ) -> Tuple[List[WriteResult], List[ItemChecksum]]:
-    """Writes a staged file image (async save's background writer).
-
-    The image does not change while it is written, so its checksums are computed while a
-    helper thread writes it (the writes release the GIL): hashing costs no disk time.
+    """Writes a staged file image (async save's background writer), hashing it while a
+    helper thread writes it.
 
     Returns:
         Write results and item checksums.
@@ -323,7 +301,7 @@ def write_files(
 
     Args:
         jobs: per file, its plan, its item sources, and its staged image (or None to stream).
-        progress: called with the bytes of each chunk written by a streamed (sync) write.
+        progress: called with the bytes of each chunk of a streamed write.
     """
     if not jobs:
         return [], []

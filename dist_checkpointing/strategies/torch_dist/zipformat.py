@@ -1,16 +1,11 @@
-"""The torch.save-compatible zip layout of one tensor item: written and parsed here only.
+"""The torch.save-compatible zip layout of one tensor item (stored, uncompressed), written
+and parsed here only.
 
-Each tensor item of a torch_dist data file is a `torch.save` zip archive (stored,
-uncompressed). Writing (`zip_item_layout`): the records around a tensor's raw bytes are
-built ahead of time, so the data can be streamed or staged from aligned buffers with the
-data record placed at a chosen file alignment (4096 bytes for O_DIRECT). Reading
-(`chunk_layout`): the archive's `data.pkl` is read with an unpickler that knows only the
-tensor-rebuild recipe (nothing is executed) to locate a C-contiguous chunk's bytes, so the
-reader can fill a destination without `torch.load`; anything unexpected returns None and
-the reader falls back to `torch.load`.
-
-The record layout (local header struct, storage class names per dtype) is defined once
-below and used by both directions.
+Writing (`zip_item_layout`): the records around a tensor's raw bytes are built ahead of
+time, the data record placed at a chosen file alignment (4096 bytes for O_DIRECT). Reading
+(`chunk_layout`, `head_layout`): `data.pkl` is read with an unpickler that knows only the
+tensor-rebuild recipe (nothing is executed) to locate a C-contiguous chunk's bytes;
+anything unexpected returns None and the reader falls back to `torch.load`.
 """
 
 from __future__ import annotations
@@ -154,28 +149,8 @@ class _Builder:
         start = self.pos
         for name, offset, size in self.entries:
             raw = name.encode()
-            self._emit(
-                _CENTRAL.pack(
-                    b"PK\x01\x02",
-                    0,
-                    0,
-                    _FLAGS,
-                    0,
-                    0,
-                    0,
-                    0,
-                    size,
-                    size,
-                    len(raw),
-                    0,
-                    0,
-                    0,
-                    0,
-                    0,
-                    offset,
-                )
-                + raw
-            )
+            fields = (0, 0, _FLAGS, 0, 0, 0, 0, size, size, len(raw), 0, 0, 0, 0, 0, offset)
+            self._emit(_CENTRAL.pack(b"PK\x01\x02", *fields) + raw)
         size, n = self.pos - start, len(self.entries)
         z64 = self.pos
         self._emit(_ZIP64_EOCD.pack(b"PK\x06\x06", 44, 0x031E, 0x002D, 0, 0, n, n, size, start))
@@ -186,10 +161,8 @@ class _Builder:
 def zip_item_layout(
     dtype: torch.dtype, shape: Tuple[int, ...], file_offset: int, data_align: int = 4096
 ) -> Optional[ZipItemLayout]:
-    """The bytes around a tensor's data for an item starting at `file_offset`.
-
-    The data (C-contiguous, `numel * itemsize` bytes) lands at a file offset that is a
-    multiple of `data_align`.
+    """The bytes around a tensor's data for an item starting at `file_offset`; the data
+    (C-contiguous) lands at a multiple of `data_align`.
 
     Returns:
         The layout, or None when the tensor is not supported (see `supports`).
@@ -218,6 +191,10 @@ def zip_item_layout(
 
 #: storage class name -> dtype (the inverse of `STORAGE_CLASS`)
 _STORAGE_DTYPES = {name: dtype for dtype, name in STORAGE_CLASS.items()}
+#: what a damaged or unexpected item raises while it is parsed (then: not the plain layout)
+_PARSE_ERRORS = (
+    pickle.UnpicklingError, KeyError, ValueError, TypeError, AttributeError, struct.error, EOFError
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -302,12 +279,10 @@ def _layout_from(recipe: Any, data_start: int, storage_nbytes: int) -> Optional[
 def head_layout(head: bytes, data_off: int, data_len: int) -> Optional[ChunkLayout]:
     """Locates a chunk's data from the item's first `data_off` bytes alone, or None.
 
-    For items whose storage record is known to span `[data_off, data_off + data_len)` (our
-    checksums record it, and their digest of the bytes around it is checked once the item
-    is read): the archive's first record must be its `data.pkl`, which a pickle ends by
-    itself, so nothing after the data has to be read first. `chunk_layout` instead starts
-    from the archive's directory at the item's end: one more random read per chunk, which
-    cost 10-15 ms per 16 MiB chunk on this project's VM disk (a quarter of a cold load).
+    For items whose storage record is known (from the checksums, whose frame digest is
+    checked later) to span `[data_off, data_off + data_len)`: the first record must be
+    `data.pkl`, so nothing after the data is read first (`chunk_layout` starts from the
+    directory at the item's end: one more random read per chunk).
 
     Args:
         head: the item's bytes before its data.
@@ -325,23 +300,11 @@ def head_layout(head: bytes, data_off: int, data_len: int) -> Optional[ChunkLayo
             return None
         pkl = io.BytesIO(head[name_end + header[10] :])
         recipe = _RecipeUnpickler(pkl).load()
-        if (
-            not isinstance(recipe, _Recipe)
-            or recipe.storage.numel * (recipe.storage.dtype.itemsize) != data_len
-        ):
+        s = recipe.storage if isinstance(recipe, _Recipe) else None
+        if s is None or s.numel * s.dtype.itemsize != data_len:
             return None
         return _layout_from(recipe, data_off, data_len)
-    except (
-        pickle.UnpicklingError,
-        UnicodeDecodeError,
-        KeyError,
-        ValueError,
-        TypeError,
-        AttributeError,
-        IndexError,
-        struct.error,
-        EOFError,
-    ):
+    except (*_PARSE_ERRORS, UnicodeDecodeError, IndexError):
         return None
 
 
@@ -368,15 +331,5 @@ def chunk_layout(item: io.RawIOBase) -> Optional[ChunkLayout]:
         if start is None:
             return None
         return _layout_from(recipe, start, info.file_size)
-    except (
-        pickle.UnpicklingError,
-        zipfile.BadZipFile,
-        StopIteration,
-        KeyError,
-        ValueError,
-        TypeError,
-        AttributeError,
-        struct.error,
-        EOFError,
-    ):
+    except (*_PARSE_ERRORS, zipfile.BadZipFile, StopIteration):
         return None

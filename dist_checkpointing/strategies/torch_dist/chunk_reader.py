@@ -1,0 +1,277 @@
+"""Reading one stored tensor chunk into the destinations of its reads, verified as it lands.
+
+A plain chunk's zip is parsed directly and only the rows the reads need are read. Whole
+rows into a contiguous host destination of the stored dtype land in place (O_DIRECT by
+default); other reads land in a per-thread scratch buffer through the page cache (shared
+by a node's ranks) and are copied out as they are verified.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, List, Optional, Tuple
+
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.planner import ReadItem
+
+from ..._safe_load import torch_load
+from ...errors import CheckpointCorruptedError
+from ...integrity import ItemSum
+from ...storage import read_region
+from .verify import (
+    ChunkVerifier,
+    RangeVerifier,
+    Verifier,
+    check_layout,
+    flat_bytes,
+    frame_matches,
+    mismatch,
+    read_exact,
+)
+from .zipformat import chunk_layout, head_layout
+
+__all__ = ["ChunkGroup", "parse_chunk", "read_stored", "release_scratch"]
+
+Resolve = Callable[[ReadItem], torch.Tensor]
+
+
+@dataclass
+class ChunkGroup:
+    """The planned reads of one stored item (a tensor chunk)."""
+
+    info: _StorageInfo
+    reads: List[ReadItem]
+    #: the chunk's size and dtype as the metadata records them (None: not recorded)
+    stored: Optional[Tuple[Tuple[int, ...], torch.dtype]] = None
+
+
+def _pairs(
+    stored: torch.Tensor, row0: int, group: ChunkGroup, resolve: Resolve, what: str
+) -> List[Tuple[torch.Tensor, torch.Tensor, int]]:
+    """`(source view, destination, first stored row)` of each read; `stored`: rows `row0...`."""
+    out = []
+    for r in group.reads:
+        try:
+            src = stored
+            for dim, (o, n) in enumerate(zip(r.storage_offsets, r.lengths)):
+                src = src.narrow(dim, o - (row0 if dim == 0 else 0), n)
+        except (RuntimeError, IndexError) as e:
+            raise CheckpointCorruptedError(
+                f"{what}: stored chunk shape {tuple(stored.shape)} does not match metadata"
+            ) from e
+        dest = resolve(r)
+        if dest.shape != src.shape:
+            raise CheckpointCorruptedError(
+                f"{what}: region shape {tuple(src.shape)} != destination {tuple(dest.shape)}"
+            )
+        out.append((src, dest, int(r.storage_offsets[0]) if r.storage_offsets else 0))
+    return out
+
+
+class _Scatter:
+    """Copies each read's rows out as soon as they are read and verified (still in the CPU
+    caches); called with the ready leading bytes of a region starting `skip` bytes before
+    row `row0`."""
+
+    def __init__(
+        self,
+        pairs: List[Tuple[torch.Tensor, torch.Tensor, int]],
+        row0: int,
+        nrows: int,
+        row_bytes: int,
+        skip: int,
+    ) -> None:
+        self.pairs, self.row0, self.nrows = pairs, row0, nrows
+        self.row_bytes, self.skip = row_bytes, skip
+        self.done = 0  # rows (from row0) already copied
+
+    def __call__(self, ready: int) -> None:
+        rows = min(self.nrows, max(0, ready - self.skip) // self.row_bytes)
+        if rows <= self.done:
+            return
+        lo, hi = self.row0 + self.done, self.row0 + rows
+        for src, dest, first in self.pairs:
+            a, b = max(lo, first), min(hi, first + src.shape[0])
+            if a < b:
+                dest.narrow(0, a - first, b - a).copy_(src.narrow(0, a - first, b - a))
+        self.done = rows
+
+
+def read_stored(
+    stream: io.BufferedReader,
+    group: ChunkGroup,
+    resolve: Resolve,
+    what: str,
+    expected: Optional[ItemSum],
+    path: str,
+    direct_io: bool,
+    request: int,
+) -> int:
+    """Reads what `group` needs of one stored chunk into its reads' destinations.
+
+    Only the rows the reads touch are read (widened to whole checksum blocks; whole items
+    for whole-item digests); non-plain chunks go through `torch.load`.
+
+    Returns:
+        Tensor data bytes read from storage (the whole item for `torch.load` chunks).
+    """
+    raw = stream.raw
+    layout = parse_chunk(raw, group, expected, what)
+    if layout is None:
+        stream.seek(0)
+        payload = stream.read()
+        if expected is not None and not expected.matches_whole(payload):
+            raise mismatch(what, group.info)
+        stored = torch_load(io.BytesIO(payload), what)
+        if not isinstance(stored, torch.Tensor):
+            raise CheckpointCorruptedError(
+                f"{what}: expected a tensor, got {type(stored).__name__}"
+            )
+        for src, dest, _ in _pairs(stored, 0, group, resolve, what):
+            dest.copy_(src)
+        return len(payload)
+    shape = layout.shape
+    nrows = shape[0] if shape else 0
+    row0, row1 = 0, nrows
+    if (expected is None or expected.blocked) and nrows > 0:
+        row0 = min(int(r.storage_offsets[0]) for r in group.reads)
+        row1 = max(int(r.storage_offsets[0]) + int(r.lengths[0]) for r in group.reads)
+    row_bytes = (math.prod(shape[1:]) if shape else 1) * layout.dtype.itemsize
+    nread = _read_data(
+        raw, group, layout, resolve, what, expected, path, direct_io, request,
+        (row0, row1, nrows, row_bytes),
+    )  # fmt: skip
+    # the frame is checked after the data so the item is read front to back
+    if expected is not None and expected.blocked:
+        if not frame_matches(raw, layout, group.info.length, expected):
+            raise mismatch(what, group.info)
+    return nread
+
+
+def parse_chunk(
+    raw: Any, group: Optional[ChunkGroup], expected: Optional[ItemSum], what: str
+) -> Any:
+    """The layout of a stored chunk's zip (`zipformat.ChunkLayout`), or None where it is not
+    the plain layout (then `torch.load` reads it); from the records before the data alone
+    when the item has per-block checksums.
+
+    Raises:
+        CheckpointCorruptedError: the records say another shape or dtype than the metadata
+            does for `group` (checked before any data is read into a destination).
+    """
+    layout = None
+    if expected is not None and expected.blocked:
+        layout = head_layout(
+            read_exact(raw, 0, expected.data_off), expected.data_off, expected.data_len
+        )
+    if layout is None:
+        layout = chunk_layout(raw)
+    if layout is not None:
+        check_layout(layout, group.stored if group is not None else None, what)
+    return layout
+
+
+def _in_place(
+    r: ReadItem, dest: torch.Tensor, layout: Any, row0: int, row1: int, whole: bool
+) -> bool:
+    """Whether `r` is whole rows `row0:row1` into a contiguous host tensor of the stored dtype."""
+    shape = tuple(layout.shape)
+    want = shape if whole else (row1 - row0,) + shape[1:]
+    first = 0 if whole else row0
+    return (
+        [int(o) for o in r.storage_offsets] == ([first] + [0] * (len(shape) - 1) if shape else [])
+        and tuple(r.lengths) == want
+        and tuple(dest.shape) == want
+        and dest.dtype == layout.dtype
+        and dest.is_contiguous()
+        and dest.device.type == "cpu"
+    )
+
+
+def _read_data(
+    raw: Any,
+    group: ChunkGroup,
+    layout: Any,
+    resolve: Resolve,
+    what: str,
+    expected: Optional[ItemSum],
+    path: str,
+    direct_io: bool,
+    request: int,
+    rows: Tuple[int, int, int, int],
+) -> int:
+    """Reads rows `row0:row1` of a parsed chunk, in place or through the scratch buffer."""
+    row0, row1, nrows, row_bytes = rows
+    shape = layout.shape
+    data_file_off = group.info.offset + layout.data_offset
+    whole = (row0, row1) == (0, nrows)
+    if len(group.reads) == 1 and (whole or row1 > row0):
+        dest = resolve(group.reads[0])
+        if _in_place(group.reads[0], dest, layout, row0, row1, whole):
+            a, b = (0, layout.nbytes) if whole else (row0 * row_bytes, row1 * row_bytes)
+            verifier: Verifier
+            if whole or expected is None:
+                verifier = ChunkVerifier(raw, layout, dest, a, group.info, expected, what)
+            else:
+                verifier = RangeVerifier(
+                    lambda off, n: read_exact(raw, layout.data_offset + off, n),
+                    dest,
+                    a,
+                    group.info,
+                    expected,
+                    what,
+                )
+            _read_verified(path, data_file_off + a, dest, direct_io, verifier, request)
+            return b - a + verifier.extra_bytes
+    start, stop = row0 * row_bytes, row1 * row_bytes
+    if expected is not None and not whole:  # widen to whole checksum blocks
+        start = start - start % expected.block
+        stop = min(layout.nbytes, -(-stop // expected.block) * expected.block)
+    if whole:
+        start, stop = 0, layout.nbytes
+    region = _scratch(stop - start)
+    skip = row0 * row_bytes - start
+    if shape:
+        nbytes = (row1 - row0) * row_bytes
+        stored = region[skip : skip + nbytes].view(layout.dtype).view((row1 - row0, *shape[1:]))
+    else:  # a 0-d tensor
+        stored = region.view(layout.dtype).view(())
+    pairs = _pairs(stored, row0, group, resolve, what)
+    streamed = len(shape) >= 1 and row_bytes > 0 and (expected is None or expected.blocked)
+    scatter = _Scatter(pairs, row0, row1 - row0, row_bytes, skip) if streamed else None
+    verifier = ChunkVerifier(raw, layout, region, start, group.info, expected, what, scatter)
+    _read_verified(path, data_file_off + start, region, False, verifier, request)
+    if scatter is None:  # one digest for the whole item: copy once it is verified
+        for src, dest, _ in pairs:
+            dest.copy_(src)
+    return stop - start
+
+
+def _read_verified(
+    path: str, offset: int, data: torch.Tensor, direct: bool, verifier: Verifier, request: int
+) -> None:
+    """Reads `data`'s bytes from `offset`, verifying each request's bytes as they land."""
+    progress = verifier if verifier.needed else None
+    read_region(path, offset, flat_bytes(data), direct, progress, request)
+    verifier.finish()
+
+
+_scratch_local = threading.local()
+
+
+def _scratch(nbytes: int) -> torch.Tensor:
+    """A per-thread reusable byte buffer (fresh memory page-faults), valid until the next."""
+    buf = getattr(_scratch_local, "buf", None)
+    if buf is None or buf.numel() < nbytes:
+        buf = torch.empty(max(nbytes, 1 << 20), dtype=torch.uint8)
+        _scratch_local.buf = buf
+    return buf[:nbytes]
+
+
+def release_scratch() -> None:
+    """Drops this thread's scratch buffer (none is kept after a load)."""
+    _scratch_local.buf = None
