@@ -1,0 +1,189 @@
+"""Nothing is written outside the checkpoint directories and the paths a user passes.
+
+Save, load (resharded too; also 128 MiB per rank, where the library measures its I/O
+paths), async save (forked and persistent writers), the ('local', 2)
+backend, `LocalCheckpointManager` with replication, `CheckpointManager`, and every
+`dist-ckpt` verb run in fresh processes whose HOME, XDG_CACHE_HOME and TMPDIR are empty
+directories of this test (and without `DIST_CKPT_CACHE_DIR`, which would steer where the
+library keeps state). Afterwards those directories, and the working directory the
+processes ran in, must still be empty, and every path under the test's root must lie
+inside a checkpoint or output path the test passed (or be a parent directory of one).
+
+The ranks' side is `_writes_stay_inside_ranks.py`, run as a script; the processes import
+the `dist_checkpointing` of this tree (PYTHONPATH), not whatever is installed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, List, Sequence
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+RANKS = Path(__file__).with_name("_writes_stay_inside_ranks.py")
+
+#: variables that would send the library (or torch) somewhere other than HOME and TMPDIR
+_UNSET = (
+    "DIST_CKPT_CACHE_DIR",
+    "XDG_CONFIG_HOME",
+    "XDG_DATA_HOME",
+    "XDG_STATE_HOME",
+    "XDG_RUNTIME_DIR",
+    "TORCH_HOME",
+    "TORCHINDUCTOR_CACHE_DIR",
+    "TRITON_CACHE_DIR",
+    "TEMP",
+    "TMP",
+)
+
+#: every `dist-ckpt` verb this test runs (compared with `dist-ckpt --help`)
+VERBS = {"ls", "inspect", "verify", "convert", "diff", "demo"}
+
+
+def _env(home: Path, cache: Path, tmp: Path) -> Dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in _UNSET}
+    env.update(
+        HOME=str(home),
+        XDG_CACHE_HOME=str(cache),
+        TMPDIR=str(tmp),
+        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+        PYTHONDONTWRITEBYTECODE="1",  # no __pycache__ in the source tree either
+        OMP_NUM_THREADS="1",
+        DIST_CKPT_TIMEOUT_S="60",  # a failing collective raises instead of waiting 600 s
+    )
+    return env
+
+
+def _cli() -> List[str]:
+    script = Path(sys.executable).with_name("dist-ckpt")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "dist_checkpointing"]
+
+
+def _run(cmd: Sequence[str], env: Dict[str, str], cwd: Path, timeout: float) -> str:
+    done = subprocess.run(
+        list(cmd), env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout
+    )
+    if done.returncode != 0:
+        pytest.fail(
+            f"{' '.join(cmd)} exited {done.returncode}\n"
+            f"stdout:\n{done.stdout[-4000:]}\nstderr:\n{done.stderr[-6000:]}"
+        )
+    return done.stdout
+
+
+def _listing(d: Path) -> List[str]:
+    return sorted(str(p.relative_to(d)) for p in d.rglob("*"))
+
+
+def _inside(p: Path, allowed: Sequence[Path]) -> bool:
+    for a in allowed:
+        if p == a or a in p.parents:
+            return True
+        if p in a.parents and p.is_dir() and not p.is_symlink():  # a parent it had to create
+            return True
+    return False
+
+
+@pytest.mark.timeout(300)
+def test_every_write_stays_inside_the_given_paths(tmp_path: Path) -> None:
+    try:
+        _check_writes(tmp_path)
+    finally:  # 256 MiB nobody needs to keep
+        shutil.rmtree(tmp_path / "ckpt" / "big", ignore_errors=True)
+
+
+def _check_writes(root: Path) -> None:
+    home, cache, tmp, cwd = (root / n for n in ("home", "xdg_cache", "tmpdir", "cwd"))
+    for d in (home, cache, tmp, cwd):
+        d.mkdir()
+    env = _env(home, cache, tmp)
+    ckpt, out = root / "ckpt", root / "out"
+    shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+    # save, load, resharded load, async saves, local backend and managers on 2 fresh ranks
+    stdout = _run([sys.executable, str(RANKS), str(ckpt)], env, cwd, timeout=150)
+    pids = next(line.split()[1:] for line in stdout.splitlines() if line.startswith("PIDS "))
+
+    sync = ckpt / "sync" / "iter_0000001"
+    async_ckpt = ckpt / "async" / "iter_0000002"
+    manager_root = ckpt / "manager" / "persistent"
+
+    # every dist-ckpt verb, once each
+    cli = _cli()
+    help_text = _run([*cli, "--help"], env, cwd, timeout=60)
+    listed = set(re.findall(r"^ {4}([a-z][\w-]*)\s", help_text, flags=re.M))
+    assert listed == VERBS, f"dist-ckpt --help lists {sorted(listed)}: update this test"
+    outputs = {
+        "ls": json.loads(_run([*cli, "ls", str(manager_root), "--json"], env, cwd, 60)),
+        "inspect": json.loads(_run([*cli, "inspect", str(sync), "--json"], env, cwd, 60)),
+        "verify": json.loads(_run([*cli, "verify", str(sync), "--json"], env, cwd, 60)),
+        "convert": json.loads(
+            _run(
+                [*cli, "convert", str(sync), str(out / "safetensors"), "--to", "safetensors"]
+                + ["--json"],
+                env,
+                cwd,
+                60,
+            )
+        ),
+        "diff": json.loads(
+            _run([*cli, "diff", str(sync), str(async_ckpt), "--json"], env, cwd, 60)
+        ),
+    }
+    _run(
+        [*cli, "demo", "--world-size", "2", "--hidden", "32", "--layers", "1", "--vocab", "64"]
+        + ["--dir", str(out / "demo")],
+        env,
+        cwd,
+        timeout=120,
+    )
+    assert [e["step"] for e in outputs["ls"]] == [6, 4], outputs["ls"]
+    assert outputs["inspect"]["complete"], outputs["inspect"]
+    assert outputs["verify"]["ok"], outputs["verify"]
+    assert outputs["convert"]["tensors"] == 1, outputs["convert"]
+    assert outputs["diff"]["equal"], outputs["diff"]
+
+    problems: List[str] = []
+    # HOME, XDG_CACHE_HOME, TMPDIR and the working directory are still empty
+    for name, d in (("HOME", home), ("XDG_CACHE_HOME", cache), ("TMPDIR", tmp), ("cwd", cwd)):
+        found = _listing(d)
+        if found:
+            problems.append(f"{name} {d} is not empty: {found}")
+
+    # everything else under the root lies inside a path the test passed
+    allowed = [
+        sync,
+        ckpt / "big" / "iter_0000001",
+        async_ckpt,
+        ckpt / "async" / "iter_0000003",
+        *(ckpt / f"node_{r}" / "iter_0000100" for r in (0, 1)),
+        *(ckpt / "localmgr" / f"rank_{r}" for r in (0, 1)),
+        manager_root,
+        ckpt / "manager" / "local",
+        out / "safetensors",
+        out / "demo",
+        home,
+        cache,
+        tmp,
+        cwd,
+    ]
+    stray = sorted(str(p.relative_to(root)) for p in root.rglob("*") if not _inside(p, allowed))
+    if stray:
+        problems.append(f"outside the paths the test passed, under {root}: {stray}")
+
+    # no shared-memory file of these processes is left behind
+    if os.path.isdir("/dev/shm"):
+        new = set(os.listdir("/dev/shm")) - shm_before
+        ours = sorted(n for n in new if set(re.split(r"[^0-9A-Za-z]+", n)) & set(pids))
+        if ours:
+            problems.append(f"left in /dev/shm by processes {pids}: {ours}")
+
+    if problems:
+        pytest.fail("written outside the checkpoint directories:\n" + "\n".join(problems))
