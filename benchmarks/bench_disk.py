@@ -16,6 +16,7 @@ on rows across ranks, same directory, page cache dropped before each load):
   (checksums on, O_DIRECT, files per rank by the machine's rule);
 - A/B variants of `ours`, each with one kept mechanism turned off (only when asked for):
   `ours-pagecache` (`direct_io=False`: saves and loads through the page cache),
+  `ours-loadpc` (saved as `ours`, loaded with `direct_io=False`: the read path alone),
   `ours-depth1` (one O_DIRECT read request in flight instead of `inflight.DEPTH`),
   `ours-2files` (two files per rank instead of the rule's choice), `ours-nocheck` (loads
   without verifying checksums: what verification costs).
@@ -77,7 +78,7 @@ CEILING_READS = ["load O_DIRECT", "load page cache", "load page cache x2"]
 CEILING_WRITES = ["save O_DIRECT", "save page cache"]
 CEILING_KINDS = CEILING_READS + CEILING_WRITES
 #: the methods that run this library (see the module docstring)
-OURS = ("ours", "ours-nocheck", "ours-pagecache", "ours-depth1", "ours-2files")
+OURS = ("ours", "ours-nocheck", "ours-pagecache", "ours-loadpc", "ours-depth1", "ours-2files")
 
 
 @contextmanager
@@ -376,7 +377,8 @@ def _load(
         from dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
 
         loader = TorchDistLoadShardedStrategy(
-            verify_checksums=method != "ours-nocheck", direct_io=method != "ours-pagecache"
+            verify_checksums=method != "ours-nocheck",
+            direct_io=method not in ("ours-pagecache", "ours-loadpc"),
         )
         for kind, layout in (
             ("load", "rows"),
