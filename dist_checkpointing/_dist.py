@@ -331,6 +331,8 @@ def raise_on_reported_errors(
 def agree_on_errors(error: Optional[BaseException], what: str, group: Group = None) -> None:
     """Collective: raises on every rank (see `raise_on_reported_errors`) if `error` (this
     rank's failure in step `what`, or None) is set on any rank."""
+    if is_distributed() and not all_reduce_max([int(error is not None)], group)[0]:
+        return  # one small reduction when every rank succeeded
     raise_on_reported_errors(all_gather_object(error_report(error), group), error, what)
 
 

@@ -12,7 +12,10 @@ from typing import Any, Callable, List, Optional, Set, Tuple, Union
 
 from . import _dist
 from ._flat import expand_flat_shards
+from ._sharding_agreement import AgreementCache, agreement_protocol
+from ._sharding_records import record_of
 from ._types import CommonStateDict, ShardedStateDict, StateDict
+from .coordination import run as run_protocol
 from .dict_utils import dict_list_map_inplace, extract_matching_values, merge, nested_values
 from .mapping import (
     LocalNonpersistentObject,
@@ -93,6 +96,10 @@ class LoadRequest:
     unexpected_keys: Set[str]
 
 
+#: this process's memory of the last load request validation that passed
+_load_agreement = AgreementCache()
+
+
 def prepare_load_request(
     sharded_state_dict: ShardedStateDict,
     strict: StrictHandling,
@@ -118,9 +125,17 @@ def prepare_load_request(
     if StrictHandling.requires_explicit_ckpt_mismatch_check(strict):
         ckpt_metadata = stored_metadata()
     local_md, global_md = None, None
-    if validate_access_integrity or StrictHandling.requires_global_app_metadata(strict):
+    if StrictHandling.requires_global_app_metadata(strict):  # every rank's request, everywhere
         local_md = [sh.without_data() for sh in nested_sharded(request)]
         global_md = _dist.all_gather_object(local_md)
+    elif validate_access_integrity:  # checked distributed by key, as a save's shards are
+        records = [r for r in map(record_of, nested_sharded(request)) if r is not None]
+        run_protocol(
+            agreement_protocol(
+                _dist.get_rank(), _dist.get_world_size(), records, _load_agreement, what="load"
+            )
+        )
+        validate_access_integrity = False
     request, missing, unexpected = validate_integrity_and_strict_load(
         request, strict, validate_access_integrity, local_md, global_md, ckpt_metadata
     )

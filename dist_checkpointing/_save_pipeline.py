@@ -12,7 +12,10 @@ from typing import Any, Callable, List, Optional, Tuple, Union
 
 from . import _dist
 from ._prepare import nested_sharded, save_preprocess
+from ._sharding_agreement import AgreementCache, agreement_protocol
+from ._sharding_records import ShardRecord, record_of
 from ._types import CommonStateDict, ShardedStateDict, StateDict
+from .coordination import run as run_protocol
 from .core import CheckpointingConfig, check_is_distributed_checkpoint, save_config
 from .dict_utils import diff, extract_matching_values
 from .errors import CheckpointExistsError, CheckpointingException
@@ -25,7 +28,6 @@ from .strategies.base import (
     StrategyAction,
     resolve_strategy,
 )
-from .validation import metadata_fingerprint, validate_sharding_integrity
 
 __all__ = ["SavePlan", "prepare_save", "agree_on_preparation", "save_common", "make_commit"]
 
@@ -44,8 +46,7 @@ class SavePlan:
     node_local: bool
     sharded_part: ShardedStateDict
     common_part: CommonStateDict
-    local_metadata: list
-    structure: str
+    records: List[ShardRecord]
     common_digest: str
     deferred_common: Optional[DeferredCalls]
 
@@ -80,7 +81,7 @@ def prepare_save(
     sharded_part, common_part = save_preprocess(sharded_state_dict, content_metadata)
     for sh in nested_sharded(sharded_part):
         sh.validate_metadata_integrity()
-    local_md = [sh.without_data() for sh in nested_sharded(sharded_part)]
+    records = [r for r in map(record_of, nested_sharded(sharded_part)) if r is not None]
     deferred = None
     if async_sharded_save and sharded.can_handle_sharded_objects and not node_local:
         deferred = common.deferred_save_common(common_part, ckpt)
@@ -90,8 +91,7 @@ def prepare_save(
         node_local,
         sharded_part,
         common_part,
-        local_md,
-        metadata_fingerprint(local_md),
+        records,
         _common_digest(common_part, preprocess_common),
         deferred,
     )
@@ -108,8 +108,8 @@ def _common_digest(common: CommonStateDict, preprocess: Any) -> str:
         return f"unhashable:{_dist.get_rank()}"
 
 
-# Digest of the last global sharding that passed validation (identical on every rank).
-_last_validated_structure: Optional[str] = None
+#: this process's memory of the last save validation that passed
+_save_agreement = AgreementCache()
 
 
 def agree_on_preparation(
@@ -119,31 +119,29 @@ def agree_on_preparation(
     validate_access_integrity: bool,
     preprocess_common: Optional[Callable[[CommonStateDict], StateDict]],
 ) -> SavePlan:
-    """Collective: agrees on preparation failures, then validates the global sharding (skipped
-    on all ranks when every rank's sharding digest equals the last validated save's).
+    """Collective: agrees on preparation failures, then checks the global sharding, distributed
+    by key (`_sharding_agreement`; skipped on every rank when no rank's shards changed since
+    the last check that passed).
 
     Raises:
         CheckpointingException: on every rank, if preparation failed on any rank.
         ShardingIntegrityError: the shards do not form valid global tensors.
     """
-    global _last_validated_structure
-    reports = _dist.all_gather_object(
-        (
-            plan.structure if plan else "",
-            _last_validated_structure,
-            plan.common_digest if plan else "",
-            _dist.error_report(error),
+    agreement = run_protocol(
+        agreement_protocol(
+            _dist.get_rank(),
+            _dist.get_world_size(),
+            plan.records if plan is not None else [],
+            _save_agreement,
+            error=error,
+            common_digest=plan.common_digest.encode() if plan is not None else b"",
+            validate=validate_access_integrity,
+            what=f"save to {ckpt}",
         )
     )
-    _dist.raise_on_reported_errors([r[3] for r in reports], error, f"save to {ckpt} (preparation)")
     assert plan is not None
-    if validate_access_integrity:
-        structure = "|".join(r[0] for r in reports)
-        if not all(r[1] == structure for r in reports):
-            validate_sharding_integrity(_dist.all_gather_object(plan.local_metadata))
-            _last_validated_structure = structure
-        if len({r[2] for r in reports}) > 1:
-            _log_common_differences(plan.common_part, preprocess_common)
+    if validate_access_integrity and agreement.common_differs:
+        _log_common_differences(plan.common_part, preprocess_common)
     return plan
 
 

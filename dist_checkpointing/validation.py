@@ -1,20 +1,14 @@
 """Sharding integrity checks and strict-load handling: pure functions of metadata, except
-the collective `determine_global_metadata`.
-
-Over 400 lines: the integrity checks and the strict-mode handling are both megatron's public
-`validation` module, whose path users import.
-"""
+the collective `determine_global_metadata`. The per-key checks live in `_sharding_records`;
+the distributed check a save runs is `_sharding_agreement`."""
 
 from __future__ import annotations
 
 import hashlib
 import logging
-import math
 from collections import defaultdict
 from enum import Enum
 from typing import Dict, List, Optional, Sequence, Set, Tuple, Union
-
-import numpy as np
 
 from ._dist import (
     agree_on_errors,
@@ -23,10 +17,11 @@ from ._dist import (
     is_distributed,
     raise_on_reported_errors,
 )
+from ._sharding_records import ShardRecord, key_problems, record_of
 from ._types import ShardedStateDict
 from .dict_utils import dict_list_map_outplace, extract_matching_values, nested_values
 from .errors import KeyMismatchError, ShardingIntegrityError, close_matches
-from .mapping import ShardedBase, ShardedObject, ShardedTensor, is_main_replica
+from .mapping import ShardedBase, ShardedObject, ShardedTensor
 from .megatron_compat import convert_object, convert_sharded_state_dict
 
 __all__ = [
@@ -48,7 +43,6 @@ GlobalMetadata = List[LocalMetadata]
 CkptShardedMetadata = Dict[str, ShardedBase]
 
 _MAX_REPORTED = 20
-_OVERLAP_BLOCK = 512
 
 
 class StrictHandling(Enum):
@@ -128,119 +122,26 @@ def determine_global_metadata(
     return local, [g[0] for g in gathered]
 
 
-def _first_overlap(starts: np.ndarray, ends: np.ndarray) -> Optional[Tuple[int, int]]:
-    """Returns one pair (i, j), i < j, of overlapping non-empty boxes, or None."""
-    n = len(starts)
-    nonempty = np.all(ends > starts, axis=1) if starts.shape[1] else np.ones(n, dtype=bool)
-    idx = np.nonzero(nonempty)[0]
-    s, e = starts[idx], ends[idx]
-    for lo in range(0, len(idx), _OVERLAP_BLOCK):
-        hi = min(lo + _OVERLAP_BLOCK, len(idx))
-        overlap = np.all(
-            (s[lo:hi, None, :] < e[None, :, :]) & (s[None, :, :] < e[lo:hi, None, :]), axis=2
-        )
-        # only pairs (i, j) with j > i
-        overlap &= np.arange(len(idx))[None, :] > np.arange(lo, hi)[:, None]
-        hits = np.argwhere(overlap)
-        if len(hits):
-            i, j = hits[0]
-            return int(idx[lo + i]), int(idx[j])
-    return None
-
-
-def _tensor_problems(key: str, shards: List[Tuple[int, ShardedTensor]]) -> List[str]:
-    rank0, ref = shards[0]
-    for rank, sh in shards[1:]:
-        if sh.global_shape != ref.global_shape:
-            return [
-                f"{key!r}: global_shape {sh.global_shape} on rank {rank} differs from "
-                f"{ref.global_shape} on rank {rank0}"
-            ]
-        if sh.dtype != ref.dtype:
-            return [
-                f"{key!r}: dtype {sh.dtype} on rank {rank} differs from {ref.dtype} on rank {rank0}"
-            ]
-    main = [(rank, sh) for rank, sh in shards if is_main_replica(sh.replica_id)]
-    if not main:
-        return [
-            f"Invalid access pattern for {key!r}: no rank holds a main replica (replica_id 0), "
-            "so it would not be saved"
-        ]
-    ndim = len(ref.global_shape)
-    starts = np.array([sh.global_offset for _, sh in main], dtype=np.int64).reshape(len(main), ndim)
-    sizes = np.array([sh.prepended_local_shape for _, sh in main], dtype=np.int64).reshape(
-        len(main), ndim
-    )
-    pair = _first_overlap(starts, starts + sizes)
-    if pair is not None:
-        (ra, a), (rb, b) = main[pair[0]], main[pair[1]]
-        return [
-            f"Invalid access pattern for {key!r}: main replicas overlap: rank {ra} offset "
-            f"{a.global_offset} shape "
-            f"{a.prepended_local_shape} and rank {rb} offset {b.global_offset} shape "
-            f"{b.prepended_local_shape}"
-        ]
-    covered = sum(math.prod(sh.prepended_local_shape) for _, sh in main)
-    total = math.prod(ref.global_shape)
-    if covered != total:
-        return [
-            f"Invalid access pattern for {key!r}: main replicas cover {covered} of {total} "
-            f"elements of global shape {ref.global_shape} (a gap)"
-        ]
-    return []
-
-
-def _object_problems(key: str, shards: List[Tuple[int, ShardedObject]]) -> List[str]:
-    rank0, ref = shards[0]
-    for rank, sh in shards[1:]:
-        if sh.global_shape != ref.global_shape:
-            return [
-                f"ShardedObject {key!r}: global_shape {sh.global_shape} on rank {rank} differs "
-                f"from {ref.global_shape} on rank {rank0}"
-            ]
-    seen: Dict[Tuple[int, ...], int] = {}
-    for rank, sh in shards:
-        if not is_main_replica(sh.replica_id):
-            continue
-        if sh.global_offset in seen:
-            return [
-                f"Duplicate ShardedObject keys: [{sh.unique_key!r}] (ShardedObject {key!r}: "
-                f"offset {sh.global_offset} has main replicas on ranks "
-                f"{seen[sh.global_offset]} and {rank})"
-            ]
-        seen[sh.global_offset] = rank
-    total = math.prod(ref.global_shape)
-    if len(seen) != total:
-        return [
-            f"Invalid access pattern: {total - len(seen)} ShardedObject are missing "
-            f"(ShardedObject {key!r}: main replicas cover {len(seen)} of {total} pieces of "
-            f"grid {ref.global_shape}, a gap)"
-        ]
-    return []
-
-
 def find_sharding_problems(global_metadata: GlobalMetadata) -> List[str]:
     """Lists what is wrong with a global sharding (empty when valid): ranks disagreeing on
     shape or dtype, main replicas that overlap or leave a gap, a key used as both a tensor
     and an object."""
-    tensors: Dict[str, List[Tuple[int, ShardedTensor]]] = defaultdict(list)
-    objects: Dict[str, List[Tuple[int, ShardedObject]]] = defaultdict(list)
+    by_key: Dict[str, List[Tuple[int, ShardRecord]]] = defaultdict(list)
     for rank, local in enumerate(global_metadata):
         for leaf in local:
-            sh = convert_object(leaf, f"rank {rank}'s metadata")
-            if isinstance(sh, ShardedTensor):
-                tensors[sh.key].append((rank, sh))
-            elif isinstance(sh, ShardedObject):
-                objects[sh.key].append((rank, sh))
-    problems = [
-        f"{k!r} is used both as a ShardedTensor and a ShardedObject"
-        for k in tensors.keys() & objects.keys()
-    ]
-    for key, tshards in tensors.items():
-        problems += _tensor_problems(key, tshards)
-    for key, oshards in objects.items():
-        problems += _object_problems(key, oshards)
-    return problems
+            rec = record_of(convert_object(leaf, f"rank {rank}'s metadata"))
+            if rec is not None:
+                by_key[rec.key].append((rank, rec))
+    return [p for key, shards in by_key.items() for p in key_problems(key, shards)]
+
+
+def format_problems(problems: Sequence[str], count: Optional[int] = None) -> str:
+    """The message of a `ShardingIntegrityError` for `problems` (`count`: how many there are
+    in all, where only some are given)."""
+    count = len(problems) if count is None else count
+    shown = "\n  ".join(problems[:_MAX_REPORTED])
+    more = f"\n  ... and {count - _MAX_REPORTED} more" if count > _MAX_REPORTED else ""
+    return f"Invalid sharding ({count} problem(s)):\n  {shown}{more}"
 
 
 def validate_sharding_integrity(
@@ -258,15 +159,7 @@ def validate_sharding_integrity(
     """
     problems = find_sharding_problems(global_metadata)
     if problems:
-        shown = "\n  ".join(problems[:_MAX_REPORTED])
-        more = (
-            f"\n  ... and {len(problems) - _MAX_REPORTED} more"
-            if len(problems) > _MAX_REPORTED
-            else ""
-        )
-        raise ShardingIntegrityError(
-            f"Invalid sharding ({len(problems)} problem(s)):\n  {shown}{more}"
-        )
+        raise ShardingIntegrityError(format_problems(problems))
 
 
 def metadata_fingerprint(local_metadata: LocalMetadata) -> str:

@@ -114,3 +114,19 @@ def call_load(
 ) -> Any:
     """dc.load(builder(), ckpt, **kwargs) on this rank."""
     return dc.load(builder(), ckpt, **(kwargs or {}))
+
+
+def agreement_on_this_rank(records_by_rank: List[list], repeat: int = 1) -> Any:
+    """Runs the save's agreement protocol `repeat` times on this rank (gloo); returns the
+    agreements, or the message of the error it raised."""
+    from dist_checkpointing._sharding_agreement import AgreementCache, agreement_protocol
+    from dist_checkpointing.coordination import run
+
+    cache = AgreementCache()
+    me, world = dist.get_rank(), dist.get_world_size()
+    try:
+        return [
+            run(agreement_protocol(me, world, records_by_rank[me], cache)) for _ in range(repeat)
+        ]
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"

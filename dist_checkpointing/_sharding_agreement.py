@@ -1,0 +1,132 @@
+"""The agreement that starts every save (and a validated load): failures, the job's sharding
+digest, and the sharding check distributed by key, as one `coordination` protocol.
+
+1. One sum over ranks carries: whether this rank failed to prepare, four lanes of a digest
+   of `(rank, this rank's shard records)` (their sums identify the whole job's sharding),
+   two lanes that tell whether every rank's common state is the same, and whether this
+   rank's records changed since the last validation it took part in.
+2. Any failure: the reports are gathered at rank 0 and broadcast; every rank raises.
+3. No rank's records changed since a validation that passed (and none asks to skip it):
+   done. Otherwise every rank sends each record to the rank that owns its key (a hash of
+   the key), each owner checks its keys (`_sharding_records.key_problems`), the problem
+   count is summed, and where it is not zero the problems are gathered at rank 0 and its
+   message broadcast: every rank raises the same `ShardingIntegrityError`.
+
+No step makes a rank receive data proportional to world x tensors: the sums are fixed-size
+and an owner receives the records of the keys it owns.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import zlib
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from . import _dist
+from ._sharding_records import ShardRecord, key_problems
+from .coordination import AllReduceSum, AllToAll, Broadcast, Gather, Protocol, dumps, loads
+from .errors import ShardingIntegrityError
+
+__all__ = ["Agreement", "AgreementCache", "agreement_protocol", "owner_of"]
+
+#: problems each owner sends rank 0 at most (the message shows `validation._MAX_REPORTED`)
+_SENT_PROBLEMS = 20
+_LANE = (1 << 31) - 1
+_COMMON_LANE = (1 << 20) - 1
+
+
+@dataclass
+class AgreementCache:
+    """What one rank remembers of the last validation that passed (one per process for real
+    jobs; one per simulated rank in `simulate`)."""
+
+    local: Optional[bytes] = None  # this rank's records digest then
+    world: int = 0
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """The outcome, the same on every rank."""
+
+    digest: Tuple[int, ...]  # identifies every rank's shard records, by rank
+    validated: bool  # the distributed check ran (False: skipped, nothing changed)
+    common_differs: bool  # some rank's common state differs from another's
+
+
+def owner_of(key: str, world: int) -> int:
+    """The rank that checks `key` (the same on every rank and in every process)."""
+    return zlib.crc32(key.encode()) % world
+
+
+def records_digest(records: Sequence[ShardRecord]) -> bytes:
+    """A digest of one rank's records (in order)."""
+    return hashlib.blake2b(dumps([tuple(r) for r in records]), digest_size=16).digest()
+
+
+def _lanes(rank: int, digest: bytes) -> Tuple[int, ...]:
+    h = hashlib.blake2b(rank.to_bytes(8, "little") + digest, digest_size=16).digest()
+    return tuple(int.from_bytes(h[i : i + 4], "little") & _LANE for i in range(0, 16, 4))
+
+
+def agreement_protocol(
+    rank: int,
+    world: int,
+    records: Sequence[ShardRecord],
+    cache: AgreementCache,
+    *,
+    error: Optional[BaseException] = None,
+    common_digest: bytes = b"",
+    validate: bool = True,
+    what: str = "save",
+) -> Protocol[Agreement]:
+    """One rank's side of the agreement (a `coordination` protocol; see the module docstring).
+
+    Args:
+        rank, world: this rank and the number of ranks.
+        records: this rank's shard records (`_sharding_records.record_of`).
+        cache: this rank's memory of the last validation that passed (updated here).
+        error: this rank's failure while preparing, if any (raised on every rank).
+        common_digest: a digest of this rank's common state (compared across ranks).
+        validate: run the sharding check (False: only agree on failures and the digest).
+        what: the step, for error messages.
+
+    Raises:
+        CheckpointingException: on every rank, where any rank failed to prepare.
+        ShardingIntegrityError: on every rank, where the shards do not form valid tensors.
+    """
+    local = records_digest(records)
+    changed = int(validate and (cache.local != local or cache.world != world))
+    c = int.from_bytes(hashlib.blake2b(common_digest, digest_size=4).digest(), "little")
+    c &= _COMMON_LANE
+    sums = yield AllReduceSum((int(error is not None), *_lanes(rank, local), c, c * c, changed))
+    if sums[0]:
+        gathered = yield Gather(dumps(_dist.error_report(error)))
+        reports = yield Broadcast(dumps([loads(g) for g in gathered] if gathered else []))
+        _dist.raise_on_reported_errors(loads(reports), error, f"{what} (preparation)")
+    agreement = Agreement(tuple(sums[1:5]), False, world * sums[6] != sums[5] ** 2)
+    if not sums[7]:
+        return agreement
+    outgoing: Dict[int, List[Tuple[Any, ...]]] = defaultdict(list)
+    for rec in records:
+        outgoing[owner_of(rec.key, world)].append(tuple(rec))
+    received = yield AllToAll({dest: dumps(recs) for dest, recs in outgoing.items()})
+    by_key: Dict[str, List[Tuple[int, ShardRecord]]] = defaultdict(list)
+    for src in sorted(received):
+        for fields in loads(received[src]):
+            rec = ShardRecord(*fields)
+            by_key[rec.key].append((src, rec))
+    problems = [p for key in sorted(by_key) for p in key_problems(key, by_key[key])]
+    (count,) = yield AllReduceSum((len(problems),))
+    if count:
+        from .validation import format_problems
+
+        gathered = yield Gather(dumps(problems[:_SENT_PROBLEMS]))
+        text = ""
+        if gathered is not None:
+            text = format_problems([p for g in gathered for p in loads(g)], count)
+        message = yield Broadcast(dumps(text))
+        raise ShardingIntegrityError(loads(message))
+    cache.local, cache.world = local, world
+    return Agreement(agreement.digest, True, agreement.common_differs)

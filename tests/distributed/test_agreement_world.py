@@ -1,0 +1,44 @@
+"""The agreement protocol on a real 8-rank gloo world gives what its simulation gives."""
+
+from __future__ import annotations
+
+import pytest
+
+from dist_checkpointing._sharding_agreement import AgreementCache, agreement_protocol
+from dist_checkpointing.coordination import simulate
+from tests.distributed._rank_fns import agreement_on_this_rank
+from tests.unit.test_sharding_agreement import grid_records
+
+
+def _simulated(records, repeat):
+    world = len(records)
+    caches = [AgreementCache() for _ in range(world)]
+    out = []
+    for _ in range(repeat):
+        got, _ = simulate(
+            [agreement_protocol(r, world, records[r], caches[r]) for r in range(world)],
+            return_exceptions=True,
+        )
+        out.append(got)
+    return out
+
+
+@pytest.mark.timeout(180)
+def test_a_real_world_and_the_simulation_agree(world_factory):
+    records = grid_records(8, tp=4, keys=12)
+    real = world_factory(8).run_ok(agreement_on_this_rank, records, 2, timeout=120)
+    sim = _simulated(records, 2)
+    for rank in range(8):
+        assert real[rank] == [sim[0][rank], sim[1][rank]]
+    assert real[0][0].validated and not real[0][1].validated
+
+
+@pytest.mark.timeout(180)
+def test_a_layout_that_differs_on_one_rank_fails_every_real_rank_as_simulated(world_factory):
+    records = grid_records(8, tp=4, keys=12)
+    records[5][3] = records[5][3]._replace(global_shape=(16, 7))
+    real = world_factory(8).run_ok(agreement_on_this_rank, records, 1, timeout=120)
+    (sim,) = _simulated(records, 1)
+    assert len(set(real)) == 1
+    assert real[0] == f"ShardingIntegrityError: {sim[0]}"
+    assert "global_shape (16, 7) on rank 5" in real[0]
