@@ -7,8 +7,10 @@ digest, and the sharding check distributed by key, as one `coordination` protoco
    rank's records changed since the last validation it took part in.
 2. Any failure: the reports are gathered at rank 0 and broadcast; every rank raises.
 3. No rank's records changed since a validation that passed (and none asks to skip it):
-   done. Otherwise every rank sends each record to the rank that owns its key (a hash of
-   the key), each owner checks its keys (`_sharding_records.key_problems`), the problem
+   done. Otherwise every rank sends each main-replica record to the rank that owns its key
+   (a hash of the key), and one record per key, dtype and global shape of its other
+   replicas (all the checks read of those) to an aggregator that forwards each kind once to
+   the owner; each owner checks its keys (`_sharding_records.key_problems`), the problem
    count is summed, and where it is not zero the problems are gathered at rank 0 and its
    message broadcast: every rank raises the same `ShardingIntegrityError`.
 
@@ -19,6 +21,7 @@ and an owner receives the records of the keys it owns.
 from __future__ import annotations
 
 import hashlib
+import math
 import zlib
 from collections import defaultdict
 from dataclasses import dataclass
@@ -108,15 +111,35 @@ def agreement_protocol(
     agreement = Agreement(tuple(sums[1:5]), False, world * sums[6] != sums[5] ** 2)
     if not sums[7]:
         return agreement
+    # Main replicas go to their key's owner. Of the other replicas only the shape and dtype
+    # are checked: each kind of them goes to an aggregator of this rank's group of about
+    # sqrt(world) ranks, which forwards each kind once, so that a key every rank holds (a
+    # layer-stacked one) reaches its owner from ~2 sqrt(world) ranks, not from all of them.
+    group = max(1, math.isqrt(world))
     outgoing: Dict[int, List[Tuple[Any, ...]]] = defaultdict(list)
+    kinds = set()
     for rec in records:
-        outgoing[owner_of(rec.key, world)].append(tuple(rec))
-    received = yield AllToAll({dest: dumps(recs) for dest, recs in outgoing.items()})
-    by_key: Dict[str, List[Tuple[int, ShardRecord]]] = defaultdict(list)
+        if rec.replica_id == 0:
+            outgoing[owner_of(rec.key, world)].append(("m", rank, *rec))
+        elif (rec.kind, rec.key, rec.dtype, rec.global_shape) not in kinds:
+            kinds.add((rec.kind, rec.key, rec.dtype, rec.global_shape))
+            outgoing[owner_of(f"{rec.key}#{rank // group}", world)].append(("r", rank, *rec))
+    received = yield AllToAll({dest: dumps(msgs) for dest, msgs in outgoing.items()})
+    mine: List[Tuple[Any, ...]] = []
+    forward: Dict[int, Dict[Tuple[Any, ...], Tuple[Any, ...]]] = defaultdict(dict)
     for src in sorted(received):
-        for fields in loads(received[src]):
-            rec = ShardRecord(*fields)
-            by_key[rec.key].append((src, rec))
+        for msg in loads(received[src]):
+            if msg[0] == "m":
+                mine.append(msg)
+            else:  # as an aggregator: the first rank of each kind, per key owner
+                forward[owner_of(msg[3], world)].setdefault((msg[3], msg[2], msg[4], msg[5]), msg)
+    again = yield AllToAll({dest: dumps(list(kinds_.values())) for dest, kinds_ in forward.items()})
+    for src in sorted(again):
+        mine += loads(again[src])
+    by_key: Dict[str, List[Tuple[int, ShardRecord]]] = defaultdict(list)
+    for msg in sorted(mine, key=lambda m: m[1]):  # rank order: messages name the first rank
+        rec = ShardRecord(*msg[2:])
+        by_key[rec.key].append((msg[1], rec))
     problems = [p for key in sorted(by_key) for p in key_problems(key, by_key[key])]
     (count,) = yield AllReduceSum((len(problems),))
     if count:
