@@ -13,13 +13,9 @@ on rows across ranks, same directory, page cache dropped before each load):
 - `dcp`: stock `torch.distributed.checkpoint` with DTensors;
 - `megatron`: megatron-core's `dist_checkpointing` (torch_dist), when importable;
 - `ours`: `dist_checkpointing` with the default ('torch_dist', 1) backend and its defaults
-  (checksums on, O_DIRECT, files per rank by the machine's rule);
-- A/B variants of `ours`, each with one kept mechanism turned off (only when asked for):
-  `ours-pagecache` (`direct_io=False`: saves and loads through the page cache),
-  `ours-loadpc` (saved as `ours`, loaded with `direct_io=False`: the read path alone),
-  `ours-depth1` (one O_DIRECT read request in flight instead of `inflight.DEPTH`),
-  `ours-2files` (two files per rank instead of the rule's choice), `ours-nocheck` (loads
-  without verifying checksums: what verification costs).
+  (checksums on, O_DIRECT writes, reads through the page cache);
+- `ours-pagecache` (only when asked for): saved with `direct_io=False` (the A/B of O_DIRECT
+  writes); `ours-nocheck`: loaded without verifying checksums (what verification costs).
 
 The methods take turns within each repeat, in an order rotated every repeat, so a drift of
 the disk's speed over the run (the host's cache, other jobs) falls on each of them alike.
@@ -53,8 +49,7 @@ import sys
 import threading
 import time
 import warnings
-from contextlib import contextmanager
-from typing import Any, Callable, Dict, Iterator, List, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 import numpy as np
 import torch
@@ -78,21 +73,7 @@ CEILING_READS = ["load O_DIRECT", "load page cache", "load page cache x2"]
 CEILING_WRITES = ["save O_DIRECT", "save page cache"]
 CEILING_KINDS = CEILING_READS + CEILING_WRITES
 #: the methods that run this library (see the module docstring)
-OURS = ("ours", "ours-nocheck", "ours-pagecache", "ours-loadpc", "ours-depth1", "ours-2files")
-
-
-@contextmanager
-def _variant(method: str) -> Iterator[None]:
-    """`ours-depth1`: one O_DIRECT read request in flight while the block runs."""
-    from dist_checkpointing.storage import inflight
-
-    saved = inflight.DEPTH
-    if method == "ours-depth1":
-        inflight.DEPTH = 1
-    try:
-        yield
-    finally:
-        inflight.DEPTH = saved
+OURS = ("ours", "ours-nocheck", "ours-pagecache")
 
 
 #: seconds of idle disk before each timed save and load (`--settle`): a virtual disk's host
@@ -316,10 +297,7 @@ def _save(
         import dist_checkpointing as dc
         from dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
-        saver = TorchDistSaveShardedStrategy(
-            thread_count=2 if method == "ours-2files" else None,
-            direct_io=method != "ours-pagecache",
-        )
+        saver = TorchDistSaveShardedStrategy(direct_io=method != "ours-pagecache")
         sd = _ours_sd(shapes, "rows", True)
         times["save"].append(timed(lambda: dc.save(sd, path, sharded_strategy=saver)))
     elif method == "dcp":
@@ -376,10 +354,7 @@ def _load(
         import dist_checkpointing as dc
         from dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
 
-        loader = TorchDistLoadShardedStrategy(
-            verify_checksums=method != "ours-nocheck",
-            direct_io=method not in ("ours-pagecache", "ours-loadpc"),
-        )
+        loader = TorchDistLoadShardedStrategy(verify_checksums=method != "ours-nocheck")
         for kind, layout in (
             ("load", "rows"),
             ("reshard rows", "shifted"),
@@ -387,14 +362,13 @@ def _load(
         ):
             req = _ours_sd(shapes, layout, False)
             _cold()
-            with _variant(method):
-                times[kind].append(
-                    timed(
-                        lambda: dc.load(
-                            req, path, sharded_strategy=loader, validate_access_integrity=False
-                        )
+            times[kind].append(
+                timed(
+                    lambda: dc.load(
+                        req, path, sharded_strategy=loader, validate_access_integrity=False
                     )
                 )
+            )
     elif method == "dcp":
         import torch.distributed.checkpoint as dcp
 

@@ -381,11 +381,10 @@ class _Bench:
                 for k, t in tensors.items()
             }
 
-        from dist_checkpointing.storage.threads import default_file_count
         from dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
         ckpt = os.path.join(self.root, "ours")
-        self.out["ours default files per rank"] = default_file_count(self.device.type == "cuda")
+        self.out["ours default files per rank"] = TorchDistSaveShardedStrategy().thread_count
         self.timed(
             "ours sync save", lambda: dc.save(sharded(self.tensors), ckpt), lambda: self.clean(ckpt)
         )

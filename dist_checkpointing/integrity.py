@@ -1,9 +1,10 @@
-"""Checksums of a checkpoint's bytes: `checksums.json`, a sidecar that other readers ignore.
+"""Checksums of a checkpoint's bytes: `checksums.json` and item sidecars, ignored by others.
 
-It records xxh3-64 digests of each stored item of the data files (by file and offset), of
-whole small files (`.metadata`, `common.pt`), and of itself. xxh3-64 is fast and catches
-accidental corruption (bit flips, truncation, torn writes), not an attacker. A checkpoint
-without the sidecar (megatron-core, stock DCP) loads unverified.
+`checksums.json` records xxh3-64 digests of whole small files (`.metadata`, its index,
+`common.pt`) and of itself; each data file's sidecar `<file>.sums`, written by its rank, those
+of its items (format 1 `checksums.json`, written before, held them all). xxh3-64 is fast and
+catches accidental corruption (bit flips, truncation, torn writes), not an attacker. A
+checkpoint without `checksums.json` (megatron-core, stock DCP) loads unverified.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import xxhash
 
@@ -33,13 +34,15 @@ __all__ = [
     "file_checksum",
     "read_checksums",
     "write_checksums",
+    "SUMS_SUFFIX",
+    "write_item_sums",
 ]
 
 logger = logging.getLogger(__name__)
 
 CHECKSUMS_FNAME = "checksums.json"
 ALGORITHM = "xxh3_64"
-_FORMAT = 1
+SUMS_SUFFIX = ".sums"
 _MAX_BYTES = 1 << 30
 PathArg = Union[str, "os.PathLike[str]"]
 
@@ -158,15 +161,22 @@ class BlockSums:
 @dataclass
 class Checksums:
     """Digests of a checkpoint's whole files (`files`) and stored items (`ranges`: file ->
-    {offset: ItemSum})."""
+    {offset: ItemSum}; with `directory` set, each file's read from its sidecar when needed)."""
 
     files: Dict[str, int] = field(default_factory=dict)
     ranges: Dict[str, Dict[int, ItemSum]] = field(default_factory=dict)
+    directory: Optional[Path] = None
 
-    def add_ranges(self, entries: Iterable[Tuple[str, int, ItemSum]]) -> None:
-        """Adds `(file, offset, ItemSum)` entries."""
-        for name, offset, item in entries:
-            self.ranges.setdefault(name, {})[int(offset)] = item
+    def item_sums(self, name: str) -> Optional[Dict[int, ItemSum]]:
+        """The item digests of data file `name` (None: not recorded); raises
+        `CheckpointCorruptedError` if its sidecar is missing or damaged."""
+        if name not in self.ranges and self.directory is not None:
+            path = self.directory / (_name(name) + SUMS_SUFFIX)
+            raw = read_capped(path, _MAX_BYTES)
+            if raw is None:
+                raise CheckpointCorruptedError(f"{path}: item checksums of {name} missing")
+            self.ranges[name] = Checksums.from_json(raw, str(path)).ranges.get(name, {})
+        return self.ranges.get(name)
 
     def expected_range(self, name: str, offset: int, length: int, where: str) -> Optional[ItemSum]:
         """The digests of an item, or None when the file's items were not recorded.
@@ -174,14 +184,14 @@ class Checksums:
         Raises:
             CheckpointCorruptedError: the file's items are recorded but not this one.
         """
-        table = self.ranges.get(name)
+        table = self.item_sums(name)
         if table is None:
             return None
         entry = table.get(int(offset))
         if entry is None or entry.length != int(length):
             raise CheckpointCorruptedError(
                 f"{where}: bytes {offset}-{offset + length} of {name} were not written as one "
-                f"item (checksums.json disagrees with the metadata)"
+                f"item (its checksums disagree with the metadata)"
             )
         return entry
 
@@ -194,23 +204,27 @@ class Checksums:
             )
 
     def to_json(self) -> bytes:
-        body = {
-            "format": _FORMAT,
+        """Format 2 (`files` only, items in sidecars), or 1 with `ranges` (a sidecar)."""
+        inline = self.directory is None and bool(self.ranges)
+        body: Dict[str, Any] = {
+            "format": 1 if inline else 2,
             "algorithm": ALGORITHM,
             "files": {k: f"{v:016x}" for k, v in sorted(self.files.items())},
-            "ranges": {
+        }
+        if inline:
+            body["ranges"] = {
                 name: {str(off): _encode_item(item) for off, item in sorted(table.items())}
                 for name, table in sorted(self.ranges.items())
-            },
-        }
+            }
         canonical = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
         body["digest"] = f"{checksum(canonical):016x}"
         return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
 
     @classmethod
-    def from_json(cls, raw: bytes, where: str) -> Checksums:
-        """Parses and checks the sidecar; raises `CheckpointCorruptedError` if it is
-        malformed, damaged, or of an unknown format or algorithm."""
+    def from_json(cls, raw: bytes, where: str, directory: Optional[Path] = None) -> Checksums:
+        """Parses and checks `checksums.json` (format 2: item sidecars read from
+        `directory`) or a sidecar; raises `CheckpointCorruptedError` if it is malformed,
+        damaged, or of an unknown format or algorithm."""
         try:
             body = json.loads(raw.decode("utf-8"))
             if not isinstance(body, dict):
@@ -219,15 +233,15 @@ class Checksums:
             canonical = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
             if not isinstance(digest, str) or int(digest, 16) != checksum(canonical):
                 raise CheckpointCorruptedError(f"{where}: its own digest does not match (damaged)")
-            if body.get("format") != _FORMAT or body.get("algorithm") != ALGORITHM:
+            if body.get("format") not in (1, 2) or body.get("algorithm") != ALGORITHM:
                 raise CheckpointCorruptedError(
                     f"{where}: unsupported format {body.get('format')!r} / algorithm "
                     f"{body.get('algorithm')!r} (written by a newer version?)"
                 )
-            out = cls()
+            out = cls(directory=directory if body["format"] == 2 else None)
             for name, d in body["files"].items():
                 out.files[_name(name)] = int(d, 16)
-            for name, table in body["ranges"].items():
+            for name, table in body["ranges"].items() if body["format"] == 1 else ():
                 out.ranges[_name(name)] = {int(off): _decode_item(v) for off, v in table.items()}
             return out
         except CheckpointCorruptedError:
@@ -283,4 +297,10 @@ def read_checksums(checkpoint_dir: PathArg) -> Optional[Checksums]:
     is damaged or unsupported."""
     path = Path(checkpoint_dir) / CHECKSUMS_FNAME
     raw = read_capped(path, _MAX_BYTES)
-    return None if raw is None else Checksums.from_json(raw, str(path))
+    return None if raw is None else Checksums.from_json(raw, str(path), Path(checkpoint_dir))
+
+
+def write_item_sums(directory: PathArg, name: str, entries: Sequence[Tuple[int, ItemSum]]) -> None:
+    """Writes the sidecar of data file `name` (its items' `(offset, ItemSum)`) atomically."""
+    payload = Checksums(ranges={name: dict(entries)}).to_json()
+    atomic_write(Path(directory) / (name + SUMS_SUFFIX), lambda f: f.write(payload))

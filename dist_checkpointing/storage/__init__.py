@@ -3,13 +3,12 @@
 It knows files, bytes and host buffers, nothing of sharded state dicts or strategies (it
 never imports `mapping`, `serialization` or `strategies`). Its interface:
 
-    direct: `read_region`, `read_file`, `FileWriter`, the registry of O_DIRECT refusals.
-    inflight: several read requests of one region in flight, delivered in order.
+    direct: `FileWriter` (O_DIRECT, buffered where refused: one registry of refusing
+        directories), `read_region` and `read_file` (through the page cache).
     segments: files written from byte segments (`write_segments`, `StreamedFile`).
     buffers, pinned: aligned, pooled host buffers, page-locked for CUDA sources.
     fileio: atomic replace and fsync helpers.
     faults: the fault-injection seam every read and write consults (tests).
-    threads: files (writer threads) per rank for a sync save, from the machine's cores.
 """
 
 from . import faults

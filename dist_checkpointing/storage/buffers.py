@@ -1,5 +1,5 @@
-"""Aligned host buffers, pooled: bounce buffers for direct reads, chunk pairs for streamed
-writes, whole-file images for async saves (pinned for CUDA sources), pinned local images.
+"""Aligned host buffers, pooled: chunk pairs for streamed writes, whole-file images for async
+saves (pinned for CUDA sources), pinned local images.
 
 Pools bound the memory they keep (a few free buffers each); buffers come from `mmap` or
 shared memory, so they are page-aligned, as O_DIRECT needs.
@@ -20,10 +20,7 @@ from . import pinned as _pinned
 
 __all__ = [
     "ALIGN",
-    "BOUNCE",
     "CHUNK",
-    "bounce",
-    "give_back",
     "ChunkBuffers",
     "ImagePool",
     "host_buffer",
@@ -32,22 +29,8 @@ __all__ = [
 
 #: alignment of O_DIRECT requests (file offsets, lengths and memory)
 ALIGN = 4096
-#: size of a direct read's bounce buffer
-BOUNCE = 32 << 20
 #: size of each of a streamed write's two chunk buffers
 CHUNK = 64 << 20
-
-_lock = threading.Lock()
-_free_bounce: List[np.ndarray] = []
-
-
-def bounce() -> np.ndarray:
-    """An aligned `BOUNCE`-byte buffer (reused) for O_DIRECT reads copied on from there;
-    hand it back with `give_back`. Private to the process (`private`)."""
-    with _lock:
-        if _free_bounce:
-            return _free_bounce.pop()
-    return private(BOUNCE)
 
 
 def private(nbytes: int) -> np.ndarray:
@@ -57,13 +40,6 @@ def private(nbytes: int) -> np.ndarray:
         mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS),
         dtype=np.uint8,
     )[:nbytes]
-
-
-def give_back(buf: np.ndarray) -> None:
-    """Returns a buffer from `bounce` (up to 8 are kept)."""
-    with _lock:
-        if len(_free_bounce) < 8:
-            _free_bounce.append(buf)
 
 
 class ChunkBuffers:

@@ -1,10 +1,11 @@
-"""Direct I/O (O_DIRECT) with a buffered fallback: positional reads and writes of files.
+"""Positional reads and writes of files: O_DIRECT writes with a buffered fallback, reads
+through the page cache.
 
-`read_region` fills a destination from a file region (O_DIRECT: `inflight.DEPTH` requests
-in flight, through a bounce buffer where unaligned; buffered: one sequential stream);
-`FileWriter` writes a file in large aligned requests, preallocated, fsync'd once;
-`read_file` reads a whole file. A directory whose file system refused O_DIRECT (EINVAL) is
-remembered (`refuse_direct`) and buffered there from then on. Every request goes through
+`FileWriter` writes a file in large aligned requests with O_DIRECT, preallocated, fsync'd
+once; a directory whose file system refused O_DIRECT (EINVAL) is remembered
+(`refuse_direct`) and written buffered from then on. `read_region` fills a destination from
+a file region in one sequential stream of requests (the kernel reads ahead, and the ranks
+of a node share what it caches); `read_file` reads a whole file. Every request goes through
 `faults.check` (the test seam).
 """
 
@@ -20,7 +21,7 @@ import numpy as np
 import torch
 
 from ..errors import CheckpointCorruptedError
-from . import buffers, faults, inflight
+from . import faults
 from .buffers import ALIGN
 
 __all__ = [
@@ -79,94 +80,42 @@ def reset_direct_fallbacks() -> None:
 # ---- reads -------------------------------------------------------------------------------
 
 
-def _direct(
-    fd: int, offset: int, out: np.ndarray, path: str, progress: Progress, request: int
-) -> None:
-    n = out.size
-    end = offset + n
-    done = 0
-    if offset % ALIGN == 0 and out.ctypes.data % ALIGN == 0 and n >= ALIGN:
-        # an aligned destination takes the aligned part of the region directly
-        done = n - n % ALIGN
-        step = max(ALIGN, request // ALIGN * ALIGN)
-        inflight.read_in_flight(fd, offset, out[:done], path, progress, step, inflight.DEPTH)
-    if done == n:
-        return
-    # the rest through the slots of one bounce buffer, several requests in flight while
-    # the calling thread copies earlier ones out (and `progress` verifies them)
-    depth = max(1, min(inflight.DEPTH, buffers.BOUNCE // ALIGN))
-    step = max(ALIGN, min(buffers.BOUNCE // depth, request) // ALIGN * ALIGN)
-    start = offset + done
-    pos = start - start % ALIGN
-    length = -(-(end - pos) // ALIGN) * ALIGN
-    bounce = buffers.bounce()
-    view = memoryview(bounce)  # type: ignore[arg-type]
-    slots = [view[i * step : (i + 1) * step] for i in range(min(depth, -(-length // step)))]
-
-    def deliver(at: int, data: memoryview) -> None:
-        nonlocal done
-        lo, hi = max(at, offset + done), min(at + len(data), end)
-        if lo != offset + done or hi <= lo:  # the file ends before the region does
-            raise CheckpointCorruptedError(f"{path}: short read at offset {offset + done}")
-        out[done : done + hi - lo] = np.frombuffer(data, dtype=np.uint8)[lo - at : hi - at]
-        done += hi - lo
-        if progress is not None:
-            progress(done)
-
-    try:
-        inflight.read_through_slots(fd, pos, length, slots, deliver)
-        if done < n:
-            raise CheckpointCorruptedError(f"{path}: short read at offset {offset + done}")
-    finally:
-        buffers.give_back(bounce)
-
-
 def read_region(
-    path: str,
-    offset: int,
-    out: np.ndarray,
-    direct: bool = True,
-    progress: Progress = None,
-    request: int = CHUNK_READ,
+    path: str, offset: int, out: np.ndarray, progress: Progress = None, request: int = CHUNK_READ
 ) -> None:
     """Reads `out.size` bytes of `path` from `offset` into `out` (flat uint8, C-contiguous).
 
     Args:
-        direct: read with O_DIRECT where the directory allows it (else through the page
-            cache; a refusal is recorded and the read goes on buffered).
         progress: called after each request with the leading bytes of `out` filled
             (increasing, the last with `out.size`), to verify them while in the CPU caches.
-        request: bytes per request (with O_DIRECT: rounded down to `ALIGN`).
+        request: bytes per request.
 
     Raises:
         CheckpointCorruptedError: the file is shorter than the region, or cannot be read.
     """
     if out.size == 0:
         return
-    directory = os.path.dirname(path)
-    fd = -1
+    view = memoryview(out)  # type: ignore[arg-type]
     try:
-        if direct and direct_allowed(directory):
-            try:
-                faults.check("read", path, offset, out.size, True)
-                fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-                _direct(fd, offset, out, path, progress, request)
-                return
-            except OSError as e:
-                if e.errno != errno.EINVAL:
-                    raise
-                refuse_direct(directory, e, "reads")
-                if fd >= 0:
-                    os.close(fd)
-                    fd = -1
         faults.check("read", path, offset, out.size, False)
         fd = os.open(path, os.O_RDONLY)
-        inflight.read_in_flight(fd, offset, out, path, progress, request, 1)
+        try:
+            done = 0
+            while done < out.size:
+                end = min(out.size, done + request)
+                while done < end:
+                    got = os.preadv(fd, [view[done:end]], offset + done)
+                    if got <= 0:
+                        raise CheckpointCorruptedError(
+                            f"{path}: short read at offset {offset + done}"
+                        )
+                    done += got
+                if progress is not None:
+                    progress(done)
+        finally:
+            os.close(fd)
     except OSError as e:
         raise CheckpointCorruptedError(f"{path}: read failed at offset {offset} ({e})") from e
-    finally:
-        if fd >= 0:
-            os.close(fd)
 
 
 def read_file(path: PathLike) -> torch.Tensor:

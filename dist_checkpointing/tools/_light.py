@@ -1,6 +1,6 @@
 """`describe` without importing torch (seconds saved), for `dist-ckpt inspect`.
 
-Reads `metadata.json` and `checksums.json`, DCP's `.metadata` and `torch.save` payloads
+Reads `metadata.json`, `checksums.json` and item sidecars, DCP's `.metadata` and `torch.save` payloads
 (`common.pt`, stored objects) with an unpickler that maps an allowlist of torch's classes
 to plain stand-ins, and builds the same `CheckpointInfo` as the full reader. Anything else
 (another backend, an unknown class, a damaged file) raises `Unsupported`, and the caller
@@ -188,8 +188,8 @@ def _json(path: Path) -> Any:
         raise Unsupported(f"{path}: not JSON") from e
 
 
-def _checksums(ckpt: Path) -> Any:
-    path = ckpt / "checksums.json"
+def _checksums(path: Path) -> Any:
+    """`checksums.json` or a data file's sidecar (see `integrity`), checked."""
     if not path.exists():
         return None
     body = _json(path)
@@ -201,9 +201,23 @@ def _checksums(ckpt: Path) -> Any:
         ok = int(digest, 16) == xxhash.xxh3_64_intdigest(canonical)
     except ValueError:
         ok = False
-    if not ok or body.get("format") != 1 or not isinstance(body.get("ranges"), dict):
-        raise Unsupported("checksums.json damaged or of another format")
+    if (
+        not ok
+        or not isinstance(body.setdefault("ranges", {}), dict)
+        or body.get("format") not in (1, 2)
+    ):
+        raise Unsupported(f"{path.name} damaged or of another format")
     return body
+
+
+def _ranges(ckpt: Path, sums: Any, name: str) -> Any:
+    """The item checksums of data file `name`: in `checksums.json` or its sidecar."""
+    if sums["format"] == 2 and name not in sums["ranges"]:
+        side = _checksums(ckpt / f"{name}.sums")
+        if side is None or side["format"] != 1:
+            raise Unsupported(f"{name}.sums missing or damaged")
+        sums["ranges"][name] = side["ranges"].get(name, {})
+    return sums["ranges"].get(name, {})
 
 
 def _config(ckpt: Path) -> Any:
@@ -245,7 +259,7 @@ def describe_light(path: PathArg, deep: bool = True) -> CheckpointInfo:
     ours = any((ckpt / n).exists() for n in ("common.pt", "checksums.json"))
     if config is None and ours:
         raise Unsupported("incomplete")
-    sums = _checksums(ckpt) if config is not None else None
+    sums = _checksums(ckpt / "checksums.json") if config is not None else None
     kind = "torch_dist" if config else "dcp"
     backend = f"torch_dist v{config['sharded_backend_version']}" if config else "dcp"
     date = date_of(ckpt / ("metadata.json" if config else ".metadata"))
@@ -272,7 +286,7 @@ def _fill(ckpt: Path, info: CheckpointInfo, metadata: Any, sums: Any, deep: bool
         where[index.fqn] = storage
         coverage.items += 1
         coverage.bytes += int(storage.length)
-        ranges = sums["ranges"].get(str(storage.relative_path), {}) if sums else {}
+        ranges = _ranges(ckpt, sums, str(storage.relative_path)) if sums else {}
         if str(storage.offset) in ranges:
             coverage.items_covered += 1
             coverage.bytes_covered += int(storage.length)
@@ -315,7 +329,7 @@ def _object(ckpt: Path, key: str, storage: Any, sums: Any) -> Any:
     except OSError as e:
         raise Unsupported(str(e)) from e
     if sums is not None:  # show only verified values
-        entry = sums["ranges"].get(rel, {}).get(str(storage.offset))
+        entry = _ranges(ckpt, sums, rel).get(str(storage.offset))
         if not isinstance(entry, list) or len(entry) != 2:
             raise Unsupported(f"no whole-item checksum for {key!r}")
         if int(entry[1], 16) != xxhash.xxh3_64_intdigest(data):

@@ -114,7 +114,7 @@ def _describe_dcp(ckpt: Path, info: CheckpointInfo, deep: bool) -> None:
         sizes[item.key] = item.length
         coverage.items += 1
         coverage.bytes += item.length
-        if checksums is not None and item.offset in checksums.ranges.get(item.file, {}):
+        if checksums is not None and item.offset in (checksums.item_sums(item.file) or {}):
             coverage.items_covered += 1
             coverage.bytes_covered += item.length
     if checksums is not None:

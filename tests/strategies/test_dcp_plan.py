@@ -6,13 +6,16 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.storage import WriteResult
 
 from dist_checkpointing.errors import CheckpointingException, ShardingIntegrityError
 from dist_checkpointing.mapping import ShardedTensor
+from dist_checkpointing.strategies.torch_dist.finalize import build_global_metadata, encode_report
 from dist_checkpointing.strategies.torch_dist.plan import (
     TensorRequest,
     WriteEntry,
-    build_metadata,
+    is_empty_chunk,
     plan_tensor_reads,
     split_into_files,
     tensor_write_item,
@@ -22,6 +25,19 @@ from tests._sharding import shardings
 
 def _item(key, offset, size, shape):
     return tensor_write_item(ShardedTensor(key, None, torch.float32, size, shape, offset, None))
+
+
+def build_metadata(per_rank, dedup=False):
+    """The global metadata from each rank's items, through the finalize reports."""
+    reports = []
+    for rank, items in enumerate(per_rank):
+        stored = [it for it in items if not is_empty_chunk(it)]
+        results = [
+            WriteResult(it.index, 1, _StorageInfo(f"__{rank}_0.distcp", i, 1))
+            for i, it in enumerate(stored)
+        ]
+        reports.append(encode_report(items, results, full_keys=True))
+    return build_global_metadata(reports, dedup)
 
 
 def test_split_into_files_balances_bytes_and_separates_hint():

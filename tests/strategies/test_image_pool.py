@@ -124,7 +124,7 @@ def _equal_tensors(device: str, step: int) -> dict:
     }
 
 
-@pytest.mark.parametrize("thread_count", [4, None])
+@pytest.mark.parametrize("thread_count", [4, 2])
 @pytest.mark.parametrize(
     "device",
     CPU_AND_CUDA,
@@ -132,14 +132,11 @@ def _equal_tensors(device: str, step: int) -> dict:
 def test_consecutive_async_saves_reuse_every_staging_buffer(
     tmp_path, monkeypatch, device, thread_count
 ):
-    """Four files of one layout per save (as on a many-core GPU node): the second and third
+    """Several files of one layout per save: the second and third
     saves allocate (and pin) nothing; each checkpoint loads back exactly."""
     import dist_checkpointing as dc
     from dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
-    from dist_checkpointing.strategies.torch_dist import save as save_module
 
-    # the default file count of a 16-core node with one rank, whatever this machine has
-    monkeypatch.setattr(save_module, "default_file_count", lambda cuda: 4)
     strategy = TorchDistSaveShardedStrategy(thread_count=thread_count)
     strategy._images = pool = ImagePool()  # counters of this test's saves only
     counts = []
@@ -152,10 +149,11 @@ def test_consecutive_async_saves_reuse_every_staging_buffer(
         )
         req.execute_sync()
         counts.append((pool.allocations, pool.pins, pool.allocated_bytes))
-    assert len(list((tmp_path / "c0").glob("*.distcp"))) == 4
-    assert counts[0][0] == 4 and counts[1] == counts[0] and counts[2] == counts[0], counts
+    assert len(list((tmp_path / "c0").glob("*.distcp"))) == thread_count
+    assert counts[0][0] == thread_count, counts
+    assert counts[1] == counts[0] and counts[2] == counts[0], counts
     if device == "cuda":
-        assert counts[0][1] == 4
+        assert counts[0][1] == thread_count
     for step in range(3):
         want = {k: v.data.cpu() for k, v in _equal_tensors("cpu", step).items()}
         req = {k: dc.ShardedTensor.from_rank_offsets(k, torch.empty(256, 1024)) for k in want}

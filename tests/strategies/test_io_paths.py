@@ -24,10 +24,8 @@ from dist_checkpointing.storage import (
     StreamedFile,
     faults,
     read_region,
-    reset_direct_fallbacks,
     write_segments,
 )
-from dist_checkpointing.strategies.torch_dist.load import TorchDistLoadShardedStrategy
 from dist_checkpointing.strategies.torch_dist.metadata_file import read_metadata
 from dist_checkpointing.strategies.torch_dist.reader import open_range
 from dist_checkpointing.strategies.torch_dist.save import TorchDistSaveShardedStrategy
@@ -48,11 +46,10 @@ def _out(size: int, aligned: bool) -> np.ndarray:
     return np.zeros(size + 1, dtype=np.uint8)[1:]  # one byte off any alignment
 
 
-@pytest.mark.parametrize("direct", [True, False])
 @pytest.mark.parametrize("aligned", [True, False])
 @pytest.mark.parametrize("offset,size", [(0, 5 * 4096), (4096, 8292), (123, 20_000), (7, 1)])
 def test_read_region_returns_exact_bytes_and_reports_progress_in_order(
-    tmp_path, direct, aligned, offset, size
+    tmp_path, aligned, offset, size
 ):
     data = os.urandom(8 * 4096)
     (tmp_path / "f").write_bytes(data)
@@ -63,16 +60,15 @@ def test_read_region_returns_exact_bytes_and_reports_progress_in_order(
         assert out[:filled].tobytes() == data[offset : offset + filled]  # in place when told
         seen.append(filled)
 
-    read_region(str(tmp_path / "f"), offset, out, direct=direct, progress=progress, request=4096)
+    read_region(str(tmp_path / "f"), offset, out, progress=progress, request=4096)
     assert out.tobytes() == data[offset : offset + size]
     assert seen == sorted(seen) and seen[-1] == size
 
 
-@pytest.mark.parametrize("direct", [True, False])
-def test_read_region_past_the_end_of_the_file_is_a_corruption_error(tmp_path, direct):
+def test_read_region_past_the_end_of_the_file_is_a_corruption_error(tmp_path):
     (tmp_path / "f").write_bytes(os.urandom(3 * 4096 + 100))
     with pytest.raises(CheckpointCorruptedError, match="short read"):
-        read_region(str(tmp_path / "f"), 3 * 4096 + 90, np.zeros(20, np.uint8), direct=direct)
+        read_region(str(tmp_path / "f"), 3 * 4096 + 90, np.zeros(20, np.uint8))
 
 
 @pytest.mark.parametrize("refused", [False, True])
@@ -83,7 +79,7 @@ def test_written_segments_read_back_exactly_with_or_without_o_direct(tmp_path, r
     with faults.injected(*([_refusing_o_direct()] if refused else [])):
         write_segments(tmp_path / "f", [data[:cut], data[cut:]], direct=True, fsync=True)
         out = _out(size, aligned=True)
-        read_region(str(tmp_path / "f"), 0, out, direct=True)
+        read_region(str(tmp_path / "f"), 0, out)
     assert (tmp_path / "f").stat().st_size == size
     assert out.tobytes() == data.tobytes()
 
@@ -109,22 +105,18 @@ def test_an_existing_file_is_not_overwritten_by_an_exclusive_writer(tmp_path):
     assert (tmp_path / "f").read_bytes() == b"keep"
 
 
-def test_saves_and_loads_fall_back_to_buffered_io_where_o_direct_is_refused(tmp_path, caplog):
+def test_saves_fall_back_to_buffered_writes_where_o_direct_is_refused(tmp_path, caplog):
     caplog.set_level(logging.INFO)
     w = torch.randn(300, 700)
-    with faults.injected(_refusing_o_direct()):
+    with faults.injected(_refusing_o_direct()) as (refusal,):
         dc.save({"w": ShardedTensor.from_rank_offsets("w", w)}, tmp_path / "c")
-        reset_direct_fallbacks()  # as a new process: the refusal is remembered per process
-        got = dc.load(
-            {"w": ShardedTensor.from_rank_offsets("w", torch.zeros_like(w))}, tmp_path / "c"
-        )
+    assert refusal.calls and "O_DIRECT is not usable" in caplog.text
+    got = dc.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros_like(w))}, tmp_path / "c")
     assert torch.equal(got["w"], w)
-    assert "O_DIRECT is not usable" in caplog.text
-    assert "O_DIRECT reads are not usable" in caplog.text
 
 
 @pytest.mark.parametrize("direct_io", [True, False])
-def test_either_write_path_saves_what_either_read_path_loads_bit_exactly(tmp_path, direct_io):
+def test_either_write_path_saves_what_loads_bit_exactly(tmp_path, direct_io):
     sd = {f"t{i}": torch.randn(257 + i, 1031) for i in range(3)}
     sd["b"] = torch.randint(0, 255, (4099,), dtype=torch.uint8)
     dc.save(
@@ -132,13 +124,11 @@ def test_either_write_path_saves_what_either_read_path_loads_bit_exactly(tmp_pat
         tmp_path / "c",
         sharded_strategy=TorchDistSaveShardedStrategy(direct_io=direct_io),
     )
-    for load_direct in (True, False):
-        got = dc.load(
-            {k: ShardedTensor.from_rank_offsets(k, torch.zeros_like(v)) for k, v in sd.items()},
-            tmp_path / "c",
-            sharded_strategy=TorchDistLoadShardedStrategy(direct_io=load_direct),
-        )
-        assert all(torch.equal(got[k], v) for k, v in sd.items())
+    got = dc.load(
+        {k: ShardedTensor.from_rank_offsets(k, torch.zeros_like(v)) for k, v in sd.items()},
+        tmp_path / "c",
+    )
+    assert all(torch.equal(got[k], v) for k, v in sd.items())
 
 
 def test_an_injected_read_error_fails_the_load_naming_the_file(tmp_path):
@@ -174,7 +164,7 @@ def _flip(path, offset: int) -> None:
         f.write(bytes([b[0] ^ 0xFF]))
 
 
-def _load(ckpt, w: torch.Tensor, request: list, direct_io: bool = True) -> dict:
+def _load(ckpt, w: torch.Tensor, request: list) -> dict:
     if request == ["cols"]:
         sd = {
             "p0": ShardedTensor(
@@ -189,24 +179,17 @@ def _load(ckpt, w: torch.Tensor, request: list, direct_io: bool = True) -> dict:
         }
     else:
         sd = {f"p{i}": row_block("w", w, r0, r1) for i, (r0, r1) in enumerate(request)}
-    return dc.load(
-        sd,
-        ckpt,
-        sharded_strategy=TorchDistLoadShardedStrategy(direct_io=direct_io),
-        validate_access_integrity=False,
-    )
+    return dc.load(sd, ckpt, validate_access_integrity=False)
 
 
-# every way a chunk's data is read: (requests, direct_io)
+# every way a chunk's data is read
 PATHS = {
-    "whole chunk, O_DIRECT": ([(0, 200)], True),
-    "whole chunk, page cache": ([(0, 200)], False),
-    "rows in place (resharded), O_DIRECT": ([(40, 90)], True),
-    "rows in place (resharded), page cache": ([(40, 90)], False),
-    "rows from the first row": ([(0, 90)], True),
-    "rows to the last row": ([(40, 200)], True),
-    "two parts of a chunk (scattered)": ([(40, 60), (60, 90)], True),
-    "a column block (scattered)": (["cols"], True),
+    "whole chunk": [(0, 200)],
+    "rows in place (resharded)": [(40, 90)],
+    "rows from the first row": [(0, 90)],
+    "rows to the last row": [(40, 200)],
+    "two parts of a chunk (scattered)": [(40, 60), (60, 90)],
+    "a column block (scattered)": ["cols"],
 }
 
 
@@ -214,11 +197,11 @@ PATHS = {
 def test_every_read_path_loads_exact_bytes_and_finds_a_damaged_block(
     tmp_path, monkeypatch, path_name
 ):
-    request, direct_io = PATHS[path_name]
+    request = PATHS[path_name]
     w = torch.randn(200, 1000)  # 4000-byte rows: blocks and rows never line up
     _save_blocked(tmp_path, monkeypatch, w)
     ckpt = tmp_path / "c"
-    got = _load(ckpt, w, request, direct_io)
+    got = _load(ckpt, w, request)
     if request == ["cols"]:
         assert torch.equal(got["p0"], w[:, 200:500])
     else:
@@ -229,23 +212,22 @@ def test_every_read_path_loads_exact_bytes_and_finds_a_damaged_block(
     _flip(path, data0 + bad)
     lo = data0 + bad // 4096 * 4096
     with pytest.raises(CheckpointCorruptedError, match=f"bytes {lo}-{lo + 4096} of"):
-        _load(ckpt, w, request, direct_io)
+        _load(ckpt, w, request)
 
 
-@pytest.mark.parametrize("direct_io", [True, False])
 @pytest.mark.parametrize("bad", [159_800, 360_100], ids=["before the rows", "after the rows"])
 def test_rows_read_in_place_find_damage_in_their_edge_blocks_outside_the_rows(
-    tmp_path, monkeypatch, direct_io, bad
+    tmp_path, monkeypatch, bad
 ):
     # rows 40-90 are data bytes 160000-360000; their first and last blocks extend past them
     w = torch.randn(200, 1000)
     _save_blocked(tmp_path, monkeypatch, w)
     path, data0 = _data_offset(tmp_path / "c")
-    assert torch.equal(_load(tmp_path / "c", w, [(40, 90)], direct_io)["p0"], w[40:90])
+    assert torch.equal(_load(tmp_path / "c", w, [(40, 90)])["p0"], w[40:90])
     _flip(path, data0 + bad)
     lo = data0 + bad // 4096 * 4096
     with pytest.raises(CheckpointCorruptedError, match=f"bytes {lo}-{lo + 4096} of"):
-        _load(tmp_path / "c", w, [(40, 90)], direct_io)
+        _load(tmp_path / "c", w, [(40, 90)])
 
 
 def test_damage_outside_the_requested_rows_is_not_read(tmp_path, monkeypatch):

@@ -108,7 +108,6 @@ def read_stored(
     what: str,
     expected: Optional[ItemSum],
     path: str,
-    direct_io: bool,
     request: int,
 ) -> int:
     """Reads what `group` needs of one stored chunk into its reads' destinations.
@@ -142,9 +141,8 @@ def read_stored(
         row1 = max(int(r.storage_offsets[0]) + int(r.lengths[0]) for r in group.reads)
     row_bytes = (math.prod(shape[1:]) if shape else 1) * layout.dtype.itemsize
     nread = _read_data(
-        raw, group, layout, resolve, what, expected, path, direct_io, request,
-        (row0, row1, nrows, row_bytes),
-    )  # fmt: skip
+        raw, group, layout, resolve, what, expected, path, request, (row0, row1, nrows, row_bytes)
+    )
     # the frame is checked after the data so the item is read front to back
     if expected is not None and expected.blocked:
         if not frame_matches(raw, layout, group.info.length, expected):
@@ -200,7 +198,6 @@ def _read_data(
     what: str,
     expected: Optional[ItemSum],
     path: str,
-    direct_io: bool,
     request: int,
     rows: Tuple[int, int, int, int],
 ) -> int:
@@ -225,7 +222,7 @@ def _read_data(
                     expected,
                     what,
                 )
-            _read_verified(path, data_file_off + a, dest, direct_io, verifier, request)
+            _read_verified(path, data_file_off + a, dest, verifier, request)
             return b - a + verifier.extra_bytes
     start, stop = row0 * row_bytes, row1 * row_bytes
     if expected is not None and not whole:  # widen to whole checksum blocks
@@ -244,7 +241,7 @@ def _read_data(
     streamed = len(shape) >= 1 and row_bytes > 0 and (expected is None or expected.blocked)
     scatter = _Scatter(pairs, row0, row1 - row0, row_bytes, skip) if streamed else None
     verifier = ChunkVerifier(raw, layout, region, start, group.info, expected, what, scatter)
-    _read_verified(path, data_file_off + start, region, False, verifier, request)
+    _read_verified(path, data_file_off + start, region, verifier, request)
     if scatter is None:  # one digest for the whole item: copy once it is verified
         for src, dest, _ in pairs:
             dest.copy_(src)
@@ -252,11 +249,11 @@ def _read_data(
 
 
 def _read_verified(
-    path: str, offset: int, data: torch.Tensor, direct: bool, verifier: Verifier, request: int
+    path: str, offset: int, data: torch.Tensor, verifier: Verifier, request: int
 ) -> None:
     """Reads `data`'s bytes from `offset`, verifying each request's bytes as they land."""
     progress = verifier if verifier.needed else None
-    read_region(path, offset, flat_bytes(data), direct, progress, request)
+    read_region(path, offset, flat_bytes(data), progress, request)
     verifier.finish()
 
 

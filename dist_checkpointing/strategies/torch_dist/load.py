@@ -1,7 +1,8 @@
 """Loading with the torch_dist backend: any requested sharding from DCP-format checkpoints.
 
-Collective: every rank reads `.metadata` (`metadata_file`), plans reads for exactly the
-regions it asked for (`plan.plan_tensor_reads`), and reads each needed chunk once (`reader`).
+Collective: every rank reads the metadata of the keys it asks for (`metadata_file`'s load
+index), plans reads for exactly the regions it asked for (`plan.plan_tensor_reads`), and
+reads each needed chunk once (`reader`).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from ..base import CheckpointDir, LoadShardedStrategy, require_backend, require_
 from .finalize import gbps
 from .legacy_flat import FlatCopy, apply_copies, plan_reformulated_reads, reformulated_shapes
 from .maintenance import remove_sharded_tensors
-from .metadata_file import read_metadata
+from .metadata_file import open_for_load, read_metadata
 from .plan import BACKEND, SUPPORTED_VERSIONS, TensorRequest, plan_tensor_reads
 from .reader import read_byte_items, read_tensor_items
 
@@ -104,12 +105,11 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
     Args:
         weights_only: keep True (the default) to refuse arbitrary pickled ShardedObjects;
             set False only for trusted checkpoints.
-        thread_count: data files read in parallel (each front to back, by one thread).
-        verify_checksums: verify everything read against `checksums.json` when the
-            checkpoint has one (a mismatch raises `CheckpointCorruptedError`).
-        direct_io: whole rows read straight into their destinations use O_DIRECT where the
-            file system allows it; False: through the page cache (as other partial reads
-            always are). `FullyParallelLoadStrategyWrapper` reads each byte once per job.
+        thread_count: data files read in parallel (each front to back, by one thread,
+            through the page cache; to read each byte once per job when resharding, wrap
+            the strategy in `FullyParallelLoadStrategyWrapper`).
+        verify_checksums: verify everything read against the checkpoint's checksums when
+            it has them (a mismatch raises `CheckpointCorruptedError`).
         allow_lossy_dtype_conversion: load into a dtype that cannot hold every stored value
             (float -> int, float32 -> bfloat16, ...) with a warning, instead of raising
             `LossyDtypeConversionError` (see `dist_checkpointing.dtypes`).
@@ -123,7 +123,6 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         weights_only: bool = True,
         thread_count: int = 2,
         verify_checksums: bool = True,
-        direct_io: bool = True,
         allow_lossy_dtype_conversion: bool = False,
     ) -> None:
         if thread_count < 1:
@@ -131,7 +130,6 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         self.weights_only = weights_only
         self.thread_count = thread_count
         self.verify_checksums = verify_checksums
-        self.direct_io = direct_io is not False  # None (older callers): the default
         self.allow_lossy_dtype_conversion = allow_lossy_dtype_conversion
 
     def _checksums(self, ckpt: Path) -> Optional[Checksums]:
@@ -182,14 +180,16 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         """This rank's reads, destinations and objects (no data read yet)."""
         start = time.perf_counter()
         checksums = self._checksums(ckpt)
-        metadata = read_metadata(ckpt, checksums)
+        shards = [sh for sh in nested_values(sharded_state_dict) if isinstance(sh, ShardedBase)]
+        keys = {sh.unique_key if isinstance(sh, ShardedObject) else sh.key for sh in shards}
+        metadata = open_for_load(ckpt, keys, checksums)
         sdm = metadata.state_dict_metadata
         flat_layout = reformulated_shapes(metadata)  # megatron <= 0.13 flat tensors
         dests: List[torch.Tensor] = []
         reads: List[ReadItem] = []
         objects: List[ShardedObject] = []
         copies: List[FlatCopy] = []
-        for sh in nested_values(sharded_state_dict):
+        for sh in shards:
             if isinstance(sh, ShardedTensor) and sh.key in flat_layout:
                 self._check_tensor(sh, sdm, flat_layout[sh.key])
                 slot = len(dests)
@@ -217,7 +217,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                         f"ShardedObject {sh.unique_key!r} is not in checkpoint {ckpt}"
                     )
                 objects.append(sh)
-            elif isinstance(sh, ShardedBase):
+            else:
                 raise CheckpointingException(
                     f"{self} cannot load {type(sh).__name__} {sh.key!r}; apply factories first"
                 )
@@ -251,7 +251,6 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                 resolve,
                 self.thread_count,
                 checksums,
-                self.direct_io,
                 progress,
                 first_file=get_rank(),
             )

@@ -10,8 +10,8 @@ import os
 from pathlib import Path
 
 from ...errors import CheckpointingException
-from ...integrity import read_checksums, write_checksums
-from .metadata_file import DCP_METADATA_FNAME, read_metadata, replace_metadata
+from ...integrity import SUMS_SUFFIX, read_checksums, write_checksums
+from .metadata_file import INDEX_FNAME, read_metadata, serialize_metadata, write_metadata_files
 from .plan import DATA_SUFFIX
 
 __all__ = ["remove_sharded_tensors"]
@@ -21,7 +21,8 @@ logger = logging.getLogger(__name__)
 
 def remove_sharded_tensors(ckpt: Path, key_prefix: str) -> None:
     """Drops every key starting with `key_prefix` (a checkpoint's `separation_hint`), and the
-    data files named with it; `.metadata` (atomically) and `checksums.json` first.
+    data files named with it (and their checksums); `.metadata` and its index (atomically)
+    and `checksums.json` first.
 
     Raises:
         CheckpointingException: if no data file starts with the prefix, or kept keys live
@@ -57,12 +58,14 @@ def remove_sharded_tensors(ckpt: Path, key_prefix: str) -> None:
             k: v for k, v in metadata.planner_data.items() if not str(k).startswith(key_prefix)
         }
     sums = read_checksums(ckpt)
-    digest = replace_metadata(ckpt, metadata)
+    digests = write_metadata_files(ckpt, serialize_metadata(metadata))
     if sums is not None:
-        sums.files[DCP_METADATA_FNAME] = digest
+        sums.files.pop(INDEX_FNAME, None)
+        sums.files.update(digests)
         for name in doomed:
             sums.ranges.pop(name, None)
         write_checksums(ckpt, sums)
     for name in doomed:
         os.remove(ckpt / name)
+        (ckpt / (name + SUMS_SUFFIX)).unlink(missing_ok=True)
     logger.info("Removed keys with prefix %r and %d file(s) from %s", key_prefix, len(doomed), ckpt)

@@ -1,52 +1,102 @@
-"""DCP's `.metadata` file: written atomically, read with an allowlisting unpickler and checked.
+"""DCP's `.metadata` and its load index: written atomically, read safely and checked.
 
-`.metadata` is a pickled DCP `Metadata`. Reading it never runs arbitrary code (an allowlist
-of DCP's metadata classes, where stock DCP uses `pickle.load`), and its entries are checked
-(dtypes, chunk bounds, storage paths) so a damaged file is reported as corruption.
+`.metadata` is a pickled DCP `Metadata` (what DCP and megatron-core read), read with an
+allowlisting unpickler (stock DCP uses `pickle.load`); its entries are checked (dtypes,
+chunk bounds, storage paths) so a damaged file is reported as corruption. The load index
+`.metadata.index` (JSON lines, see docs/formats.md) holds the same entries, so a loading
+rank decodes only the keys it asks for (`open_for_load`).
 """
 
 from __future__ import annotations
 
+import functools
 import io
+import itertools
+import json
 import pickle
 from pathlib import Path
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Collection, Dict, List, Optional, Tuple
 
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
-from torch.distributed.checkpoint.storage import WriteResult
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 
 from ...errors import CheckpointCorruptedError, UnsafeCheckpointError
 from ...integrity import Checksums, checksum
 from ...storage.fileio import atomic_write, read_capped
 
-__all__ = ["DCP_METADATA_FNAME", "write_metadata", "replace_metadata", "read_metadata"]
+__all__ = [
+    "DCP_METADATA_FNAME",
+    "INDEX_FNAME",
+    "serialize_metadata",
+    "write_metadata_files",
+    "read_metadata",
+    "open_for_load",
+]
 
 DCP_METADATA_FNAME = ".metadata"
+INDEX_FNAME = ".metadata.index"
 _MAX_METADATA_BYTES = 1 << 31
 
 
-def write_metadata(checkpoint_dir: Path, metadata: Metadata, results: Sequence[WriteResult]) -> int:
-    """Attaches storage locations to `metadata` and writes `.metadata` atomically.
+def _encode_index(md: Metadata) -> Optional[bytes]:
+    """The load index of `md`; None where it cannot say everything `.metadata` does."""
+    if md.planner_data is not None or getattr(md, "mcore_data", None) is not None:
+        return None
+    files: Dict[str, int] = {}
+    lines: List[bytes] = []
+    keys = sorted(md.state_dict_metadata)
+    for key in keys:
+        entry: Any = md.state_dict_metadata[key]
+        tensor = isinstance(entry, TensorStorageMetadata)
+        rows = []
+        for chunk in entry.chunks if tensor else [None]:
+            info = md.storage_data.get(MetadataIndex(key, chunk.offsets if chunk else None))
+            if info is None or getattr(info, "transform_descriptors", None):
+                return None
+            f = files.setdefault(str(info.relative_path), len(files))
+            box = [*chunk.offsets, *chunk.sizes] if chunk else []
+            rows.append([*box, f, info.offset, info.length])
+        head: List[Any] = (
+            [str(entry.properties.dtype)[6:], list(entry.size)] if tensor else [None, []]
+        )
+        lines.append(json.dumps([*head, rows], separators=(",", ":")).encode() + b"\n")
+    ends = list(itertools.accumulate(map(len, lines)))
+    top = {"format": 1, "files": list(files), "keys": keys, "ends": ends}
+    return json.dumps(top, separators=(",", ":")).encode() + b"\n" + b"".join(lines)
+
+
+def serialize_metadata(metadata: Metadata) -> Dict[str, bytes]:
+    """`{file name: bytes}`: `.metadata` (DCP's pickle) and, where possible, its load index."""
+    files = {DCP_METADATA_FNAME: pickle.dumps(metadata)}
+    index = _encode_index(metadata)
+    if index is not None:
+        files[INDEX_FNAME] = index
+    return files
+
+
+def _write(payload: bytes, f: io.BufferedWriter) -> None:
+    f.write(payload)
+
+
+def write_metadata_files(checkpoint_dir: Path, files: Dict[str, bytes]) -> Dict[str, int]:
+    """Writes `serialize_metadata`'s files atomically (a stale index is removed).
 
     Returns:
-        The xxh3-64 of the written file.
+        `{file name: xxh3-64}` of the written files.
     """
-    metadata.storage_data = {r.index: r.storage_data for r in results}
-    metadata.version = metadata.version or "1.0.0"
-    return replace_metadata(checkpoint_dir, metadata)
-
-
-def replace_metadata(checkpoint_dir: Path, metadata: Metadata) -> int:
-    """Writes `metadata` as the checkpoint's `.metadata`, atomically (readers see old or new).
-
-    Returns:
-        The xxh3-64 of the written file.
-    """
-    payload = pickle.dumps(metadata)
-    atomic_write(Path(checkpoint_dir) / DCP_METADATA_FNAME, lambda f: f.write(payload))
-    return checksum(payload)
+    for name, payload in files.items():
+        atomic_write(Path(checkpoint_dir) / name, functools.partial(_write, payload))
+    if INDEX_FNAME not in files:
+        (Path(checkpoint_dir) / INDEX_FNAME).unlink(missing_ok=True)
+    return {name: checksum(payload) for name, payload in files.items()}
 
 
 def _allowed_globals() -> Dict[Tuple[str, str], Any]:
@@ -150,8 +200,6 @@ def read_metadata(checkpoint_dir: Path, checksums: Optional[Checksums] = None) -
 
 
 def _check_metadata(metadata: Any, path: Path) -> None:
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
-
     if not isinstance(metadata, Metadata):
         raise CheckpointCorruptedError(
             f"{path}: expected DCP Metadata, got {type(metadata).__name__}"
@@ -192,3 +240,61 @@ def _check_metadata(metadata: Any, path: Path) -> None:
             raise CheckpointCorruptedError(
                 f"{path}: invalid storage location {info!r} for {index.fqn!r}"
             )
+
+
+def open_for_load(
+    checkpoint_dir: Path, keys: Optional[Collection[str]], checksums: Optional[Checksums] = None
+) -> Metadata:
+    """The metadata a load of `keys` needs: only those keys, from the load index; all of
+    `.metadata` when `keys` is None or the index is missing (DCP, megatron-core, older
+    checkpoints) or lacks a key. `checksums`: verify what is read (`read_checksums`).
+
+    Raises:
+        CheckpointCorruptedError: the file read is damaged or malformed (named).
+        UnsafeCheckpointError: `.metadata` references a class outside DCP's metadata types.
+    """
+    path = Path(checkpoint_dir) / INDEX_FNAME
+    raw = None if keys is None else read_capped(path, _MAX_METADATA_BYTES)
+    if raw is None or keys is None:
+        return read_metadata(checkpoint_dir, checksums)
+    if checksums is not None:
+        checksums.verify_file(INDEX_FNAME, raw, str(path))
+    try:
+        nl = raw.index(b"\n") + 1
+        top = json.loads(raw[:nl])
+        if top["format"] != 1:
+            raise ValueError(f"format {top['format']!r}")
+        files, ends = top["files"], top["ends"]
+        position = dict(zip(top["keys"], range(len(ends))))
+        if any(k not in position for k in keys):
+            return read_metadata(checkpoint_dir, checksums)  # whose errors name what is missing
+        sdm: Dict[str, Any] = {}
+        storage: Dict[MetadataIndex, _StorageInfo] = {}
+        for key in keys:
+            i = position[key]
+            dtype, shape, rows = json.loads(raw[nl + (ends[i - 1] if i else 0) : nl + ends[i]])
+            n = len(shape)
+            if any(len(row) != 2 * n + 3 for row in rows):
+                raise ValueError(f"malformed entry of {key!r}")
+            for row in rows:
+                info = _StorageInfo(files[row[-3]], row[-2], row[-1])
+                storage[MetadataIndex(key, row[:n] if dtype else None)] = info
+            sdm[key] = (
+                BytesStorageMetadata()
+                if dtype is None
+                else TensorStorageMetadata(
+                    TensorProperties(dtype=getattr(torch, dtype)),
+                    torch.Size(shape),
+                    [
+                        ChunkStorageMetadata(torch.Size(r[:n]), torch.Size(r[n : 2 * n]))
+                        for r in rows
+                    ],
+                )
+            )
+        metadata = Metadata(state_dict_metadata=sdm, storage_data=storage, version="1.0.0")
+        _check_metadata(metadata, path)
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
+        raise CheckpointCorruptedError(
+            f"{path}: malformed load index ({type(e).__name__}: {e})"
+        ) from e
+    return metadata

@@ -1,4 +1,4 @@
-"""Pure planning for the torch_dist backend: what to write, what to read, and the metadata.
+"""Pure planning for the torch_dist backend: what to write and what to read.
 
 No files or process groups here; the vocabulary is PyTorch DCP's, so the format stays
 readable by `torch.distributed.checkpoint` and megatron-core.
@@ -13,9 +13,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
     ChunkStorageMetadata,
-    Metadata,
     MetadataIndex,
     TensorProperties,
     TensorStorageMetadata,
@@ -28,7 +26,7 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 
-from ...errors import CheckpointingException, ShardingIntegrityError
+from ...errors import CheckpointingException
 from ...mapping import ShardedObject, ShardedTensor
 from .legacy_flat import overlap
 
@@ -43,7 +41,6 @@ __all__ = [
     "serialize_object",
     "split_into_files",
     "is_empty_chunk",
-    "build_metadata",
     "TensorRequest",
     "plan_tensor_reads",
 ]
@@ -139,59 +136,6 @@ def is_empty_chunk(item: WriteItem) -> bool:
     """Whether `item` is a tensor chunk of zero elements (an empty shard: nothing to store)."""
     td = item.tensor_data
     return td is not None and math.prod(td.chunk.sizes) == 0
-
-
-def build_metadata(all_items: Sequence[Sequence[WriteItem]], dedup: bool = False) -> Metadata:
-    """Builds DCP's global metadata from every rank's write items (storage_data not set).
-
-    Args:
-        all_items: each rank's write items, indexed by rank.
-        dedup: keep the first of identical chunks written by several ranks, not raise.
-
-    Raises:
-        ShardingIntegrityError: ranks disagree on a tensor's shape or dtype, a key is both
-            a tensor and an object, or a chunk or object is written twice.
-    """
-    md: Dict[str, object] = {}
-    seen_chunks: Dict[str, set] = {}
-    for rank, items in enumerate(all_items):
-        for item in items:
-            fqn = item.index.fqn
-            if item.type == WriteItemType.BYTE_IO:
-                if fqn in md:
-                    if dedup and isinstance(md[fqn], BytesStorageMetadata):
-                        continue
-                    raise ShardingIntegrityError(f"{fqn!r} is written twice (again by rank {rank})")
-                md[fqn] = BytesStorageMetadata()
-                continue
-            td = item.tensor_data
-            assert td is not None
-            existing = md.get(fqn)
-            if existing is None:
-                existing = TensorStorageMetadata(properties=td.properties, size=td.size, chunks=[])
-                md[fqn] = existing
-                seen_chunks[fqn] = set()
-            if not isinstance(existing, TensorStorageMetadata):
-                raise ShardingIntegrityError(f"{fqn!r} is both a tensor and an object")
-            if existing.size != td.size or existing.properties.dtype != td.properties.dtype:
-                raise ShardingIntegrityError(
-                    f"{fqn!r}: rank {rank} writes shape {tuple(td.size)} {td.properties.dtype}, "
-                    f"another rank {tuple(existing.size)} {existing.properties.dtype}"
-                )
-            if math.prod(td.chunk.sizes) == 0:
-                # an empty shard (e.g. an uneven split leaving a rank no rows) holds no data:
-                # it registers the tensor but no chunk, so it cannot collide with a real one
-                continue
-            offsets = tuple(td.chunk.offsets)
-            if offsets in seen_chunks[fqn]:
-                if dedup:
-                    continue
-                raise ShardingIntegrityError(
-                    f"{fqn!r}: chunk at {offsets} is written twice (again by rank {rank})"
-                )
-            seen_chunks[fqn].add(offsets)
-            existing.chunks.append(td.chunk)
-    return Metadata(state_dict_metadata=md)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)

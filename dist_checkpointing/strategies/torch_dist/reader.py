@@ -146,7 +146,6 @@ def read_tensor_items(
     resolve: Callable[[ReadItem], torch.Tensor],
     thread_count: int = 2,
     checksums: Optional[Checksums] = None,
-    direct_io: bool = True,
     progress: Optional[Callable[[int], None]] = None,
     first_file: int = 0,
 ) -> int:
@@ -159,7 +158,6 @@ def read_tensor_items(
         resolve: returns the destination view for a read item.
         thread_count: files read in parallel.
         checksums: when given, every item read is verified against it.
-        direct_io: read whole rows that land in place with O_DIRECT where allowed.
         progress: called with the bytes of each chunk read (from the reading threads).
         first_file: start with the file at this position (modulo their number) of the
             sorted files this rank reads, then go round: ranks that all read the same files
@@ -183,7 +181,7 @@ def read_tensor_items(
         expected = _expected(checksums, info, what)
         path = checkpoint_dir / info.relative_path
         with open_range(path, info) as f:
-            nread = read_stored(f, group, resolve, what, expected, str(path), direct_io, request)
+            nread = read_stored(f, group, resolve, what, expected, str(path), request)
         if progress is not None:
             progress(nread)
         return nread

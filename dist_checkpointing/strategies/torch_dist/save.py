@@ -1,7 +1,7 @@
 """Saving with the torch_dist backend: the save strategy, sync writes and async staging.
 
 Each rank writes its main-replica shards to its own `.distcp` files (`writer`), in
-parallel; then `finalize` has rank 0 write DCP's `.metadata`. No planning exchange is
+parallel; then `finalize` has rank 0 write DCP's `.metadata` from every rank's compact report. No planning exchange is
 needed before the write: file names and chunk placement follow from each rank's own shards.
 An async save copies the shards into pooled host images (pinned for CUDA sources) and
 returns a request whose background function writes them.
@@ -13,7 +13,7 @@ import functools
 import logging
 import time
 from pathlib import Path
-from typing import Any, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 from torch.distributed.checkpoint.planner import WriteItem
@@ -27,7 +27,6 @@ from ...dict_utils import nested_values
 from ...errors import CheckpointingException
 from ...mapping import ShardedBase, ShardedObject, ShardedTensor, is_main_replica
 from ...storage import ImagePool
-from ...storage.threads import default_file_count
 from ..base import AsyncSaveShardedStrategy, CheckpointDir
 from . import writer
 from .finalize import SaveFinalizer
@@ -47,10 +46,6 @@ __all__ = ["TorchDistSaveShardedStrategy"]
 logger = logging.getLogger(__name__)
 
 
-def _cuda_sources(entries: List[WriteEntry]) -> bool:
-    return any(isinstance(e.data, torch.Tensor) and e.data.is_cuda for e in entries)
-
-
 #: staging images of every torch_dist save strategy in this process
 _SHARED_IMAGES = ImagePool()
 
@@ -63,8 +58,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         version: recorded in metadata.json (1).
         keep_only_main_replica: write only main replicas (True), or every replica and keep
             one copy of each chunk in the metadata (False).
-        thread_count: files per rank, written in parallel (one thread each); None: chosen
-            from the machine (see `storage.threads`).
+        thread_count: files per rank, written in parallel (one thread each).
         cached_metadata: accepted for API compatibility (plans are always cached).
         separation_hint: keys starting with this prefix go to separate files named with it,
             so `remove_sharded_tensors(dir, prefix)` can drop them.
@@ -73,8 +67,8 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         direct_io: write with O_DIRECT where the file system supports it (else buffered,
             logged once per directory); False: through the page cache. Either way each
             file is fsync'd before the save commits.
-        checksums: record an xxh3-64 of every stored item, `.metadata` and `common.pt` in
-            `checksums.json` (verified by default on load).
+        checksums: record an xxh3-64 of every stored item (beside its data file), and of
+            `.metadata`, its index and `common.pt` in `checksums.json` (verified on load).
     """
 
     def __init__(
@@ -82,7 +76,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         backend: str = BACKEND,
         version: int = 1,
         keep_only_main_replica: bool = True,
-        thread_count: Optional[int] = None,
+        thread_count: int = 2,
         cached_metadata: bool = False,
         separation_hint: Optional[str] = None,
         *,
@@ -91,7 +85,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         direct_io: bool = True,
     ) -> None:
         super().__init__(backend, version)
-        if thread_count is not None and thread_count < 1:
+        if thread_count < 1:
             raise CheckpointingException(f"thread_count must be >= 1, got {thread_count}")
         self.keep_only_main_replica = keep_only_main_replica
         self.thread_count = thread_count
@@ -131,17 +125,11 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
                 )
         return entries
 
-    def _file_count(self, entries: List[WriteEntry]) -> int:
-        """`thread_count`, or the machine's default (`storage.threads`) when None."""
-        if self.thread_count is not None:
-            return self.thread_count
-        return default_file_count(_cuda_sources(entries))
-
     def _plan_files(self, entries: List[WriteEntry]) -> List[Tuple[str, List[WriteEntry]]]:
         rank = get_rank()
         # empty shards have no bytes to store; their write items still reach the metadata
         stored = [e for e in entries if not is_empty_chunk(e.item)]
-        files = split_into_files(stored, self._file_count(entries), self.separation_hint)
+        files = split_into_files(stored, self.thread_count, self.separation_hint)
         return [(data_file_name(group, rank, i), es) for i, (group, es) in enumerate(files)]
 
     def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir) -> None:
@@ -153,7 +141,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         ckpt = Path(checkpoint_dir)
         start = time.perf_counter()
         items: List[WriteItem] = []
-        written: Tuple[List[WriteResult], List[Any]] = ([], [])
+        written: List[WriteResult] = []
         error: Optional[BaseException] = None
         try:
             entries = self._local_entries(sharded_state_dict)
@@ -171,7 +159,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
                     written = writer.write_files(
                         ckpt,
                         jobs,
-                        self._file_count(entries),
+                        self.thread_count,
                         self.checksums,
                         self.direct_io,
                         progress,
@@ -236,7 +224,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         self,
         ckpt: Path,
         items: List[WriteItem],
-        written: Tuple[List[WriteResult], List[Any]],
+        written: List[WriteResult],
         error: Optional[BaseException],
         start: float,
     ) -> None:

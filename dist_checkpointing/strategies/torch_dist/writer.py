@@ -4,7 +4,8 @@ Each data file is laid out ahead of time (`plan_file`): per tensor item, its zip
 (`zipformat`) around the raw bytes, placed at 4096-byte file offsets; per object item, its
 serialized bytes. The file is written in large requests through `storage.FileWriter`
 (O_DIRECT where allowed), from a staged image (async save) or streamed through two aligned
-chunk buffers (sync save); each item's xxh3-64 is computed as its bytes are written.
+chunk buffers (sync save); each item's xxh3-64 is computed as its bytes are written, and
+the file's item digests are written beside it (`integrity.write_item_sums`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
-from ...integrity import BlockSums, ItemSum, blocked_sum, checksum, new_hasher
+from ...integrity import BlockSums, ItemSum, blocked_sum, checksum, new_hasher, write_item_sums
 from ...storage import ALIGN, FileWriter, ImagePool, fsync_dir
 from ...storage.buffers import CHUNK
 from ...storage.segments import ChunkStream
@@ -46,8 +47,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: `(file name, item offset, digests)` of one written item
-ItemChecksum = Tuple[str, int, ItemSum]
+#: `(item offset, digests)` of one written item
+ItemChecksum = Tuple[int, ItemSum]
 
 
 def _item_sum(p: PlannedItem, head: Any, data: Any, tail: Any) -> ItemSum:
@@ -165,7 +166,7 @@ def write_streamed(
     checksums: bool,
     direct: bool = True,
     progress: Optional[Callable[[int], None]] = None,
-) -> Tuple[List[WriteResult], List[ItemChecksum]]:
+) -> List[WriteResult]:
     """Writes a file from the tensors themselves (sync save), one chunk at a time.
 
     A chunk is filled while the previous one is written; CUDA tensors are copied straight
@@ -173,11 +174,8 @@ def write_streamed(
 
     Args:
         sources: per item of `plan`, the tensor (tensor items laid out as zip) or None.
-        checksums: compute each item's xxh3-64.
+        checksums: compute each item's xxh3-64 (written to the file's sidecar).
         progress: called with the bytes of each chunk handed to the disk.
-
-    Returns:
-        Write results and item checksums.
     """
     on_device = any(_on_device(src) for src in sources)
     out = FileWriter(directory / plan.name, plan.size, direct, preallocate=direct)
@@ -189,21 +187,21 @@ def write_streamed(
             if p.payload is not None:
                 put(np.frombuffer(p.payload, dtype=np.uint8))
                 if checksums:
-                    sums.append((plan.name, p.offset, ItemSum(p.length, checksum(p.payload))))
+                    sums.append((p.offset, ItemSum(p.length, checksum(p.payload))))
             elif _on_device(src) and p.data_nbytes and src.is_contiguous():
                 blocks = BlockSums() if checksums else None
                 put(np.frombuffer(p.head, dtype=np.uint8))
                 put(_device_bytes(src), blocks.update if blocks is not None else None)
                 put(np.frombuffer(p.tail, dtype=np.uint8))
                 if blocks is not None:
-                    sums.append((plan.name, p.offset, blocks.item_sum(p.length, p.head, p.tail)))
+                    sums.append((p.offset, blocks.item_sum(p.length, p.head, p.tail)))
             else:
                 data = _byte_view(src)
                 put(np.frombuffer(p.head, dtype=np.uint8))
                 put(data)
                 put(np.frombuffer(p.tail, dtype=np.uint8))
                 if checksums:
-                    sums.append((plan.name, p.offset, _item_sum(p, p.head, data, p.tail)))
+                    sums.append((p.offset, _item_sum(p, p.head, data, p.tail)))
         stream.finish()
         out.finish()
     except BaseException:
@@ -211,7 +209,9 @@ def write_streamed(
         out.abort()
         raise
     stream.close()
-    return _results(plan), sums
+    if checksums:
+        write_item_sums(directory, plan.name, sums)
+    return _results(plan)
 
 
 # ---- async save: staged images ----------------------------------------------------------
@@ -244,25 +244,22 @@ def _image_sums(plan: FilePlan, flat: np.ndarray) -> List[ItemChecksum]:
     sums: List[ItemChecksum] = []
     for p in plan.items:
         if p.payload is not None:
-            whole = ItemSum(p.length, checksum(flat[p.offset : p.offset + p.length]))
-            sums.append((plan.name, p.offset, whole))
+            sums.append(
+                (p.offset, ItemSum(p.length, checksum(flat[p.offset : p.offset + p.length])))
+            )
             continue
         d0 = p.offset + len(p.head)
         d1 = d0 + p.data_nbytes
         framed = _item_sum(p, flat[p.offset : d0], flat[d0:d1], flat[d1 : p.offset + p.length])
-        sums.append((plan.name, p.offset, framed))
+        sums.append((p.offset, framed))
     return sums
 
 
 def write_image(
     directory: Path, plan: FilePlan, buf: torch.Tensor, checksums: bool, direct: bool = True
-) -> Tuple[List[WriteResult], List[ItemChecksum]]:
+) -> List[WriteResult]:
     """Writes a staged file image (async save's background writer), hashing it while a
-    helper thread writes it.
-
-    Returns:
-        Write results and item checksums.
-    """
+    helper thread writes it (the digests go to the file's sidecar)."""
     flat = buf.numpy()
     padded = -(-plan.size // ALIGN) * ALIGN
     view = memoryview(flat)  # type: ignore[arg-type]
@@ -286,7 +283,9 @@ def write_image(
         raise
     finally:
         pool.shutdown(wait=True)
-    return _results(plan), sums
+    if checksums:
+        write_item_sums(directory, plan.name, sums)
+    return _results(plan)
 
 
 def write_files(
@@ -296,7 +295,7 @@ def write_files(
     checksums: bool,
     direct: bool = True,
     progress: Optional[Callable[[int], None]] = None,
-) -> Tuple[List[WriteResult], List[ItemChecksum]]:
+) -> List[WriteResult]:
     """Writes files in parallel (one thread per file, up to `thread_count`); fsyncs the directory.
 
     Args:
@@ -304,7 +303,7 @@ def write_files(
         progress: called with the bytes of each chunk of a streamed write.
     """
     if not jobs:
-        return [], []
+        return []
 
     def one(job: Tuple[FilePlan, Sequence[Any], Optional[torch.Tensor]]) -> Any:
         plan, sources, image = job
@@ -319,4 +318,4 @@ def write_files(
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="dc-write") as pool:
             outs = list(pool.map(one, jobs))
     fsync_dir(directory)
-    return [r for rs, _ in outs for r in rs], [c for _, cs in outs for c in cs]
+    return [r for rs in outs for r in rs]
