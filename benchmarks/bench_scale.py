@@ -152,7 +152,11 @@ def _ours_finalize_and_load(layout: Any) -> Dict[str, Any]:
         write_global_metadata,
     )
     from dist_checkpointing.strategies.torch_dist.metadata_file import open_for_load
-    from dist_checkpointing.strategies.torch_dist.plan import TensorRequest, plan_tensor_reads
+    from dist_checkpointing.strategies.torch_dist.plan import (
+        ChunkIndex,
+        TensorRequest,
+        plan_tensor_reads,
+    )
 
     world = layout.world
     reports, cpu = [], []
@@ -187,11 +191,17 @@ def _ours_finalize_and_load(layout: Any) -> Dict[str, Any]:
         for r in sorted({0, world - 1}):
             recs = layout.rank_records(r)
             t0 = time.process_time()
-            md = open_for_load(Path(tmp), sorted({rec.key for rec in recs}))
+            boxes: Dict[str, Any] = {}
+            for rec in recs:
+                boxes.setdefault(rec.key, []).append((rec.global_offset, rec.local_shape))
+            md = open_for_load(Path(tmp), sorted(boxes), None, boxes)
             opens.append(time.process_time() - t0)
+            indices: Dict[str, Any] = {}
             for slot, rec in enumerate(recs):
                 req = TensorRequest(rec.key, slot, rec.global_offset, rec.local_shape)
-                plan_tensor_reads(req, md.state_dict_metadata[rec.key])
+                stored = md.state_dict_metadata[rec.key]
+                index = indices.setdefault(rec.key, ChunkIndex(stored))
+                plan_tensor_reads(req, stored, index=index)
             times.append(time.process_time() - t0)
         out["load_open_plan_s"] = max(times)
         out["load_open_s"] = max(opens)

@@ -32,7 +32,7 @@ def _save_whole(path) -> torch.Tensor:
 def _load_info(text: str) -> re.Match:
     m = re.search(
         r"torch_dist load \S+: [\d.]+ GB \((\d+) bytes\) read by (\d+) rank\(s\) from (\d+) "
-        r"file\(s\) in "
+        r"file\(s\) per rank at most in "
         r"([\d.]+) s \(slowest rank\), ([\d.]+) GB/s",
         text,
     )

@@ -43,7 +43,7 @@ from .finalize import gbps
 from .legacy_flat import FlatCopy, apply_copies, plan_reformulated_reads, reformulated_shapes
 from .maintenance import remove_sharded_tensors
 from .metadata_file import open_for_load, read_metadata
-from .plan import BACKEND, SUPPORTED_VERSIONS, TensorRequest, plan_tensor_reads
+from .plan import BACKEND, SUPPORTED_VERSIONS, ChunkIndex, TensorRequest, plan_tensor_reads
 from .reader import read_byte_items, read_tensor_items
 
 __all__ = ["TorchDistLoadShardedStrategy"]
@@ -66,11 +66,12 @@ class _Plan:
 
 @dataclass
 class _LoadStats:
-    """What one rank read: tensor data and object bytes, seconds, and the files it opened."""
+    """What one rank read: tensor data and object bytes, seconds, and how many files (a count,
+    not names: the exchange that carries it stays small whatever the world)."""
 
     nbytes: int
     seconds: float
-    files: List[str]
+    files: int
 
 
 def _item_file(metadata: Metadata, index: MetadataIndex) -> str:
@@ -84,9 +85,10 @@ def _log_load(ckpt: Path, stats: List[_LoadStats]) -> None:
         return
     total = sum(s.nbytes for s in stats)
     slowest = max(s.seconds for s in stats)
-    files = len({f for s in stats for f in s.files})
+    files = max(s.files for s in stats)
     logger.info(
-        "torch_dist load %s: %.3f GB (%d bytes) read by %d rank(s) from %d file(s) in %.2f s "
+        "torch_dist load %s: %.3f GB (%d bytes) read by %d rank(s) from %d file(s) per rank at "
+        "most in %.2f s "
         "(slowest rank), %.2f GB/s; most by one rank %.3f GB",
         ckpt,
         total / 1e9,
@@ -182,10 +184,19 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         checksums = self._checksums(ckpt)
         shards = [sh for sh in nested_values(sharded_state_dict) if isinstance(sh, ShardedBase)]
         keys = {sh.unique_key if isinstance(sh, ShardedObject) else sh.key for sh in shards}
-        metadata = open_for_load(ckpt, keys, checksums)
+        boxes: Dict[str, List[Tuple[Tuple[int, ...], Tuple[int, ...]]]] = {}
+        for sh in shards:
+            if isinstance(sh, ShardedTensor):
+                box = (tuple(sh.global_offset), tuple(sh.prepended_local_shape))
+                boxes.setdefault(sh.key, []).append(box)
+        for sh in shards:  # a request past the stored shape needs the key's every chunk
+            if isinstance(sh, ShardedTensor) and sh.allow_shape_mismatch:
+                boxes.pop(sh.key, None)
+        metadata = open_for_load(ckpt, keys, checksums, boxes)
         sdm = metadata.state_dict_metadata
         flat_layout = reformulated_shapes(metadata)  # megatron <= 0.13 flat tensors
         dests: List[torch.Tensor] = []
+        indices: Dict[str, ChunkIndex] = {}
         reads: List[ReadItem] = []
         objects: List[ShardedObject] = []
         copies: List[FlatCopy] = []
@@ -209,7 +220,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                 dests += [t.view(r.lengths) for t, r in zip(temps, flat_reads)]
                 copies += flat_copies
             elif isinstance(sh, ShardedTensor):
-                reads += self._plan_tensor(sh, sdm, len(dests))
+                reads += self._plan_tensor(sh, sdm, len(dests), indices)
                 dests.append(self._destination(sh))
             elif isinstance(sh, ShardedObject):
                 if not isinstance(sdm.get(sh.unique_key), BytesStorageMetadata):
@@ -289,7 +300,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                 return loaded_objects[id(x)]
             return x
 
-        stats = _LoadStats(nbytes, seconds, sorted(files))
+        stats = _LoadStats(nbytes, seconds, len(files))
         return dict_list_map_inplace(unwrap, sharded_state_dict), stats
 
     @staticmethod
@@ -334,11 +345,17 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                 sh.dtype,
             )
 
-    def _plan_tensor(self, sh: ShardedTensor, sdm: Dict[str, Any], slot: int) -> List[ReadItem]:
+    def _plan_tensor(
+        self, sh: ShardedTensor, sdm: Dict[str, Any], slot: int, indices: Dict[str, ChunkIndex]
+    ) -> List[ReadItem]:
         self._check_tensor(sh, sdm)
         stored = sdm[sh.key]
+        if sh.key not in indices:
+            indices[sh.key] = ChunkIndex(stored)
         request = TensorRequest(sh.key, slot, sh.global_offset, sh.prepended_local_shape)
-        return plan_tensor_reads(request, stored, allow_partial=sh.allow_shape_mismatch)
+        return plan_tensor_reads(
+            request, stored, allow_partial=sh.allow_shape_mismatch, index=indices[sh.key]
+        )
 
     def load_tensors_metadata(
         self, checkpoint_dir: CheckpointDir, metadata: Optional[Metadata] = None

@@ -15,8 +15,9 @@ import itertools
 import json
 import pickle
 from pathlib import Path
-from typing import Any, Collection, Dict, List, Optional, Tuple
+from typing import Any, Collection, Dict, List, Mapping, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
@@ -242,12 +243,30 @@ def _check_metadata(metadata: Any, path: Path) -> None:
             )
 
 
+def _overlapping(
+    rows: List[List[int]], n: int, boxes: Sequence[Tuple[Sequence[int], Sequence[int]]]
+) -> List[List[int]]:
+    """The index rows (offsets, sizes, file, offset, length) whose chunk overlaps a box."""
+    table = np.asarray(rows, dtype=np.int64)
+    starts, ends = table[:, :n], table[:, :n] + table[:, n : 2 * n]
+    keep = np.zeros(len(rows), dtype=bool)
+    for offsets, sizes in boxes:
+        lo = np.asarray(offsets, dtype=np.int64)
+        keep |= np.all((starts < lo + np.asarray(sizes, dtype=np.int64)) & (ends > lo), axis=1)
+    return [rows[i] for i in np.nonzero(keep)[0]]
+
+
 def open_for_load(
-    checkpoint_dir: Path, keys: Optional[Collection[str]], checksums: Optional[Checksums] = None
+    checkpoint_dir: Path,
+    keys: Optional[Collection[str]],
+    checksums: Optional[Checksums] = None,
+    boxes: Optional[Mapping[str, Sequence[Tuple[Sequence[int], Sequence[int]]]]] = None,
 ) -> Metadata:
     """The metadata a load of `keys` needs: only those keys, from the load index; all of
     `.metadata` when `keys` is None or the index is missing (DCP, megatron-core, older
     checkpoints) or lacks a key. `checksums`: verify what is read (`read_checksums`).
+    `boxes`: per tensor key, the `(offsets, sizes)` requested: only the stored chunks they
+    overlap are kept (a rank reads a few of a layer-stacked key's hundreds of chunks).
 
     Raises:
         CheckpointCorruptedError: the file read is damaged or malformed (named).
@@ -276,6 +295,8 @@ def open_for_load(
             n = len(shape)
             if any(len(row) != 2 * n + 3 for row in rows):
                 raise ValueError(f"malformed entry of {key!r}")
+            if dtype is not None and boxes is not None and key in boxes and rows:
+                rows = _overlapping(rows, n, boxes[key])
             for row in rows:
                 info = _StorageInfo(files[row[-3]], row[-2], row[-1])
                 storage[MetadataIndex(key, row[:n] if dtype else None)] = info

@@ -7,10 +7,12 @@ readable by `torch.distributed.checkpoint` and megatron-core.
 from __future__ import annotations
 
 import io
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
@@ -42,6 +44,7 @@ __all__ = [
     "split_into_files",
     "is_empty_chunk",
     "TensorRequest",
+    "ChunkIndex",
     "plan_tensor_reads",
 ]
 
@@ -148,14 +151,37 @@ class TensorRequest:
     sizes: Tuple[int, ...]
 
 
+class ChunkIndex:
+    """A stored tensor's chunk boxes as arrays, so a request finds the chunks it overlaps
+    without a Python loop over all of them (a layer-stacked key has hundreds)."""
+
+    def __init__(self, stored: TensorStorageMetadata) -> None:
+        n, ndim = len(stored.chunks), len(stored.size)
+        flat = itertools.chain.from_iterable
+        starts = np.fromiter(flat(c.offsets for c in stored.chunks), np.int64, n * ndim)
+        sizes = np.fromiter(flat(c.sizes for c in stored.chunks), np.int64, n * ndim)
+        self.starts = starts.reshape(n, ndim)
+        self.ends = self.starts + sizes.reshape(n, ndim)
+
+    def overlapping(self, offsets: Sequence[int], sizes: Sequence[int]) -> List[int]:
+        """Indices of the chunks that share at least one element with the box."""
+        lo = np.asarray(offsets, np.int64)
+        hit = np.all((self.starts < lo + np.asarray(sizes, np.int64)) & (self.ends > lo), axis=1)
+        return [int(i) for i in np.nonzero(hit)[0]]
+
+
 def plan_tensor_reads(
-    request: TensorRequest, stored: TensorStorageMetadata, allow_partial: bool = False
+    request: TensorRequest,
+    stored: TensorStorageMetadata,
+    allow_partial: bool = False,
+    index: Optional[ChunkIndex] = None,
 ) -> List[ReadItem]:
     """Plans the reads that fill one requested region from the stored chunks.
 
     Args:
         stored: the checkpoint's metadata of the requested tensor.
         allow_partial: accept a region the checkpoint covers only in part.
+        index: `ChunkIndex(stored)`, built once per key when it serves several requests.
 
     Returns:
         One ReadItem per overlapping stored chunk, with offsets into both sides.
@@ -165,7 +191,9 @@ def plan_tensor_reads(
     """
     items = []
     covered = 0
-    for idx, chunk in enumerate(stored.chunks):
+    index = ChunkIndex(stored) if index is None else index
+    for idx in index.overlapping(request.offsets, request.sizes):
+        chunk = stored.chunks[idx]
         ov = overlap(request.offsets, request.sizes, tuple(chunk.offsets), tuple(chunk.sizes))
         if ov is None:
             continue
