@@ -14,8 +14,6 @@ from .mapping import ShardedObject, ShardedTensor, is_main_replica
 
 __all__ = ["ShardRecord", "record_of", "key_problems"]
 
-_OVERLAP_BLOCK = 512
-
 
 class ShardRecord(NamedTuple):
     """What validation needs of one shard (metadata only; plain values, cheap to send).
@@ -60,21 +58,31 @@ def record_of(sh: Any) -> Optional[ShardRecord]:
 
 
 def _first_overlap(starts: np.ndarray, ends: np.ndarray) -> Optional[Tuple[int, int]]:
-    """Returns one pair (i, j), i < j, of overlapping non-empty boxes, or None."""
-    n = len(starts)
-    nonempty = np.all(ends > starts, axis=1) if starts.shape[1] else np.ones(n, dtype=bool)
+    """Returns one pair (i, j), i < j, of overlapping non-empty boxes, or None.
+
+    Sweeps along the axis with the most distinct starts: a box is compared only with the
+    boxes that start before it ends on that axis (not with every other box).
+    """
+    n, ndim = starts.shape
+    nonempty = np.all(ends > starts, axis=1) if ndim else np.ones(n, dtype=bool)
     idx = np.nonzero(nonempty)[0]
-    s, e = starts[idx], ends[idx]
-    for lo in range(0, len(idx), _OVERLAP_BLOCK):
-        hi = min(lo + _OVERLAP_BLOCK, len(idx))
-        overlap = np.all(
-            (s[lo:hi, None, :] < e[None, :, :]) & (s[None, :, :] < e[lo:hi, None, :]), axis=2
-        )
-        overlap &= np.arange(len(idx))[None, :] > np.arange(lo, hi)[:, None]  # pairs j > i
-        hits = np.argwhere(overlap)
-        if len(hits):
-            i, j = hits[0]
-            return int(idx[lo + i]), int(idx[j])
+    if len(idx) < 2:
+        return None
+    if ndim == 0:  # 0-d tensors: any two pieces are the same element
+        return int(idx[0]), int(idx[1])
+    axis = max(range(ndim), key=lambda d: len(np.unique(starts[idx, d])))
+    order = idx[np.argsort(starts[idx, axis], kind="stable")]
+    s, e = starts[order], ends[order]
+    reach = np.searchsorted(s[:, axis], e[:, axis], side="left")
+    for i in range(len(order)):
+        if reach[i] <= i + 1:
+            continue
+        hit = np.nonzero(
+            np.all((s[i + 1 : reach[i]] < e[i]) & (e[i + 1 : reach[i]] > s[i]), axis=1)
+        )[0]
+        if len(hit):
+            a, b = int(order[i]), int(order[i + 1 + hit[0]])
+            return min(a, b), max(a, b)
     return None
 
 
