@@ -130,3 +130,44 @@ def agreement_on_this_rank(records_by_rank: List[list], repeat: int = 1) -> Any:
         ]
     except Exception as e:
         return f"{type(e).__name__}: {e}"
+
+
+def saves_with_one_rank_changed(root: str) -> List[str]:
+    """Saves 4 checkpoints of 2 tensors through the same default strategy (its caches warm),
+    changing one rank's shard between some of them (a moved split point, swapped halves),
+    then loads each whole and returns what differs from what was saved."""
+    me, world = dist.get_rank(), dist.get_world_size()
+    rows = 4 * world
+    full = {
+        k: torch.arange(rows * 6, dtype=torch.float32).reshape(rows, 6) + i * 1000
+        for i, k in enumerate("ab")
+    }
+    # per save: each rank's (start, stop) rows of "a"; "b" keeps an even split throughout
+    even = [(4 * r, 4 * r + 4) for r in range(world)]
+    moved = [(0, 5), (5, 8)] + even[2:]
+    swapped = [(4, 8), (0, 4)] + even[2:]
+    layouts = [even, even, moved, swapped]
+    for step, layout in enumerate(layouts):
+        r0, r1 = layout[me]
+        sd = {
+            "a": ShardedTensor(
+                "a", full["a"][r0:r1].clone(), torch.float32, (r1 - r0, 6), (rows, 6), (r0, 0), None
+            ),
+            "b": ShardedTensor.from_rank_offsets(
+                "b", full["b"][4 * me : 4 * me + 4].clone(), (0, me, world)
+            ),
+        }
+        dc.save(sd, os.path.join(root, f"s{step}"))
+    problems = []
+    for step in range(len(layouts)):
+        got = dc.load(
+            {
+                k: ShardedTensor.from_rank_offsets(k, torch.zeros(rows, 6), replica_id=me)
+                for k in "ab"
+            },
+            os.path.join(root, f"s{step}"),
+        )
+        for k in "ab":
+            if not torch.equal(got[k], full[k]):
+                problems.append(f"rank {me}: save {step} key {k} differs")
+    return problems

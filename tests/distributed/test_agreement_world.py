@@ -6,7 +6,7 @@ import pytest
 
 from dist_checkpointing._sharding_agreement import AgreementCache, agreement_protocol
 from dist_checkpointing.coordination import simulate
-from tests.distributed._rank_fns import agreement_on_this_rank
+from tests.distributed._rank_fns import agreement_on_this_rank, saves_with_one_rank_changed
 from tests.unit.test_sharding_agreement import grid_records
 
 
@@ -42,3 +42,11 @@ def test_a_layout_that_differs_on_one_rank_fails_every_real_rank_as_simulated(wo
     assert len(set(real)) == 1
     assert real[0] == f"ShardingIntegrityError: {sim[0]}"
     assert "global_shape (16, 7) on rank 5" in real[0]
+
+
+@pytest.mark.timeout(180)
+def test_a_shard_changed_on_one_rank_between_cached_saves_drops_and_misplaces_nothing(
+    world_factory, tmp_path
+):
+    problems = world_factory(4).run_ok(saves_with_one_rank_changed, str(tmp_path), timeout=150)
+    assert problems == [[]] * 4
