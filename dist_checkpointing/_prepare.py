@@ -106,12 +106,9 @@ def prepare_load_request(
     validate_access_integrity: bool,
     stored_metadata: Callable[[], Optional[ShardedStateDict]],
 ) -> LoadRequest:
-    """The load preamble: factories, non-persistent values, strict handling, validation.
-
-    Collective when validation or `strict` needs every rank's request; `stored_metadata`
-    (the checkpoint's `{key: sharded metadata}`) is called only when `strict` needs it.
-    Raises `KeyMismatchError` or `ShardingIntegrityError` on every rank.
-    """
+    """The load preamble: factories, non-persistent values, strict handling, validation
+    (collective when these need every rank's request; `stored_metadata` called only if needed).
+    Raises `KeyMismatchError` or `ShardingIntegrityError` on every rank."""
     sd = expand_flat_shards(convert_sharded_state_dict(_shallow_copy(sharded_state_dict)))
     factories, _ = extract_matching_values(
         sd, lambda x: isinstance(x, ShardedTensorFactory), return_lists_as_dicts=True
@@ -125,20 +122,23 @@ def prepare_load_request(
     if StrictHandling.requires_explicit_ckpt_mismatch_check(strict):
         ckpt_metadata = stored_metadata()
     local_md, global_md = None, None
+    distributed_check = validate_access_integrity and not (
+        StrictHandling.requires_global_app_metadata(strict)
+    )
     if StrictHandling.requires_global_app_metadata(strict):  # every rank's request, everywhere
         local_md = [sh.without_data() for sh in nested_sharded(request)]
         global_md = _dist.all_gather_object(local_md)
-    elif validate_access_integrity:  # checked distributed by key, as a save's shards are
+    validate_here = validate_access_integrity and not distributed_check
+    request, missing, unexpected = validate_integrity_and_strict_load(
+        request, strict, validate_here, local_md, global_md, ckpt_metadata
+    )
+    if distributed_check:  # keys the checkpoint lacks are out of the request by now
         records = [r for r in map(record_of, nested_sharded(request)) if r is not None]
         run_protocol(
             agreement_protocol(
                 _dist.get_rank(), _dist.get_world_size(), records, _load_agreement, what="load"
             )
         )
-        validate_access_integrity = False
-    request, missing, unexpected = validate_integrity_and_strict_load(
-        request, strict, validate_access_integrity, local_md, global_md, ckpt_metadata
-    )
     return LoadRequest(request, nonpersistent, factories, missing, unexpected)
 
 

@@ -268,39 +268,3 @@ def test_exit_with_unfinalized_calls_warns(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "unfinalized async checkpoint save" in out.stderr
     assert not dc.check_is_distributed_checkpoint(tmp_path / "c")
-
-
-def count_exchanges(root: str) -> List[Any]:
-    from dist_checkpointing import _dist
-
-    calls = []
-    original = _dist.all_gather_object
-
-    def counting(obj: Any, group: Any = None) -> Any:
-        calls.append(len(pickle.dumps(obj)))
-        return original(obj, group)
-
-    _dist.all_gather_object = counting  # type: ignore[assignment]
-    try:
-        counts = []
-        for i, extra_key in enumerate(["x0", "x0", "x2"]):
-            before = len(calls)
-            sd = state(i)
-            sd["extra"] = ShardedTensor.from_rank_offsets(
-                extra_key, torch.ones(2), replica_id=dist.get_rank()
-            )
-            dc.save(sd, os.path.join(root, f"s{i}"))
-            counts.append((len(calls) - before, max(calls[before:])))
-        return counts
-    finally:
-        _dist.all_gather_object = original  # type: ignore[assignment]
-
-
-def test_repeated_saves_of_same_structure_skip_the_metadata_exchange(world_factory, tmp_path):
-    # save 0: digests + full metadata exchange; save 1 (same structure): digests only (the
-    # other all-gathers are tiny error agreements); save 2 (a new key): full exchange again
-    for (n0, big0), (n1, big1), (n2, big2) in world_factory(2).run_ok(
-        count_exchanges, str(tmp_path)
-    ):
-        assert n1 == n0 - 1 and n2 == n0
-        assert big1 < 300 < big0 and big2 > 300
