@@ -1,9 +1,5 @@
-"""The node-local flow of `save` and `load` (backends such as `('local', 2)`).
-
-Each rank's whole state (sharded and common) stays on its node: the directory need not be
-shared, every rank writes its own `metadata.json`, and the common state travels with the
-rank's part instead of `common.pt`. `serialization.save`/`load` hand over here.
-"""
+"""The node-local flow of `serialization.save`/`load` (backends such as `('local', 2)`):
+every rank writes its own `metadata.json`, and its common state travels in its part."""
 
 from __future__ import annotations
 
@@ -56,9 +52,8 @@ def load(
 
     def every_ranks_metadata() -> Optional[ShardedStateDict]:
         # each rank stores only its own part: the checkpoint's keys are the union of them
-        parts = _dist.all_gather_object(stored_metadata())
         union: ShardedStateDict = {}
-        for part in parts:
+        for part in _dist.all_gather_object(stored_metadata()):
             union.update(part or {})
         return union
 

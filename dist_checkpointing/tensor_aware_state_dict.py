@@ -7,11 +7,6 @@ The bridge from this package's sharded state dicts to `local/`'s `TensorAwareSta
     ...
     tasd, _ = manager.load()
     state_dict = tasd.to_state_dict(sharded_sd, algo="fully_parallel")
-
-`algo="atomic"`: every rank stores every shard it holds, replicas included.
-`"fully_parallel"`: each shard replicated within `parallelization_group` is stored by one
-of its holders, spreading bytes evenly, and `to_state_dict` sends every rank the shards it
-asks for and did not store.
 """
 
 from __future__ import annotations

@@ -1,18 +1,6 @@
 """The byte image of one local checkpoint part: raw tensor bytes, a safe header, checksums.
 
-One image is what the manager writes to a file, sends to replica holders and reads back;
-replicas are byte-identical to the owner's file, so every copy carries the same checksums.
-
-Layout (little-endian):
-    [tensor bytes, each tensor at a 64-byte aligned offset]
-    [header: `torch.save` of {"format", "id", "state" (hollow), "tensors", "names"}]
-    [checksum table: xxh3_64 of each tensor's bytes, 8 bytes each]
-    [footer, 48 bytes: magic, header offset, header length, tensor count,
-     xxh3_64 of the header, xxh3_64 of the table]
-
-The header is read with `torch.load(weights_only=True)`: a planted pickle does not run.
-A save blocks only for `start_image` (the copy to host memory); `finish_image` (checksums
-and footer) runs in the background.
+Replicas are byte-identical to the owner's file; the layout is in docs/formats.md.
 """
 
 from __future__ import annotations
@@ -71,20 +59,15 @@ class _Layout:
 
 
 def load_header(data: bytes, what: str, weights_only: bool = True) -> Any:
-    """Unpickles a header (checksum already verified) with the hollow-state classes allowed,
-    whatever the process-wide allowlist holds; `what` names it in errors."""
+    """Unpickles a verified header with the hollow-state classes allowed (`what`: for errors)."""
     with _HEADER_LOCK, torch.serialization.safe_globals(list(hollow_state_classes())):  # type: ignore[arg-type]
         return torch_load(io.BytesIO(data), what, weights_only)
 
 
 @dataclass
 class LocalImage:
-    """A local checkpoint part: its bytes (complete once finished).
-
-    Staged images hold every byte in one host buffer (`buffer`, from the pool when
-    `pooled`). Unstaged images (a sync save of CPU tensors) reference the tensors' own
-    memory (`sources`) and hold only the header, checksum table and footer (`tail`).
-    """
+    """A local checkpoint part: staged in one host `buffer`, or (unstaged) the tensors' own
+    memory (`sources`) plus the header, checksum table and footer (`tail`)."""
 
     ckpt_id: Tuple[Any, ...]
     buffer: Optional[torch.Tensor]  # uint8, 1-D, the whole image; None when unstaged
@@ -102,10 +85,6 @@ class LocalImage:
             return int(self.buffer.numel())
         assert self.tail is not None
         return self.header_offset + int(self.tail.size)
-
-    @property
-    def staged(self) -> bool:
-        return self.buffer is not None
 
     def segments(self) -> List[np.ndarray]:
         """The image's bytes as consecutive flat uint8 arrays."""
@@ -132,9 +111,7 @@ class LocalImage:
 
 def _byte_view(t: torch.Tensor) -> np.ndarray:
     """A CPU tensor's bytes without a copy (made contiguous first if it is not)."""
-    t = t.detach()
-    if not t.is_contiguous():
-        t = t.contiguous()
+    t = t.detach().contiguous()
     if t.numel() == 0:
         return np.empty(0, dtype=np.uint8)
     return t.reshape(-1).view(torch.uint8).numpy()
@@ -153,16 +130,9 @@ def start_image(
     names: Optional[List[str]] = None,
     stage: bool = True,
 ) -> LocalImage:
-    """Copies `state` (unchanged afterwards) into an unfinished image, recording `ckpt_id`
-    and the tensors' `names` (for messages) in the header.
-
-    With `stage`, the copy is complete on return (into a pooled buffer, pinned when a
-    tensor is on CUDA), so the caller may modify its tensors at once. Without it (CPU
-    tensors left alone until the image is written), the image references their memory.
-
-    Raises:
-        CheckpointingException: if the hollow state cannot be serialized.
-    """
+    """Copies `state` (unchanged) into an unfinished image; with `stage` into a pooled buffer
+    (the caller may modify its tensors at once), else CPU tensors are referenced in place.
+    CheckpointingException if the hollow state cannot be serialized."""
     tensors = state.pop_tensors()
     try:
         slots, offset = [], 0
@@ -218,14 +188,11 @@ def finish_image(image: LocalImage, sums: Optional[List[int]] = None) -> LocalIm
         return image
     if image.buffer is not None:
         flat = image.buffer.numpy()
-        if sums is None:
-            sums = [checksum(flat[off : off + n]) for off, n in image.slots]
-        tail = flat[image.header_offset :]
+        parts, tail = [flat[off : off + n] for off, n in image.slots], flat[image.header_offset :]
     else:
         assert image.sources is not None and image.tail is not None
-        if sums is None:
-            sums = [checksum(src) for src in image.sources]
-        tail = image.tail
+        parts, tail = image.sources, image.tail
+    sums = [checksum(p) for p in parts] if sums is None else sums
     table = np.array(sums, dtype="<u8").view(np.uint8)
     t0, t1 = image.header_len, image.header_len + table.size
     tail[t0:t1] = table
@@ -245,16 +212,9 @@ def finish_image(image: LocalImage, sums: Optional[List[int]] = None) -> LocalIm
 def decode_image(
     buffer: torch.Tensor, where: str, verify: bool = True, weights_only: bool = True
 ) -> Tuple[Tuple[Any, ...], TensorAwareStateDict]:
-    """Parses and checks an image (uint8 CPU bytes): `(ckpt_id, state)`, the tensors views
-    into `buffer`. `where` names it in errors; `verify` checks each tensor's checksum (the
-    header and table are always checked); `weights_only=False` unpickles the header
-    without the allowlist (trusted files only).
-
-    Raises:
-        CheckpointCorruptedError: truncated or malformed image, or a checksum mismatch
-            (naming the tensor and its byte range).
-        UnsafeCheckpointError: the header holds objects outside the safe allowlist.
-    """
+    """Parses and checks an image: `(ckpt_id, state)`, tensors viewing `buffer`; `verify`
+    checks tensor checksums. CheckpointCorruptedError when malformed or mismatched,
+    UnsafeCheckpointError when the header holds objects outside the allowlist."""
     flat = buffer.numpy()
     size = flat.size
     if size < _FOOTER.size:
@@ -317,13 +277,9 @@ def decode_image(
 
 
 def write_image(image: LocalImage, path: str, fsync: bool = True, overwrite: bool = False) -> None:
-    """Writes an image (finished first if needed) to the new file `path`, or over the
-    existing one with `overwrite`; with `fsync`, O_DIRECT where possible, then fsync'd.
-
-    Raises:
-        FileExistsError: `path` exists (without `overwrite`).
-        OSError: the write failed (the partial file is removed).
-    """
+    """Writes a (finished) image to the new file `path` (over it with `overwrite`); with
+    `fsync`, O_DIRECT where possible, then fsync'd. FileExistsError, or OSError (partial
+    file removed)."""
     finish_image(image)
     write_segments(
         path,

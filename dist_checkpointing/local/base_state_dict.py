@@ -1,11 +1,8 @@
 """`TensorAwareStateDict`: the interface between a user's state and the local checkpoint manager.
 
-The manager moves a state in two parts: its tensors (raw bytes, never pickled) and the
-"hollow" rest, which keeps each tensor's shape, dtype and device. Hollow states are read
-with `torch.load(weights_only=True)`, so an implementation class (and any non-tensor
-object it holds) must be allowlisted with `torch.serialization.add_safe_globals`; the
-package's own classes are also registered with `allow_in_hollow_state`, which the manager
-honours whatever the process-wide allowlist holds.
+The manager stores the tensors as raw bytes and the "hollow" rest with `torch.save`; it is
+read with `torch.load(weights_only=True)`, so implementation classes (and the non-tensor
+objects they hold) must be allowlisted with `torch.serialization.add_safe_globals`.
 """
 
 from __future__ import annotations
@@ -86,8 +83,7 @@ class TensorAwareStateDict(ABC):
         """Moves every tensor back to the device it came from (no-op for host tensors)."""
 
     def tensor_names(self) -> Optional[List[str]]:
-        """Names of the tensors, in `pop_tensors` order, to report a corrupted tensor by
-        name; None when unnamed."""
+        """Names of the tensors in `pop_tensors` order (for messages); None when unnamed."""
         return None
 
     def _require(self, hollow: bool, what: str) -> None:

@@ -1,13 +1,8 @@
-"""Reading ('local', 1) rank states, so that version-1 checkpoints still load.
-
-Version 1 stored a `BasicTensorAwareStateDict` of `{"format": 1, "world_size", "common",
-"sharded": {"<key> (<offsets>)": {"global_shape", "local_shape", "data"}}, "objects":
-{unique_key: value}}`.
-"""
+"""Reading ('local', 1) rank states (layout in docs/formats.md), so version-1 checkpoints load."""
 
 from __future__ import annotations
 
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, List
 
 import torch
 
@@ -17,7 +12,7 @@ from ..dict_utils import dict_list_map_inplace
 from ..errors import CheckpointingException
 from ..mapping import ShardedObject, ShardedTensor
 
-__all__ = ["is_v1_state", "v1_common", "v1_fill_request", "v1_sharded_metadata"]
+__all__ = ["is_v1_state", "v1_fill_request", "v1_sharded_metadata"]
 
 _FORMAT = 1
 
@@ -28,31 +23,13 @@ def is_v1_state(state: Any) -> bool:
     return isinstance(sd, dict) and sd.get("format") == _FORMAT
 
 
-def _slot(key: str, global_offset: Tuple[int, ...]) -> str:
-    return f"{key} {tuple(global_offset)}"
-
-
-def v1_common(state: Any) -> StateDict:
-    """The common (non-sharded) state of a version-1 rank state."""
-    common = state.state_dict["common"]
-    return common if isinstance(common, dict) else {}
-
-
-def v1_sharded_metadata(state: Any, with_objects: bool) -> ShardedStateDict:
-    """Whole-tensor metadata (no data) of a version-1 rank state's tensors (and objects)."""
+def v1_sharded_metadata(state: Any) -> List[Any]:
+    """`(key, dtype, global shape)` of a version-1 rank state's tensors, then its objects' keys."""
     sd = state.state_dict
-    out: ShardedStateDict = {}
-    for slot, entry in sd["sharded"].items():
-        key = slot.rsplit(" (", 1)[0]
-        shape = tuple(entry["global_shape"])
-        out[key] = ShardedTensor(
-            key, None, entry["data"].dtype, shape, shape, (0,) * len(shape), None
-        )
-    if with_objects:
-        for unique_key in sd["objects"]:
-            obj = ShardedObject.empty_from_unique_key(unique_key)
-            out[obj.unique_key] = obj
-    return out
+    tensors = [
+        (s.rsplit(" (", 1)[0], e["data"].dtype, e["global_shape"]) for s, e in sd["sharded"].items()
+    ]
+    return tensors + list(sd["objects"])
 
 
 def v1_fill_request(request: ShardedStateDict, state: Any, where: str, hint: str) -> StateDict:
@@ -68,7 +45,7 @@ def v1_fill_request(request: ShardedStateDict, state: Any, where: str, hint: str
 
     def fill(leaf: Any) -> Any:
         if isinstance(leaf, ShardedTensor):
-            entry = tensors.get(_slot(leaf.key, leaf.global_offset))
+            entry = tensors.get(f"{leaf.key} {tuple(leaf.global_offset)}")
             if entry is None:
                 raise CheckpointingException(
                     f"{where}: rank {_dist.get_rank()} saved no shard of {leaf.key!r} at offset "

@@ -1,12 +1,8 @@
 """The ('local', 2) backend: each rank's whole state on node-local storage, replicated.
 
-`dc.save(sharded_sd, ckpt_dir, sharded_strategy=('local', 2))` hands each rank's sharded
-leaves and common state to `LocalCheckpointManager` as one `MCoreTensorAwareStateDict`,
-stored as `<ckpt_dir>/<rank>/iter_0000000_<rank>_local.pt` (copies on other ranks with a
-replication strategy). `ckpt_dir` need not be shared: every rank writes its own
-`metadata.json`. `dc.load` gives every rank back its own part, from a replica holder when
-its node lost it; the layout must be the saved one (no resharding). Version 1 (see
-`_local_v1`) is still read; nothing writes it.
+Each rank's sharded leaves and common state go to `LocalCheckpointManager` as one
+`MCoreTensorAwareStateDict` (layout in docs/formats.md); `dc.load` gives every rank back its
+own part, from a replica holder when its node lost it (no resharding). Version 1 is read only.
 """
 
 from __future__ import annotations
@@ -25,7 +21,7 @@ from ..local.ckpt_managers.local_manager import LocalCheckpointManager
 from ..local.replication.strategies import ReplicationStrategy
 from ..mapping import ShardedObject, ShardedTensor
 from ..tensor_aware_state_dict import MCoreTensorAwareStateDict
-from ._local_v1 import is_v1_state, v1_common, v1_fill_request, v1_sharded_metadata
+from ._local_v1 import is_v1_state, v1_fill_request, v1_sharded_metadata
 from .base import (
     CheckpointDir,
     NodeLocalLoadShardedStrategy,
@@ -114,7 +110,6 @@ class LocalSaveShardedStrategy(NodeLocalSaveShardedStrategy):
             sharded_state_dict,
             algo=self.algo,
             parallelization_group=self.parallelization_group,
-            cached_metadata=None,
         )
         state.common = common_state_dict
         return state
@@ -206,8 +201,8 @@ class LocalLoadShardedStrategy(NodeLocalLoadShardedStrategy):
                 where,
                 _RESHARD_HINT,
             )
-            return v1_common(state), result
-        common = state.common
+            return _common(state), result
+        common = _common(state)
         state.common = {}  # the request alone comes back, mirroring its structure
         try:
             loaded = state.to_state_dict(
@@ -217,9 +212,7 @@ class LocalLoadShardedStrategy(NodeLocalLoadShardedStrategy):
             )
         except CheckpointingException as e:
             raise type(e)(f"{where}: {e}. {_RESHARD_HINT}") from e
-        return (common if isinstance(common, dict) else {}), _into_given_tensors(
-            sharded_state_dict, loaded
-        )
+        return common, _into_given_tensors(sharded_state_dict, loaded)
 
     def _own_state(self, checkpoint_dir: CheckpointDir) -> Any:
         """This rank's own stored state, read from its own directory (not collective)."""
@@ -227,10 +220,7 @@ class LocalLoadShardedStrategy(NodeLocalLoadShardedStrategy):
         return self._checked(manager._load((_ITERATION, _dist.get_rank(), "")), checkpoint_dir)
 
     def load_common_rank_state(self, checkpoint_dir: CheckpointDir) -> StateDict:
-        state = self._own_state(checkpoint_dir)
-        if is_v1_state(state):
-            return v1_common(state)
-        return state.common if isinstance(state.common, dict) else {}
+        return _common(self._own_state(checkpoint_dir))
 
     def load_tensors_metadata(self, checkpoint_dir: CheckpointDir) -> ShardedStateDict:
         """The tensors of this rank's own part (whole-tensor metadata, no data)."""
@@ -240,18 +230,28 @@ class LocalLoadShardedStrategy(NodeLocalLoadShardedStrategy):
         return _metadata(self._own_state(checkpoint_dir), with_objects=True)
 
 
+def _common(state: Any) -> StateDict:
+    common = state.state_dict["common"] if is_v1_state(state) else state.common
+    return common if isinstance(common, dict) else {}
+
+
 def _metadata(state: Any, with_objects: bool) -> ShardedStateDict:
+    """Whole-tensor metadata (no data) of a rank state's tensors (and objects)."""
     if is_v1_state(state):
-        return v1_sharded_metadata(state, with_objects)
+        entries = v1_sharded_metadata(state)
+    else:
+        entries = [
+            (x.key, x.dtype, x.global_shape) if isinstance(x, ShardedTensor) else x.unique_key
+            for x in nested_values(state.sharded_state_dict)
+            if isinstance(x, (ShardedTensor, ShardedObject))
+        ]
     out: ShardedStateDict = {}
-    for sh in nested_values(state.sharded_state_dict):
-        if isinstance(sh, ShardedTensor):
-            shape = tuple(sh.global_shape)
-            out[sh.key] = ShardedTensor(
-                sh.key, None, sh.dtype, shape, shape, (0,) * len(shape), None
-            )
-        elif with_objects and isinstance(sh, ShardedObject):
-            obj = ShardedObject.empty_from_unique_key(sh.unique_key)
+    for entry in entries:
+        if isinstance(entry, tuple):
+            key, dtype, shape = entry[0], entry[1], tuple(entry[2])
+            out[key] = ShardedTensor(key, None, dtype, shape, shape, (0,) * len(shape), None)
+        elif with_objects:
+            obj = ShardedObject.empty_from_unique_key(entry)
             out[obj.unique_key] = obj
     return out
 

@@ -4,20 +4,16 @@ A checkpoint of iteration I is the set of parts `(I, r, session)`, one per rank 
 class owns the protocol; subclasses store parts (`LocalCheckpointManager`: files).
 
 Save (collective): the caller copies the tensors into a host image (a sync save of CPU
-tensors copies nothing) and queues the rest on the process's one background thread, in
-call order, so background exchanges run in the same order on every rank. The background
-removes committed parts of I held here (a restarted job reaches I again), then writes
-this rank's part as a dirty file while the replication exchange writes the peers' parts;
-old parts of I are removed before any commit, so a failure leaves I incomplete, never mixed.
-Finalize (collective) commits (renames) the parts and removes older iterations; if any
-rank failed, every rank removes the iteration's files and raises.
+tensors copies nothing); the process's one background thread removes older parts of I
+held here (never mixed with new ones), then writes this rank's part as a dirty file while
+the replication exchange writes the peers' parts. Finalize (collective) commits (renames)
+the parts and removes older iterations; if any rank failed, every rank removes I's files.
 
 `find_latest` and `load` (collective) agree on the newest iteration whose every part some
 rank holds; `load` moves missing parts from holders, and a part with no usable copy raises
 `NoReplicasAvailableError` on every rank.
 
-Over 400 lines: the save, find and load protocols share the agreement steps and the
-background queue, which a split would have to expose.
+Over 400 lines: save, find and load share the agreement steps and the background queue.
 """
 
 from __future__ import annotations
@@ -66,8 +62,7 @@ _executor: Optional[concurrent.futures.ThreadPoolExecutor] = None
 
 
 def _background_thread() -> concurrent.futures.ThreadPoolExecutor:
-    """The process's one background thread: background exchanges run in program order,
-    the same on every rank, so two saves never interleave their collectives."""
+    """The process's one background thread: saves never interleave their collectives."""
     global _executor
     if _executor is None:
         _executor = concurrent.futures.ThreadPoolExecutor(
@@ -85,9 +80,10 @@ def _stop_background_thread() -> None:
         _executor = None
 
 
-def _check_id(held: Tuple[Any, ...], expected: CkptID, where: str) -> None:
-    """Raises CheckpointCorruptedError when a part's header names another part than its
-    file name says (a recycled file torn by a crash holds an older part's valid bytes)."""
+def _verify(image: torch.Tensor, expected: CkptID, where: str, weights_only: bool) -> None:
+    """Decodes `image`; CheckpointCorruptedError also when its header names another part
+    (a recycled file torn by a crash holds an older part's valid bytes)."""
+    held, _ = decode_image(image, where, weights_only=weights_only)
     if tuple(held) != tuple(expected):
         raise CheckpointCorruptedError(
             f"{where}: holds local checkpoint part {tuple(held)}, expected {tuple(expected)} "
@@ -163,17 +159,14 @@ class BaseCheckpointManager(ABC):
 
     @abstractmethod
     def _load_image(self, ckpt_id: CkptID) -> Tuple[torch.Tensor, str]:
-        """Reads a committed part's bytes: `(image, where)`; CheckpointingException when
-        it cannot be read."""
+        """Reads a committed part's bytes: `(image, where)` (CheckpointingException if unreadable)."""
 
     @abstractmethod
     def _save_image(self, image: LocalImage, ckpt_id: CkptID) -> None:
-        """Stores a part, uncommitted (dirty); SameMachineReplicationException when the
-        dirty part already exists here."""
+        """Stores a part as dirty (SameMachineReplicationException if that exists here)."""
 
     def _open_image(self, ckpt_id: CkptID, nbytes: int) -> ImageSink:
-        """Opens where a received part is written chunk by chunk, stored (dirty) once the
-        sink is closed. This default collects it in memory for `_save_image`."""
+        """Opens where a received part is written (dirty once closed); default: via memory."""
         return _MemorySink(self, ckpt_id, nbytes)
 
     @abstractmethod
@@ -193,8 +186,7 @@ class BaseCheckpointManager(ABC):
         """Removes every part of `iteration` stored here, dirty or committed."""
 
     def _load(self, ckpt_id: CkptID) -> TensorAwareStateDict:
-        """Reads and verifies one committed part stored here (CheckpointCorruptedError
-        when it is missing, truncated or fails verification)."""
+        """Reads and verifies a committed part stored here (else CheckpointCorruptedError)."""
         image, where = self._load_image(ckpt_id)
         return decode_image(image, where, weights_only=self.weights_only)[1]
 
@@ -238,25 +230,8 @@ class BaseCheckpointManager(ABC):
         """
         start = time.perf_counter()
         ckpt_id = self._ckpt_id(iteration)
-        image: Optional[LocalImage] = None
-        error: Optional[BaseException] = None
-        try:
-            if iteration <= self._newest_committed:
-                raise CheckpointingException(
-                    f"Iteration {iteration} is not newer than the last saved iteration {self._newest_committed}"
-                )
-            in_progress = self._dirty_ids(iteration)
-            if in_progress:  # another writer of this iteration on this machine
-                raise SameMachineReplicationException(in_progress[0])
-            if self.repl_strategy is not None:
-                self.repl_strategy.prepare()
-            # a sync save of CPU tensors writes and sends from the tensors themselves: the
-            # caller waits until they are written and sent, so they cannot change
-            image = start_image(state_dict, ckpt_id, state_dict.tensor_names(), stage=is_async)
-        except Exception as e:  # agreed on below
-            error = e
-        _dist.agree_on_errors(error, f"local checkpoint save of iteration {iteration}")
-        assert image is not None
+        what = f"local checkpoint save of iteration {iteration}"
+        image = _dist.run_collectively(what, self._start_save, state_dict, ckpt_id, is_async)
         self.latest_iteration = -1
         nbytes = image.nbytes
         future = _background_thread().submit(self._write_parts, image, iteration)
@@ -278,22 +253,36 @@ class BaseCheckpointManager(ABC):
         )
         if is_async:
             return request
-        error = None
         try:
-            future.result()
-        except Exception as e:  # agreed on below
-            error = e
-        try:
-            _dist.agree_on_errors(error, f"local checkpoint write of iteration {iteration}")
+            _dist.run_collectively(
+                f"local checkpoint write of iteration {iteration}", future.result
+            )
         except CheckpointingException:
             self._drop_dirty(iteration, future)
             raise
         finalize()
         return None
 
+    def _start_save(
+        self, state_dict: TensorAwareStateDict, ckpt_id: CkptID, is_async: bool
+    ) -> LocalImage:
+        """Checks that `ckpt_id` may be saved here, then copies `state_dict` into an image."""
+        iteration = ckpt_id[0]
+        if iteration <= self._newest_committed:
+            raise CheckpointingException(
+                f"Iteration {iteration} is not newer than the last saved iteration {self._newest_committed}"
+            )
+        in_progress = self._dirty_ids(iteration)
+        if in_progress:  # another writer of this iteration on this machine
+            raise SameMachineReplicationException(in_progress[0])
+        if self.repl_strategy is not None:
+            self.repl_strategy.prepare()
+        # a sync save of CPU tensors writes and sends from the tensors themselves: the
+        # caller waits until they are written and sent, so they cannot change
+        return start_image(state_dict, ckpt_id, state_dict.tensor_names(), stage=is_async)
+
     def _write_parts(self, image: LocalImage, iteration: int) -> None:
-        """Background: removes an older save of `iteration`, then writes this rank's part
-        while the replication exchange writes the received parts."""
+        """Background: removes an older save of `iteration`, then writes all parts kept here."""
         try:
             if any(i[0] == iteration for i in self._my_ckpt_ids()):
                 logger.info("local checkpoint of iteration %d replaces an earlier one", iteration)
@@ -320,15 +309,14 @@ class BaseCheckpointManager(ABC):
 
     def _finalize_save(self, iteration: int, future: concurrent.futures.Future) -> None:
         """Collective: commits every part written here, agrees, then removes older iterations."""
-        error: Optional[BaseException] = None
-        try:
+
+        def commit() -> None:
             future.result()  # done on every rank (the queue or `save` waited)
             for ckpt_id in self._dirty_ids(iteration):
                 self._commit(ckpt_id)
-        except Exception as e:  # agreed on below
-            error = e
+
         try:
-            _dist.agree_on_errors(error, f"local checkpoint commit of iteration {iteration}")
+            _dist.run_collectively(f"local checkpoint commit of iteration {iteration}", commit)
         except CheckpointingException:
             self._cleanup_failed_save(iteration)
             raise
@@ -340,8 +328,7 @@ class BaseCheckpointManager(ABC):
         """Reads and verifies a part held here: its bytes, or the error saying why not."""
         try:
             image, where = self._load_image(ckpt_id)
-            held, _ = decode_image(image, where, weights_only=self.weights_only)
-            _check_id(held, ckpt_id, where)
+            _verify(image, ckpt_id, where, self.weights_only)
             return image
         except CheckpointingException as e:
             return e
@@ -370,13 +357,8 @@ class BaseCheckpointManager(ABC):
         )
 
     def _retrieve(self, plan: ExchangePlan, held: Dict[CkptID, torch.Tensor]) -> List[Any]:
-        """Collective: one attempt at `plan`. Reads and verifies the parts kept here while
-        the parts other ranks need are sent and the parts this rank needs arrive; the
-        usable ones go into `held`.
-
-        Returns:
-            The copies found unusable, as `(holder rank, id)`.
-        """
+        """Collective: one attempt at `plan`; usable parts (kept or received) go into `held`.
+        Returns the copies found unusable, as `(holder rank, id)`."""
         me = self.rank
         keep = [id_ for s, r, id_ in plan.transfers if s == r == me and id_ not in held]
         bad: List[Any] = []
@@ -400,8 +382,7 @@ class BaseCheckpointManager(ABC):
         for id_, (sender, buffer) in got.items():
             where = f"local checkpoint part {describe_ckpt_id(id_)} (sent by rank {sender})"
             try:
-                got_id, _ = decode_image(buffer, where, weights_only=self.weights_only)
-                _check_id(got_id, id_, where)
+                _verify(buffer, id_, where, self.weights_only)
             except CheckpointingException as e:
                 logger.warning("copy from rank %d unusable, trying another: %s", sender, e)
                 bad.append((sender, id_))

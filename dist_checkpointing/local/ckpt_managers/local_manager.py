@@ -1,17 +1,7 @@
-"""`LocalCheckpointManager`: local checkpoint parts as files on node-local storage.
+"""`LocalCheckpointManager`: local checkpoint parts as files (layout in docs/formats.md).
 
-Layout (the reference layout, so operators' scripts keep working):
-`<root>/<session_id>/<rank>/iter_<iteration, 7+ digits>_<owner rank>_local.pt`, written
-first as `..._local.dirty.pt` and renamed at commit; with `fsync` the file is fsync'd
-before and the directory after the rename. The files are byte images (see `.._image`),
-not pickles: loading one never runs code.
-
-Superseded parts are recycled: once a newer iteration is committed, up to as many older
-parts as that iteration has here are renamed to `spare_<hex>.bin` (a name no scan takes
-for a part), and the next save moves a spare to its dirty name and writes over it in
-place, which skips the file system's block allocation and freeing. A recycled file holds
-an older part's bytes until written over; `load` rejects such bytes by the part id in the
-header.
+Superseded parts are renamed to `spare_<hex>.bin` and the next save writes over one in place
+(skipping block allocation); `load` rejects a recycled file's older bytes by the part id.
 """
 
 from __future__ import annotations
@@ -120,14 +110,8 @@ class LocalCheckpointManager(BaseCheckpointManager):
         return [p for p, _ in self._named(_SPARE)]
 
     def _claim_spare(self, dirty: Path) -> bool:
-        """Moves a spare to the (new) dirty name `dirty`; False when there is none.
-
-        Exclusive like creating the file: a spare is renamed to a name of this thread's
-        own, then linked to `dirty`, which fails if `dirty` exists.
-
-        Raises:
-            FileExistsError: `dirty` exists (another writer of this part).
-        """
+        """Moves a spare to the new name `dirty` (False when there is none), exclusively:
+        renamed to a name of this thread's own, then linked; FileExistsError if `dirty` exists."""
         if dirty.exists():
             raise FileExistsError(str(dirty))
         with self._spare_lock:
@@ -151,9 +135,8 @@ class LocalCheckpointManager(BaseCheckpointManager):
         return False
 
     def _write_dirty(self, ckpt_id: CkptID, write: Callable[[str, bool], T]) -> T:
-        """`write(path, reused)` of a new dirty part: created exclusively (a spare moved
-        there exclusively), as the reference opens it with "bx"; an existing dirty file
-        belongs to another writer (or an interrupted save) and is left alone."""
+        """`write(path, reused)` of a new dirty part, created exclusively (as the reference's
+        "bx"): an existing dirty file (another writer's) is left alone."""
         self.local_ckpt_dir.mkdir(parents=True, exist_ok=True)
         dirty = self._path(ckpt_id, dirty=True)
         try:
@@ -181,8 +164,7 @@ class LocalCheckpointManager(BaseCheckpointManager):
             fsync_dir(self.local_ckpt_dir)
 
     def _remove(self, paths: Iterable[Path], durable: bool = True, changed: bool = False) -> None:
-        """Unlinks `paths`; with `durable`, fsyncs the directory after any change (so the
-        unlinks, and renames the caller `changed`, survive a machine crash)."""
+        """Unlinks `paths`; with `durable`, fsyncs the directory after any change (or `changed`)."""
         for path in paths:
             path.unlink(missing_ok=True)
             changed = True
@@ -199,17 +181,13 @@ class LocalCheckpointManager(BaseCheckpointManager):
         recycled = False
         for _, dirty, path in reversed(older):  # the newest older parts: likely the same sizes
             if room and not dirty:
-                spare = self.local_ckpt_dir / f"spare_{uuid.uuid4().hex}.bin"
-                os.rename(path, spare)
+                os.rename(path, self.local_ckpt_dir / f"spare_{uuid.uuid4().hex}.bin")
                 room, recycled = room - 1, True
         # Durable only with `fsync`: a crash that loses these renames and unlinks brings
         # back an older name, either never chosen or rejected by the part id in its header.
-        stale = [p for _, _, p in older if p.exists()] + self._stale_claims()
-        self._remove(stale, self.fsync, changed=recycled)
-
-    def _stale_claims(self) -> List[Path]:
-        """Spares left half-moved by a process that died (not this one) in `_claim_spare`."""
-        return [p for p, m in self._named(_CLAIM) if int(m.group(1)) != os.getpid()]
+        # plus spares left half-moved by a process that died in `_claim_spare`
+        claims = [p for p, m in self._named(_CLAIM) if int(m.group(1)) != os.getpid()]
+        self._remove([p for _, _, p in older if p.exists()] + claims, self.fsync, recycled)
 
     def _cleanup_failed_save(self, iteration: int) -> None:
         # always durable: this also removes an earlier save's committed parts of `iteration`

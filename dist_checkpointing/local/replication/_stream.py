@@ -1,13 +1,7 @@
 """The streamed replication exchange: images sent from their own memory, written as they arrive.
 
-Sender: the image's segments are cut into messages of at most `CHUNK` bytes, large pieces
-sent from the memory they live in, small ones packed together; every message to every peer
-is posted at once. Receiver: each peer's messages land in a small window of pooled aligned
-buffers, each placed at its file offset modulo the page size and written to the replica's
-file on arrival, so a received image is never held whole in memory.
-
-A receiver that cannot write keeps receiving (and drops the bytes) until the peer's last
-message, then raises: a sender never waits for a receive that is never posted.
+Receivers write each message through a small window of pooled page-aligned buffers; one that
+cannot write keeps draining until the peer's last message, then raises (no sender hangs).
 """
 
 from __future__ import annotations
@@ -24,7 +18,7 @@ import torch.distributed as dist
 
 from ...storage import ALIGN
 
-__all__ = ["ImageSink", "pack_messages", "stream_exchange"]
+__all__ = ["ImageSink", "pack_messages", "stream_exchange", "wait_all"]
 
 #: bytes per message at most
 CHUNK = 64 << 20
@@ -49,6 +43,13 @@ def _buffers(n: int) -> List[np.ndarray]:
 def _give_back(bufs: List[np.ndarray]) -> None:
     with _lock:
         _free.extend(bufs[: max(0, 2 * WINDOW - len(_free))])
+
+
+def wait_all(works: List[Any]) -> None:
+    """Waits for every posted send or receive (None entries: nothing was posted)."""
+    for w in works:
+        if w is not None:
+            w.wait()
 
 
 CkptID = Tuple[Any, ...]
@@ -156,18 +157,10 @@ def stream_exchange(
     segments: Sequence[np.ndarray],
     open_sink: OpenSink,
 ) -> List[Tuple[CkptID, int]]:
-    """Collective over `group` (the ranks `ranks`): every member's image to every other member.
+    """Collective over `group` (gloo over `ranks`): every member's image to every other member.
 
-    `group` is a gloo group over `ranks` (None: the default group); `segments` are this
-    rank's finished image; `open_sink` opens where a received image is written.
-
-    Returns:
-        `(id, nbytes)` of each image received and written, in `ranks` order.
-
-    Raises:
-        Whatever opening or writing a received image raised (after every message arrived),
-        or the process group's error.
-    """
+    Returns `(id, nbytes)` of each image received and written (by `open_sink`), in `ranks`
+    order; raises what opening or writing one raised, after every message arrived."""
     messages = pack_messages(segments)
     infos: List[Any] = [None] * len(ranks)
     dist.all_gather_object(infos, (tuple(id_), [int(m.size) for m in messages]), group=group)
@@ -178,20 +171,11 @@ def stream_exchange(
         for k, m in enumerate(messages)
     ]
     try:
-        if len(peers) == 1:
-            ((peer, (other, lengths)),) = peers
-            return [_receive(group, peer, tuple(other), lengths, open_sink)]
         with concurrent.futures.ThreadPoolExecutor(len(peers), "dc-local-recv") as pool:
             futures = [
                 pool.submit(_receive, group, peer, tuple(other), lengths, open_sink)
                 for peer, (other, lengths) in peers
             ]
-            errors = [f.exception() for f in futures]  # every receive finishes first
-        for e in errors:
-            if e is not None:
-                raise e
-        return [f.result() for f in futures]
+        return [f.result() for f in futures]  # after every receive finished (the pool waited)
     finally:
-        for w in sends:
-            if w is not None:
-                w.wait()
+        wait_all(sends)

@@ -1,14 +1,8 @@
 """Replication strategies: where copies of each rank's local checkpoint part are kept.
 
-`CliqueReplicationStrategy` splits the ranks into cliques of `replication_factor` ranks,
-`replication_jump` apart; every member keeps a copy of every other member's part. Parts
-travel as byte images (see `.._image`) over gloo, never as pickled tensors, and copies are
-byte-identical, checksums included. Gloo on host buffers even with NCCL training: the
-bytes are in host memory anyway, and GPU memory and NCCL streams stay out of it.
-
-Retrieval at load is planned from what every rank holds, identically on every rank, and
-any holder may send a part, so a part stays reachable after the replication parameters
-change between runs.
+Parts travel as byte images over gloo (host buffers even with NCCL training), never as
+pickled tensors. Retrieval at load is planned from what every rank holds, and any holder
+may send a part, so a part stays reachable after the replication parameters change.
 """
 
 from __future__ import annotations
@@ -26,7 +20,7 @@ import torch.distributed as dist
 from ... import _dist
 from ...errors import CheckpointingException, NoReplicasAvailableError, describe_ckpt_id
 from .._image import LocalImage
-from ._stream import ImageSink, OpenSink, stream_exchange
+from ._stream import CHUNK, ImageSink, OpenSink, stream_exchange, wait_all
 
 __all__ = [
     "CkptID",
@@ -43,8 +37,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: bytes per message of the replication exchange
-_CHUNK = 64 << 20
 #: bytes per message of a transfer at load
 TRANSFER_CHUNK = 16 << 20
 #: tags of one transfer's messages: transfer index * _TAG_SPAN + message index
@@ -74,12 +66,17 @@ def clique_ranks(
             f"World size {world_size} is not divisible by replication_jump * replication_factor "
             f"= {replication_jump} * {replication_factor} = {span}"
         )
-    cliques = []
-    for a in range(world_size // span):
-        for b in range(replication_jump):
-            n = a * span + b
-            cliques.append([n + i * replication_jump for i in range(replication_factor)])
-    return cliques
+    starts = [a * span + b for a in range(world_size // span) for b in range(replication_jump)]
+    return [[n + i * replication_jump for i in range(replication_factor)] for n in starts]
+
+
+def _post(op: Any, buf: torch.Tensor, peer: int, group: Any, chunk: int, tag: int = 0) -> List:
+    """Posts `op` (`dist.isend`/`dist.irecv`) of `buf` with `peer` in messages of `chunk` bytes."""
+    size = int(buf.numel())
+    return [
+        op(buf[lo : lo + chunk], peer, group=group, tag=tag + k)
+        for k, lo in enumerate(range(0, size, chunk))
+    ]
 
 
 @dataclass
@@ -92,15 +89,9 @@ class ExchangePlan:
 def plan_retrieval(
     available: Mapping[int, Iterable[CkptID]], wanted: Mapping[int, Sequence[CkptID]]
 ) -> ExchangePlan:
-    """Plans who provides each wanted part (pure: every rank computes the same plan).
-
-    `available` maps each rank to the parts it holds, `wanted` each receiver to the parts
-    it needs. A receiver that holds a part keeps it; otherwise the holder with the fewest
-    sends so far sends it (lowest rank on ties).
-
-    Raises:
-        NoReplicasAvailableError: a wanted part is held by no rank (names it and the receiver).
-    """
+    """Plans who provides each part a receiver wants (pure: the same on every rank): itself
+    if it holds it, else the holder with the fewest sends so far (lowest rank on ties).
+    NoReplicasAvailableError when no rank holds a wanted part (naming it and the receiver)."""
     holders: Dict[CkptID, List[int]] = {}
     for rank in sorted(available):
         for id_ in available[rank]:
@@ -143,16 +134,11 @@ def host_group() -> Any:
 def transfer_parts(
     plan: ExchangePlan, load: Callable[[CkptID], torch.Tensor], group: Any = None
 ) -> Tuple[Dict[CkptID, Tuple[int, torch.Tensor]], List[CkptID]]:
-    """Collective over `group` (a gloo group over all ranks, None: the default group):
-    runs the plan's transfers between different ranks.
+    """Collective over `group` (gloo, all ranks): runs the plan's transfers between ranks.
 
-    The sender reads each part it sends (`load`) and sends it in chunks; a part it cannot
-    read is announced with size -1 and not sent, so no receive waits for it.
-
-    Returns:
-        `(received, unsent)`: the parts received here, `id -> (sender, bytes)`, not
-        verified; and the parts this rank could not read for sending.
-    """
+    A part the sender cannot `load` is announced with size -1 and not sent. Returns the
+    parts received here, `id -> (sender, bytes)` (unverified), and those this rank could
+    not read for sending."""
     me = _dist.get_rank()
     mine: Dict[int, torch.Tensor] = {}
     sizes: Dict[int, int] = {}
@@ -178,13 +164,8 @@ def transfer_parts(
         else:
             buf, op, peer = torch.empty(sizes[index], dtype=torch.uint8), dist.irecv, sender
             received[id_] = (sender, buf)
-        for k, lo in enumerate(range(0, sizes[index], TRANSFER_CHUNK)):
-            works.append(
-                op(buf[lo : lo + TRANSFER_CHUNK], peer, group=group, tag=index * _TAG_SPAN + k)
-            )
-    for w in works:
-        if w is not None:
-            w.wait()
+        works += _post(op, buf, peer, group, TRANSFER_CHUNK, index * _TAG_SPAN)
+    wait_all(works)
     return received, unsent
 
 
@@ -192,15 +173,12 @@ class ReplicationStrategy(ABC):
     """Decides where copies of each rank's local checkpoint part go (the manager's contract).
 
     For every save, `BaseCheckpointManager.save` calls, on every rank:
-    1. `prepare()`: in the caller's thread, collective over all ranks (it may create
-       process groups).
-    2. `replicate_stream(image, id_, open_sink)`: in the manager's one background thread,
-       collective over the ranks this rank exchanges with, and only those. It writes every
-       part received into a sink the manager opens (a dirty file). The default calls
-       `replicate_images` (the one method a strategy must implement).
+    1. `prepare()`: in the caller's thread, collective over all ranks (may create groups).
+    2. `replicate_stream(image, id_, open_sink)`: in the manager's background thread,
+       collective over the ranks this rank exchanges with only, writing each part received
+       into a sink the manager opens. The default calls `replicate_images` (abstract).
 
-    Loading does not call the strategy (see `plan_retrieval`). Copies are byte-identical to
-    what their owners passed in, so each copy verifies on its own.
+    Loading does not call the strategy (see `plan_retrieval`). Copies are byte-identical.
     """
 
     def prepare(self) -> None:
@@ -263,14 +241,9 @@ class CliqueReplicationStrategy(ReplicationStrategy):
     def __init__(self, local_group: Any, target_device: str = "cpu") -> None:
         self.local_group = local_group
         self.target_device = target_device
-        if _dist.is_distributed():
-            self.ranks = (
-                dist.get_process_group_ranks(local_group)
-                if local_group is not None
-                else list(range(dist.get_world_size()))
-            )
-        else:
-            self.ranks = [0]
+        self.ranks = list(range(_dist.get_world_size()))
+        if _dist.is_distributed() and local_group is not None:
+            self.ranks = dist.get_process_group_ranks(local_group)
 
     @classmethod
     def from_replication_params(
@@ -300,21 +273,25 @@ class CliqueReplicationStrategy(ReplicationStrategy):
         me = _dist.get_rank()
         mine: Any = None
         for ranks in cliques:
-            kwargs: Dict[str, Any] = {"backend": "gloo"}
-            if timeout is not None:
-                kwargs["timeout"] = timeout
-            group = _dist.new_own_group(ranks, **kwargs) if _dist.is_distributed() else None
+            # timeout=None is new_group's default (the process group's)
+            group = None
+            if _dist.is_distributed():
+                group = _dist.new_own_group(ranks, backend="gloo", timeout=timeout)
             if me in ranks:
                 mine = group
         logger.debug("replication cliques %s (rank %d)", cliques, me)
         return cls(mine)
+
+    def _clique(self) -> List[int]:
+        """The ranks of this rank's clique."""
+        return self.ranks
 
     def replicate_images(
         self, image: torch.Tensor, id_: CkptID
     ) -> List[Tuple[CkptID, torch.Tensor]]:
         """Collective over the clique: sends this rank's image to every other member and
         returns theirs as `(id, image)` pairs."""
-        if len(self.ranks) == 1:
+        if len(self._clique()) == 1:
             return []
         me = _dist.get_rank()
         infos: List[Any] = [None] * len(self.ranks)
@@ -326,18 +303,10 @@ class CliqueReplicationStrategy(ReplicationStrategy):
             if peer == me:
                 continue
             buf = torch.empty(nbytes, dtype=torch.uint8, device=self.target_device)
-            for k, lo in enumerate(range(0, nbytes, _CHUNK)):
-                works.append(
-                    dist.irecv(buf[lo : lo + _CHUNK], src=peer, group=self.local_group, tag=k)
-                )
-            for k, lo in enumerate(range(0, int(mine.numel()), _CHUNK)):
-                works.append(
-                    dist.isend(mine[lo : lo + _CHUNK], dst=peer, group=self.local_group, tag=k)
-                )
+            works += _post(dist.irecv, buf, peer, self.local_group, CHUNK)
+            works += _post(dist.isend, mine, peer, self.local_group, CHUNK)
             out.append((tuple(other_id), buf))
-        for w in works:
-            if w is not None:
-                w.wait()
+        wait_all(works)
         return [(i, b.cpu()) for i, b in out]  # type: ignore[misc]
 
     def replicate_stream(
@@ -345,7 +314,7 @@ class CliqueReplicationStrategy(ReplicationStrategy):
     ) -> List[Tuple[CkptID, int]]:
         """Collective over the clique: streams this rank's part to every other member and
         writes theirs chunk by chunk as they arrive (see `._stream`)."""
-        if len(self.ranks) == 1:
+        if len(self._clique()) == 1:
             return []
         if self.target_device != "cpu":  # exchange buffers on a device: whole images
             return super().replicate_stream(image, id_, open_sink)
@@ -355,10 +324,8 @@ class CliqueReplicationStrategy(ReplicationStrategy):
 
 
 class LazyCliqueReplicationStrategy(CliqueReplicationStrategy):
-    """A `CliqueReplicationStrategy` whose groups are created on first use (in `prepare`).
-
-    For code that must construct the strategy before `torch.distributed` is initialized.
-    """
+    """A `CliqueReplicationStrategy` whose groups are created in `prepare`, for code that
+    must construct the strategy before `torch.distributed` is initialized."""
 
     def __init__(
         self,
@@ -381,20 +348,9 @@ class LazyCliqueReplicationStrategy(CliqueReplicationStrategy):
             self.ranks = self._built.ranks
             self.target_device = self._built.target_device
 
-    def replicate_images(
-        self, image: torch.Tensor, id_: CkptID
-    ) -> List[Tuple[CkptID, torch.Tensor]]:
-        self._require_built()
-        return super().replicate_images(image, id_)
-
-    def replicate_stream(
-        self, image: LocalImage, id_: CkptID, open_sink: OpenSink
-    ) -> List[Tuple[CkptID, int]]:
-        self._require_built()
-        return super().replicate_stream(image, id_, open_sink)
-
-    def _require_built(self) -> None:
+    def _clique(self) -> List[int]:
         if self._built is None:
             raise CheckpointingException(
                 "LazyCliqueReplicationStrategy.prepare() must run (collectively) before a background exchange"
             )
+        return self.ranks
