@@ -102,9 +102,7 @@ def _verify(args: argparse.Namespace) -> int:
         _print_json({**asdict(report), "ok": report.ok})
     else:
         head, lines = summarize(report)
-        print(head)
-        for line in lines:
-            print(f"  {line}")
+        print("\n  ".join([head, *lines]))  # the verdict, then one indented line per problem
     return EXIT_OK if report.ok else EXIT_PROBLEM
 
 
@@ -207,11 +205,6 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _one_line(e: BaseException) -> str:
-    text = " ".join(str(e).split())
-    return text if len(text) <= 2000 else text[:1997] + "..."
-
-
 def main(argv: Optional[List[str]] = None) -> int:
     """Entry point of `dist-ckpt` / `python -m dist_checkpointing`.
 
@@ -236,5 +229,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         known = isinstance(e, (CheckpointingException, ValueError, OSError))
         kind = "error" if known else f"internal error ({type(e).__name__})"
-        print(f"dist-ckpt {args.command}: {kind}: {_one_line(e)}", file=sys.stderr)
+        text = " ".join(str(e).split())  # one line, at most 2000 characters
+        text = text if len(text) <= 2000 else text[:1997] + "..."
+        print(f"dist-ckpt {args.command}: {kind}: {text}", file=sys.stderr)
         return EXIT_ERROR

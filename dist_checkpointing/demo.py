@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 __all__ = ["DemoConfig", "run_demo"]
+_Spec = Tuple[str, Tuple[int, ...], torch.dtype, int]  # key, global shape, dtype, split axis
 
 
 @dataclass
@@ -48,12 +49,10 @@ def _global_tensor(name: str, shape: Tuple[int, ...], dtype: torch.dtype) -> tor
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
-def _specs(cfg: DemoConfig) -> List[Tuple[str, Tuple[int, ...], torch.dtype, int]]:
+def _specs(cfg: DemoConfig) -> List[_Spec]:
     """(key, global shape, dtype, tensor-parallel axis or -1 for replicated)."""
     h = cfg.hidden
-    specs: List[Tuple[str, Tuple[int, ...], torch.dtype, int]] = [
-        ("embedding.weight", (cfg.vocab, h), torch.bfloat16, 0)
-    ]
+    specs: List[_Spec] = [("embedding.weight", (cfg.vocab, h), torch.bfloat16, 0)]
     for i in range(cfg.layers):
         p = f"layers.{i}."
         specs += [

@@ -13,14 +13,13 @@ import multiprocessing as mp
 import os
 import sys
 import time
-import traceback
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ..errors import CheckpointingException
-from .request import AsyncRequest, CallState, CallStatus
+from .request import AsyncRequest, CallState, CallStatus, _run_and_report
 
 __all__ = ["AsyncCaller", "TemporalAsyncCaller", "PersistentAsyncCaller", "check_main_guard"]
 
@@ -29,9 +28,7 @@ logger = logging.getLogger(__name__)
 
 def _is_main_test(test: ast.expr) -> bool:
     """Whether `test` is `__name__ == "__main__"` (either way round)."""
-    if not (isinstance(test, ast.Compare) and len(test.ops) == 1):
-        return False
-    if not isinstance(test.ops[0], ast.Eq):
+    if not (isinstance(test, ast.Compare) and [type(op) for op in test.ops] == [ast.Eq]):
         return False
     sides = [test.left, test.comparators[0]]
     names = [s.id for s in sides if isinstance(s, ast.Name)]
@@ -39,13 +36,13 @@ def _is_main_test(test: ast.expr) -> bool:
     return names == ["__name__"] and consts == ["__main__"]
 
 
-def _unguarded_main_line() -> Optional[Tuple[str, int]]:
-    """(script, line) when the main script's top level calls us outside its main guard
-    (which a spawned process would re-run); None when harmless or unknown."""
+def check_main_guard() -> None:
+    """Raises `CheckpointingException` (script, line, remedy) when a spawned writer would
+    re-run the user's unguarded script (its top level calls us outside its main guard)."""
     main = sys.modules.get("__main__")
     path = getattr(main, "__file__", None)
     if main is None or not path:
-        return None
+        return
     frame: Optional[FrameType] = sys._getframe(1)
     line = None
     while frame is not None:
@@ -53,27 +50,17 @@ def _unguarded_main_line() -> Optional[Tuple[str, int]]:
             line = frame.f_lineno
         frame = frame.f_back
     if line is None:
-        return None
+        return
     try:
         with open(path, encoding="utf-8") as f:
             tree = ast.parse(f.read())
     except (OSError, SyntaxError, ValueError, UnicodeDecodeError):
-        return None
+        return  # unknown: harmless
     for node in ast.walk(tree):
         if isinstance(node, ast.If) and _is_main_test(node.test):
             first, last = node.body[0].lineno, node.body[-1].end_lineno or node.body[-1].lineno
             if first <= line <= last:
-                return None
-    return path, line
-
-
-def check_main_guard() -> None:
-    """Raises `CheckpointingException` (script, line, remedy) when a spawned writer would
-    re-run the user's unguarded script."""
-    where = _unguarded_main_line()
-    if where is None:
-        return
-    path, line = where
+                return
     raise CheckpointingException(
         f"AsyncCallsQueue(persistent=True) starts its writer with multiprocessing 'spawn', "
         f"which re-runs the top level of {os.path.basename(path)} in the writer; line {line} "
@@ -81,13 +68,6 @@ def check_main_guard() -> None:
         f"called under that guard, or use AsyncCallsQueue(persistent=False) (a forked "
         f"writer per save, no guard needed)."
     )
-
-
-def _run_and_report(fn: Callable[..., Any], args: Tuple[Any, ...]) -> CallStatus:
-    try:
-        return (CallState.OK, fn(*args))
-    except BaseException as e:  # reported to the parent, raised there on every rank
-        return (CallState.FAILED, f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=8)}")
 
 
 class AsyncCaller(ABC):
@@ -310,9 +290,7 @@ class PersistentAsyncCaller(AsyncCaller):
 
     def _drain(self, timeout: Optional[float]) -> None:
         try:
-            call_idx, status = (
-                self._results.get(timeout=timeout) if timeout else self._results.get_nowait()
-            )
+            call_idx, status = self._results.get(timeout is not None, timeout)
         except Exception:  # queue.Empty
             return
         self._done[call_idx] = status

@@ -10,10 +10,8 @@ the call (nothing is committed); the queue keeps working.
 from __future__ import annotations
 
 import atexit
-import concurrent.futures
 import logging
 import time
-import traceback
 import weakref
 from collections import deque
 from dataclasses import dataclass
@@ -22,7 +20,7 @@ from typing import Deque, List, Optional
 from .. import _dist
 from ..errors import AsyncSaveError
 from .callers import AsyncCaller, PersistentAsyncCaller, TemporalAsyncCaller, check_main_guard
-from .request import AsyncRequest, CallState, CallStatus
+from .request import AsyncRequest, CallState, CallStatus, _run_and_report
 
 __all__ = ["AsyncCallsQueue"]
 
@@ -52,19 +50,10 @@ class _Call:
         elif not block and not future.done():
             return (CallState.RUNNING, None)
         else:
-            status = _future_status(future)
+            status = _run_and_report(future.result, ())  # waits for it
         if status[0] is not CallState.RUNNING:
             self.status = status
         return status
-
-
-def _future_status(future: concurrent.futures.Future) -> CallStatus:
-    """The finished outcome of `future` (waits for it)."""
-    try:
-        return (CallState.OK, future.result())
-    except BaseException as e:  # reported to every rank by the queue
-        text = "".join(traceback.format_exception(type(e), e, e.__traceback__, limit=8))
-        return (CallState.FAILED, f"{type(e).__name__}: {e}\n{text}")
 
 
 _live_queues: weakref.WeakSet[AsyncCallsQueue] = weakref.WeakSet()
@@ -207,5 +196,4 @@ class AsyncCallsQueue:
         for caller in (self._persistent_caller, self._temporal_caller):
             if caller is not None:
                 caller.close()
-        self._persistent_caller = None
-        self._temporal_caller = None
+        self._persistent_caller = self._temporal_caller = None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import concurrent.futures
 import enum
 import logging
+import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable, List, Optional, Tuple
 
@@ -42,6 +43,14 @@ def call_in_sequence(calls: List[Tuple[Callable[..., Any], Tuple[Any, ...]]]) ->
     for fn, args in calls:
         result = fn(*args)
     return result
+
+
+def _run_and_report(fn: Callable[..., Any], args: Tuple[Any, ...]) -> CallStatus:
+    """Runs `fn(*args)`; a failure becomes a FAILED status (reported on every rank)."""
+    try:
+        return (CallState.OK, fn(*args))
+    except BaseException as e:  # reported to every rank by the queue
+        return (CallState.FAILED, f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=8)}")
 
 
 @dataclass
@@ -89,18 +98,10 @@ class AsyncRequest:
     ) -> AsyncRequest:
         """A request for work already running in this process's threads: the queue polls
         `future`; its result becomes `result`, its exception fails the call on every rank.
-
-        Args:
-            future: the running work.
-            finalize_fns, cleanup_fns, description: as the attributes.
-
-        Returns:
-            The request (not scheduled).
+        The other arguments are as the attributes.
         """
         cleanup = list(cleanup_fns or [])
-        return cls(
-            None, (), finalize_fns, cleanup_fns=cleanup, description=description, future=future
-        )
+        return cls(None, (), finalize_fns, None, cleanup, description=description, future=future)
 
     def _check_not_frozen(self, what: str) -> None:
         if self.is_frozen:
@@ -146,21 +147,16 @@ class AsyncRequest:
         self.is_frozen = True
         return self
 
-    def run_background_work(self) -> Any:
-        """Runs (or waits for) the background work in the caller; returns its result."""
-        if self.future is not None:
-            return self.future.result()
-        if self.async_fn is not None:
-            return self.async_fn(*self.async_fn_args)
-        return None
-
     def execute_sync(self) -> Any:
         """Runs preload, the background work and the finalize functions here; returns the
         background work's result."""
         try:
             if self.preload_fn is not None:
                 self.preload_fn()
-            self.result = self.run_background_work()
+            if self.future is not None:
+                self.result = self.future.result()
+            elif self.async_fn is not None:
+                self.result = self.async_fn(*self.async_fn_args)
             for fn in self.finalize_fns:
                 fn()
             return self.result

@@ -13,7 +13,7 @@ Every public method is collective (on every rank, in the same order) except `lat
 `all_steps` and `should_save`.
 
 Over 400 lines: the schedule, the two tiers, retention and the fallback load all act on the
-manager's one record of steps; `options.py`, `layout.py` and `_retention.py` hold the rest.
+manager's one record of steps; `options.py` and `layout.py` hold the rest.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import shutil
 import time
 from collections import deque
 from pathlib import Path
-from typing import Any, Callable, Deque, List, Optional, Tuple, TypeVar, Union
+from typing import Any, Callable, Deque, List, Optional, Tuple, TypeVar, cast
 
 from .. import _dist
 from .._types import ShardedStateDict, StateDict
@@ -34,14 +34,12 @@ from ..core import check_is_distributed_checkpoint
 from ..dict_utils import dict_list_map_outplace
 from ..errors import CheckpointingException, NoUsableCheckpointError
 from ..mapping import ShardedBase
-from ._retention import steps_to_delete
 from .layout import LATEST_FNAME, parse_step, read_latest, step_dir_name, write_latest
-from .options import CheckpointManagerOptions, RestoreInfo
+from .options import CheckpointManagerOptions, PathArg, RestoreInfo, steps_to_delete
 
 __all__ = ["CheckpointManagerOptions", "CheckpointManager", "RestoreInfo"]
 
 logger = logging.getLogger(__name__)
-PathArg = Union[str, "os.PathLike[str]"]
 T = TypeVar("T")
 
 
@@ -112,9 +110,8 @@ class CheckpointManager:
     def should_save(self, step: int) -> Tuple[bool, bool]:
         """Whether `step` is due for `(persistent, local)` saves."""
         o = self.options
-        persistent = step % o.save_interval == 0
         local = self._local is not None and step % int(o.local_save_interval or 1) == 0
-        return persistent, local
+        return step % o.save_interval == 0, local
 
     # ---- saving -------------------------------------------------------------------------
     def save(self, step: int, sharded_state_dict: ShardedStateDict, *, force: bool = False) -> bool:
@@ -220,9 +217,8 @@ class CheckpointManager:
     def _retain(self, step: int) -> List[int]:
         write_latest(self.root, step)
         complete, incomplete = self._scan()
-        doomed = steps_to_delete(
-            complete, incomplete, step, self.options.keep_last, self.options.keep_period
-        )
+        o = self.options
+        doomed = steps_to_delete(complete, incomplete, step, o.keep_last, o.keep_period)
         for s in doomed:
             shutil.rmtree(self.root / step_dir_name(s), ignore_errors=True)
         return doomed
@@ -231,9 +227,8 @@ class CheckpointManager:
         """Collective: a save of `step` failed (on every rank, agreed). Removes the
         uncommitted persistent directory, then raises, or logs, records and goes on."""
         if tier == "persistent":
-            self._on_rank0(
-                f"cleanup after the failed save of step {step}", self._remove_failed, step
-            )
+            what = f"cleanup after the failed save of step {step}"
+            self._on_rank0(what, self._remove_failed, step)
         if self.options.on_error == "raise":
             raise error
         self.failed_saves.append((step, str(error)))
@@ -311,7 +306,7 @@ class CheckpointManager:
         for step, tier, path in candidates:
             try:
                 what = f"load of the {tier} checkpoint {path}"
-                state = self._agreed(
+                state = _dist.run_collectively(
                     what, self._load_one, tier, path, sharded_state_dict, load_kwargs
                 )
             except CheckpointingException as e:
@@ -406,11 +401,9 @@ class CheckpointManager:
         runs yet), repairs the `latest` record, returns the complete steps."""
         self.root.mkdir(parents=True, exist_ok=True)
         complete, incomplete = self._scan()
-        for s in incomplete:
-            logger.warning(
-                "removing the incomplete checkpoint %s (a crashed save)", step_dir_name(s)
-            )
-            shutil.rmtree(self.root / step_dir_name(s), ignore_errors=True)
+        for path in (self.root / step_dir_name(s) for s in incomplete):
+            logger.warning("removing the incomplete checkpoint %s (a crashed save)", path.name)
+            shutil.rmtree(path, ignore_errors=True)
         newest = max(complete, default=None)
         if newest is not None and read_latest(self.root) != newest:
             # a crash between the commit and the record update (or a record naming a
@@ -420,19 +413,8 @@ class CheckpointManager:
             (self.root / LATEST_FNAME).unlink(missing_ok=True)
         return complete
 
-    def _on_rank0(self, what: str, fn: Callable[..., T], *args: Any) -> T:
-        """Collective: runs `fn` on rank 0; every rank gets its result or its failure."""
-        return self._agreed(what, fn, *args, rank0_only=True)
-
     @staticmethod
-    def _agreed(what: str, fn: Callable[..., T], *args: Any, rank0_only: bool = False) -> T:
-        """Collective: runs `fn` (on every rank, or on rank 0 only); a failure raises everywhere."""
-        result: Any = None
-        error: Optional[BaseException] = None
-        if not rank0_only or _dist.get_rank() == 0:
-            try:
-                result = fn(*args)
-            except Exception as e:  # agreed on below
-                error = e
-        _dist.agree_on_errors(error, what)
-        return _dist.broadcast_object(result) if rank0_only else result
+    def _on_rank0(what: str, fn: Callable[..., T], *args: Any) -> T:
+        """Collective: runs `fn` on rank 0; every rank gets its result or its failure."""
+        result = _dist.run_collectively(what, lambda: fn(*args) if _dist.get_rank() == 0 else None)
+        return cast(T, _dist.broadcast_object(result))

@@ -8,19 +8,18 @@ The record is replaced atomically, and only after the checkpoint it names is com
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
-from typing import Optional, Union
+from typing import Optional
 
 from ..errors import CheckpointingException
 from ..storage.fileio import atomic_write, read_capped
+from .options import PathArg
 
 __all__ = ["LATEST_FNAME", "step_dir_name", "parse_step", "read_latest", "write_latest"]
 
 LATEST_FNAME = "latest_checkpointed_iteration.txt"
 _STEP_DIR = re.compile(r"iter_(\d{7,})")
-PathArg = Union[str, "os.PathLike[str]"]
 
 
 def step_dir_name(step: int) -> str:
@@ -38,13 +37,8 @@ def read_latest(root: PathArg) -> Optional[int]:
     """The step in `<root>/latest_checkpointed_iteration.txt`, or None (missing, unreadable)."""
     try:
         raw = read_capped(Path(root) / LATEST_FNAME, 64)
-    except CheckpointingException:  # unreadable or oversized: no usable record
-        return None
-    if raw is None:
-        return None
-    try:
-        step = int(raw.decode("ascii").strip())
-    except (UnicodeDecodeError, ValueError):
+        step = -1 if raw is None else int(raw.decode("ascii").strip())
+    except (CheckpointingException, ValueError):  # unreadable, oversized or not a number
         return None
     return step if step >= 0 else None
 

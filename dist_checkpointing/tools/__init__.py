@@ -14,34 +14,19 @@ import importlib
 from typing import TYPE_CHECKING, Any, Dict
 
 _EXPORTS: Dict[str, str] = {
-    "CheckpointInfo": "inspect",
-    "describe": "inspect",
-    "list_checkpoints": "inspect",
-    "VerifyReport": "verify",
-    "verify_checkpoint": "verify",
-    "ConvertResult": "convert",
-    "convert_checkpoint": "convert",
-    "DiffReport": "diff",
-    "diff_checkpoints": "diff",
+    **dict.fromkeys(("CheckpointInfo", "describe", "list_checkpoints"), "inspect"),
+    **dict.fromkeys(("VerifyReport", "verify_checkpoint"), "verify"),
+    **dict.fromkeys(("ConvertResult", "convert_checkpoint"), "convert"),
+    **dict.fromkeys(("DiffReport", "diff_checkpoints"), "diff"),
 }
 
-__all__ = [
-    "CheckpointInfo",
-    "describe",
-    "list_checkpoints",
-    "VerifyReport",
-    "verify_checkpoint",
-    "ConvertResult",
-    "convert_checkpoint",
-    "DiffReport",
-    "diff_checkpoints",
-]
+__all__ = list(_EXPORTS)
 
 if TYPE_CHECKING:
-    from .convert import ConvertResult, convert_checkpoint
-    from .diff import DiffReport, diff_checkpoints
-    from .inspect import CheckpointInfo, describe, list_checkpoints
-    from .verify import VerifyReport, verify_checkpoint
+    from .convert import ConvertResult, convert_checkpoint  # noqa: F401  (in __all__)
+    from .diff import DiffReport, diff_checkpoints  # noqa: F401  (in __all__)
+    from .inspect import CheckpointInfo, describe, list_checkpoints  # noqa: F401  (in __all__)
+    from .verify import VerifyReport, verify_checkpoint  # noqa: F401  (in __all__)
 
 
 def __getattr__(name: str) -> Any:

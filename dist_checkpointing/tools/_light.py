@@ -1,11 +1,6 @@
-"""`describe` without importing torch (seconds saved), for `dist-ckpt inspect`.
-
-Reads `metadata.json`, `checksums.json` and item sidecars, DCP's `.metadata` and `torch.save` payloads
-(`common.pt`, stored objects) with an unpickler that maps an allowlist of torch's classes
-to plain stand-ins, and builds the same `CheckpointInfo` as the full reader. Anything else
-(another backend, an unknown class, a damaged file) raises `Unsupported`, and the caller
-uses the full reader, which gives the authoritative answer or error. Local checkpoints are
-read by `_light_local`. Only the standard library, `xxhash` and `_info` are imported.
+"""`describe` without importing torch, for `dist-ckpt inspect`: an unpickler maps allowlisted
+torch classes to stand-ins; anything else raises `Unsupported` and the caller uses the full
+reader. Imports only the standard library, `xxhash` and `_info` (local parts: `_light_local`).
 """
 
 from __future__ import annotations
@@ -99,7 +94,7 @@ _METADATA_CLASSES: _Classes = {
     (_PLANNER, "WriteItemType"): lambda value: value,
     (_PLANNER, "LoadItemType"): lambda value: value,
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _stub("_StorageInfo"),
-    ("pathlib", "PurePosixPath"): lambda *parts: "/".join(parts),
+    **{("pathlib", n): lambda *parts: "/".join(parts) for n in ("PurePosixPath", "PosixPath")},
     ("builtins", "set"): set,
     ("builtins", "frozenset"): frozenset,
     **{
@@ -109,7 +104,6 @@ _METADATA_CLASSES: _Classes = {
     (_DCP, "_MEM_FORMAT_ENCODING"): lambda value: value,
     ("torch.serialization", "_get_layout"): lambda name: name,
     ("torch", "Size"): lambda dims=(): tuple(dims),
-    ("pathlib", "PosixPath"): lambda *parts: "/".join(parts),
     ("pathlib", "WindowsPath"): lambda *parts: "/".join(parts),
     ("collections", "OrderedDict"): dict,
 }

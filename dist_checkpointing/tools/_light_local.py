@@ -1,10 +1,6 @@
-"""`describe` of ('local', 1) and ('local', 2) checkpoints without importing torch.
-
-A local part is one byte image (`local/_image.py`): tensor bytes, a `torch.save` header
-holding the hollow state, a table of xxh3-64 checksums and a footer. The footer and every
-checksum are checked as the full reader does; the header is read with `_light`'s unpickler,
-our hollow-state classes mapped to stand-ins. Anything not recognised (a damaged part
-included) raises `Unsupported`, and the caller uses the full reader.
+"""`describe` of ('local', 1) and ('local', 2) checkpoints without importing torch: every
+checksum of a part's image (`local/_image.py`) is checked, its header read with `_light`'s
+unpickler; anything not recognised raises `Unsupported` (the caller uses the full reader).
 """
 
 from __future__ import annotations
@@ -13,7 +9,7 @@ import struct
 from pathlib import Path
 from typing import Any, Dict, Iterator, Tuple
 
-import xxhash
+from xxhash import xxh3_64_intdigest as _xxh3
 
 from ._info import CheckpointInfo, LocalPart, fill_local, local_parts
 from ._light import Unsupported, _DType, _Stub, _stub, _torch_payload
@@ -55,10 +51,6 @@ def _leaves(x: Any) -> Iterator[Any]:
             yield from _leaves(v)
         else:
             yield v
-
-
-def _xxh3(data: memoryview) -> int:
-    return int(xxhash.xxh3_64_intdigest(data))
 
 
 def _read_part(path: Path) -> Any:

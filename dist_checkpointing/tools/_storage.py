@@ -1,8 +1,5 @@
-"""The one place where the tools read checkpoint files below the public API.
-
-Everything the `dist-ckpt` verbs need from the backends' private modules (DCP metadata,
-raw item reads, local checkpoint images) goes through here, so a change of those modules
-touches this file only.
+"""The one place where the tools read checkpoint files below the public API (DCP metadata,
+raw items, local images), so a change of the backends' private modules touches only this.
 """
 
 from __future__ import annotations
@@ -21,8 +18,9 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from .._safe_load import torch_load
+from ..core import CONFIG_FNAME
 from ..errors import CheckpointCorruptedError, CheckpointingException
-from ..integrity import Checksums, read_checksums
+from ..integrity import CHECKSUMS_FNAME, Checksums, read_checksums
 from ..strategies.torch_dist.metadata_file import DCP_METADATA_FNAME, read_metadata
 from ..strategies.torch_dist.plan import TensorRequest, plan_tensor_reads
 from ..strategies.torch_dist.reader import read_byte_items, read_tensor_items
@@ -65,9 +63,6 @@ class StoredItem:
 def is_stock_dcp(ckpt: Path) -> bool:
     """A PyTorch DCP checkpoint not written by us: `.metadata`, and none of the files our
     saves write (`metadata.json`, `common.pt`, `checksums.json`)."""
-    from ..core import CONFIG_FNAME
-    from ..integrity import CHECKSUMS_FNAME
-
     return (ckpt / DCP_METADATA_FNAME).is_file() and not any(
         (ckpt / n).exists() for n in (CONFIG_FNAME, COMMON_FNAME, CHECKSUMS_FNAME)
     )

@@ -22,7 +22,7 @@ import sys
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 
@@ -115,45 +115,6 @@ class _Pickler(pickle.Pickler):
         return None
 
 
-class TorchZipWriter:
-    """Writes `{key: tensor}` as one `torch.save` file: `write(i, tensor)` per entry, `close()`.
-
-    Args:
-        f: the destination, opened for binary writing.
-        entries: `(key, dtype, shape)` of every tensor, in the order they will be written.
-
-    Raises:
-        CheckpointingException: a dtype `torch.save` files here cannot describe.
-    """
-
-    def __init__(self, f: BinaryIO, entries: List[_Entry]) -> None:
-        refs = {}
-        for i, (key, dtype, shape) in enumerate(entries):
-            name = STORAGE_CLASS.get(dtype)
-            if name is None:
-                raise CheckpointingException(f"{key!r}: cannot write dtype {dtype} as torch")
-            refs[key] = _Rebuild(_StorageRef(getattr(torch, name), str(i), math.prod(shape)), shape)
-        payload = io.BytesIO()
-        _Pickler(payload, protocol=2).dump(refs)
-        self._entries = entries
-        self._zip = zipfile.ZipFile(f, "w", zipfile.ZIP_STORED, allowZip64=True)
-        self._zip.writestr("archive/data.pkl", payload.getvalue())
-        self._zip.writestr("archive/byteorder", "little")
-
-    def write(self, index: int, tensor: torch.Tensor) -> None:
-        """Writes the data of entry `index` (its dtype and shape must match)."""
-        key, dtype, shape = self._entries[index]
-        if tensor.dtype != dtype or tuple(tensor.shape) != tuple(shape):
-            raise CheckpointingException(f"{key!r}: tensor does not match its declared entry")
-        with self._zip.open(f"archive/data/{index}", "w", force_zip64=True) as out:
-            out.write(tensor_bytes(tensor))
-
-    def close(self) -> None:
-        """Finishes the file (version record and zip directory)."""
-        self._zip.writestr("archive/version", "3\n")
-        self._zip.close()
-
-
 def parse_size(text: Union[str, int]) -> int:
     """`"5GB"`, `"500MiB"`, `"1000"` -> bytes (decimal and binary units, case-insensitive).
 
@@ -186,13 +147,6 @@ def _source(ckpt: Path) -> Tuple[Any, Any]:
         raise NotACheckpointError(f"{ckpt}: not a complete checkpoint (no metadata.json)")
     checksums = _storage.maybe_checksums(ckpt)
     return _storage.read_dcp_metadata(ckpt, checksums), checksums
-
-
-def _progress(total: int, enabled: Optional[bool]) -> Any:
-    from tqdm import tqdm
-
-    show = sys.stderr.isatty() if enabled is None else enabled
-    return tqdm(total=total, unit="B", unit_scale=True, desc="convert", disable=not show)
 
 
 def _shards(entries: List[_Entry], limit: int) -> List[List[_Entry]]:
@@ -253,7 +207,10 @@ def convert_checkpoint(
         for key, md in sorted(_storage.tensor_entries(metadata).items())
     ]
     result = ConvertResult(tensors=len(entries), bytes=sum(_nbytes(e) for e in entries))
-    bar = _progress(result.bytes, progress)
+    from tqdm import tqdm
+
+    show = sys.stderr.isatty() if progress is None else progress
+    bar = tqdm(total=result.bytes, unit="B", unit_scale=True, desc="convert", disable=not show)
 
     def read(key: str) -> torch.Tensor:  # one whole tensor at a time
         tensor = _storage.read_full_tensor(ckpt, metadata, key, checksums)
@@ -277,13 +234,23 @@ _Read = Callable[[str], torch.Tensor]
 def _write_torch(entries: List[_Entry], dest: Path, read: _Read) -> None:
     if dest.exists():
         raise CheckpointExistsError(f"{dest} already exists; choose another output path")
+    refs = {}
+    for i, (key, dtype, shape) in enumerate(entries):
+        name = STORAGE_CLASS.get(dtype)
+        if name is None:
+            raise CheckpointingException(f"{key!r}: cannot write dtype {dtype} as torch")
+        refs[key] = _Rebuild(_StorageRef(getattr(torch, name), str(i), math.prod(shape)), shape)
+    payload = io.BytesIO()
+    _Pickler(payload, protocol=2).dump(refs)
     tmp = dest.with_name(dest.name + ".partial")
-    try:
-        with open(tmp, "wb") as f:
-            writer = TorchZipWriter(f, entries)
+    try:  # a stored zip as `torch.save` writes it, one tensor in memory at a time
+        with open(tmp, "wb") as f, zipfile.ZipFile(f, "w", zipfile.ZIP_STORED) as z:
+            z.writestr("archive/data.pkl", payload.getvalue())
+            z.writestr("archive/byteorder", "little")
             for i, (key, _, _) in enumerate(entries):
-                writer.write(i, read(key))
-            writer.close()
+                with z.open(f"archive/data/{i}", "w", force_zip64=True) as out:
+                    out.write(tensor_bytes(read(key)))
+            z.writestr("archive/version", "3\n")
         os.replace(tmp, dest)
     finally:
         tmp.unlink(missing_ok=True)

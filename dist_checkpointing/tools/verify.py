@@ -155,11 +155,13 @@ def _verify_dcp(ckpt: Path, report: VerifyReport) -> None:
                     item.file, item.offset, item.length, f"{item.file}@{item.offset}"
                 )
             except CheckpointingException as e:
-                report.problems.append(
-                    Problem(item.file, str(e), item.key, item.offset, item.offset + item.length)
-                )
+                report.problems.append(_at(item, str(e)))
                 continue
         _verify_item(ckpt, item, expected, item.key in tensors, report)
+
+
+def _at(item: _storage.StoredItem, message: str) -> Problem:
+    return Problem(item.file, message, item.key, item.offset, item.offset + item.length)
 
 
 def _digest(f: Any, report: VerifyReport, length: float = math.inf) -> int:
@@ -191,20 +193,15 @@ def _verify_item(
     is_tensor: bool,
     report: VerifyReport,
 ) -> None:
-    end = item.offset + item.length
-
-    def problem(message: str) -> None:
-        report.problems.append(Problem(item.file, message, item.key, item.offset, end))
-
     try:
         f = open(ckpt / item.file, "rb")
     except OSError as e:
-        problem(f"cannot be read ({e.strerror or e})")
+        report.problems.append(_at(item, f"cannot be read ({e.strerror or e})"))
         return
     with f:
         size = os.fstat(f.fileno()).st_size
-        if size < end:
-            problem(f"truncated: the file has {size} bytes")
+        if size < item.offset + item.length:
+            report.problems.append(_at(item, f"truncated: the file has {size} bytes"))
             return
         f.seek(item.offset)
         if expected is None:
@@ -215,7 +212,7 @@ def _verify_item(
         elif expected.blocked:
             _verify_blocked(f, item, expected, report)
         elif _digest(f, report, item.length) != expected.digest:
-            problem(f"checksum mismatch ({ALGORITHM})")
+            report.problems.append(_at(item, f"checksum mismatch ({ALGORITHM})"))
 
 
 def _verify_blocked(
@@ -233,16 +230,12 @@ def _verify_blocked(
             report.problems.append(Problem(item.file, msg, item.key, b0, b0 + n))
     tail = f.read(item.length - expected.data_off - expected.data_len)
     report.bytes += len(head) + len(tail)
-    h = new_hasher()
-    h.update(head)
-    h.update(tail)
-    if h.intdigest() != expected.digest:
+    if checksum(head + tail) != expected.digest:  # the records before and after the data
         msg = (
             f"checksum mismatch ({ALGORITHM}) in the item's records around its data "
             f"(bytes {item.offset}-{data_start} or after {data_start + expected.data_len})"
         )
-        end = item.offset + item.length
-        report.problems.append(Problem(item.file, msg, item.key, item.offset, end))
+        report.problems.append(_at(item, msg))
 
 
 def _decode_tensor(payload: bytes, item: _storage.StoredItem, report: VerifyReport) -> None:
@@ -254,9 +247,7 @@ def _decode_tensor(payload: bytes, item: _storage.StoredItem, report: VerifyRepo
         if not isinstance(value, torch.Tensor):
             raise CheckpointingException(f"expected a tensor, got {type(value).__name__}")
     except CheckpointingException as e:
-        report.problems.append(
-            Problem(item.file, str(e), item.key, item.offset, item.offset + item.length)
-        )
+        report.problems.append(_at(item, str(e)))
 
 
 def _verify_local(ckpt: Path, report: VerifyReport) -> None:
@@ -266,12 +257,11 @@ def _verify_local(ckpt: Path, report: VerifyReport) -> None:
         return
     for part in parts:
         report.items += 1
-        rel = str(part.path.relative_to(ckpt))
         try:
             report.bytes += part.path.stat().st_size
             _storage.read_local_part(part)
         except (CheckpointingException, OSError) as e:
-            report.problems.append(Problem(rel, str(e)))
+            report.problems.append(Problem(str(part.path.relative_to(ckpt)), str(e)))
 
 
 def summarize(report: VerifyReport) -> Tuple[str, List[str]]:
