@@ -104,12 +104,8 @@ def _register_teardown() -> None:
 
 
 def _teardown() -> None:
-    """At exit: stops the library's background work, then destroys its process groups.
-
-    A gloo worker thread that drops its last tensor reference after interpreter
-    finalization began aborts the process ("terminate called without an active
-    exception"); destroying our groups here joins those threads while the interpreter works.
-    """
+    """At exit: stops the library's background work, then destroys its process groups (so
+    gloo threads end before interpreter finalization, which would abort the process)."""
     global _coordination, _coordination_key
     for fn in list(_teardown_fns):
         try:
@@ -302,13 +298,8 @@ def error_report(error: Optional[BaseException]) -> Optional[Tuple[str, str]]:
 def raise_on_reported_errors(
     reports: List[Optional[Tuple[str, str]]], error: Optional[BaseException], what: str
 ) -> None:
-    """Raises on this rank if any rank's report (see `error_report`) is a failure; every
-    rank holding the same `reports` raises, without a further collective.
-
-    Raises:
-        CheckpointingException: of the failing rank's class when it is one of ours (else
-            `DistributedFailureError`), naming each failing rank and its cause.
-    """
+    """Raises (the failing rank's class if ours, else `DistributedFailureError`, naming each
+    failing rank and cause) if any rank's report is a failure; no further collective."""
     failed: List[Tuple[int, Tuple[str, str]]] = [
         (rank, rep) for rank, rep in enumerate(reports) if rep is not None
     ]

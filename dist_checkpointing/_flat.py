@@ -23,12 +23,8 @@ Box = Tuple[Tuple[int, ...], Tuple[int, ...], int]  # offset in the piece, shape
 
 
 def flat_range_boxes(shape: Tuple[int, ...], start: int, stop: int) -> List[Box]:
-    """Splits the flat range `[start, stop)` of a row-major `shape` into boxes.
-
-    Returns:
-        `(offset, box_shape, flat_start)` triples in flat order, covering the range exactly
-        once; each covers flat indices `[flat_start, flat_start + prod(box_shape))`.
-    """
+    """Splits the flat range `[start, stop)` of a row-major `shape` into boxes: `(offset,
+    box_shape, flat_start)` triples in flat order, covering the range exactly once."""
     if start >= stop:
         return []
     if not shape:

@@ -11,12 +11,8 @@ __all__ = ["check_key_is_safe_relative_path", "safe_join"]
 
 
 def check_key_is_safe_relative_path(key: str, what: str = "key") -> None:
-    """Checks that `key` (named `what` in messages) is a safe path relative to a checkpoint.
-
-    Raises:
-        CheckpointingException: if the key is empty, absolute, contains a NUL byte or a
-            backslash, or has an empty, `.` or `..` path component.
-    """
+    """Raises `CheckpointingException` unless `key` (named `what` in messages) is a safe
+    relative path: non-empty, not absolute, no NUL or backslash, no empty/`.`/`..` part."""
     if not isinstance(key, str) or not key:
         raise CheckpointingException(f"Invalid {what} {key!r}: must be a non-empty string")
     if "\x00" in key or "\\" in key:
@@ -31,11 +27,7 @@ def check_key_is_safe_relative_path(key: str, what: str = "key") -> None:
 
 
 def safe_join(root: str | os.PathLike[str], key: str, suffix: str = "") -> Path:
-    """Joins `key + suffix` (suffix on the last component) under `root`.
-
-    Raises:
-        CheckpointingException: if the key is unsafe or resolves outside `root`.
-    """
+    """Joins `key + suffix` under `root`; raises `CheckpointingException` if unsafe."""
     check_key_is_safe_relative_path(key)
     root_path = Path(root)
     path = root_path.joinpath(*key.split("/"))

@@ -17,11 +17,8 @@ SHOW_AFTER_S = 3.0
 
 @contextlib.contextmanager
 def byte_progress(desc: str, total: int) -> Iterator[Optional[Callable[[int], None]]]:
-    """Yields a thread-safe `advance(nbytes)` driving a tqdm bar of `total` bytes, or None.
-
-    The bar shows on rank 0 only, when stderr is a terminal, after `SHOW_AFTER_S` seconds,
-    and is removed at the end.
-    """
+    """Yields a thread-safe `advance(nbytes)` driving a tqdm bar of `total` bytes (rank 0, on
+    a terminal, after `SHOW_AFTER_S` s; removed at the end), or None."""
     if total <= 0 or _dist.get_rank() != 0 or not sys.stderr.isatty():
         yield None
         return

@@ -37,14 +37,8 @@ def _refusal_reason(message: str) -> str:
 def torch_load(
     source: Union[str, os.PathLike[str], BinaryIO, io.BytesIO], what: str, weights_only: bool = True
 ) -> Any:
-    """Loads a `torch.save` payload onto the CPU, translating failures.
-
-    `what` names the payload in messages; `weights_only=False` allows arbitrary unpickling.
-
-    Raises:
-        UnsafeCheckpointError: the payload holds objects outside the safe allowlist.
-        CheckpointCorruptedError: the payload is missing, truncated or malformed.
-    """
+    """Loads a `torch.save` payload (named `what`) onto the CPU; raises `UnsafeCheckpointError`
+    outside the allowlist (unless not `weights_only`), else `CheckpointCorruptedError`."""
     if weights_only:
         ensure_registered()
     try:

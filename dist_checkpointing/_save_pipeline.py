@@ -119,14 +119,8 @@ def agree_on_preparation(
     validate_access_integrity: bool,
     preprocess_common: Optional[Callable[[CommonStateDict], StateDict]],
 ) -> SavePlan:
-    """Collective: agrees on preparation failures, then checks the global sharding, distributed
-    by key (`_sharding_agreement`; skipped on every rank when no rank's shards changed since
-    the last check that passed).
-
-    Raises:
-        CheckpointingException: on every rank, if preparation failed on any rank.
-        ShardingIntegrityError: the shards do not form valid global tensors.
-    """
+    """Collective: agrees on preparation failures (raising on every rank), then checks the
+    global sharding by key (`_sharding_agreement`; skipped when no rank's shards changed)."""
     agreement = run_protocol(
         agreement_protocol(
             _dist.get_rank(),

@@ -66,16 +66,9 @@ def compatible_strategies(c: CheckpointingConfig, sharded: Any, common: Any) -> 
 def select_load_strategies(
     ckpt: Path, sharded_strategy: Any, common_strategy: Any
 ) -> Tuple[LoadShardedStrategy, LoadCommonStrategy, Optional[StateDict]]:
-    """Collective: the load strategies for `ckpt` and its common state, agreed on in one
-    exchange. A rank whose node lost a node-local checkpoint adopts the other ranks' record
-    (its part can be fetched from a replica holder); otherwise every rank raises.
-
-    Returns:
-        `(sharded strategy, common strategy, common state)` (None for node-local ones).
-
-    Raises:
-        CheckpointingException: on every rank, where any rank failed.
-    """
+    """Collective: `(sharded, common strategy, common state (None if node-local))` for `ckpt`,
+    agreed in one exchange; a rank missing a node-local checkpoint adopts the others' record,
+    other failures raise `CheckpointingException` on every rank."""
     found: Optional[Tuple[LoadShardedStrategy, LoadCommonStrategy]] = None
     error: Optional[BaseException] = None
     config = None

@@ -80,22 +80,15 @@ def diff(x1: Any, x2: Any, prefix: KeyPath = ()) -> Tuple[List[KeyPath], List[Ke
     only_left: List[KeyPath] = []
     only_right: List[KeyPath] = []
     mismatch: List[Any] = []
+    children: List[Tuple[Any, Any, Any]] = []
     if isinstance(x1, dict) and isinstance(x2, dict):
         only_left = [prefix + (k,) for k in x1.keys() - x2.keys()]
         only_right = [prefix + (k,) for k in x2.keys() - x1.keys()]
-        for k in x1.keys() & x2.keys():
-            left, right, mis = diff(x1[k], x2[k], prefix + (k,))
-            only_left += left
-            only_right += right
-            mismatch += mis
+        children = [(k, x1[k], x2[k]) for k in x1.keys() & x2.keys()]
     elif isinstance(x1, list) and isinstance(x2, list):
         only_left = [prefix + (i,) for i in range(len(x2), len(x1))]
         only_right = [prefix + (i,) for i in range(len(x1), len(x2))]
-        for i, (v1, v2) in enumerate(zip(x1, x2)):
-            left, right, mis = diff(v1, v2, prefix + (i,))
-            only_left += left
-            only_right += right
-            mismatch += mis
+        children = [(i, v1, v2) for i, (v1, v2) in enumerate(zip(x1, x2))]
     else:
         if isinstance(x1, torch.Tensor) and isinstance(x2, torch.Tensor):
             equal = (
@@ -112,6 +105,11 @@ def diff(x1: Any, x2: Any, prefix: KeyPath = ()) -> Tuple[List[KeyPath], List[Ke
                 equal = False
         if not equal:
             mismatch.append((prefix, type(x1), type(x2)))
+    for k, v1, v2 in children:
+        left, right, mis = diff(v1, v2, prefix + (k,))
+        only_left += left
+        only_right += right
+        mismatch += mis
     return only_left, only_right, mismatch
 
 
@@ -162,14 +160,12 @@ def merge(x1: Any, x2: Any, key: KeyPath = ()) -> Any:
     if isinstance(x1, dict) and isinstance(x2, dict):
         for k, v2 in x2.items():
             x1[k] = merge(x1[k], v2, key + (k,)) if k in x1 else v2
-    elif isinstance(x1, list) and isinstance(x2, list):
-        if len(x1) != len(x2):
+    elif isinstance(x1, list) and isinstance(x2, (dict, list)):
+        if isinstance(x2, list) and len(x1) != len(x2):
             raise ValueError(
                 f"Cannot merge lists of lengths {len(x1)} and {len(x2)} at key path {key}"
             )
-        for i, v2 in enumerate(x2):
-            x1[i] = merge(x1[i], v2, key + (i,))
-    elif isinstance(x1, list) and isinstance(x2, dict):
+        x2 = x2 if isinstance(x2, dict) else dict(enumerate(x2))
         for k, v2 in x2.items():
             if not isinstance(k, int) or not 0 <= k < len(x1):
                 raise ValueError(f"Cannot merge dict key {k!r} into a list at key path {key}")

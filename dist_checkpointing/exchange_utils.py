@@ -100,9 +100,7 @@ def without_data(sh: ShardedTensor) -> ShardedTensor:
 
 
 def compute_distribution(
-    sharded: ShardedStateDict,
-    group: Optional[dist.ProcessGroup],
-    only_main_replicas: bool = False,
+    sharded: ShardedStateDict, group: Optional[dist.ProcessGroup], only_main_replicas: bool = False
 ) -> ShardDistribution:
     """Collective over all ranks (each passing its own group, None: all ranks): the
     byte-balanced distribution of the ShardedTensors with data, the same on the group's ranks.

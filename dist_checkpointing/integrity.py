@@ -179,11 +179,8 @@ class Checksums:
         return self.ranges.get(name)
 
     def expected_range(self, name: str, offset: int, length: int, where: str) -> Optional[ItemSum]:
-        """The digests of an item, or None when the file's items were not recorded.
-
-        Raises:
-            CheckpointCorruptedError: the file's items are recorded but not this one.
-        """
+        """The digests of an item, or None when the file's items were not recorded; raises
+        `CheckpointCorruptedError` if they are recorded but not this one."""
         table = self.item_sums(name)
         if table is None:
             return None
@@ -251,16 +248,10 @@ class Checksums:
 
 
 def _encode_item(item: ItemSum) -> list:
+    head = [item.length, f"{item.digest:016x}"]
     if not item.blocked:
-        return [item.length, f"{item.digest:016x}"]
-    return [
-        item.length,
-        f"{item.digest:016x}",
-        item.data_off,
-        item.data_len,
-        item.block,
-        [f"{b:016x}" for b in item.blocks],
-    ]
+        return head
+    return head + [item.data_off, item.data_len, item.block, [f"{b:016x}" for b in item.blocks]]
 
 
 def _decode_item(v: Any) -> ItemSum:

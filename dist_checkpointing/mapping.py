@@ -40,9 +40,7 @@ logger = logging.getLogger(__name__)
 
 def is_main_replica(replica_id: ReplicaId) -> bool:
     """Whether `replica_id` marks the main replica (0, or all zeros): the copy that is saved."""
-    if isinstance(replica_id, int):
-        return replica_id == 0
-    return all(r == 0 for r in replica_id)
+    return replica_id == 0 if isinstance(replica_id, int) else all(r == 0 for r in replica_id)
 
 
 class ShardedBase(ABC):
@@ -467,14 +465,12 @@ def apply_factory_merges(x1: Any, x2: Any, key: Tuple[Any, ...] = ()) -> Any:
                     f"Factory key {key + (k,)} is missing from the loaded state dict"
                 )
             x1[k] = apply_factory_merges(x1[k], v2, key + (k,))
-    elif isinstance(x1, list) and isinstance(x2, list):
-        if len(x1) != len(x2):
+    elif isinstance(x1, list) and isinstance(x2, (dict, list)):
+        if isinstance(x2, list) and len(x1) != len(x2):
             raise CheckpointingException(
                 f"Cannot apply factory merges to lists of lengths {len(x1)} and {len(x2)} at {key}"
             )
-        for i, v2 in enumerate(x2):
-            x1[i] = apply_factory_merges(x1[i], v2, key + (i,))
-    elif isinstance(x1, list) and isinstance(x2, dict):
+        x2 = x2 if isinstance(x2, dict) else dict(enumerate(x2))
         for k, v2 in x2.items():
             if not isinstance(k, int) or not 0 <= k < len(x1):
                 raise CheckpointingException(f"Invalid list index {k!r} for factory merge at {key}")

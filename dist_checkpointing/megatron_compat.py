@@ -157,7 +157,7 @@ def _convert(x: Any, path: Tuple[Any, ...]) -> Any:
     if isinstance(x, tuple):
         # tuples are saved whole as common state: nothing sharded may hide in them
         for i, v in enumerate(x):
-            if looks_sharded(v) or isinstance(v, (dict, list, tuple)) and _has_sharded(v):
+            if _has_sharded(v):
                 raise _unsupported(v, f"{where}[{i}]", "sharded leaves inside a tuple")
         return x
     if isinstance(x, _OURS):

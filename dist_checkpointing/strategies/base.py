@@ -13,11 +13,7 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 
 from .._types import ShardedStateDict, StateDict
 from ..async_save import AsyncRequest
-from ..errors import (
-    CheckpointingException,
-    IncompatibleCheckpointError,
-    StrategyNotFoundError,
-)
+from ..errors import CheckpointingException, IncompatibleCheckpointError, StrategyNotFoundError
 
 __all__ = [
     "StrategyAction",

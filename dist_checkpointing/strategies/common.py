@@ -79,12 +79,8 @@ class TorchCommonSaveStrategy(SaveCommonStrategy):
             return []
         buf = io.BytesIO()
         torch.save(common_state_dict, buf)
-        return [
-            (
-                write_bytes_atomically,
-                (buf.getvalue(), str(Path(checkpoint_dir) / COMMON_STATE_FNAME)),
-            )
-        ]
+        path = str(Path(checkpoint_dir) / COMMON_STATE_FNAME)
+        return [(write_bytes_atomically, (buf.getvalue(), path))]
 
     def save_sharded_objects(
         self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir

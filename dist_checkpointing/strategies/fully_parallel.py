@@ -38,11 +38,7 @@ from .base import (
     SaveShardedStrategy,
 )
 
-__all__ = [
-    "FullyParallelSaveStrategyWrapper",
-    "FullyParallelLoadStrategyWrapper",
-    "EXCHANGE_ALGOS",
-]
+__all__ = ["FullyParallelSaveStrategyWrapper", "FullyParallelLoadStrategyWrapper", "EXCHANGE_ALGOS"]
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +100,14 @@ class _Wrapper:
     def __str__(self) -> str:
         return f"FullyParallel({self.base_strategy})"
 
+    def _wrap(self, strategy: Any, base: type, node_local: type, what: str) -> None:
+        if not isinstance(strategy, base) or isinstance(strategy, node_local):
+            raise CheckpointingException(
+                f"FullyParallel{what.capitalize()}StrategyWrapper needs a shared-storage sharded "
+                f"{what} strategy, got {strategy}"
+            )
+        self.base_strategy = strategy
+
 
 class FullyParallelSaveStrategyWrapper(_Wrapper, AsyncSaveShardedStrategy):
     """Spreads the writing of replicated shards over `parallelization_group`, then saves.
@@ -121,15 +125,8 @@ class FullyParallelSaveStrategyWrapper(_Wrapper, AsyncSaveShardedStrategy):
         parallelization_group: Optional[dist.ProcessGroup] = None,
         do_cache_distribution: bool = False,
     ) -> None:
-        if not isinstance(strategy, SaveShardedStrategy) or isinstance(
-            strategy, NodeLocalSaveShardedStrategy
-        ):
-            raise CheckpointingException(
-                f"FullyParallelSaveStrategyWrapper needs a shared-storage sharded save "
-                f"strategy, got {strategy}"
-            )
+        self._wrap(strategy, SaveShardedStrategy, NodeLocalSaveShardedStrategy, "save")
         super().__init__(strategy.backend, strategy.version)
-        self.base_strategy = strategy
         self.parallelization_group = parallelization_group
         self._cache = _DistributionCache(do_cache_distribution)
 
@@ -203,19 +200,12 @@ class FullyParallelLoadStrategyWrapper(_Wrapper, LoadShardedStrategy):
         do_cache_distribution: bool = False,
         exchange_algo: str = "broadcast",
     ) -> None:
-        if not isinstance(strategy, LoadShardedStrategy) or isinstance(
-            strategy, NodeLocalLoadShardedStrategy
-        ):
-            raise CheckpointingException(
-                f"FullyParallelLoadStrategyWrapper needs a shared-storage sharded load "
-                f"strategy, got {strategy}"
-            )
+        self._wrap(strategy, LoadShardedStrategy, NodeLocalLoadShardedStrategy, "load")
         if exchange_algo not in EXCHANGE_ALGOS:
             raise CheckpointingException(
                 f"FullyParallelLoadStrategyWrapper: unknown exchange_algo {exchange_algo!r}; "
                 f"megatron-core's names are {EXCHANGE_ALGOS} (each exchanges point to point here)"
             )
-        self.base_strategy = strategy
         self.parallelization_group = parallelization_group
         self.exchange_algo = exchange_algo
         self._cache = _DistributionCache(do_cache_distribution)
