@@ -32,6 +32,7 @@ structure, `load_open_plan_s`: a rank's metadata open and read planning) and
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -188,6 +189,9 @@ def _ours_finalize_and_load(layout: Any) -> Dict[str, Any]:
         out["finalize_coordinator_s"] = cpu[0] + time.process_time() - t0
         out["metadata_bytes"] = sum(p.stat().st_size for p in Path(tmp).iterdir())
         times, opens = [], []
+        # the simulation's objects are not a loading rank's: keep collections of them out
+        gc.collect()
+        gc.freeze()
         for r in sorted({0, world - 1}):
             recs = layout.rank_records(r)
             t0 = time.process_time()

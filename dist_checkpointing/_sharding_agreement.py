@@ -1,21 +1,16 @@
-"""The agreement that starts every save (and a validated load): failures, the job's sharding
-digest, and the sharding check distributed by key, as one `coordination` protocol.
+"""The agreement that starts every save (and a validated load), as one `coordination` protocol.
 
-1. One sum over ranks carries: whether this rank failed to prepare, four lanes of a digest
-   of `(rank, this rank's shard records)` (their sums identify the whole job's sharding),
-   two lanes that tell whether every rank's common state is the same, and whether this
-   rank's records changed since the last validation it took part in.
+1. One sum carries each rank's failure flag, four lanes of a digest of `(rank, its shard
+   records)` (the sums identify the job's sharding), two lanes comparing the common state,
+   and whether the rank's records changed since the last check that passed.
 2. Any failure: the reports are gathered at rank 0 and broadcast; every rank raises.
-3. No rank's records changed since a validation that passed (and none asks to skip it):
-   done. Otherwise every rank sends each main-replica record to the rank that owns its key
-   (a hash of the key), and one record per key, dtype and global shape of its other
-   replicas (all the checks read of those) to an aggregator that forwards each kind once to
-   the owner; each owner checks its keys (`_sharding_records.key_problems`), the problem
-   count is summed, and where it is not zero the problems are gathered at rank 0 and its
-   message broadcast: every rank raises the same `ShardingIntegrityError`.
+3. Nothing changed anywhere: done. Otherwise main-replica records go to their key's owner
+   (a hash of the key) and, of other replicas, one record per key, dtype and shape goes
+   through an aggregator for a group of about sqrt(world) ranks; owners check their keys
+   (`_sharding_records.key_problems`), the problem count is summed, and any problems are
+   gathered at rank 0, whose message every rank raises as `ShardingIntegrityError`.
 
-No step makes a rank receive data proportional to world x tensors: the sums are fixed-size
-and an owner receives the records of the keys it owns.
+No rank receives data proportional to world x tensors.
 """
 
 from __future__ import annotations

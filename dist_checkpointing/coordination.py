@@ -18,7 +18,7 @@ import gc
 import pickle
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, Generator, List, Mapping, Optional, Sequence, Tuple, TypeVar
+from typing import Any, Dict, Generator, List, Mapping, Sequence, Tuple, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -86,8 +86,8 @@ def run(protocol: Protocol[T], group: Any = None) -> T:
 
 
 def _execute(op: Op, group: Any) -> Any:
-    if not _dist.is_distributed():
-        return _alone(op)
+    if not _dist.is_distributed():  # the only rank: as simulated
+        return _deliver([op], SimStats([0.0]))[0]
     if isinstance(op, Gather):
         return _dist.gather_object(op.data, op.root, group)
     if isinstance(op, Broadcast):
@@ -100,18 +100,6 @@ def _execute(op: Op, group: Any) -> Any:
             return tuple(int(v) for v in t.tolist())
         if isinstance(op, AllToAll):
             return _all_to_all(op.messages, g)
-    raise TypeError(f"not a coordination operation: {op!r}")
-
-
-def _alone(op: Op) -> Any:
-    if isinstance(op, AllReduceSum):
-        return tuple(op.values)
-    if isinstance(op, AllToAll):
-        return {0: op.messages[0]} if 0 in op.messages else {}
-    if isinstance(op, Gather):
-        return [op.data]
-    if isinstance(op, Broadcast):
-        return op.data
     raise TypeError(f"not a coordination operation: {op!r}")
 
 
@@ -277,8 +265,3 @@ class _PlainUnpickler(pickle.Unpickler):
 
     def find_class(self, module: str, name: str) -> Any:
         raise pickle.UnpicklingError(f"coordination messages carry no globals ({module}.{name})")
-
-
-def first_error(reports: Sequence[Optional[str]]) -> Optional[str]:
-    """The first non-empty report, by rank (for messages naming where a failure happened)."""
-    return next((r for r in reports if r), None)

@@ -222,8 +222,8 @@ class SaveFinalizer:
                 rank's error when it is one).
         """
         opts = (dedup, checksums, start)
-        stats = (len(results), sum(r.size_in_bytes for r in results),
-                 len({str(r.storage_data.relative_path) for r in results}))  # fmt: skip
+        files = {str(r.storage_data.relative_path) for r in results}
+        stats = (len(results), sum(r.size_in_bytes for r in results), len(files))
         report = digest = b""
         if error is None:
             try:

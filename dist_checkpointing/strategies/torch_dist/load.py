@@ -3,6 +3,9 @@
 Collective: every rank reads the metadata of the keys it asks for (`metadata_file`'s load
 index), plans reads for exactly the regions it asked for (`plan.plan_tensor_reads`), and
 reads each needed chunk once (`reader`).
+
+Over 400 lines: the strategy's metadata-only loads (`load_tensors_metadata`, ...) share its
+checks of stored keys, shapes and dtypes.
 """
 
 from __future__ import annotations
@@ -24,12 +27,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import ReadItem
 
-from ..._dist import (
-    all_gather_object,
-    error_report,
-    get_rank,
-    raise_on_reported_errors,
-)
+from ..._dist import all_gather_object, error_report, get_rank, raise_on_reported_errors
 from ..._progress import byte_progress
 from ..._safe_load import torch_load
 from ..._types import ShardedStateDict, StateDict

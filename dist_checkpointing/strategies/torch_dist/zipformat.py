@@ -193,8 +193,14 @@ def zip_item_layout(
 _STORAGE_DTYPES = {name: dtype for dtype, name in STORAGE_CLASS.items()}
 #: what a damaged or unexpected item raises while it is parsed (then: not the plain layout)
 _PARSE_ERRORS = (
-    pickle.UnpicklingError, KeyError, ValueError, TypeError, AttributeError, struct.error, EOFError
-)  # fmt: skip
+    pickle.UnpicklingError,
+    KeyError,
+    ValueError,
+    TypeError,
+    AttributeError,
+    struct.error,
+    EOFError,
+)
 
 
 @dataclass(frozen=True)
