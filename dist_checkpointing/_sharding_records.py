@@ -89,11 +89,6 @@ def _first_overlap(starts: np.ndarray, ends: np.ndarray) -> Optional[Tuple[int, 
 def _tensor_problems(key: str, shards: List[Tuple[int, ShardRecord]]) -> List[str]:
     rank0, ref = shards[0]
     for rank, sh in shards[1:]:
-        if sh.global_shape != ref.global_shape:
-            return [
-                f"{key!r}: global_shape {sh.global_shape} on rank {rank} differs from "
-                f"{ref.global_shape} on rank {rank0}"
-            ]
         if sh.dtype != ref.dtype:
             return [
                 f"{key!r}: dtype {sh.dtype} on rank {rank} differs from {ref.dtype} on rank {rank0}"
@@ -128,13 +123,7 @@ def _tensor_problems(key: str, shards: List[Tuple[int, ShardRecord]]) -> List[st
 
 
 def _object_problems(key: str, shards: List[Tuple[int, ShardRecord]]) -> List[str]:
-    rank0, ref = shards[0]
-    for rank, sh in shards[1:]:
-        if sh.global_shape != ref.global_shape:
-            return [
-                f"ShardedObject {key!r}: global_shape {sh.global_shape} on rank {rank} differs "
-                f"from {ref.global_shape} on rank {rank0}"
-            ]
+    ref = shards[0][1]
     seen: Dict[Tuple[int, ...], int] = {}
     for rank, sh in shards:
         if sh.replica_id != 0:
@@ -163,6 +152,14 @@ def key_problems(key: str, shards: List[Tuple[int, ShardRecord]]) -> List[str]:
     kinds = {sh.kind for _, sh in shards}
     if len(kinds) > 1:
         return [f"{key!r} is used both as a ShardedTensor and a ShardedObject"]
+    rank0, ref = shards[0]
+    for rank, sh in shards[1:]:
+        if sh.global_shape != ref.global_shape:
+            what = "ShardedObject " if ref.kind == "o" else ""
+            return [
+                f"{what}{key!r}: global_shape {sh.global_shape} on rank {rank} differs from "
+                f"{ref.global_shape} on rank {rank0}"
+            ]
     if kinds == {"t"}:
         return _tensor_problems(key, shards)
     return _object_problems(key, shards)
