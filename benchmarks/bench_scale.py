@@ -44,7 +44,7 @@ import threading
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
-from benchmarks.scale_layouts import LAYOUTS, make_layout
+from benchmarks.scale_layouts import LAYOUTS, make_layout, resharded
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SYSTEMS = ("ours", "dcp", "megatron")
@@ -54,6 +54,7 @@ FIELDS = (
     "warm_save_s",
     "max_recv_bytes",
     "load_open_plan_s",
+    "load_open_plan_resharded_s",
 )
 COLUMNS = [
     "system",
@@ -64,6 +65,7 @@ COLUMNS = [
     "warm_save_s",
     "max_recv_MiB",
     "load_open_plan_s",
+    "load_open_plan_resharded_s",
     "timed_out",
     "note",
 ]
@@ -84,6 +86,13 @@ def _ours(layout: Any) -> Dict[str, Any]:
     """Our save agreement for every rank, cold then warm, through the simulator; then the
     save's finalization (reports, metadata files) and a rank's load open and plan."""
     out = _ours_sharding(layout)
+    _emit("partial", out)
+    fp = _ours_fully_parallel(layout)
+    out.update(fp)
+    out["save_coordinator_s"] += fp["fp_distribution_cpu_s"][0]
+    out["save_other_max_s"] += max(fp["fp_distribution_cpu_s"][1:], default=0.0)
+    out["max_recv_bytes"] = max(out["max_recv_bytes"], fp["fp_max_recv_bytes"])
+    del fp["fp_distribution_cpu_s"], out["fp_distribution_cpu_s"]
     _emit("partial", out)
     fin = _ours_finalize_and_load(layout)
     out.update(fin)
@@ -131,6 +140,49 @@ def _ours_sharding(layout: Any) -> Dict[str, Any]:
     warm = save()
     out["warm_save_s"] = max(warm.cpu_s)
     out["warm_max_recv_bytes"] = warm.max_recv_bytes
+    return out
+
+
+def _ours_fully_parallel(layout: Any) -> Dict[str, Any]:
+    """The fully parallel wrappers' coordination over data-parallel groups (megatron's
+    default): who writes each main replica on save (`distribution_protocol`), then, on load,
+    who reads each shard and the plan of the exchange that sends it to the others
+    (`exchange_plan_protocol`)."""
+    from dist_checkpointing.coordination import simulate
+    from dist_checkpointing.exchange_utils import distribution_protocol, exchange_plan_protocol
+
+    world, tp, dp = layout.world, layout.tp, layout.dp
+
+    def group(rank: int) -> List[int]:
+        t, _, pp = layout.coords(rank)
+        return [t + tp * (d + dp * pp) for d in range(dp)]
+
+    def shards(rank: int) -> Dict[Any, Tuple[int, bool]]:
+        size = {"bfloat16": 2, "float32": 4}
+        return {
+            (r.key, r.global_offset): (math.prod(r.local_shape) * size[r.dtype], r.is_main_replica)
+            for r in layout.iter_records(rank)
+        }
+
+    gc.collect()
+    protos = [distribution_protocol(r, group(r), shards(r), True) for r in range(world)]
+    savers, save = simulate(protos)
+    out: Dict[str, Any] = {"fp_distribution_cpu_s": save.cpu_s}
+    out["fp_save_distribution_max_s"] = max(save.cpu_s)
+    del protos
+    protos = [distribution_protocol(r, group(r), shards(r)) for r in range(world)]
+    readers, load = simulate(protos)
+    del protos, savers
+    have, need = [], []
+    for r in range(world):
+        held = {(x.key, x.global_offset): (x.local_shape, x.dtype) for x in layout.iter_records(r)}
+        have.append({sid: meta for sid, meta in held.items() if readers[r][sid] == r})
+        need.append(sorted(sid for sid in held if readers[r][sid] != r))
+    del readers
+    protos = [exchange_plan_protocol(r, world, have[r], need[r]) for r in range(world)]
+    _, plan = simulate(protos)
+    out["fp_load_coordination_max_s"] = max(a + b for a, b in zip(load.cpu_s, plan.cpu_s))
+    out["fp_max_recv_bytes"] = max(save.max_recv_bytes, load.max_recv_bytes, plan.max_recv_bytes)
     return out
 
 
@@ -188,26 +240,28 @@ def _ours_finalize_and_load(layout: Any) -> Dict[str, Any]:
         write_global_metadata(Path(tmp), reports, False)
         out["finalize_coordinator_s"] = cpu[0] + time.process_time() - t0
         out["metadata_bytes"] = sum(p.stat().st_size for p in Path(tmp).iterdir())
-        times, opens = [], []
+        times, opens, resharded_times = [], [], []
         # the simulation's objects are not a loading rank's: keep collections of them out
         gc.collect()
         gc.freeze()
-        for r in sorted({0, world - 1}):
-            recs = layout.rank_records(r)
-            t0 = time.process_time()
-            boxes: Dict[str, Any] = {}
-            for rec in recs:
-                boxes.setdefault(rec.key, []).append((rec.global_offset, rec.local_shape))
-            md = open_for_load(Path(tmp), sorted(boxes), None, boxes)
-            opens.append(time.process_time() - t0)
-            indices: Dict[str, Any] = {}
-            for slot, rec in enumerate(recs):
-                req = TensorRequest(rec.key, slot, rec.global_offset, rec.local_shape)
-                stored = md.state_dict_metadata[rec.key]
-                index = indices.setdefault(rec.key, ChunkIndex(stored))
-                plan_tensor_reads(req, stored, index=index)
-            times.append(time.process_time() - t0)
+        for target, timed in ((layout, times), (resharded(layout), resharded_times)):
+            for r in sorted({0, target.world - 1}):
+                recs = target.rank_records(r)
+                t0 = time.process_time()
+                boxes: Dict[str, Any] = {}
+                for rec in recs:
+                    boxes.setdefault(rec.key, []).append((rec.global_offset, rec.local_shape))
+                md = open_for_load(Path(tmp), sorted(boxes), None, boxes)
+                opens.append(time.process_time() - t0)
+                indices: Dict[str, Any] = {}
+                for slot, rec in enumerate(recs):
+                    req = TensorRequest(rec.key, slot, rec.global_offset, rec.local_shape)
+                    stored = md.state_dict_metadata[rec.key]
+                    index = indices.setdefault(rec.key, ChunkIndex(stored))
+                    plan_tensor_reads(req, stored, index=index)
+                timed.append(time.process_time() - t0)
         out["load_open_plan_s"] = max(times)
+        out["load_open_plan_resharded_s"] = max(resharded_times)
         out["load_open_s"] = max(opens)
     return out
 

@@ -52,7 +52,7 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 
-from benchmarks.scale_layouts import Layout, Record
+from benchmarks.scale_layouts import Layout, Record, resharded
 
 __all__ = ["run", "state_dict"]
 
@@ -241,23 +241,26 @@ def _load(layout: Layout, md_blob: bytes) -> Dict[str, Any]:
     """One rank's DCP load: unpickle `.metadata`, set up and run the local load plan."""
     real_init = _default_planner._init_state_dict
     _default_planner._init_state_dict = lambda sd: None  # only moves meta tensors to a device
+    times, sizes, resharded_times = [], [], []
     try:
-        times, sizes = [], []
-        for r in sorted({0, layout.world - 1}):
-            sd = state_dict(layout.rank_records(r))
-
-            def open_and_plan() -> Any:
-                metadata = pickle.loads(md_blob)  # FileSystemReader.read_metadata
-                planner = DefaultLoadPlanner()
-                planner.set_up_planner(sd, metadata, is_coordinator=r == 0)
-                return planner.create_local_plan()
-
-            plan, t = _cpu(open_and_plan)
-            times.append(t)
-            sizes.append(len(pickle.dumps(plan)))
+        for target, timed in ((layout, times), (resharded(layout), resharded_times)):
+            for r in sorted({0, target.world - 1}):
+                sd = state_dict(target.rank_records(r))
+                plan, t = _cpu(_open_and_plan, md_blob, sd, r == 0)
+                timed.append(t)
+                if target is layout:
+                    sizes.append(len(pickle.dumps(plan)))
     finally:
         _default_planner._init_state_dict = real_init
     return {
         "load_open_plan_s": max(times),
+        "load_open_plan_resharded_s": max(resharded_times),
         "load_gather_recv_bytes": layout.world * max(sizes),
     }
+
+
+def _open_and_plan(md_blob: bytes, sd: Dict[str, Any], is_coordinator: bool) -> Any:
+    metadata = pickle.loads(md_blob)  # FileSystemReader.read_metadata
+    planner = DefaultLoadPlanner()
+    planner.set_up_planner(sd, metadata, is_coordinator=is_coordinator)
+    return planner.create_local_plan()

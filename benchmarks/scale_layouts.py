@@ -35,16 +35,20 @@ expert count follow PP and EP):
 | 4,096 | tp8 pp16 dp32 | tp4 pp8 dp128 ep8 |
 | 16,384 | tp8 pp16 dp128 | tp4 pp8 dp512 ep8 |
 
+`resharded(layout)` is the same model at half the TP: the load benchmarks plan a rank's
+reads for both.
+
 Rank order is megatron's default (TP fastest, then DP, then PP):
 `rank = tp + TP * (dp + DP * pp)`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterator, List, NamedTuple, Tuple
 
-__all__ = ["LAYOUTS", "Layout", "Record", "make_layout"]
+__all__ = ["LAYOUTS", "Layout", "Record", "make_layout", "resharded"]
 
 
 class Record(NamedTuple):
@@ -248,6 +252,14 @@ LAYOUTS: Dict[str, Callable[[int], Layout]] = {
     "tp8-pp16-dp128": _gpt,
     "moe-tp4-pp8-ep8-dp512": _moe,
 }
+
+
+def resharded(layout: Layout) -> Layout:
+    """The same model with half the TP ranks (every TP-split shard twice as large, so a load
+    reads parts of two saved shards): a job resumed at a different layout."""
+    if layout.tp < 2:
+        raise ValueError(f"{layout.parallelism}: TP {layout.tp} cannot be halved")
+    return dataclasses.replace(layout, tp=layout.tp // 2, world=layout.world // 2)
 
 
 def make_layout(name: str, world: int) -> Layout:

@@ -7,15 +7,19 @@ collective) and `exchange_shards` sends it to the others.
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import zlib
+from collections import defaultdict
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
-from . import _dist
+from . import _dist, coordination
 from ._types import ShardedStateDict
+from .coordination import AllReduceSum, AllToAll, Broadcast, Gather, Protocol
 from .dict_utils import nested_values
 from .errors import CheckpointingException
 from .mapping import ShardedTensor, is_main_replica
@@ -27,9 +31,10 @@ __all__ = [
     "group_ranks",
     "distribute_shards_to_ranks",
     "compute_distribution",
+    "distribution_protocol",
+    "exchange_plan_protocol",
     "exchange_shards",
     "IN_FLIGHT_BYTES",
-    "distribute",
     "without_data",
 ]
 
@@ -81,17 +86,6 @@ def distribute_shards_to_ranks(
     return saver
 
 
-def distribute(holdings: List[Tuple[int, Dict[ShardId, int]]]) -> Dict[ShardId, int]:
-    """`distribute_shards_to_ranks` for `[(rank, {shard: bytes held})]` per rank."""
-    holders: Dict[ShardId, List[int]] = {}
-    sizes: Dict[ShardId, int] = {}
-    for rank, shards in holdings:
-        for sid, nbytes in shards.items():
-            holders.setdefault(sid, []).append(rank)
-            sizes[sid] = max(sizes.get(sid, 0), nbytes)
-    return distribute_shards_to_ranks(holders, sizes, [rank for rank, _ in holdings])
-
-
 def without_data(sh: ShardedTensor) -> ShardedTensor:
     """`sh.without_data()`, typed as a ShardedTensor."""
     out = sh.without_data()
@@ -103,8 +97,9 @@ def compute_distribution(
     sharded: ShardedStateDict, group: Optional[dist.ProcessGroup], only_main_replicas: bool = False
 ) -> ShardDistribution:
     """Collective over all ranks (each passing its own group, None: all ranks): the
-    byte-balanced distribution of the ShardedTensors with data, the same on the group's ranks.
-    `only_main_replicas`: only shards whose main replica is in the group (a save).
+    byte-balanced distribution of this rank's ShardedTensors with data, the same on every
+    rank holding a shard (`distribution_protocol`). `only_main_replicas`: only shards whose
+    main replica is in the group (a save).
 
     Raises:
         CheckpointingException: ranks of the group disagree on its membership.
@@ -115,26 +110,165 @@ def compute_distribution(
         for sh in nested_values(sharded)
         if isinstance(sh, ShardedTensor) and sh.data is not None
     }
-    everyone = _dist.all_gather_object((ranks, mine))
-    for r in ranks:
-        if everyone[r][0] != ranks:
-            raise CheckpointingException(
-                f"Rank {_dist.get_rank()} and rank {r} disagree on the parallelization group: "
-                f"{ranks} vs {everyone[r][0]}"
+    protocol = distribution_protocol(_dist.get_rank(), ranks, mine, only_main_replicas)
+    return ShardDistribution(coordination.run(protocol), ranks)
+
+
+def _owner(sid: ShardId, ranks: Sequence[int]) -> int:
+    return ranks[zlib.crc32(repr(sid).encode()) % len(ranks)]
+
+
+def _digest(obj: Any) -> bytes:
+    return hashlib.blake2b(coordination.dumps(obj), digest_size=16).digest()
+
+
+def _fail_together(
+    problems: List[str], what: str, lanes: Tuple[int, ...] = ()
+) -> Protocol[Tuple[int, ...]]:
+    """Raises `CheckpointingException` on every rank if any rank has problems; else returns
+    the sums of `lanes` over ranks (carried by the same reduction)."""
+    count, *sums = yield AllReduceSum((len(problems), *lanes))
+    if count:
+        gathered = yield Gather(coordination.dumps(problems[:4]))
+        lines = [p for g in gathered or [] for p in coordination.loads(g)]
+        text = yield Broadcast(coordination.dumps("; ".join(lines)))
+        raise CheckpointingException(f"{what}: {coordination.loads(text)} ({count} in all)")
+    return tuple(sums)
+
+
+def distribution_protocol(
+    rank: int,
+    group: Sequence[int],
+    shards: Mapping[ShardId, Tuple[int, bool]],
+    only_main_replicas: bool = False,
+) -> Protocol[Dict[ShardId, int]]:
+    """One rank's side of `compute_distribution` (a `coordination` protocol).
+
+    1. Every rank sends its group's lowest rank (the leader) a digest of the group, a digest
+       of its shards and sizes, and the shards whose main replica it holds. Leaders check
+       that each member and only members sent the same group; the failures and the groups
+       whose members hold different shards are summed.
+    2. Every member of a group holds the same shards (the usual case): the leader returns the
+       shards with a main replica in the group and each rank balances its own shards over
+       the group with `distribute_shards_to_ranks`: the same inputs on every member, so the
+       same result.
+    3. Otherwise each shard's record goes to an owner in the group (a hash of its id), which
+       returns its holders; a rank balances each set of shards with the same holders over
+       those holders, all of whom hold all of them.
+
+    No rank receives data proportional to world x shards.
+
+    Args:
+        rank: this rank. group: the global ranks sharing the work (sorted, with `rank`).
+        shards: shard id -> (bytes, whether this rank holds its main replica).
+        only_main_replicas: leave out shards whose main replica is not in the group.
+
+    Returns:
+        shard id -> the rank that saves (or loads) it, for this rank's shards.
+    """
+    group = tuple(sorted(group))
+    leader, gdigest = group[0], _digest(group)
+    sizes = sorted((sid, n) for sid, (n, _) in shards.items())
+    mains = sorted(sid for sid, (_, main) in shards.items() if main)
+    received = yield AllToAll({leader: coordination.dumps((gdigest, _digest(sizes), mains))})
+    problems: List[str] = []
+    uniform, has_main = 1, []
+    if rank == leader:
+        members = {src: coordination.loads(msg) for src, msg in received.items()}
+        wrong = sorted(src for src, m in members.items() if m[0] != gdigest)
+        missing = sorted(set(group) - set(members))
+        if wrong or missing:
+            problems.append(
+                f"ranks {_dist.rank_ranges(wrong + missing)} disagree with rank {rank} on "
+                f"the parallelization group {_dist.rank_ranges(group)}"
             )
-    has_main = {sid for r in ranks for sid, (_, main) in everyone[r][1].items() if main}
-    holdings = [
-        (
-            r,
-            {
-                s: n
-                for s, (n, _) in everyone[r][1].items()
-                if not only_main_replicas or s in has_main
-            },
-        )
-        for r in ranks
-    ]
-    return ShardDistribution(distribute(holdings), ranks)
+        uniform = int(len({m[1] for m in members.values()}) == 1)
+        has_main = sorted({sid for m in members.values() for sid in m[2]})
+    what = "fully parallel shard distribution"
+    (split,) = yield from _fail_together(problems, what, (int(not uniform),))
+    if not split:
+        reply = coordination.dumps(has_main)
+        got = yield AllToAll({r: reply for r in group} if rank == leader else {})
+        main_here = set(coordination.loads(got[leader]))
+        keep = {sid: n for sid, n in sizes if not only_main_replicas or sid in main_here}
+        return distribute_shards_to_ranks({sid: group for sid in keep}, keep, group)
+    out: Dict[int, List[Any]] = defaultdict(list)
+    for sid, (n, main) in shards.items():
+        out[_owner(sid, group)].append((sid, n, main))
+    received = yield AllToAll({d: coordination.dumps(m) for d, m in out.items()})
+    holders: Dict[ShardId, List[Tuple[int, int, bool]]] = defaultdict(list)
+    for src, msg in received.items():
+        for sid, n, main in coordination.loads(msg):
+            holders[tuple(sid)].append((src, n, main))  # type: ignore[arg-type]
+    replies: Dict[int, Dict[Tuple[int, ...], List[Any]]] = defaultdict(lambda: defaultdict(list))
+    for sid, held in holders.items():
+        ranks = tuple(sorted(r for r, _, _ in held))
+        entry = (sid, max(n for _, n, _ in held), any(m for _, _, m in held))
+        for r in ranks:
+            replies[r][ranks].append(entry)
+    got = yield AllToAll({r: coordination.dumps(dict(by)) for r, by in replies.items()})
+    by_holders: Dict[Tuple[int, ...], Dict[ShardId, int]] = defaultdict(dict)
+    for msg in got.values():  # a set of holders' shards come from several owners
+        for ranks, entries in coordination.loads(msg).items():
+            for s, n, main in entries:
+                if main or not only_main_replicas:
+                    by_holders[ranks][tuple(s)] = n  # type: ignore[index]
+    saver: Dict[ShardId, int] = {}
+    for ranks, keep in by_holders.items():
+        saver.update(distribute_shards_to_ranks({s: ranks for s in keep}, keep, ranks))
+    return saver
+
+
+def exchange_plan_protocol(
+    rank: int,
+    world: int,
+    have: Mapping[ShardId, Tuple[Tuple[int, ...], str]],
+    need: Sequence[ShardId],
+) -> Protocol[List[Tuple[ShardId, int, int, Any]]]:
+    """One rank's side of planning `exchange_shards` (a `coordination` protocol): what each
+    shard's owner (a hash of its id) learns of its holders and of the ranks needing it.
+
+    Args:
+        have: the shards held here -> (shape, dtype name). need: the shards wanted here.
+
+    Returns:
+        This rank's transfers `(shard, source, destination, (shape, dtype name))` in the
+        order every rank uses (shard id, then destination).
+
+    Raises:
+        CheckpointingException: on every rank, when no rank holds a needed shard.
+    """
+    out: Dict[int, List[Any]] = defaultdict(list)
+    for sid, meta in have.items():
+        out[_owner(sid, range(world))].append((sid, meta))
+    for sid in need:
+        out[_owner(sid, range(world))].append((sid, None))
+    received = yield AllToAll({d: coordination.dumps(m) for d, m in out.items()})
+    source: Dict[ShardId, Tuple[int, Any]] = {}
+    wanted: Dict[ShardId, List[int]] = defaultdict(list)
+    for src in sorted(received):
+        for sid, meta in coordination.loads(received[src]):
+            if meta is None:
+                wanted[tuple(sid)].append(src)  # type: ignore[arg-type]
+            else:
+                source.setdefault(tuple(sid), (src, meta))  # type: ignore[arg-type]
+    lacking = sorted(sid for sid in wanted if sid not in source)
+    problems = [f"no rank holds shard {sid} requested by rank(s) {wanted[sid]}" for sid in lacking]
+    yield from _fail_together(problems, "shard exchange")
+    replies: Dict[int, List[Any]] = defaultdict(list)
+    for sid, dsts in wanted.items():
+        src, meta = source[sid]
+        for dst in dsts:
+            replies[src].append((sid, src, dst, meta))
+            if dst != src:
+                replies[dst].append((sid, src, dst, meta))
+    got = yield AllToAll({d: coordination.dumps(m) for d, m in replies.items()})
+    mine = {
+        (tuple(s), src, dst, tuple(meta))
+        for msg in got.values()
+        for s, src, dst, meta in coordination.loads(msg)
+    }
+    return sorted(mine, key=lambda t: (t[0], t[2]))  # type: ignore[return-value]
 
 
 def exchange_shards(
@@ -143,9 +277,10 @@ def exchange_shards(
     """Collective: fetches into `tensors` the wanted shards this rank lacks.
 
     Each shard comes from the lowest rank holding it, as a host tensor over the library's
-    gloo group. All ranks post non-blocking sends and receives in one global order (shard
-    id, then receiver), so buffers match messages and the earliest unfinished transfer
-    always has both ends posted (no deadlock); they wait every `IN_FLIGHT_BYTES`.
+    gloo group (`exchange_plan_protocol` finds the sources). Every rank posts its
+    non-blocking sends and receives in one global order (shard id, then receiver), so each
+    pair of ranks matches its messages in order and the earliest unfinished transfer always
+    has both ends posted (no deadlock); they wait every `IN_FLIGHT_BYTES`.
 
     `tensors` maps shard ids to the tensors held here (None: lacks); a wanted shard arrives
     in the first wanted ShardedTensor's `data` when it can, else on its `data` device.
@@ -162,19 +297,12 @@ def exchange_shards(
     for sh in wanted:
         if sh.data is not None:
             into.setdefault(shard_id(sh), sh.data)
-    have = {sid: (tuple(t.shape), t.dtype) for sid, t in tensors.items() if t is not None}
-    everyone = _dist.all_gather_object((have, need))
-    source: Dict[ShardId, int] = {}
-    for rank, (held, _) in enumerate(everyone):
-        for sid in sorted(held):
-            source.setdefault(sid, rank)
-    lacking = sorted({sid for _, needed in everyone for sid in needed if sid not in source})
-    if lacking:
-        raise CheckpointingException(
-            f"No rank holds shard(s) {lacking[:8]} requested by "
-            f"rank(s) {sorted(r for r, (_, n) in enumerate(everyone) if set(n) & set(lacking))}"
-        )
-    transfers = sorted((sid, rank) for rank, (_, needed) in enumerate(everyone) for sid in needed)
+    have = {
+        sid: (tuple(t.shape), str(t.dtype).removeprefix("torch."))
+        for sid, t in tensors.items()
+        if t is not None
+    }
+    plan = coordination.run(exchange_plan_protocol(me, _dist.get_world_size(), have, need))
     group = _dist._group(None)
     moved = 0
     host: Dict[ShardId, torch.Tensor] = {}  # one host copy per sent shard, for every receiver
@@ -192,8 +320,7 @@ def exchange_shards(
         received.clear()
         host.clear()
 
-    for sid, dst in transfers:
-        src = source[sid]
+    for sid, src, dst, (shape, dtype) in plan:
         if me == src:
             if sid not in host:
                 t = tensors[sid]
@@ -203,14 +330,11 @@ def exchange_shards(
                 pending.append(_posted(dist.isend(host[sid], dst=dst, group=group)))
             nbytes = host[sid].numel() * host[sid].element_size()
             moved += nbytes
-        elif me == dst:
-            shape, dtype = everyone[src][0][sid]
-            received[sid] = _receive_buffer(into.get(sid), shape, dtype)
+        else:
+            received[sid] = _receive_buffer(into.get(sid), shape, getattr(torch, dtype))
             with _dist._collective("shard exchange"):
                 pending.append(_posted(dist.irecv(received[sid], src=src, group=group)))
             nbytes = received[sid].numel() * received[sid].element_size()
-        else:
-            continue
         in_flight += nbytes
         if in_flight >= IN_FLIGHT_BYTES:
             finish_window()

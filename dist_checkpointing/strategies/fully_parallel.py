@@ -73,7 +73,7 @@ class _DistributionCache:
                 ]
             )
             fresh = fingerprint == self.fingerprint and self.distribution is not None
-            if all(_dist.all_gather_object(fresh)):
+            if not _dist.all_reduce_max([int(not fresh)])[0]:
                 assert self.distribution is not None
                 return self.distribution
         distribution = _dist.run_collectively(

@@ -171,3 +171,34 @@ def saves_with_one_rank_changed(root: str) -> List[str]:
             if not torch.equal(got[k], full[k]):
                 problems.append(f"rank {me}: save {step} key {k} differs")
     return problems
+
+
+def grid_tensor(key: str, k: int, tp: int, t: int) -> torch.Tensor:
+    """Rows `4 t .. 4 t + 3` of `key`'s (4 tp, 8 (k + 1)) global tensor, as `grid_state` saves."""
+    cols = 8 * (k + 1)
+    return torch.arange(4 * tp * cols, dtype=torch.float32).reshape(4 * tp, cols)[4 * t : 4 * t + 4]
+
+
+def grid_state(tp: int, keys: int) -> Dict[str, Any]:
+    """This rank's ShardedTensors of `tests.unit.test_sharding_agreement.grid_records`'s
+    layout, with data: row blocks over `tp` ranks, replicated over world // tp."""
+    t, d = dist.get_rank() % tp, dist.get_rank() // tp
+    return {
+        f"layer{k}.weight": ShardedTensor.from_rank_offsets(
+            f"layer{k}.weight", grid_tensor(f"layer{k}.weight", k, tp, t), (0, t, tp), replica_id=d
+        )
+        for k in range(keys)
+    }
+
+
+def fully_parallel_grid_save(root: str, tp: int, keys: int) -> Dict[Any, int]:
+    """Saves `grid_state` with the fully parallel wrapper over all ranks; returns which rank
+    the real distribution chose to write each of this rank's shards."""
+    from dist_checkpointing.exchange_utils import compute_distribution
+    from dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+    from dist_checkpointing.strategies.torch_dist import TorchDistSaveShardedStrategy
+
+    state = grid_state(tp, keys)
+    strategy = FullyParallelSaveStrategyWrapper(TorchDistSaveShardedStrategy())
+    dc.save(state, root, sharded_strategy=strategy)
+    return compute_distribution(grid_state(tp, keys), None, True).saver

@@ -7,7 +7,6 @@ import torch
 
 from dist_checkpointing import ShardedObject, ShardedTensor
 from dist_checkpointing.errors import CheckpointingException
-from dist_checkpointing.exchange_utils import distribute as _distribute
 from dist_checkpointing.local._image import decode_image, finish_image, start_image
 from dist_checkpointing.tensor_aware_state_dict import MCoreTensorAwareStateDict
 from tests.local import _tasd_fns as F
@@ -68,15 +67,6 @@ def test_unknown_algo_and_missing_shard_are_named():
     request["x"] = ShardedTensor.from_rank_offsets("x", torch.zeros(2))
     with pytest.raises(CheckpointingException, match="'x'"):
         tasd.to_state_dict(request, validate_access_integrity=False)
-
-
-def test_distribution_balances_bytes_and_is_deterministic():
-    holdings = [(0, {("a", (0,)): 100, ("b", (0,)): 60}), (1, {("a", (0,)): 100, ("b", (0,)): 60})]
-    holdings[0][1][("c", (0,))] = 50
-    holdings[1][1][("c", (0,))] = 50
-    saver = _distribute(holdings)
-    assert saver == {("a", (0,)): 0, ("b", (0,)): 1, ("c", (0,)): 1}
-    assert _distribute(list(reversed(holdings))) == saver
 
 
 @pytest.mark.timeout(240)
