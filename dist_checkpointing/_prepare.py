@@ -121,18 +121,10 @@ def prepare_load_request(
     ckpt_metadata = None
     if StrictHandling.requires_explicit_ckpt_mismatch_check(strict):
         ckpt_metadata = stored_metadata()
-    local_md, global_md = None, None
-    distributed_check = validate_access_integrity and not (
-        StrictHandling.requires_global_app_metadata(strict)
-    )
-    if StrictHandling.requires_global_app_metadata(strict):  # every rank's request, everywhere
-        local_md = [sh.without_data() for sh in nested_sharded(request)]
-        global_md = _dist.all_gather_object(local_md)
-    validate_here = validate_access_integrity and not distributed_check
     request, missing, unexpected = validate_integrity_and_strict_load(
-        request, strict, validate_here, local_md, global_md, ckpt_metadata
+        request, strict, False, None, None, ckpt_metadata
     )
-    if distributed_check:  # keys the checkpoint lacks are out of the request by now
+    if validate_access_integrity:  # keys the checkpoint lacks are out of the request by now
         records = [r for r in map(record_of, nested_sharded(request)) if r is not None]
         run_protocol(
             agreement_protocol(

@@ -67,7 +67,7 @@ def select_load_strategies(
     ckpt: Path, sharded_strategy: Any, common_strategy: Any
 ) -> Tuple[LoadShardedStrategy, LoadCommonStrategy, Optional[StateDict]]:
     """Collective: `(sharded, common strategy, common state (None if node-local))` for `ckpt`,
-    agreed in one exchange; a rank missing a node-local checkpoint adopts the others' record,
+    agreed in one small reduction (an exchange of reports only after a failure); a rank missing a node-local checkpoint adopts the others' record,
     other failures raise `CheckpointingException` on every rank."""
     found: Optional[Tuple[LoadShardedStrategy, LoadCommonStrategy]] = None
     error: Optional[BaseException] = None
@@ -87,6 +87,9 @@ def select_load_strategies(
                 common_error = e
     except Exception as e:  # agreed on below
         error = e
+    if not _dist.all_reduce_max([int(error is not None or common_error is not None)])[0]:
+        assert found is not None
+        return found[0], found[1], common_state  # one small reduction when all succeeded
     reports = _dist.all_gather_object(
         (_dist.error_report(error), config, _dist.error_report(common_error))
     )

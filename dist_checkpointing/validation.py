@@ -8,11 +8,12 @@ import hashlib
 import logging
 from collections import defaultdict
 from enum import Enum
-from typing import Dict, List, Optional, Sequence, Set, Tuple, Union
+from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
 
 from ._dist import (
     agree_on_errors,
     all_gather_object,
+    all_reduce_max,
     error_report,
     is_distributed,
     raise_on_reported_errors,
@@ -33,6 +34,7 @@ __all__ = [
     "find_sharding_problems",
     "validate_integrity_and_strict_load",
     "determine_missing_and_unexpected_keys",
+    "keys_requested_anywhere",
     "adjust_non_strict_load",
 ]
 
@@ -205,6 +207,14 @@ def determine_missing_and_unexpected_keys(
     return missing, unexpected
 
 
+def keys_requested_anywhere(ckpt_keys: Iterable[str], local_keys: Set[str]) -> Set[str]:
+    """Collective: the checkpoint keys that some rank requests. One max-reduction of a flag
+    per checkpoint key: the same size whatever the number of ranks."""
+    ordered = sorted(ckpt_keys)
+    flags = all_reduce_max([int(k in local_keys) for k in ordered])
+    return {k for k, flag in zip(ordered, flags) if flag}
+
+
 def adjust_non_strict_load(
     sharded_state_dict: ShardedStateDict, unexpected_keys: Set[str]
 ) -> ShardedStateDict:
@@ -286,12 +296,14 @@ def validate_integrity_and_strict_load(
                 for sh in nested_values(sharded_state_dict)
                 if isinstance(sh, ShardedBase)
             ]
-        use_global = (
-            global_metadata if StrictHandling.requires_global_app_metadata(strict) else None
-        )
-        missing, unexpected = determine_missing_and_unexpected_keys(
-            ckpt_sharded_metadata, local_metadata, use_global
-        )
+        local_keys = {_sharded_key(sh) for sh in local_metadata}
+        unexpected = local_keys - ckpt_sharded_metadata.keys()
+        if StrictHandling.requires_global_app_metadata(strict):
+            if global_metadata is not None:
+                requested = {_sharded_key(sh) for local in global_metadata for sh in local}
+            else:
+                requested = keys_requested_anywhere(ckpt_sharded_metadata, local_keys)
+            missing = set(ckpt_sharded_metadata) - requested
         sharded_state_dict = adjust_non_strict_load(sharded_state_dict, unexpected)
         if global_metadata is not None:
             # keys absent from the checkpoint are skipped on whichever rank requested them

@@ -55,6 +55,13 @@ def request_only_a() -> Dict[str, Any]:
     return {"a": ShardedTensor.from_rank_offsets("a", torch.empty(8, 4 // w), (1, r, w))}
 
 
+def request_a_here_b_on_rank1() -> Dict[str, Any]:
+    """Rank 1 asks for all of `b`, the others for all of `a` (rank 0 its main replica)."""
+    if _rank() == 1:
+        return {"b": ShardedTensor.from_rank_offsets("b", torch.empty(3))}
+    return {"a": ShardedTensor.from_rank_offsets("a", torch.empty(8, 4), replica_id=_rank())}
+
+
 def request_with_unexpected_on_rank1() -> Dict[str, Any]:
     sd = good_state()
     if _rank() == 1:

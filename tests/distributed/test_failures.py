@@ -33,6 +33,7 @@ from tests.distributed._failure_fns import (
     load_with_common_failing_on_rank1,
     none_data_on_rank1_state,
     overlap_state,
+    request_a_here_b_on_rank1,
     request_only_a,
     request_with_unexpected_on_rank1,
     shape_disagreement_state,
@@ -180,6 +181,10 @@ def test_return_modes_report_mismatched_keys(world, saved):
     for sd, missing, unexpected in results:
         assert missing == {"b", "rng/shard_0_2", "rng/shard_1_2"} and unexpected == set()
         assert set(sd) == {"a", "step"}
+    # a key that only one rank asks for is not missing: the check covers every rank's request
+    results = world.run_ok(call_load, request_a_here_b_on_rank1, saved, {"strict": "return_all"})
+    for _, missing, unexpected in results:
+        assert missing == {"rng/shard_0_2", "rng/shard_1_2"} and unexpected == set()
 
 
 def test_missing_data_file_raises_on_every_rank(world, saved):

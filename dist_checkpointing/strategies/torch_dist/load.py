@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import ReadItem
 
-from ..._dist import all_gather_object, error_report, get_rank, raise_on_reported_errors
+from ..._dist import agree_on_errors, gather_object, get_rank
 from ..._progress import byte_progress
 from ..._safe_load import torch_load
 from ..._types import ShardedStateDict, StateDict
@@ -168,11 +168,10 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             )
         except Exception as e:  # agreed on below, with the other ranks' statistics
             error = e
-        # one exchange carries both the error reports and the statistics for the log line
-        reports = all_gather_object((error_report(error), stats))
-        raise_on_reported_errors([r[0] for r in reports], error, f"torch_dist load from {ckpt}")
-        if get_rank() == 0:
-            _log_load(ckpt, [r[1] for r in reports if r[1] is not None])
+        agree_on_errors(error, f"torch_dist load from {ckpt}")
+        gathered = gather_object(stats)  # for rank 0's log line: no rank gets everyone's
+        if gathered is not None:
+            _log_load(ckpt, [s for s in gathered if s is not None])
         assert result is not None
         return result
 
