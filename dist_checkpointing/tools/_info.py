@@ -108,7 +108,7 @@ def _remote(path: Any) -> Any:
     Raises:
         CheckpointingException: a URL scheme other than s3.
     """
-    if re.match(r"[A-Za-z][\w+.-]+:/", os.fspath(path)) is None:
+    if re.match(r"[A-Za-z][\w+.-]+:(/|$)", os.fspath(path)) is None:
         return None
     from ..storage import objstore
 
