@@ -163,13 +163,13 @@ class ObjectWriter:
             self._upload_id = created["UploadId"]
         assert self._buf is not None
         buf, number, upload_id = self._buf, len(self._parts) + 1, self._upload_id
-        body = buf if self._fill == len(buf) else bytes(buf[: self._fill])  # the last part
+        del buf[self._fill :]  # the last part: shrunk in place, not copied
         self._buf, self._fill = None, 0
         pool, budget = _pool_and_budget()
 
         def upload() -> Dict[str, Any]:
             try:
-                kw = {"UploadId": upload_id, "PartNumber": number, "Body": body}
+                kw = {"UploadId": upload_id, "PartNumber": number, "Body": buf}
                 return {
                     "PartNumber": number,
                     "ETag": _call("upload to", self._loc, "upload_part", **kw)["ETag"],

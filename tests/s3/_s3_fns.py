@@ -45,3 +45,12 @@ def load(environment: Dict[str, str], url: str) -> Any:
     request["o"].data = None
     out = dc.load(request, url)
     return out["w"].clone(), out["o"], out["step"], dc.load_common_state_dict(url)
+
+
+def save_expecting_error(environment: Dict[str, str], url: str) -> str:
+    """Saves; returns the error message this rank got (every rank must get one)."""
+    try:
+        save(environment, url, 1)
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return ""

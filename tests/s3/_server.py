@@ -83,7 +83,7 @@ class FaultProxy:
                 pass
 
             def _any(self) -> None:
-                what = f"{self.command} {self.path}"
+                what = f"{self.command} {self.path} {self.headers.get('Authorization', '')}"
                 proxy.seen.append(what)
                 n = int(self.headers.get("Content-Length") or 0)
                 rule = proxy._take(what)
@@ -103,17 +103,19 @@ class FaultProxy:
                 conn.request(self.command, self.path, body=body, headers=headers)
                 r = conn.getresponse()
                 data = r.read()
-                skip = ("transfer-encoding", "content-length", "connection")
-                self._reply(
-                    r.status, {k: v for k, v in r.getheaders() if k.lower() not in skip}, data
-                )
+                skip = ("transfer-encoding", "connection", "content-length")
+                kept = {k: v for k, v in r.getheaders() if k.lower() not in skip}
+                if self.command == "HEAD":  # the object's length, not the (empty) body's
+                    kept["Content-Length"] = r.getheader("Content-Length") or "0"
+                self._reply(r.status, kept, data)
                 conn.close()
 
             def _reply(self, status: int, headers: Dict[str, str], data: bytes) -> None:
                 self.send_response(status)
                 for k, v in headers.items():
                     self.send_header(k, v)
-                self.send_header("Content-Length", str(len(data)))
+                if "Content-Length" not in headers:
+                    self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
                 if self.command != "HEAD":
                     self.wfile.write(data)
