@@ -20,6 +20,7 @@ from .core import CheckpointingConfig, check_is_distributed_checkpoint, save_con
 from .dict_utils import diff, extract_matching_values
 from .errors import CheckpointExistsError, CheckpointingException
 from .mapping import ShardedObject
+from .storage import objstore
 from .strategies.base import (
     AsyncSaveShardedStrategy,
     NodeLocalSaveShardedStrategy,
@@ -77,7 +78,7 @@ def prepare_save(
             "a new directory (e.g. one per iteration, iter_0000200), or remove this one "
             "first (shutil.rmtree on one rank, then a barrier) if it is no longer needed"
         )
-    ckpt.mkdir(parents=True, exist_ok=True)
+    objstore.makedirs(ckpt)  # for a prefix: checks that its bucket can be reached
     sharded_part, common_part = save_preprocess(sharded_state_dict, content_metadata)
     for sh in nested_sharded(sharded_part):
         sh.validate_metadata_integrity()

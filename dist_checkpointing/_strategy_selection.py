@@ -11,6 +11,7 @@ from . import _dist
 from ._types import StateDict
 from .core import CheckpointingConfig, maybe_load_config
 from .errors import CheckpointingException, NotACheckpointError
+from .storage import objstore
 from .strategies.base import (
     LoadCommonStrategy,
     LoadShardedStrategy,
@@ -39,7 +40,7 @@ def verify_checkpoint_and_load_strategy(
         CheckpointingException: invalid `metadata.json`, or no compatible strategy.
     """
     path = Path(checkpoint_dir)
-    if not path.is_dir():
+    if not objstore.is_dir(path):
         raise NotACheckpointError(
             f"Checkpoint directory {path} does not exist or is not a directory"
         )

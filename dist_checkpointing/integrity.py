@@ -19,6 +19,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import xxhash
 
 from .errors import CheckpointCorruptedError
+from .storage import objstore
 from .storage.fileio import atomic_write, read_capped
 
 __all__ = [
@@ -60,7 +61,7 @@ def new_hasher() -> Any:
 def file_checksum(path: PathArg) -> int:
     """xxh3-64 of a whole file, streamed."""
     h = new_hasher()
-    with open(path, "rb") as f:
+    with objstore.open_read(path) as f:
         for block in iter(lambda: f.read(16 << 20), b""):
             h.update(block)
     return h.intdigest()

@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import os
-import shutil
 import time
 from collections import deque
 from pathlib import Path
@@ -34,6 +32,7 @@ from ..core import check_is_distributed_checkpoint
 from ..dict_utils import dict_list_map_outplace
 from ..errors import CheckpointingException, NoUsableCheckpointError
 from ..mapping import ShardedBase
+from ..storage import objstore
 from .layout import LATEST_FNAME, parse_step, read_latest, step_dir_name, write_latest
 from .options import CheckpointManagerOptions, PathArg, RestoreInfo, steps_to_delete
 
@@ -197,14 +196,14 @@ class CheckpointManager:
 
     def _clear_target(self, path: Path) -> None:
         """Rank 0: moves aside what a previous run left at a step this run saves again."""
-        if not path.exists():
+        if not objstore.exists(path):
             return
         if not check_is_distributed_checkpoint(path):
-            shutil.rmtree(path)
+            objstore.remove_tree(path)
             return
         aside = path.with_name(f"{path.name}.superseded-{int(time.time())}")
         logger.warning("%s exists from an earlier run; moved to %s", path, aside)
-        os.replace(path, aside)
+        objstore.replace_tree(path, aside)
 
     def _persistent_committed(self, step: int) -> None:
         """Collective (in finalization): `latest` record, then retention, on rank 0."""
@@ -220,7 +219,7 @@ class CheckpointManager:
         o = self.options
         doomed = steps_to_delete(complete, incomplete, step, o.keep_last, o.keep_period)
         for s in doomed:
-            shutil.rmtree(self.root / step_dir_name(s), ignore_errors=True)
+            objstore.remove_tree(self.root / step_dir_name(s))
         return doomed
 
     def _failed(self, step: int, tier: str, error: CheckpointingException) -> None:
@@ -238,9 +237,9 @@ class CheckpointManager:
     def _remove_failed(self, step: int) -> None:
         """Rank 0: removes the directory of a failed save unless it is a committed one."""
         path = self.root / step_dir_name(step)
-        if path.is_dir() and not check_is_distributed_checkpoint(path):
+        if objstore.is_dir(path) and not check_is_distributed_checkpoint(path):
             logger.warning("removing %s, left by its failed save", path)
-            shutil.rmtree(path, ignore_errors=True)
+            objstore.remove_tree(path)
 
     def _finalize(self, blocking: bool) -> None:
         while self._queue.get_num_unfinalized_calls():
@@ -361,7 +360,7 @@ class CheckpointManager:
                     path = self.root / step_dir_name(s)
                     aside = path.with_name(f"{path.name}.unusable-{int(time.time())}")
                     logger.warning("moving the unusable checkpoint %s to %s", path, aside)
-                    os.replace(path, aside)
+                    objstore.replace_tree(path, aside)
             newest = max((s for s in complete if s <= step), default=-1)
             if newest >= 0 and read_latest(self.root) != newest:
                 write_latest(self.root, newest)
@@ -386,12 +385,12 @@ class CheckpointManager:
         complete: List[int] = []
         incomplete: List[int] = []
         try:
-            entries = list(self.root.iterdir())
+            entries = [self.root / name for name in objstore.listdir(self.root)]
         except FileNotFoundError:
             return [], []
         for p in entries:
             step = parse_step(p.name)
-            if step is None or not p.is_dir():
+            if step is None or not objstore.is_dir(p):
                 continue
             (complete if check_is_distributed_checkpoint(p) else incomplete).append(step)
         return complete, incomplete
@@ -399,18 +398,18 @@ class CheckpointManager:
     def _startup(self) -> List[int]:
         """Rank 0: creates the root, removes incomplete directories (crash leftovers: no save
         runs yet), repairs the `latest` record, returns the complete steps."""
-        self.root.mkdir(parents=True, exist_ok=True)
+        objstore.makedirs(self.root)
         complete, incomplete = self._scan()
         for path in (self.root / step_dir_name(s) for s in incomplete):
             logger.warning("removing the incomplete checkpoint %s (a crashed save)", path.name)
-            shutil.rmtree(path, ignore_errors=True)
+            objstore.remove_tree(path)
         newest = max(complete, default=None)
         if newest is not None and read_latest(self.root) != newest:
             # a crash between the commit and the record update (or a record naming a
             # checkpoint that is gone): the record follows the newest committed checkpoint
             write_latest(self.root, newest)
         elif newest is None:
-            (self.root / LATEST_FNAME).unlink(missing_ok=True)
+            objstore.remove(self.root / LATEST_FNAME)
         return complete
 
     @staticmethod

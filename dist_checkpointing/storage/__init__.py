@@ -11,7 +11,7 @@ never imports `mapping`, `serialization` or `strategies`). Its interface:
     faults: the fault-injection seam every read and write consults (tests).
 """
 
-from . import faults
+from . import faults, objstore
 from .buffers import ALIGN, ChunkBuffers, ImagePool, host_buffer
 from .direct import (
     FileWriter,
@@ -34,6 +34,7 @@ __all__ = [
     "atomic_write",
     "direct_allowed",
     "faults",
+    "objstore",
     "fsync_dir",
     "host_buffer",
     "pwrite_all",

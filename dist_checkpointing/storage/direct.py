@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from ..errors import CheckpointCorruptedError
-from . import faults
+from . import faults, objstore
 from .buffers import ALIGN
 
 __all__ = [
@@ -94,6 +94,9 @@ def read_region(
         CheckpointCorruptedError: the file is shorter than the region, or cannot be read.
     """
     if out.size == 0:
+        return
+    if objstore.split(path) is not None:
+        objstore.read_range(path, offset, out, progress)
         return
     view = memoryview(out)  # type: ignore[arg-type]
     try:

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
 from ..errors import CheckpointCorruptedError
+from . import objstore
 
 __all__ = ["atomic_write", "fsync_dir", "read_capped"]
 
@@ -15,7 +16,9 @@ PathLike = Union[str, "os.PathLike[str]"]
 
 
 def fsync_dir(path: PathLike) -> None:
-    """Makes a directory's entries (created/renamed files) durable."""
+    """Makes a directory's entries (created/renamed files) durable (objects: already)."""
+    if objstore.split(path) is not None:
+        return
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -33,8 +36,13 @@ def read_capped(path: PathLike, limit: int) -> Optional[bytes]:
         CheckpointCorruptedError: the file cannot be read or is larger than `limit`.
     """
     try:
-        with open(path, "rb") as f:
-            raw = f.read(limit + 1)
+        if objstore.split(path) is not None:
+            raw = objstore.read_object(path, limit)
+            if raw is None:
+                return None
+        else:
+            with open(path, "rb") as f:
+                raw = f.read(limit + 1)
     except (FileNotFoundError, NotADirectoryError):
         return None
     except OSError as e:
@@ -48,13 +56,19 @@ def atomic_write(
     path: PathLike, write_fn: Callable[[io.BufferedWriter], Any], sync: bool = True
 ) -> None:
     """Writes a file so that readers see either the old content or the complete new one
-    (temp file, fsync, rename, directory fsync; on failure `path` is untouched).
+    (temp file, fsync, rename, directory fsync; on failure `path` is untouched). An object
+    is written in one PUT, which stores all of it or nothing.
 
     Args:
         path: destination file.
         write_fn: called with the open binary temp file; writes the content.
         sync: False to skip both fsyncs (the file may be lost in a crash, never torn).
     """
+    if objstore.split(path) is not None:
+        buf = io.BytesIO()
+        write_fn(buf)  # type: ignore[arg-type]
+        objstore.put_object(path, buf.getvalue())
+        return
     path = Path(path)
     tmp = path.with_name(f"{path.name}.tmp.{os.getpid()}")
     try:

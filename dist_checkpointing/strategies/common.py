@@ -18,6 +18,7 @@ from ..dict_utils import dict_list_map_inplace, nested_values
 from ..errors import CheckpointCorruptedError, CheckpointingException
 from ..integrity import read_checksums
 from ..mapping import ShardedObject, is_main_replica
+from ..storage import objstore
 from ..storage.fileio import atomic_write
 from .base import (
     CheckpointDir,
@@ -124,16 +125,18 @@ class TorchCommonLoadStrategy(LoadCommonStrategy):
             UnsafeCheckpointError: if it holds objects outside the safe allowlist.
         """
         path = Path(checkpoint_dir) / COMMON_STATE_FNAME
-        if not path.exists() and (Path(checkpoint_dir) / DCP_METADATA_FNAME).exists():
-            return self._load_common_from_dcp(Path(checkpoint_dir))
-        if not path.is_file():  # megatron-core's wording for this case
-            raise CheckpointCorruptedError(f"Common file {path} does not exist")
+        if not objstore.is_file(path):
+            if objstore.is_file(Path(checkpoint_dir) / DCP_METADATA_FNAME):
+                return self._load_common_from_dcp(Path(checkpoint_dir))
+            raise CheckpointCorruptedError(f"Common file {path} does not exist")  # megatron's words
         sums = read_checksums(checkpoint_dir) if self.verify_checksums else None
         if sums is None or COMMON_STATE_FNAME not in sums.files:
-            state = torch_load(path, str(path), self.weights_only)
+            with objstore.open_read(path) as f:
+                state = torch_load(f, str(path), self.weights_only)  # type: ignore[arg-type]
         else:
             try:
-                raw = path.read_bytes()
+                with objstore.open_read(path) as f:
+                    raw = f.read()
             except OSError as e:
                 raise CheckpointCorruptedError(f"{path}: cannot be read ({e})") from e
             sums.verify_file(COMMON_STATE_FNAME, raw, str(path))

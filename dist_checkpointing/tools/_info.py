@@ -102,9 +102,25 @@ class CheckpointInfo:
         return sum(t.nbytes for t in self.tensors)
 
 
+def _remote(path: Any) -> Any:
+    """`storage.objstore` for an object path (imported only then: `ls` stays light), else None.
+
+    Raises:
+        CheckpointingException: a URL scheme other than s3.
+    """
+    if re.match(r"[A-Za-z][\w+.-]+:(/|$)", os.fspath(path)) is None:
+        return None
+    from ..storage import objstore
+
+    return objstore if objstore.split(path) else None
+
+
 def check_dir(path: Path) -> None:
-    """Raises `NotACheckpointError` unless `path` is a directory."""
-    if not path.is_dir():
+    """Raises `NotACheckpointError` unless `path` is a directory (a prefix with objects)."""
+    fs = _remote(path)
+    if fs is not None and not fs.is_dir(path):
+        raise NotACheckpointError(f"{path}: no objects under this prefix")
+    if fs is None and not path.is_dir():
         what = "not a directory" if path.exists() else "no such file or directory"
         raise NotACheckpointError(f"{path}: {what}")
 
@@ -125,6 +141,8 @@ def short_repr(value: Any) -> str:
 
 
 def disk_size(path: Path) -> int:
+    if _remote(path) is not None:
+        return int(_remote(path).stat(path)[0])
     total = 0
     for dirpath, _, files in os.walk(path):
         for name in files:
@@ -137,7 +155,8 @@ def disk_size(path: Path) -> int:
 
 def date_of(path: Path) -> str:
     try:
-        stamp = path.stat().st_mtime
+        fs = _remote(path)
+        stamp = fs.stat(path)[1] if fs is not None else path.stat().st_mtime
     except OSError:
         return ""
     return datetime.datetime.fromtimestamp(stamp, datetime.timezone.utc).isoformat(

@@ -236,6 +236,8 @@ def describe_light(path: PathArg, deep: bool = True) -> CheckpointInfo:
         Unsupported: anything else (missing, incomplete, damaged, another backend, classes
             outside the allowlist): use the full reader.
     """
+    if re.match(r"[A-Za-z][\w+.-]+:(/|$)", str(path)):  # an object store: the full reader
+        raise Unsupported("not a local path")
     ckpt = Path(path)
     config = _config(ckpt) if ckpt.is_dir() else None
     m = _STEP_DIR.fullmatch(ckpt.name)

@@ -21,6 +21,7 @@ from .._safe_load import torch_load
 from ..core import CONFIG_FNAME
 from ..errors import CheckpointCorruptedError, CheckpointingException
 from ..integrity import CHECKSUMS_FNAME, Checksums, read_checksums
+from ..storage import objstore
 from ..strategies.torch_dist.metadata_file import DCP_METADATA_FNAME, read_metadata
 from ..strategies.torch_dist.plan import TensorRequest, plan_tensor_reads
 from ..strategies.torch_dist.reader import read_byte_items, read_tensor_items
@@ -63,8 +64,8 @@ class StoredItem:
 def is_stock_dcp(ckpt: Path) -> bool:
     """A PyTorch DCP checkpoint not written by us: `.metadata`, and none of the files our
     saves write (`metadata.json`, `common.pt`, `checksums.json`)."""
-    return (ckpt / DCP_METADATA_FNAME).is_file() and not any(
-        (ckpt / n).exists() for n in (CONFIG_FNAME, COMMON_FNAME, CHECKSUMS_FNAME)
+    return objstore.is_file(ckpt / DCP_METADATA_FNAME) and not any(
+        objstore.exists(ckpt / n) for n in (CONFIG_FNAME, COMMON_FNAME, CHECKSUMS_FNAME)
     )
 
 

@@ -14,6 +14,7 @@ import torch
 
 from ..core import maybe_load_config
 from ..errors import CheckpointingException
+from ..storage import objstore
 from . import _storage
 from ._info import PathArg
 from .convert import _source
@@ -93,7 +94,7 @@ def _values(ckpt: Path, metadata: Any, checksums: Any) -> Dict[str, Any]:
     """Common values and stored objects by key."""
     out: Dict[str, Any] = {}
     config = maybe_load_config(ckpt)
-    has_common_file = (ckpt / _storage.COMMON_FNAME).exists()
+    has_common_file = objstore.exists(ckpt / _storage.COMMON_FNAME)
     # megatron-core 0.17+ keep the common state in `common_state/` objects instead of
     # common.pt: compared as common values, so that their checkpoints and ours match
     in_object = config is not None and not has_common_file

@@ -17,6 +17,7 @@ from ..core import CONFIG_FNAME, maybe_load_config
 from ..errors import CheckpointingException, NotACheckpointError
 from ..integrity import CHECKSUMS_FNAME
 from ..manager.layout import parse_step, read_latest
+from ..storage import objstore
 from . import _storage
 from ._info import (
     SMALL_OBJECT,
@@ -52,12 +53,12 @@ def describe(path: PathArg, deep: bool = True) -> CheckpointInfo:
         NotACheckpointError: `path` does not exist or is not a directory.
     """
     ckpt = Path(path)
-    if not ckpt.exists():
+    if not objstore.exists(ckpt):
         raise NotACheckpointError(f"{ckpt}: no such file or directory")
-    if not ckpt.is_dir():
+    if not objstore.is_dir(ckpt):
         raise NotACheckpointError(f"{ckpt}: not a directory (a checkpoint is a directory)")
-    has_dcp = (ckpt / _storage.DCP_METADATA_FNAME).is_file()
-    ours = any((ckpt / n).exists() for n in (_storage.COMMON_FNAME, CHECKSUMS_FNAME))
+    has_dcp = objstore.is_file(ckpt / _storage.DCP_METADATA_FNAME)
+    ours = any(objstore.exists(ckpt / n) for n in (_storage.COMMON_FNAME, CHECKSUMS_FNAME))
     info = CheckpointInfo(
         str(ckpt), "incomplete", False, parse_step(ckpt.name), None, disk_size(ckpt), ""
     )
@@ -70,15 +71,13 @@ def describe(path: PathArg, deep: bool = True) -> CheckpointInfo:
     if config is None:
         info.date = date_of(ckpt / _storage.DCP_METADATA_FNAME if has_dcp else ckpt)
         if not has_dcp or ours:  # stock DCP writes neither common.pt nor checksums.json
-            children = [
-                p for p in sorted(ckpt.iterdir()) if p.is_dir() and _looks_like_checkpoint(p)
-            ]
+            children = [p for p in _subdirs(ckpt) if _looks_like_checkpoint(p)]
             if children:
                 raise NotACheckpointError(
                     f"{ckpt}: not a checkpoint but a directory of {len(children)} checkpoint(s) "
                     f"(e.g. {children[-1].name}); list them with `dist-ckpt ls {ckpt}`"
                 )
-            files = sum(1 for _ in ckpt.iterdir())
+            files = len(objstore.listdir(ckpt))
             info.problem = f"no {CONFIG_FNAME} (the commit record): a save that did not finish" + (
                 f" ({files} file(s) present)" if files else " (empty directory)"
             )
@@ -133,7 +132,7 @@ def _describe_dcp(ckpt: Path, info: CheckpointInfo, deep: bool) -> None:
             except CheckpointingException as e:
                 value = f"<unreadable: {e}>"
         info.objects[key] = value
-    if deep and (ckpt / _storage.COMMON_FNAME).is_file():
+    if deep and objstore.is_file(ckpt / _storage.COMMON_FNAME):
         from ..serialization import load_common_state_dict
 
         for key, value in sorted(load_common_state_dict(ckpt).items(), key=lambda kv: str(kv[0])):
@@ -159,7 +158,11 @@ def _local_rank_state(part: LocalPart) -> Dict[str, Any]:
 def _looks_like_checkpoint(path: Path) -> bool:
     if parse_step(path.name) is not None:
         return True
-    return any((path / name).exists() for name in (CONFIG_FNAME, _storage.DCP_METADATA_FNAME))
+    return any(objstore.exists(path / n) for n in (CONFIG_FNAME, _storage.DCP_METADATA_FNAME))
+
+
+def _subdirs(path: Path) -> List[Path]:
+    return [path / n for n in objstore.listdir(path) if objstore.is_dir(path / n)]
 
 
 def list_checkpoints(root: PathArg) -> List[CheckpointInfo]:
@@ -172,11 +175,7 @@ def list_checkpoints(root: PathArg) -> List[CheckpointInfo]:
     base = Path(root)
     check_dir(base)
     latest = read_latest(base)
-    found = [
-        describe(p, deep=False)
-        for p in sorted(base.iterdir())
-        if p.is_dir() and _looks_like_checkpoint(p)
-    ]
+    found = [describe(p, deep=False) for p in _subdirs(base) if _looks_like_checkpoint(p)]
     for info in found:
         info.latest = latest is not None and info.step == latest
     found.sort(key=lambda i: (i.step if i.step is not None else -1, i.date), reverse=True)

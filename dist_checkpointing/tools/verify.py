@@ -20,6 +20,7 @@ from .._safe_load import torch_load
 from ..core import CONFIG_FNAME, maybe_load_config
 from ..errors import CheckpointingException, NotACheckpointError
 from ..integrity import ALGORITHM, CHECKSUMS_FNAME, Checksums, ItemSum, checksum, new_hasher
+from ..storage import objstore
 from . import _storage
 from ._info import PathArg, check_dir, local_parts
 
@@ -93,7 +94,7 @@ def verify_checkpoint(path: PathArg) -> VerifyReport:
         config = maybe_load_config(ckpt)
     except CheckpointingException as e:
         report.problems.append(Problem(CONFIG_FNAME, str(e)))
-    has_dcp = (ckpt / _storage.DCP_METADATA_FNAME).exists()
+    has_dcp = objstore.exists(ckpt / _storage.DCP_METADATA_FNAME)
     if config is None and has_dcp and not _storage.is_stock_dcp(ckpt) and not report.problems:
         report.problems.append(
             Problem(CONFIG_FNAME, "missing: the save did not commit (incomplete checkpoint)")
@@ -124,7 +125,7 @@ def verify_checkpoint(path: PathArg) -> VerifyReport:
 
 def _verify_dcp(ckpt: Path, report: VerifyReport) -> None:
     checksums: Optional[Checksums] = None
-    if (ckpt / CHECKSUMS_FNAME).exists():
+    if objstore.exists(ckpt / CHECKSUMS_FNAME):
         try:
             checksums = _storage.maybe_checksums(ckpt)
         except CheckpointingException as e:
@@ -140,9 +141,12 @@ def _verify_dcp(ckpt: Path, report: VerifyReport) -> None:
             report.problems.append(Problem(_storage.DCP_METADATA_FNAME, str(e)))
         return
     common = ckpt / _storage.COMMON_FNAME
-    if common.exists() and not any(p.file == _storage.COMMON_FNAME for p in report.problems):
+    if objstore.exists(common) and not any(
+        p.file == _storage.COMMON_FNAME for p in report.problems
+    ):
         try:
-            torch_load(io.BytesIO(common.read_bytes()), str(common))
+            with objstore.open_read(common) as f:
+                torch_load(io.BytesIO(f.read()), str(common))
         except CheckpointingException as e:
             report.problems.append(Problem(_storage.COMMON_FNAME, str(e)))
     tensors = _storage.tensor_entries(metadata)
@@ -176,14 +180,14 @@ def _digest(f: Any, report: VerifyReport, length: float = math.inf) -> int:
 
 def _verify_whole_file(path: Path, name: str, digest: int, report: VerifyReport) -> None:
     try:
-        with open(path, "rb") as f:
-            ok = _digest(f, report) == digest
+        with objstore.open_read(path) as f:
+            ok, size = _digest(f, report) == digest, f.tell()
     except OSError as e:
         report.problems.append(Problem(name, f"cannot be read ({e.strerror or e})"))
         return
     if not ok:
         msg = f"checksum mismatch ({ALGORITHM}): file damaged"
-        report.problems.append(Problem(name, msg, "", 0, path.stat().st_size))
+        report.problems.append(Problem(name, msg, "", 0, size))
 
 
 def _verify_item(
@@ -194,12 +198,12 @@ def _verify_item(
     report: VerifyReport,
 ) -> None:
     try:
-        f = open(ckpt / item.file, "rb")
+        f = objstore.open_read(ckpt / item.file)
     except OSError as e:
         report.problems.append(_at(item, f"cannot be read ({e.strerror or e})"))
         return
     with f:
-        size = os.fstat(f.fileno()).st_size
+        size = f.seek(0, os.SEEK_END)
         if size < item.offset + item.length:
             report.problems.append(_at(item, f"truncated: the file has {size} bytes"))
             return

@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from ..._dist import broadcast_object, describe_rank_failures, gather_object
 from ...errors import CheckpointCorruptedError, CheckpointingException, ShardingIntegrityError
 from ...integrity import Checksums, checksum, file_checksum, write_checksums
+from ...storage import objstore
 from ..common import COMMON_STATE_FNAME
 from .metadata_file import serialize_metadata, write_metadata_files
 from .plan import is_empty_chunk
@@ -283,7 +284,7 @@ class SaveFinalizer:
                 self.files_cache = (key, serialize_metadata(metadata))
             digests = write_metadata_files(ckpt, self.files_cache[1])
             common = ckpt / COMMON_STATE_FNAME
-            if checksums and common.is_file():  # written before the sharded part
+            if checksums and objstore.is_file(common):  # written before the sharded part
                 digests[COMMON_STATE_FNAME] = file_checksum(common)
             if checksums:
                 write_checksums(ckpt, Checksums(files=digests))

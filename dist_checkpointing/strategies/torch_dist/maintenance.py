@@ -6,11 +6,11 @@ Not collective: these run on one process against a checkpoint nobody is writing.
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 
 from ...errors import CheckpointingException
 from ...integrity import SUMS_SUFFIX, read_checksums, write_checksums
+from ...storage import objstore
 from .metadata_file import INDEX_FNAME, read_metadata, serialize_metadata, write_metadata_files
 from .plan import DATA_SUFFIX
 
@@ -31,11 +31,8 @@ def remove_sharded_tensors(ckpt: Path, key_prefix: str) -> None:
     ckpt = Path(ckpt)
     if not key_prefix:
         raise CheckpointingException("key_prefix must be non-empty")
-    doomed = sorted(
-        p.name
-        for p in ckpt.iterdir()
-        if p.name.endswith(DATA_SUFFIX) and p.name.startswith(key_prefix)
-    )
+    names = objstore.listdir(ckpt)
+    doomed = sorted(n for n in names if n.endswith(DATA_SUFFIX) and n.startswith(key_prefix))
     if not doomed:
         raise CheckpointingException(
             f"No data file in {ckpt} starts with {key_prefix!r}; was it saved with separation_hint?"
@@ -66,6 +63,6 @@ def remove_sharded_tensors(ckpt: Path, key_prefix: str) -> None:
             sums.ranges.pop(name, None)
         write_checksums(ckpt, sums)
     for name in doomed:
-        os.remove(ckpt / name)
-        (ckpt / (name + SUMS_SUFFIX)).unlink(missing_ok=True)
+        objstore.remove(ckpt / name)
+        objstore.remove(ckpt / (name + SUMS_SUFFIX))
     logger.info("Removed keys with prefix %r and %d file(s) from %s", key_prefix, len(doomed), ckpt)

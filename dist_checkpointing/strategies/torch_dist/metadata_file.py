@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from ...errors import CheckpointCorruptedError, UnsafeCheckpointError
 from ...integrity import Checksums, checksum
+from ...storage import objstore
 from ...storage.fileio import atomic_write, read_capped
 
 __all__ = [
@@ -96,7 +97,7 @@ def write_metadata_files(checkpoint_dir: Path, files: Dict[str, bytes]) -> Dict[
     for name, payload in files.items():
         atomic_write(Path(checkpoint_dir) / name, functools.partial(_write, payload))
     if INDEX_FNAME not in files:
-        (Path(checkpoint_dir) / INDEX_FNAME).unlink(missing_ok=True)
+        objstore.remove(Path(checkpoint_dir) / INDEX_FNAME)
     return {name: checksum(payload) for name, payload in files.items()}
 
 

@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
 from ...integrity import BlockSums, ItemSum, blocked_sum, checksum, new_hasher, write_item_sums
-from ...storage import ALIGN, FileWriter, ImagePool, fsync_dir
+from ...storage import ALIGN, FileWriter, ImagePool, fsync_dir, objstore
 from ...storage.buffers import CHUNK
 from ...storage.segments import ChunkStream
 from .plan import WriteEntry
@@ -156,6 +156,12 @@ def _results(plan: FilePlan) -> List[WriteResult]:
     ]
 
 
+def _open(path: Path, size: int, direct: bool, **kw: Any) -> Any:
+    """A `FileWriter`, or for an object path its multipart upload (same interface)."""
+    cls = FileWriter if objstore.split(path) is None else objstore.ObjectWriter
+    return cls(path, size, direct, **kw)
+
+
 # ---- sync save: streaming through two aligned chunk buffers ----------------------------
 
 
@@ -178,7 +184,7 @@ def write_streamed(
         progress: called with the bytes of each chunk handed to the disk.
     """
     on_device = any(_on_device(src) for src in sources)
-    out = FileWriter(directory / plan.name, plan.size, direct, preallocate=direct)
+    out = _open(directory / plan.name, plan.size, direct, preallocate=direct)
     stream = ChunkStream(out, pin=on_device, progress=progress)
     sums: List[ItemChecksum] = []
     put = stream.put
@@ -263,7 +269,7 @@ def write_image(
     flat = buf.numpy()
     padded = -(-plan.size // ALIGN) * ALIGN
     view = memoryview(flat)  # type: ignore[arg-type]
-    out = FileWriter(directory / plan.name, plan.size, direct)
+    out = _open(directory / plan.name, plan.size, direct)
 
     def write_all() -> None:
         for start in range(0, padded, CHUNK):

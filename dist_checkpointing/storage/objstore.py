@@ -1,0 +1,418 @@
+"""S3-compatible object storage behind this package's file interface (`s3://` paths).
+
+A checkpoint on a store is a key prefix. `ObjectWriter` has `FileWriter`'s interface and
+streams a file as a parallel multipart upload: part buffers come from one process-wide
+budget of `2 x concurrency` parts, so a rank holds at most `2 x part size x concurrency`
+bytes however many files it writes at once. `read_range` fills a destination with parallel
+ranged GETs of only the bytes asked for. The helpers at the end (`is_file`, `listdir`,
+`makedirs`, `remove_tree`, ...) take a local path or an object path alike, so callers keep
+one code path. `pathlib.Path("s3://b/k")` prints as `s3:/b/k`; both spellings name the same
+object. A path with any other scheme (`xyz://...`) is refused, never made a local directory.
+
+The client is boto3 (optional extra `dist_checkpointing[s3]`), configured from the standard
+AWS environment and config files (`AWS_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`, ...); throttling
+and server errors are retried with backoff (`AWS_MAX_ATTEMPTS`, standard mode).
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import re
+import shutil
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import numpy as np
+
+from ..errors import CheckpointCorruptedError, CheckpointingException
+
+__all__ = ["ObjectWriter", "split", "read_range", "read_object", "put_object", "open_read"]
+__all__ += ["stat", "exists", "is_file", "is_dir", "listdir", "makedirs", "remove"]
+__all__ += ["remove_tree", "replace_tree"]
+
+logger = logging.getLogger(__name__)
+
+_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]+):(?:/+(.*))?", re.S)  # `s3://` is `s3:`
+_MB = 1 << 20
+_ENV = ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE")
+_UNKEYED = ("head_bucket", "list_objects_v2", "delete_objects")
+_clients: Dict[Tuple[Any, ...], Any] = {}  # thread-safe clients by process and settings
+_shared: List[Any] = []  # [request thread pool, part budget], made on first use
+_lock = threading.Lock()
+Loc = Tuple[str, str]
+
+
+def part_size() -> int:
+    """Bytes per uploaded part and per ranged GET (`DIST_CKPT_S3_PART_MB`, >= 5 MiB)."""
+    return max(5, int(os.environ.get("DIST_CKPT_S3_PART_MB", "16"))) * _MB
+
+
+def concurrency() -> int:
+    """Requests in flight per rank (`DIST_CKPT_S3_CONCURRENCY`)."""
+    return max(1, int(os.environ.get("DIST_CKPT_S3_CONCURRENCY", "8")))
+
+
+def split(path: Any) -> Optional[Loc]:
+    """`(bucket, key)` of an `s3://` path (also as `pathlib` prints it), None for a local one.
+
+    Raises:
+        CheckpointingException: a scheme other than s3, or no bucket.
+    """
+    m = _SCHEME.fullmatch(os.fspath(path))
+    if m is None:
+        return None
+    if m.group(1).lower() != "s3":
+        raise CheckpointingException(
+            f"{os.fspath(path)}: unsupported URL scheme {m.group(1)!r} (supported: local paths "
+            "and s3://bucket/prefix)"
+        )
+    bucket, _, key = (m.group(2) or "").partition("/")
+    if not bucket:
+        raise CheckpointingException(f"{os.fspath(path)}: no bucket in the s3:// path")
+    return bucket, key.strip("/")
+
+
+def _client() -> Any:
+    which = (os.getpid(), *(os.environ.get(k) for k in _ENV))  # forked workers, new settings
+    with _lock:
+        if which not in _clients:
+            try:
+                import boto3
+                from botocore.config import Config
+            except ImportError as e:
+                raise CheckpointingException(
+                    "s3:// paths need boto3: pip install 'dist_checkpointing[s3]'"
+                ) from e
+            attempts = int(os.environ.get("AWS_MAX_ATTEMPTS", 5))
+            retries = {"mode": "standard", "max_attempts": attempts}
+            config = Config(retries=retries, max_pool_connections=2 * concurrency() + 4)
+            _clients[which] = boto3.session.Session().client("s3", config=config)
+        return _clients[which]
+
+
+def _call(what: str, loc: Loc, method: str, **kw: Any) -> Any:
+    """One request (retried by the client); a failure becomes a CheckpointingException that
+    names the object and endpoint, or FileNotFoundError for a missing object."""
+    client = _client()
+    if method not in _UNKEYED:
+        kw.setdefault("Key", loc[1])
+    try:
+        return getattr(client, method)(Bucket=loc[0], **kw)
+    except Exception as e:
+        code = str(getattr(e, "response", {}).get("Error", {}).get("Code", ""))
+        where = f"s3://{loc[0]}/{loc[1]} at {client.meta.endpoint_url}"
+        if code in ("NoSuchKey", "404", "NoSuchUpload"):
+            raise FileNotFoundError(f"{where}: no such object") from e
+        if code == "NoSuchBucket":
+            raise CheckpointingException(f"{what} {where}: bucket {loc[0]!r} does not exist") from e
+        raise CheckpointingException(f"{what} {where} failed: {type(e).__name__}: {e}") from e
+
+
+def _pool_and_budget() -> Tuple[ThreadPoolExecutor, threading.BoundedSemaphore]:
+    with _lock:
+        if not _shared:  # on first use, never at import
+            n = concurrency()
+            _shared[:] = [ThreadPoolExecutor(n, "dc-s3"), threading.BoundedSemaphore(2 * n)]
+        return _shared[0], _shared[1]
+
+
+class ObjectWriter:
+    """Writes one object from sequential `write`s as a parallel multipart upload.
+
+    `FileWriter`'s interface; the object appears only when `finish` completes the upload.
+
+    Args:
+        path: `s3://bucket/key`.
+        size: the object's final size.
+    """
+
+    direct = False
+
+    def __init__(self, path: Any, size: int, *args: Any, **kwargs: Any) -> None:
+        self.path, self.size = os.fspath(path), size
+        self._loc = split(path) or ("", "")
+        self._part = part_size()
+        self._buf: Optional[bytearray] = None
+        self._fill = self._pos = 0
+        self._upload_id: Optional[str] = None
+        self._parts: List[Future] = []
+
+    def write(self, view: memoryview, offset: int) -> None:
+        """Appends `view` (bytes past `size` are padding, dropped) at `offset`."""
+        if offset != self._pos:
+            raise CheckpointingException(f"{self.path}: write at {offset}, expected {self._pos}")
+        data = memoryview(view).cast("B")[: max(0, self.size - offset)]
+        self._pos += len(data)
+        while len(data):
+            if self._buf is None:
+                _pool_and_budget()[1].acquire()  # blocks while the rank's parts are in use
+                self._buf = bytearray(self._part)
+            n = min(len(data), self._part - self._fill)
+            self._buf[self._fill : self._fill + n] = data[:n]
+            self._fill, data = self._fill + n, data[n:]
+            if self._fill == self._part and (len(data) or self._pos < self.size):
+                self._send()
+
+    def _send(self) -> None:
+        """Hands the part buffer to an upload thread, which returns it to the budget."""
+        if self._upload_id is None:
+            created = _call("upload to", self._loc, "create_multipart_upload")
+            self._upload_id = created["UploadId"]
+        assert self._buf is not None
+        buf, number, upload_id = self._buf, len(self._parts) + 1, self._upload_id
+        del buf[self._fill :]  # the last part: shrunk in place, not copied
+        self._buf, self._fill = None, 0
+        pool, budget = _pool_and_budget()
+
+        def upload() -> Dict[str, Any]:
+            try:
+                kw = {"UploadId": upload_id, "PartNumber": number, "Body": buf}
+                return {
+                    "PartNumber": number,
+                    "ETag": _call("upload to", self._loc, "upload_part", **kw)["ETag"],
+                }
+            finally:
+                budget.release()
+
+        self._parts.append(pool.submit(upload))
+
+    def finish(self) -> None:
+        """Uploads the rest and completes the object (a single PUT when it fits in a part).
+
+        Raises:
+            CheckpointingException: an upload failed (the partial upload is aborted).
+        """
+        try:
+            if self._pos != self.size:
+                raise CheckpointingException(f"{self.path}: {self._pos} of {self.size} bytes")
+            if self._upload_id is None:
+                body = bytes(self._buf[: self._fill]) if self._buf is not None else b""
+                self.abort()  # returns the buffer
+                put_object(self.path, body)
+                return
+            self._send()
+            done = {"Parts": [f.result() for f in self._parts]}
+            kw = {"UploadId": self._upload_id, "MultipartUpload": done}
+            _call("upload to", self._loc, "complete_multipart_upload", **kw)
+            self._upload_id = None
+        except BaseException:
+            self.abort()
+            raise
+
+    def abort(self, remove: bool = False) -> None:
+        """Abandons the upload after a failure: nothing of it becomes visible."""
+        if self._buf is not None:
+            self._buf = None
+            _pool_and_budget()[1].release()
+        for f in self._parts:
+            f.exception()  # every part's thread has returned its buffer
+        upload_id, self._upload_id = self._upload_id, None
+        if upload_id is not None:
+            try:
+                _call("abort of", self._loc, "abort_multipart_upload", UploadId=upload_id)
+            except Exception as e:  # the store's lifecycle rules remove it later
+                logger.warning("could not abort the upload of %s: %s", self.path, e)
+
+
+def read_range(
+    path: Any, offset: int, out: np.ndarray, progress: Optional[Callable[[int], None]] = None
+) -> None:
+    """Fills `out` (flat uint8) from `offset` of an object with parallel ranged GETs.
+
+    Raises:
+        CheckpointCorruptedError: the object is missing or shorter than the region.
+    """
+    loc, step = split(path) or ("", ""), part_size()
+
+    def get(start: int) -> None:
+        n = min(step, out.size - start)
+        rng = f"bytes={offset + start}-{offset + start + n - 1}"
+        try:
+            got = _call("read of", loc, "get_object", Range=rng)["Body"].read()
+        except FileNotFoundError as e:
+            raise CheckpointCorruptedError(str(e)) from e
+        if len(got) != n:
+            raise CheckpointCorruptedError(f"{path}: short read at offset {offset + start}")
+        out[start : start + n] = np.frombuffer(got, dtype=np.uint8)
+
+    starts = range(0, out.size, step)
+    jobs = [_pool_and_budget()[0].submit(get, s) for s in starts] if len(starts) > 1 else []
+    for i, s in enumerate(starts):
+        jobs[i].result() if jobs else get(s)  # in order: `progress` sees the prefix grow
+        if progress is not None:
+            progress(min(out.size, s + step))
+
+
+def read_object(path: Any, limit: Optional[int] = None) -> Optional[bytes]:
+    """An object's bytes (at most `limit` + 1 of them), or None when it does not exist."""
+    kw = {} if limit is None else {"Range": f"bytes=0-{limit}"}
+    try:
+        return _call("read of", split(path) or ("", ""), "get_object", **kw)["Body"].read()
+    except FileNotFoundError:
+        return None
+    except CheckpointingException as e:
+        if "InvalidRange" in str(e):  # a range of an empty object
+            return b""
+        raise
+
+
+def put_object(path: Any, data: bytes) -> None:
+    """Writes a whole object in one PUT (readers see the old object or all of the new one)."""
+    _call("upload to", split(path) or ("", ""), "put_object", Body=data)
+
+
+def _list(loc: Loc, delimiter: str = "") -> Tuple[List[Any], List[str]]:
+    """`(objects: Key, Size, LastModified; sub-prefixes)` under the prefix `key/`."""
+    objects: List[Any] = []
+    subs: List[str] = []
+    kw = {"Prefix": f"{loc[1]}/" if loc[1] else "", "Delimiter": delimiter}
+    while True:
+        r = _call("listing of", loc, "list_objects_v2", **kw)
+        objects += r.get("Contents", [])
+        subs += [p["Prefix"] for p in r.get("CommonPrefixes", [])]
+        if not r.get("IsTruncated"):
+            return objects, subs
+        kw["ContinuationToken"] = r["NextContinuationToken"]
+
+
+class _ObjectFile(io.RawIOBase):
+    """A seekable read-only object: each read is a ranged GET."""
+
+    def __init__(self, path: Any) -> None:
+        self._path, self._pos = path, 0
+        self.size = stat(path)[0]
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self._pos = max(0, (0, self._pos, self.size)[whence] + offset)
+        return self._pos
+
+    def readinto(self, b: Any) -> int:
+        n = max(0, min(len(b), self.size - self._pos))
+        read_range(self._path, self._pos, np.frombuffer(b, dtype=np.uint8)[:n])
+        self._pos += n
+        return n
+
+
+def open_read(path: Any) -> io.BufferedIOBase:
+    """A file opened for reading (an object: read in ranged GETs of 8 MiB or more)."""
+    if split(path) is None:
+        return open(path, "rb")
+    return io.BufferedReader(_ObjectFile(path), 8 * _MB)
+
+
+# ---- the same operations on local paths and object paths ---------------------------------
+
+
+def stat(path: Any) -> Tuple[int, float]:
+    """`(bytes, newest modification time)` of an object, or of all objects under a prefix.
+
+    Raises:
+        FileNotFoundError: there is neither.
+    """
+    loc = split(path) or ("", "")
+    try:
+        head = _call("lookup of", loc, "head_object")
+        return int(head["ContentLength"]), head["LastModified"].timestamp()
+    except FileNotFoundError:
+        found = _list(loc)[0]
+    if not found:
+        raise FileNotFoundError(f"{path}: no such object or prefix")
+    return sum(o["Size"] for o in found), max(o["LastModified"].timestamp() for o in found)
+
+
+def is_file(path: Any) -> bool:
+    """Whether a file (an object) exists at `path`."""
+    loc = split(path)
+    if loc is None:
+        return os.path.isfile(path)
+    try:
+        return _call("lookup of", loc, "head_object") is not None
+    except FileNotFoundError:
+        return False
+
+
+def is_dir(path: Any) -> bool:
+    """Whether `path` is a directory (a prefix with objects under it)."""
+    loc = split(path)
+    return os.path.isdir(path) if loc is None else any(_list(loc, "/"))
+
+
+def exists(path: Any) -> bool:
+    """Whether a file or directory exists at `path`."""
+    return is_file(path) or is_dir(path)
+
+
+def listdir(path: Any) -> List[str]:
+    """Names directly under a directory (FileNotFoundError if there is none)."""
+    loc = split(path)
+    if loc is None:
+        return os.listdir(path)
+    objects, subs = _list(loc, "/")
+    names = {n[len(loc[1]) + 1 if loc[1] else 0 :].rstrip("/") for n in subs}
+    names |= {o["Key"][len(loc[1]) + 1 if loc[1] else 0 :] for o in objects}
+    if not names:
+        raise FileNotFoundError(f"{path}: no objects under this prefix")
+    return sorted(names)
+
+
+def makedirs(path: Any) -> None:
+    """Creates a directory; for a prefix, checks that its bucket can be reached.
+
+    Raises:
+        CheckpointingException: the bucket is missing or refuses these credentials.
+    """
+    loc = split(path)
+    if loc is None:
+        os.makedirs(path, exist_ok=True)
+        return
+    try:
+        _call("access to", loc, "head_bucket")
+    except FileNotFoundError as e:  # HEAD of a missing bucket: a bare 404
+        where = f"s3://{loc[0]}/{loc[1]} at {_client().meta.endpoint_url}"
+        raise CheckpointingException(f"{where}: bucket {loc[0]!r} does not exist") from e
+
+
+def remove(path: Any) -> None:
+    """Removes a file (an object) if it exists."""
+    loc = split(path)
+    if loc is not None:
+        _call("removal of", loc, "delete_object")
+    elif os.path.lexists(path):
+        os.remove(path)
+
+
+def remove_tree(path: Any) -> None:
+    """Removes a directory and everything under it (a prefix and its objects)."""
+    loc = split(path)
+    if loc is None:
+        shutil.rmtree(path, ignore_errors=True)
+        return
+    keys = [{"Key": o["Key"]} for o in _list(loc)[0]]
+    for i in range(0, len(keys), 1000):
+        batch = {"Objects": keys[i : i + 1000], "Quiet": True}
+        _call("removal of", loc, "delete_objects", Delete=batch)
+
+
+def replace_tree(src: Any, dst: Any) -> None:
+    """Moves a directory. Objects: server-side copies, the commit marker `metadata.json`
+    copied last and removed from the source first, so no moment shows two checkpoints."""
+    s, d = split(src), split(dst)
+    if s is None or d is None:
+        os.replace(src, dst)
+        return
+    keys = sorted((o["Key"] for o in _list(s)[0]), key=lambda k: k.endswith("/metadata.json"))
+    for k in keys:
+        target = d[1] + k[len(s[1]) :]
+        source = {"Bucket": s[0], "Key": k}
+        _call("copy to", (d[0], target), "copy_object", CopySource=source)
+    remove(os.path.join(os.fspath(src), "metadata.json"))
+    remove_tree(src)
