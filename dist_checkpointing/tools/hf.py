@@ -1,21 +1,20 @@
-"""`export_hf` / `import_hf`: megatron-core GPTModel checkpoints to and from HuggingFace
-transformers' Llama / Mixtral layout (`dist-ckpt export-hf` / `import-hf`). Not collective.
-
-A `torch_dist` checkpoint holds global tensors whatever tensor / pipeline / expert split
-saved it, so neither direction needs a process group or the split it was saved with.
-Export streams: one layer (one expert) of one tensor is read, split into its HF tensors and
-written before the next is read. Names and layouts are `hf_map`'s tables.
+"""`export_hf` / `import_hf` (`dist-ckpt export-hf` / `import-hf`): megatron-core GPTModel
+checkpoints to and from HuggingFace Llama / Mixtral. Not collective: a `torch_dist`
+checkpoint holds global tensors whatever split saved it. Export streams one layer (expert)
+of one tensor at a time. Names and layouts: `hf_map`.
 """
 
 from __future__ import annotations
 
+import collections
+import itertools
 import json
 import logging
 import mmap
+import re
 import struct
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Tuple, Union
 
 import torch
 
@@ -27,9 +26,8 @@ from .convert import (
     SAFETENSORS_INDEX,
     ConvertResult,
     _source,
+    _write_safetensors,
     parse_size,
-    safetensors_header,
-    tensor_bytes,
 )
 
 __all__ = ["export_hf", "import_hf", "DESCRIPTION_KEY"]
@@ -38,19 +36,15 @@ logger = logging.getLogger(__name__)
 
 #: the ShardedObject in which `import_hf` stores the model's description (megatron's fields)
 DESCRIPTION_KEY = "megatron_config"
-_STACKED_EXPERTS, _ONE_EXPERT = hf_map.EXPERT_PREFIXES
+#: decoder.layers.[<layer>.][mlp.experts.(experts.|local_experts.<expert>.)]<name>
+_LAYER_KEY = re.compile(
+    r"decoder\.layers\.(?:(\d+)\.)?(mlp\.experts\.(?:experts\.|local_experts\.(\d+)\.))?(.+)"
+)
 
 
-@dataclass
-class _Unit:
-    """One stored region that becomes one or more HF tensors."""
-
-    key: str
-    index: Tuple[int, ...]  # leading (layer, expert) indices read from a stacked key
-    name: str  # a GLOBAL key, a LAYER name or `experts.<EXPERT name>`
-    hf: List[str]
-    shape: Tuple[int, ...]
-    dtype: torch.dtype
+#: one stored region (`key[index]`: a layer / expert of a stacked key) -> HF tensors `hf`;
+#: `name` is a GLOBAL key, a LAYER name or `experts.<EXPERT name>`
+_Unit = collections.namedtuple("_Unit", "key index name hf shape dtype")
 
 
 def _plan_export(entries: Dict[str, Any]) -> Tuple[List[_Unit], int]:
@@ -66,34 +60,25 @@ def _plan_export(entries: Dict[str, Any]) -> Tuple[List[_Unit], int]:
         if key in hf_map.GLOBAL:
             units.append(_Unit(key, (), key, [hf_map.GLOBAL[key]], shape, dtype))
             continue
-        parsed = hf_map.layer_name(key)
-        layer, name = parsed if parsed else (None, "")
-        expert: Optional[int] = -1  # -1: no expert; None: a stacked expert axis
-        if name.startswith(_STACKED_EXPERTS):
-            expert, name = None, name[len(_STACKED_EXPERTS) :]
-        elif name.startswith(_ONE_EXPERT):
-            e, _, name = name[len(_ONE_EXPERT) :].partition(".")
-            expert = int(e) if e.isdigit() else -2
-        table = hf_map.LAYER if expert == -1 else hf_map.EXPERT
-        usable = moe or expert == -1
-        if not parsed or name not in table or expert == -2 or not usable:
+        m = _LAYER_KEY.fullmatch(key)
+        expert = m is not None and m[2] is not None
+        table = hf_map.EXPERT if expert else hf_map.LAYER
+        # experts only in a mixture-of-experts model, a dense MLP only in a dense one
+        fits = moe if expert else not (moe and m is not None and m[4] in hf_map.DENSE_ONLY)
+        if not m or m[4] not in table or not fits:
             unmapped.append(key)
             continue
-        if moe and name in hf_map.DENSE_ONLY:
-            unmapped.append(f"{key} (a dense MLP in a mixture-of-experts model)")
-            continue
-        lead = [range(shape[0])] if layer is None else []
-        if expert is None:
-            lead.append(range(shape[len(lead)]))
-        for index in _product(lead):
-            i = index[0] if layer is None else layer
-            layers.add(i)
+        # a stacked key has a layer axis first, then (stacked experts) an expert axis
+        axes = (0 if m[1] else 1) + (1 if expert and not m[3] else 0)
+        for index in itertools.product(*(range(n) for n in shape[:axes])):
+            i = int(m[1]) if m[1] else index[0]
             base = f"model.layers.{i}."
-            if expert != -1:
-                base += f"block_sparse_moe.experts.{index[-1] if expert is None else expert}."
-            full = name if expert == -1 else f"experts.{name}"
-            sub = shape[len(index) :]
-            units.append(_Unit(key, index, full, [base + n for n in table[name]], sub, dtype))
+            if expert:
+                base += f"block_sparse_moe.experts.{m[3] or index[-1]}."
+            name = f"experts.{m[4]}" if expert else m[4]
+            hf = [base + n for n in table[m[4]]]
+            units.append(_Unit(key, index, name, hf, shape[axes:], dtype))
+            layers.add(i)
     if unmapped:
         raise CheckpointingException(
             f"{len(unmapped)} stored tensor(s) have no HuggingFace Llama / Mixtral name: "
@@ -104,16 +89,9 @@ def _plan_export(entries: Dict[str, Any]) -> Tuple[List[_Unit], int]:
     return units, len(layers)
 
 
-def _product(axes: List[range]) -> List[Tuple[int, ...]]:
-    out: List[Tuple[int, ...]] = [()]
-    for axis in axes:
-        out = [(*o, i) for o in out for i in axis]
-    return out
-
-
 def _description(ckpt: Path, metadata: Any, config: Union[None, str, Dict[str, Any]]) -> Any:
     """The model's description: `config` (a dict, a JSON file or JSON text), else the one
-    `import_hf` stored, else Megatron-LM's `args` in the common state."""
+    `import_hf` stored."""
     if isinstance(config, dict):
         return config
     if config is not None:
@@ -124,18 +102,8 @@ def _description(ckpt: Path, metadata: Any, config: Union[None, str, Dict[str, A
             raise CheckpointingException(f"config {config!r}: not JSON: {e}") from e
     if DESCRIPTION_KEY in {k.split("/")[0] for k in _storage.object_keys(metadata)}:
         return _storage.read_object(ckpt, metadata, f"{DESCRIPTION_KEY}/shard_0_1")
-    why = ""
-    if (ckpt / _storage.COMMON_FNAME).is_file():
-        from ..serialization import load_common_state_dict
-
-        try:
-            args = load_common_state_dict(ckpt).get("args")
-        except CheckpointingException as e:  # e.g. an argparse Namespace, not allowlisted
-            args, why = None, f" (its common state: {e})"
-        if args is not None:
-            return args if isinstance(args, dict) else vars(args)
     raise CheckpointingException(
-        f"{ckpt}: no model description stored{why}; give one "
+        f"{ckpt}: no model description stored; give one "
         '(e.g. --config \'{"num_attention_heads": 32, "rotary_base": 500000}\', '
         "megatron's TransformerConfig field names)"
     )
@@ -161,7 +129,7 @@ def export_hf(
             `model.safetensors.index.json`.
         config: the model's description: megatron `TransformerConfig` / GPTModel field names
             (or Megatron-LM's argument names) as a dict, a JSON file or JSON text. Default:
-            the one `import_hf` stored, else Megatron-LM's `args` in the common state.
+            the one `import_hf` stored.
         max_shard_size: bytes (or e.g. "5GB") per safetensors file.
 
     Returns:
@@ -192,38 +160,24 @@ def export_hf(
             rows = [min(u.shape[0], vocab) if u.key in hf_map.GLOBAL else u.shape[0]]
         return [(n, u.dtype, (r, *u.shape[1:])) for n, r in zip(u.hf, rows)]
 
-    if (dest / SAFETENSORS_INDEX).exists() or (dest / "config.json").exists():
+    entries = [e for u in units for e in outputs(u)]
+    source = {name: u for u in units for name in u.hf}
+    parts: Dict[str, torch.Tensor] = {}
+
+    def read(name: str) -> torch.Tensor:  # in file order: a unit's HF tensors come together
+        if name not in parts:
+            u = source[name]
+            t = _storage.read_full_tensor(ckpt, metadata, u.key, checksums, u.index)
+            split = hf_map.split(u.name, t, heads, groups)
+            parts.update({n: p[: s[0]] for (n, _, s), p in zip(outputs(u), split)})
+        return parts.pop(name)
+
+    if (dest / "config.json").exists():
         raise CheckpointExistsError(f"{dest} already holds a model; choose another directory")
-    dest.mkdir(parents=True, exist_ok=True)
-    files: List[List[_Unit]] = [[]]
-    size = 0
-    for u in units:  # the HF tensors of one unit stay in one file
-        nbytes = sum(torch.Size(s).numel() * t.itemsize for _, t, s in outputs(u))
-        if files[-1] and size + nbytes > limit:
-            files.append([])
-            size = 0
-        files[-1].append(u)
-        size += nbytes
-    names = [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))]
-    result, weight_map = ConvertResult(), {}
-    for name, group in zip(names, files):
-        entries = [e for u in group for e in outputs(u)]
-        with open(dest / name, "wb") as f:
-            f.write(safetensors_header(entries))
-            for u in group:
-                t = _storage.read_full_tensor(ckpt, metadata, u.key, checksums, u.index)
-                for (hf_name, _, shape), part in zip(
-                    outputs(u), hf_map.split(u.name, t, heads, groups)
-                ):
-                    f.write(tensor_bytes(part[: shape[0]]))
-                    weight_map[hf_name] = name
-                    result.tensors += 1
-                    result.bytes += part[: shape[0]].nbytes
-        result.files.append(str(dest / name))
-    index = {"metadata": {"total_size": result.bytes}, "weight_map": weight_map}
-    (dest / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    files = _write_safetensors(entries, dest, limit, read)
     (dest / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    result.files += [str(dest / SAFETENSORS_INDEX), str(dest / "config.json")]
+    nbytes = sum(torch.Size(shape).numel() * dtype.itemsize for _, dtype, shape in entries)
+    result = ConvertResult([*files, str(dest / "config.json")], len(entries), nbytes)
     logger.info("exported %d tensors (%d bytes) to %s", result.tensors, result.bytes, dest)
     return result
 
@@ -265,18 +219,16 @@ def import_hf(
     """Writes a HuggingFace Llama / Mixtral model as a `torch_dist` checkpoint that
     megatron-core's GPTModel loads at tensor / pipeline / expert parallel sizes `tp`/`pp`/`ep`.
 
-    The checkpoint holds global tensors (so it loads at other splits too); the split is
-    checked against the model's sizes and recorded in the stored description (the
-    `megatron_config` object, which `export_hf` reads back). Layer numbers are global
-    (megatron's layer-stacked keys), the vocabulary is not padded.
-
-    Steps: read `config.json`; map the safetensors files; fuse each layer's q/k/v; hand
-    every tensor to `save` (one process, no process group).
+    Steps: read `config.json` and check the split divides its sizes; map the safetensors
+    files (tensors that need no change are not copied); fuse each layer's q/k/v; `save` it
+    all from this process with the description (`megatron_config`, read back by `export_hf`).
+    The tensors are global and layer-stacked (so other splits load it too); the vocabulary
+    is not padded.
 
     Args:
         hf_dir: a directory with `config.json` and safetensors files (`save_pretrained`'s).
         ckpt: the checkpoint directory to write.
-        tp: tensor parallel size; pp: pipeline parallel size; ep: expert parallel size.
+        tp, pp, ep: tensor, pipeline and expert parallel sizes.
 
     Returns:
         `ckpt`, the megatron tensors and their bytes.
@@ -290,26 +242,23 @@ def import_hf(
 
     src = Path(hf_dir)
     try:
-        cfg = json.loads((src / "config.json").read_text())
-    except (OSError, ValueError) as e:
-        raise CheckpointingException(f"{src}: no readable config.json: {e}") from e
-    desc = hf_map.megatron_description(cfg, tp, pp, ep)
-    hf = _open_safetensors(src)
+        desc = hf_map.megatron_description(
+            json.loads((src / "config.json").read_text()), tp, pp, ep
+        )
+    except (OSError, ValueError, KeyError) as e:
+        raise CheckpointingException(f"{src}: no readable config.json ({e!r})") from e
+    hf, used = _open_safetensors(src), set()
     heads, groups = desc["num_attention_heads"], desc["num_query_groups"]
     n_layers, n_experts = int(desc["num_layers"]), int(desc.get("num_moe_experts") or 0)
-    used: set = set()
-
-    def take(name: str) -> torch.Tensor:
-        if name not in hf:
-            raise CheckpointingException(f"{src}: no tensor {name!r}")
-        used.add(name)
-        return hf[name]
-
     sd: Dict[str, Any] = {}
 
-    def add(key: str, name: str, parts: List[torch.Tensor], *lead: Tuple[int, int, int]) -> None:
-        """Stores `parts` fused at the (layer, expert) position `lead` of a stacked key."""
-        n = len(lead)
+    def add(key: str, name: str, hf_names: List[str], *lead: Tuple[int, int, int]) -> None:
+        """Stores the HF tensors fused at (layer, expert) position `lead` of a stacked key."""
+        missing = [n for n in hf_names if n not in hf]
+        if missing:
+            raise CheckpointingException(f"{src}: no tensor {missing[0]!r}")
+        parts, n = [hf[n] for n in hf_names], len(lead)
+        used.update(hf_names)
         if name.endswith("linear_fc1.weight"):  # [gate; up]: two pieces as they are, no copy
             pieces = [(p, (*lead, (n, k, 2))) for k, p in enumerate(parts)]
         else:
@@ -320,46 +269,38 @@ def import_hf(
 
     for key, name in hf_map.GLOBAL.items():
         if name != "lm_head.weight" or not desc["share_embeddings_and_output_weights"]:
-            add(key, key, [take(name)])
-    layer_names = [
-        n for n in hf_map.LAYER if n not in ("input_layernorm.weight", "pre_mlp_layernorm.weight")
-    ]
+            add(key, key, [name])
+    mlp = ("mlp.router.weight",) if n_experts else hf_map.DENSE_ONLY
     for i in range(n_layers):
-        for name in layer_names:
-            moe_name = name == "mlp.router.weight"
-            if (name in hf_map.DENSE_ONLY and n_experts) or (moe_name and not n_experts):
-                continue
-            parts = [take(f"model.layers.{i}.{n}") for n in hf_map.LAYER[name]]
-            add(f"decoder.layers.{name}", name, parts, (0, i, n_layers))
-        for x in range(n_experts):
-            for name, hf_names in hf_map.EXPERT.items():
-                prefix = f"model.layers.{i}.block_sparse_moe.experts.{x}."
-                parts = [take(prefix + n) for n in hf_names]
-                key = f"decoder.layers.mlp.experts.experts.{name}"
-                add(key, name, parts, (0, i, n_layers), (1, x, n_experts))
+        for name in [*list(hf_map.LAYER)[:4], *mlp]:  # megatron 0.16's spellings
+            add(
+                f"decoder.layers.{name}",
+                name,
+                [f"model.layers.{i}.{n}" for n in hf_map.LAYER[name]],
+                (0, i, n_layers),
+            )
+        for x, (name, hf_names) in itertools.product(range(n_experts), hf_map.EXPERT.items()):
+            names = [f"model.layers.{i}.block_sparse_moe.experts.{x}.{n}" for n in hf_names]
+            key = f"decoder.layers.mlp.experts.experts.{name}"
+            add(key, name, names, (0, i, n_layers), (1, x, n_experts))
     left = sorted(set(hf) - used)
     if left:
         raise CheckpointingException(
             f"{src}: {len(left)} tensor(s) have no megatron-core GPTModel name: " + ", ".join(left)
         )
-    # megatron's linear layers save an `_extra_state` object per layer (and expert); its load
-    # asks for them, so they are written as a freshly built model holds them (empty)
-    extra = ["self_attention.linear_qkv", "self_attention.linear_proj"]
-    extra += (
-        ["mlp.experts.experts.linear_fc1", "mlp.experts.experts.linear_fc2"]
-        if n_experts
-        else ["mlp.linear_fc1", "mlp.linear_fc2"]
-    )
-    for name in extra:
-        grid: Tuple[int, ...] = (n_layers, n_experts) if "experts" in name else (n_layers,)
-        for pos in _product([range(n) for n in grid]):
-            value = [None] if n_experts and "experts" in name else None
-            sd[f"{name}._extra_state {pos}"] = ShardedObject(
-                f"decoder.layers.{name}._extra_state", value, grid, pos
-            )
+    # megatron's linear layers save an `_extra_state` object per layer (and expert) and its
+    # load asks for them: written as a newly built model (local layer spec) holds them
+    mlp_prefix = "mlp.experts.experts." if n_experts else "mlp."
+    for name in ["self_attention.linear_qkv", "self_attention.linear_proj"] + [
+        mlp_prefix + "linear_fc1",
+        mlp_prefix + "linear_fc2",
+    ]:
+        grid = (n_layers, n_experts) if "experts" in name else (n_layers,)
+        for pos in itertools.product(*(range(n) for n in grid)):
+            key = f"decoder.layers.{name}._extra_state"
+            sd[f"{key} {pos}"] = ShardedObject(key, [None] if len(grid) > 1 else None, grid, pos)
     sd[DESCRIPTION_KEY] = ShardedObject(DESCRIPTION_KEY, desc, (1,), (0,))
     serialization.save(sd, str(ckpt))
-    tensors = [v for v in sd.values() if isinstance(v, ShardedTensor)]
-    return ConvertResult(
-        [str(ckpt)], len(tensors), sum(t.data.nbytes for t in tensors if t.data is not None)
-    )
+    tensors = [v.data for v in sd.values() if isinstance(v, ShardedTensor)]
+    nbytes = sum(int(t.nbytes) for t in tensors if t is not None)
+    return ConvertResult([str(ckpt)], len(tensors), nbytes)

@@ -13,7 +13,7 @@ other decoders have keys of their own (`decoder.layers.<i>.<name>`). Layouts tha
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
 
@@ -30,50 +30,41 @@ GLOBAL = {
     "output_layer.weight": "lm_head.weight",
 }
 #: name inside a layer -> HF names inside `model.layers.<i>.` (several: the layout is split).
-#: The first spelling of a name is the one written on import (megatron-core 0.16's, for the
-#: local and the Transformer Engine layer specs alike).
+#: The first four (and the MLP's) are megatron-core 0.16's names for the local and the
+#: Transformer Engine layer specs alike, written on import; the last two, the local spec's
+#: module names, are read too.
 LAYER: Dict[str, Tuple[str, ...]] = {
     "self_attention.linear_qkv.layer_norm_weight": ("input_layernorm.weight",),
-    "input_layernorm.weight": ("input_layernorm.weight",),
     "self_attention.linear_qkv.weight": tuple(f"self_attn.{p}_proj.weight" for p in "qkv"),
     "self_attention.linear_proj.weight": ("self_attn.o_proj.weight",),
     "mlp.linear_fc1.layer_norm_weight": ("post_attention_layernorm.weight",),
-    "pre_mlp_layernorm.weight": ("post_attention_layernorm.weight",),
     "mlp.linear_fc1.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
     "mlp.linear_fc2.weight": ("mlp.down_proj.weight",),
     "mlp.router.weight": ("block_sparse_moe.gate.weight",),
+    "input_layernorm.weight": ("input_layernorm.weight",),
+    "pre_mlp_layernorm.weight": ("post_attention_layernorm.weight",),
 }
 #: expert weight -> HF names inside `model.layers.<i>.block_sparse_moe.experts.<e>.`
 EXPERT: Dict[str, Tuple[str, ...]] = {
     "linear_fc1.weight": ("w1.weight", "w3.weight"),
     "linear_fc2.weight": ("w2.weight",),
 }
-#: expert names: stacked (`experts.experts.<w>`, expert axis) or one key per expert
-EXPERT_PREFIXES = ("mlp.experts.experts.", "mlp.experts.local_experts.")
 DENSE_ONLY = ("mlp.linear_fc1.weight", "mlp.linear_fc2.weight")
-#: Megatron-LM's argument names for TransformerConfig fields
-_ALIASES = {
-    "norm_epsilon": "layernorm_epsilon",
-    "swiglu": "gated_linear_unit",
-    "seq_length": "max_position_embeddings",
-    "max_sequence_length": "max_position_embeddings",
-    "untie_embeddings_and_output_weights": "!share_embeddings_and_output_weights",
-}
-#: what a Llama / Mixtral is, in megatron's fields: (field, required value, default if absent)
-_LLAMA_LIKE = (
-    ("normalization", "RMSNorm", "RMSNorm"),
-    ("gated_linear_unit", True, True),
-    ("activation_func", "silu", "silu"),
-    ("position_embedding_type", "rope", "rope"),
-    ("rotary_percent", 1.0, 1.0),
-    ("rotary_interleaved", False, False),
-    ("add_bias_linear", False, False),
-    ("add_qkv_bias", False, False),
-    ("qk_layernorm", False, False),
-    ("moe_router_pre_softmax", False, False),
-    ("moe_router_score_function", "softmax", "softmax"),
-    ("moe_shared_expert_intermediate_size", None, None),
+#: Megatron-LM's argument names -> TransformerConfig's ("!": negated)
+_ALIASES = dict(
+    pair.split(":")
+    for pair in "norm_epsilon:layernorm_epsilon swiglu:gated_linear_unit "
+    "seq_length:max_position_embeddings max_sequence_length:max_position_embeddings "
+    "untie_embeddings_and_output_weights:!share_embeddings_and_output_weights".split()
 )
+#: what makes a GPTModel a Llama / Mixtral, in megatron's fields (also their defaults here)
+_LLAMA_LIKE: Dict[str, Any] = {
+    **dict(normalization="RMSNorm", gated_linear_unit=True, activation_func="silu"),
+    **dict(position_embedding_type="rope", rotary_percent=1.0, rotary_interleaved=False),
+    **dict(add_bias_linear=False, add_qkv_bias=False, qk_layernorm=False),
+    **dict(moe_router_pre_softmax=False, moe_router_score_function="softmax"),
+    "moe_shared_expert_intermediate_size": None,
+}
 
 
 def split(name: str, t: torch.Tensor, heads: int, groups: int) -> List[torch.Tensor]:
@@ -118,8 +109,8 @@ def hf_config(
         CheckpointingException: a field that makes it no Llama / Mixtral, or a missing one.
     """
     wrong = []
-    for field, want, default in _LLAMA_LIKE:
-        got = _get(desc, field, default)
+    for field, want in _LLAMA_LIKE.items():
+        got = _get(desc, field, want)
         got = getattr(got, "__name__", got)  # a function, in a description made in Python
         if got != want and not (field == "activation_func" and got == "swiglu"):
             wrong.append(f"{field}={got!r} (needs {want!r})")
@@ -167,65 +158,43 @@ def megatron_description(cfg: Dict[str, Any], tp: int, pp: int, ep: int) -> Dict
     Raises:
         CheckpointingException: not a Llama / Mixtral config, or a size the split cannot divide.
     """
-    kind = cfg.get("model_type")
-    unsupported = {
-        "model_type": kind if kind not in ("llama", "mixtral") else None,
-        "hidden_act": cfg.get("hidden_act") if cfg.get("hidden_act") != "silu" else None,
-        "rope_scaling": cfg.get("rope_scaling"),
-        "attention_bias": cfg.get("attention_bias") or None,
-        "mlp_bias": cfg.get("mlp_bias") or None,
-        "sliding_window": cfg.get("sliding_window"),
-    }
-    rope = cfg.get("rope_parameters") or {}
-    if rope.get("rope_type", "default") != "default":
-        unsupported["rope_parameters"] = rope
-    bad = [f"{k}={v!r}" for k, v in unsupported.items() if v is not None]
+    kind, rope = cfg.get("model_type"), cfg.get("rope_parameters") or {}
+    bad = [] if kind in ("llama", "mixtral") else [f"model_type={kind!r}"]
+    for k in ("rope_scaling", "attention_bias", "mlp_bias", "sliding_window"):
+        bad += [f"{k}={cfg[k]!r}"] if cfg.get(k) else []
+    bad += [] if cfg.get("hidden_act", "silu") == "silu" else [f"hidden_act={cfg['hidden_act']!r}"]
+    bad += [] if rope.get("rope_type", "default") == "default" else [f"rope_parameters={rope}"]
     if bad:
-        raise CheckpointingException(
-            "only Llama / Mixtral-style models are imported; unsupported: " + ", ".join(bad)
-        )
+        raise CheckpointingException("not a Llama / Mixtral-style model: " + ", ".join(bad))
     heads = cfg["num_attention_heads"]
     desc: Dict[str, Any] = {
+        **{k: v for k, v in _LLAMA_LIKE.items() if not k.startswith("moe_")},
         "num_layers": cfg["num_hidden_layers"],
         "hidden_size": cfg["hidden_size"],
         "ffn_hidden_size": cfg["intermediate_size"],
         "num_attention_heads": heads,
         "num_query_groups": cfg.get("num_key_value_heads") or heads,
         "kv_channels": cfg.get("head_dim") or cfg["hidden_size"] // heads,
-        "normalization": "RMSNorm",
         "layernorm_epsilon": cfg.get("rms_norm_eps", 1e-6),
-        "gated_linear_unit": True,
-        "activation_func": "silu",
-        "add_bias_linear": False,
-        "position_embedding_type": "rope",
         "rotary_base": rope.get("rope_theta", cfg.get("rope_theta", 10000.0)),
         "vocab_size": cfg["vocab_size"],
         "max_sequence_length": cfg.get("max_position_embeddings", 4096),
         "share_embeddings_and_output_weights": bool(cfg.get("tie_word_embeddings", False)),
+        **dict(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp),
+        "expert_model_parallel_size": ep,
     }
     if kind == "mixtral":
         desc["num_moe_experts"] = cfg["num_local_experts"]
         desc["moe_router_topk"] = cfg.get("num_experts_per_tok", 2)
-    checks = [
+    sizes = [
         ("num_attention_heads", heads, tp),
         ("num_key_value_heads", desc["num_query_groups"], tp),
         ("intermediate_size", desc["ffn_hidden_size"], tp),
         ("vocab_size", desc["vocab_size"], tp),
         ("num_hidden_layers", desc["num_layers"], pp),
-        ("num_local_experts", desc.get("num_moe_experts") or ep, ep),
+        ("num_local_experts", desc.get("num_moe_experts", ep), ep),
     ]
-    bad = [f"{name}={n} is not divisible by {by}" for name, n, by in checks if n % by]
+    bad = [f"{name}={n} is not divisible by {by}" for name, n, by in sizes if n % by]
     if bad:
         raise CheckpointingException(f"cannot split at tp={tp} pp={pp} ep={ep}: " + "; ".join(bad))
-    desc.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-    desc["expert_model_parallel_size"] = ep
     return desc
-
-
-def layer_name(key: str) -> Optional[Tuple[Optional[int], str]]:
-    """`decoder.layers.<i>.<name>` -> (i, name); `decoder.layers.<name>` -> (None, name)."""
-    if not key.startswith("decoder.layers."):
-        return None
-    rest = key[len("decoder.layers.") :]
-    head, _, tail = rest.partition(".")
-    return (int(head), tail) if head.isdigit() else (None, rest)

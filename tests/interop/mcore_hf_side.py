@@ -51,6 +51,7 @@ BASE = {
 #: checkpoints written by import-hf (at TP=2), loaded in step 2
 IMPORTED = ("imported", "imported_tied_moe")
 GPT_ARGS = (
+    "rotary_percent",
     "vocab_size",
     "max_sequence_length",
     "position_embedding_type",
