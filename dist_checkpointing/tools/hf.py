@@ -118,9 +118,8 @@ def export_hf(
 ) -> ConvertResult:
     """Writes a megatron-core GPTModel checkpoint as a HuggingFace Llama / Mixtral model.
 
-    Steps: read the stored tensors' metadata; map every name (refusing any that has no HF
-    name); derive `config.json` from the description and the shapes; then per safetensors
-    file, read each stored layer / expert, split it into its HF tensors and write them.
+    Steps: map every stored name (refusing any without an HF name); derive `config.json`
+    from the description and the shapes; read, split and write one layer / expert at a time.
 
     Args:
         ckpt: a `torch_dist` checkpoint of a GPTModel's sharded state dict (any TP/PP/EP);
@@ -128,8 +127,7 @@ def export_hf(
         out: a new directory: `config.json`, `model-0000i-of-0000N.safetensors`,
             `model.safetensors.index.json`.
         config: the model's description: megatron `TransformerConfig` / GPTModel field names
-            (or Megatron-LM's argument names) as a dict, a JSON file or JSON text. Default:
-            the one `import_hf` stored.
+            as a dict, a JSON file or JSON text. Default: the one `import_hf` stored.
         max_shard_size: bytes (or e.g. "5GB") per safetensors file.
 
     Returns:

@@ -50,13 +50,6 @@ EXPERT: Dict[str, Tuple[str, ...]] = {
     "linear_fc2.weight": ("w2.weight",),
 }
 DENSE_ONLY = ("mlp.linear_fc1.weight", "mlp.linear_fc2.weight")
-#: Megatron-LM's argument names -> TransformerConfig's ("!": negated)
-_ALIASES = dict(
-    pair.split(":")
-    for pair in "norm_epsilon:layernorm_epsilon swiglu:gated_linear_unit "
-    "seq_length:max_position_embeddings max_sequence_length:max_position_embeddings "
-    "untie_embeddings_and_output_weights:!share_embeddings_and_output_weights".split()
-)
 #: what makes a GPTModel a Llama / Mixtral, in megatron's fields (also their defaults here)
 _LLAMA_LIKE: Dict[str, Any] = {
     **dict(normalization="RMSNorm", gated_linear_unit=True, activation_func="silu"),
@@ -90,20 +83,16 @@ def fuse(name: str, parts: Sequence[torch.Tensor], heads: int, groups: int) -> t
 
 
 def _get(desc: Dict[str, Any], field: str, default: Any = None) -> Any:
-    for alias, target in _ALIASES.items():
-        if target.lstrip("!") == field and alias in desc and field not in desc:
-            return (not desc[alias]) if target.startswith("!") else desc[alias]
-    value = desc.get(field, default)
-    return value if value is not None else default
+    value = desc.get(field)
+    return default if value is None else value
 
 
 def hf_config(
     desc: Dict[str, Any], shapes: Dict[str, Tuple[int, ...]], num_layers: int
 ) -> Dict[str, Any]:
     """transformers' `config.json` for a GPTModel described by `desc` (megatron's field
-    names, or Megatron-LM's argument names). What the tensors tell (sizes, query groups,
-    experts, tied embeddings) comes from `shapes`: the `GLOBAL` keys' shapes, and a layer's
-    names (`LAYER`'s, and `experts.<EXPERT name>`) with the shape of one layer's / expert's.
+    names) whose `shapes` (of `GLOBAL` keys, and of one layer's / expert's `LAYER` names and
+    `experts.<EXPERT name>`) tell the sizes, query groups, experts and tied embeddings.
 
     Raises:
         CheckpointingException: a field that makes it no Llama / Mixtral, or a missing one.
@@ -136,7 +125,7 @@ def hf_config(
         // 2,
         "head_dim": head_dim,
         "hidden_act": "silu",
-        "max_position_embeddings": _get(desc, "max_position_embeddings", 4096),
+        "max_position_embeddings": _get(desc, "max_sequence_length", 4096),
         "rms_norm_eps": _get(desc, "layernorm_epsilon", 1e-5),
         "rope_theta": float(_get(desc, "rotary_base", 10000)),
         "tie_word_embeddings": "output_layer.weight" not in shapes,
