@@ -1,4 +1,5 @@
-"""The `dist-ckpt` command: `ls`, `inspect`, `verify`, `convert`, `diff` and `demo`.
+"""The `dist-ckpt` command: `ls`, `inspect`, `verify`, `convert`, `diff`, `export-hf`,
+`import-hf` and `demo`.
 
 Exit codes: 0 success (or clean / equal), 1 a problem found in a checkpoint (incomplete,
 damaged, different), 2 bad usage or input (a missing path, an unreadable checkpoint), 130
@@ -119,6 +120,22 @@ def _convert(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _hf(args: argparse.Namespace) -> int:
+    from .tools import hf
+
+    if args.command == "export-hf":
+        result = hf.export_hf(
+            args.ckpt, args.out, config=args.config, max_shard_size=args.max_shard_size
+        )
+    else:
+        result = hf.import_hf(args.hf_dir, args.ckpt, tp=args.tp, pp=args.pp, ep=args.ep)
+    if args.json:
+        _print_json(asdict(result))
+    else:
+        print(f"wrote {result.tensors} tensors ({_size(result.bytes)}): {result.files[0]}")
+    return EXIT_OK
+
+
 def _diff(args: argparse.Namespace) -> int:
     from .tools.diff import diff_checkpoints
 
@@ -186,12 +203,24 @@ def _parser() -> argparse.ArgumentParser:
     conv.add_argument(
         "--max-shard-size", default="5GB", help="bytes per safetensors file (default 5GB)"
     )
+    exp = verb("export-hf", _hf, "a megatron GPTModel checkpoint as a HuggingFace Llama/Mixtral")
+    exp.add_argument("ckpt", help="torch_dist checkpoint of megatron-core's GPTModel")
+    exp.add_argument("out", help="new directory: config.json and safetensors files")
+    exp.add_argument(
+        "--config", help="the model's megatron fields: a JSON file or JSON text (default: stored)"
+    )
+    exp.add_argument("--max-shard-size", default="5GB", help="bytes per file (default 5GB)")
+    imp = verb("import-hf", _hf, "a HuggingFace Llama/Mixtral as a megatron GPTModel checkpoint")
+    imp.add_argument("hf_dir", help="directory with config.json and safetensors files")
+    imp.add_argument("ckpt", help="the torch_dist checkpoint directory to write")
+    for name in ("tp", "pp", "ep"):
+        imp.add_argument(f"--{name}", type=int, default=1, help=f"{name.upper()} size (default 1)")
     diff = verb("diff", _diff, "compare two checkpoints (exit 0 only when equal)")
     diff.add_argument("a")
     diff.add_argument("b")
     diff.add_argument("--rtol", type=float, default=0.0, help="relative tolerance (default 0)")
     diff.add_argument("--atol", type=float, default=0.0, help="absolute tolerance (default 0)")
-    for p in (ls, insp, ver, conv, diff):
+    for p in (ls, insp, ver, conv, exp, imp, diff):
         p.add_argument("--json", action="store_true", help="machine-readable output")
 
     demo = verb("demo", _demo, "save, reshard and load a multi-rank checkpoint on CPU")

@@ -3,7 +3,9 @@
 - `list_checkpoints(root)` and `describe(path)`: what is there (`dist-ckpt ls` / `inspect`);
 - `verify_checkpoint(path)`: read every byte, check every checksum (`dist-ckpt verify`);
 - `convert_checkpoint(src, out, to=...)`: full tensors as safetensors or torch files;
-- `diff_checkpoints(a, b)`: keys, shapes, dtypes and values that differ.
+- `diff_checkpoints(a, b)`: keys, shapes, dtypes and values that differ;
+- `export_hf(ckpt, out)` / `import_hf(hf_dir, ckpt, tp=...)`: megatron-core GPTModel
+  checkpoints to and from HuggingFace Llama / Mixtral (`dist-ckpt export-hf` / `import-hf`).
 
 Names are imported on first use, so the torch-free fast path of `inspect` stays torch-free.
 """
@@ -18,6 +20,7 @@ _EXPORTS: Dict[str, str] = {
     **dict.fromkeys(("VerifyReport", "verify_checkpoint"), "verify"),
     **dict.fromkeys(("ConvertResult", "convert_checkpoint"), "convert"),
     **dict.fromkeys(("DiffReport", "diff_checkpoints"), "diff"),
+    **dict.fromkeys(("export_hf", "import_hf"), "hf"),
 }
 
 __all__ = list(_EXPORTS)
@@ -25,6 +28,7 @@ __all__ = list(_EXPORTS)
 if TYPE_CHECKING:
     from .convert import ConvertResult, convert_checkpoint  # noqa: F401  (in __all__)
     from .diff import DiffReport, diff_checkpoints  # noqa: F401  (in __all__)
+    from .hf import export_hf, import_hf  # noqa: F401  (in __all__)
     from .inspect import CheckpointInfo, describe, list_checkpoints  # noqa: F401  (in __all__)
     from .verify import VerifyReport, verify_checkpoint  # noqa: F401  (in __all__)
 

@@ -90,9 +90,14 @@ def stored_items(metadata: Metadata) -> Iterator[StoredItem]:
 
 
 def read_full_tensor(
-    ckpt: Path, metadata: Metadata, key: str, checksums: Optional[Checksums] = None
+    ckpt: Path,
+    metadata: Metadata,
+    key: str,
+    checksums: Optional[Checksums] = None,
+    index: Tuple[int, ...] = (),
 ) -> torch.Tensor:
-    """Reads one whole (unsharded) tensor, chunk by chunk, verified against `checksums`.
+    """Reads one whole (unsharded) tensor, chunk by chunk, verified against `checksums`;
+    with `index`, only `tensor[index]` (e.g. one layer of a layer-stacked key).
 
     Raises:
         CheckpointingException: unknown key, or a chunk missing from the metadata.
@@ -101,12 +106,13 @@ def read_full_tensor(
     stored = metadata.state_dict_metadata.get(key)
     if not isinstance(stored, TensorStorageMetadata):
         raise CheckpointingException(f"{ckpt}: no tensor {key!r}")
-    shape = tuple(stored.size)
-    out = torch.empty(shape, dtype=stored.properties.dtype)
-    reads = plan_tensor_reads(TensorRequest(key, 0, (0,) * len(shape), shape), stored)
+    shape, k = tuple(stored.size), len(index)
+    out = torch.empty(shape[k:], dtype=stored.properties.dtype)
+    offsets = (*index, *(0,) * (len(shape) - k))
+    reads = plan_tensor_reads(TensorRequest(key, 0, offsets, (1,) * k + shape[k:]), stored)
 
     def resolve(r: Any) -> torch.Tensor:
-        view = out
+        view = out.view((1,) * k + out.shape)
         for dim, (o, n) in enumerate(zip(r.dest_offsets, r.lengths)):
             view = view.narrow(dim, o, n)
         return view

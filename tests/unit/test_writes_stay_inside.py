@@ -44,7 +44,7 @@ _UNSET = (
 )
 
 #: every `dist-ckpt` verb this test runs (compared with `dist-ckpt --help`)
-VERBS = {"ls", "inspect", "verify", "convert", "diff", "demo"}
+VERBS = {"ls", "inspect", "verify", "convert", "diff", "export-hf", "import-hf", "demo"}
 
 
 def _env(home: Path, cache: Path, tmp: Path) -> Dict[str, str]:
@@ -144,6 +144,16 @@ def _check_writes(root: Path) -> None:
         cwd,
         timeout=120,
     )
+    from tests.tools.test_hf import CONFIG, _gpt, _save
+
+    gpt = _save(_gpt(moe=True, tied=False), ckpt / "gpt")  # a GPTModel-shaped checkpoint
+    for args in (
+        ["export-hf", str(gpt), str(out / "hf"), "--config", CONFIG],
+        ["import-hf", str(out / "hf"), str(ckpt / "from_hf"), "--tp", "2"],
+    ):
+        outputs[args[0]] = json.loads(_run([*cli, *args, "--json"], env, cwd, 60))
+    assert outputs["export-hf"]["tensors"] == 3 + 2 * (7 + 3 * 4), outputs["export-hf"]
+    assert outputs["import-hf"]["files"] == [str(ckpt / "from_hf")], outputs["import-hf"]
     assert [e["step"] for e in outputs["ls"]] == [6, 4], outputs["ls"]
     assert outputs["inspect"]["complete"], outputs["inspect"]
     assert outputs["verify"]["ok"], outputs["verify"]
@@ -169,6 +179,9 @@ def _check_writes(root: Path) -> None:
         ckpt / "manager" / "local",
         out / "safetensors",
         out / "demo",
+        ckpt / "gpt",
+        out / "hf",
+        ckpt / "from_hf",
         home,
         cache,
         tmp,

@@ -1,0 +1,189 @@
+"""Names, layouts and configs of megatron-core's GPTModel vs transformers' Llama / Mixtral.
+
+Pure functions of names, shapes and descriptions (no I/O), shared by `hf.py`'s export and
+import. megatron-core stores every layer of a homogeneous decoder under one layer-stacked
+key (`decoder.layers.<name>`, layer axis first; experts add an expert axis); layers of
+other decoders have keys of their own (`decoder.layers.<i>.<name>`). Layouts that differ:
+- QKV: one `linear_qkv` weight, query groups one after another, each holding its query
+  heads, then its key head, then its value head; transformers keeps q, k and v apart.
+- SwiGLU: one `linear_fc1` weight `[gate; up]` (whatever the tensor-parallel size);
+  transformers keeps `gate_proj` / `up_proj` (Mixtral's experts: `w1` / `w3`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Dict, List, Sequence, Tuple
+
+import torch
+
+from ..errors import CheckpointingException
+
+__all__ = ["GLOBAL", "LAYER", "EXPERT", "hf_config", "megatron_description", "split", "fuse"]
+
+logger = logging.getLogger(__name__)
+
+#: megatron key -> HF name, outside the decoder layers
+GLOBAL = {
+    "embedding.word_embeddings.weight": "model.embed_tokens.weight",
+    "decoder.final_layernorm.weight": "model.norm.weight",
+    "output_layer.weight": "lm_head.weight",
+}
+#: name inside a layer -> HF names inside `model.layers.<i>.` (several: the layout is split).
+#: The first four (and the MLP's) are megatron-core 0.16's names for the local and the
+#: Transformer Engine layer specs alike, written on import; the last two, the local spec's
+#: module names, are read too.
+LAYER: Dict[str, Tuple[str, ...]] = {
+    "self_attention.linear_qkv.layer_norm_weight": ("input_layernorm.weight",),
+    "self_attention.linear_qkv.weight": tuple(f"self_attn.{p}_proj.weight" for p in "qkv"),
+    "self_attention.linear_proj.weight": ("self_attn.o_proj.weight",),
+    "mlp.linear_fc1.layer_norm_weight": ("post_attention_layernorm.weight",),
+    "mlp.linear_fc1.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+    "mlp.linear_fc2.weight": ("mlp.down_proj.weight",),
+    "mlp.router.weight": ("block_sparse_moe.gate.weight",),
+    "input_layernorm.weight": ("input_layernorm.weight",),
+    "pre_mlp_layernorm.weight": ("post_attention_layernorm.weight",),
+}
+#: expert weight -> HF names inside `model.layers.<i>.block_sparse_moe.experts.<e>.`
+EXPERT: Dict[str, Tuple[str, ...]] = {
+    "linear_fc1.weight": ("w1.weight", "w3.weight"),
+    "linear_fc2.weight": ("w2.weight",),
+}
+DENSE_ONLY = ("mlp.linear_fc1.weight", "mlp.linear_fc2.weight")
+#: what makes a GPTModel a Llama / Mixtral, in megatron's fields (also their defaults here)
+_LLAMA_LIKE: Dict[str, Any] = {
+    **dict(normalization="RMSNorm", gated_linear_unit=True, activation_func="silu"),
+    **dict(position_embedding_type="rope", rotary_percent=1.0, rotary_interleaved=False),
+    **dict(add_bias_linear=False, add_qkv_bias=False, qk_layernorm=False),
+    **dict(moe_router_pre_softmax=False, moe_router_score_function="softmax"),
+    "moe_shared_expert_intermediate_size": None,
+}
+
+
+def split(name: str, t: torch.Tensor, heads: int, groups: int) -> List[torch.Tensor]:
+    """megatron's fused `t` (one layer, one expert) -> the HF tensors of `LAYER`/`EXPERT`."""
+    if name.endswith("linear_qkv.weight"):
+        per = heads // groups  # query heads per group
+        g = t.view(groups, per + 2, -1, t.shape[-1])
+        q, k, v = g[:, :per], g[:, per], g[:, per + 1]
+        return [x.reshape(-1, t.shape[-1]) for x in (q, k, v)]
+    if name.endswith("linear_fc1.weight"):
+        return list(t.chunk(2))
+    return [t]
+
+
+def fuse(name: str, parts: Sequence[torch.Tensor], heads: int, groups: int) -> torch.Tensor:
+    """The inverse of `split`: HF tensors -> megatron's fused tensor."""
+    if name.endswith("linear_qkv.weight"):
+        q, k, v = parts
+        cols = q.shape[-1]
+        g = (q.view(groups, -1, cols), k.view(groups, -1, cols), v.view(groups, -1, cols))
+        return torch.cat(g, dim=1).view(-1, cols)
+    return parts[0] if len(parts) == 1 else torch.cat(list(parts))
+
+
+def _get(desc: Dict[str, Any], field: str, default: Any = None) -> Any:
+    value = desc.get(field)
+    return default if value is None else value
+
+
+def hf_config(
+    desc: Dict[str, Any], shapes: Dict[str, Tuple[int, ...]], num_layers: int
+) -> Dict[str, Any]:
+    """transformers' `config.json` for a GPTModel described by `desc` (megatron's field
+    names) whose `shapes` (of `GLOBAL` keys, and of one layer's / expert's `LAYER` names and
+    `experts.<EXPERT name>`) tell the sizes, query groups, experts and tied embeddings.
+
+    Raises:
+        CheckpointingException: a field that makes it no Llama / Mixtral, or a missing one.
+    """
+    wrong = []
+    for field, want in _LLAMA_LIKE.items():
+        got = _get(desc, field, want)
+        got = getattr(got, "__name__", got)  # a function, in a description made in Python
+        if got != want and not (field == "activation_func" and got == "swiglu"):
+            wrong.append(f"{field}={got!r} (needs {want!r})")
+    heads = _get(desc, "num_attention_heads")
+    if heads is None:
+        wrong.append("num_attention_heads is not given (the checkpoint does not tell it)")
+    if wrong:
+        raise CheckpointingException("not a Llama / Mixtral-style GPTModel: " + "; ".join(wrong))
+    emb = shapes["embedding.word_embeddings.weight"]
+    head_dim = _get(desc, "kv_channels", shapes["self_attention.linear_proj.weight"][-1] // heads)
+    moe = "mlp.router.weight" in shapes
+    cfg = {
+        "architectures": ["MixtralForCausalLM" if moe else "LlamaForCausalLM"],
+        "model_type": "mixtral" if moe else "llama",
+        "vocab_size": _get(desc, "vocab_size", emb[0]),
+        "hidden_size": emb[1],
+        "intermediate_size": shapes[
+            "experts.linear_fc2.weight" if moe else "mlp.linear_fc2.weight"
+        ][-1],
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": (shapes["self_attention.linear_qkv.weight"][0] // head_dim - heads)
+        // 2,
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": _get(desc, "max_sequence_length", 4096),
+        "rms_norm_eps": _get(desc, "layernorm_epsilon", 1e-5),
+        "rope_theta": float(_get(desc, "rotary_base", 10000)),
+        "tie_word_embeddings": "output_layer.weight" not in shapes,
+        "attention_bias": False,
+        "torch_dtype": "float32",
+    }
+    if moe:
+        cfg["num_local_experts"] = shapes["mlp.router.weight"][0]
+        cfg["num_experts_per_tok"] = _get(desc, "moe_router_topk", 2)
+    else:
+        cfg["mlp_bias"] = False
+    return cfg
+
+
+def megatron_description(cfg: Dict[str, Any], tp: int, pp: int, ep: int) -> Dict[str, Any]:
+    """megatron's fields (TransformerConfig plus GPTModel's arguments) for an HF config,
+    checked against the split (sizes megatron divides by `tp`, `pp` and `ep`).
+
+    Raises:
+        CheckpointingException: not a Llama / Mixtral config, or a size the split cannot divide.
+    """
+    kind, rope = cfg.get("model_type"), cfg.get("rope_parameters") or {}
+    bad = [] if kind in ("llama", "mixtral") else [f"model_type={kind!r}"]
+    for k in ("rope_scaling", "attention_bias", "mlp_bias", "sliding_window"):
+        bad += [f"{k}={cfg[k]!r}"] if cfg.get(k) else []
+    bad += [] if cfg.get("hidden_act", "silu") == "silu" else [f"hidden_act={cfg['hidden_act']!r}"]
+    bad += [] if rope.get("rope_type", "default") == "default" else [f"rope_parameters={rope}"]
+    if bad:
+        raise CheckpointingException("not a Llama / Mixtral-style model: " + ", ".join(bad))
+    heads = cfg["num_attention_heads"]
+    desc: Dict[str, Any] = {
+        **{k: v for k, v in _LLAMA_LIKE.items() if not k.startswith("moe_")},
+        "num_layers": cfg["num_hidden_layers"],
+        "hidden_size": cfg["hidden_size"],
+        "ffn_hidden_size": cfg["intermediate_size"],
+        "num_attention_heads": heads,
+        "num_query_groups": cfg.get("num_key_value_heads") or heads,
+        "kv_channels": cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        "layernorm_epsilon": cfg.get("rms_norm_eps", 1e-6),
+        "rotary_base": rope.get("rope_theta", cfg.get("rope_theta", 10000.0)),
+        "vocab_size": cfg["vocab_size"],
+        "max_sequence_length": cfg.get("max_position_embeddings", 4096),
+        "share_embeddings_and_output_weights": bool(cfg.get("tie_word_embeddings", False)),
+        **dict(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp),
+        "expert_model_parallel_size": ep,
+    }
+    if kind == "mixtral":
+        desc["num_moe_experts"] = cfg["num_local_experts"]
+        desc["moe_router_topk"] = cfg.get("num_experts_per_tok", 2)
+    sizes = [
+        ("num_attention_heads", heads, tp),
+        ("num_key_value_heads", desc["num_query_groups"], tp),
+        ("intermediate_size", desc["ffn_hidden_size"], tp),
+        ("vocab_size", desc["vocab_size"], tp),
+        ("num_hidden_layers", desc["num_layers"], pp),
+        ("num_local_experts", desc.get("num_moe_experts", ep), ep),
+    ]
+    bad = [f"{name}={n} is not divisible by {by}" for name, n, by in sizes if n % by]
+    if bad:
+        raise CheckpointingException(f"cannot split at tp={tp} pp={pp} ep={ep}: " + "; ".join(bad))
+    return desc
