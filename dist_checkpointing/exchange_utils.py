@@ -8,6 +8,7 @@ collective) and `exchange_shards` sends it to the others.
 from __future__ import annotations
 
 import hashlib
+import heapq
 import logging
 import zlib
 from collections import defaultdict
@@ -86,6 +87,18 @@ def distribute_shards_to_ranks(
     return saver
 
 
+def _balance(sizes: Mapping[ShardId, int], ranks: Sequence[int]) -> Dict[ShardId, int]:
+    """`distribute_shards_to_ranks` where every rank holds every shard, in O(shards x log
+    ranks): the least loaded rank (lowest on ties) is the top of a heap."""
+    heap = [(0, rank) for rank in sorted(ranks)]
+    saver: Dict[ShardId, int] = {}
+    for sid in sorted(sizes, key=lambda s: (-sizes[s], s)):
+        load, rank = heapq.heappop(heap)
+        saver[sid] = rank
+        heapq.heappush(heap, (load + sizes[sid], rank))
+    return saver
+
+
 def without_data(sh: ShardedTensor) -> ShardedTensor:
     """`sh.without_data()`, typed as a ShardedTensor."""
     out = sh.without_data()
@@ -150,7 +163,7 @@ def distribution_protocol(
        whose members hold different shards are summed.
     2. Every member of a group holds the same shards (the usual case): the leader returns the
        shards with a main replica in the group and each rank balances its own shards over
-       the group with `distribute_shards_to_ranks`: the same inputs on every member, so the
+       the group (as `distribute_shards_to_ranks` does): the same inputs on every member, so the
        same result.
     3. Otherwise each shard's record goes to an owner in the group (a hash of its id), which
        returns its holders; a rank balances each set of shards with the same holders over
@@ -191,7 +204,7 @@ def distribution_protocol(
         got = yield AllToAll({r: reply for r in group} if rank == leader else {})
         main_here = set(coordination.loads(got[leader]))
         keep = {sid: n for sid, n in sizes if not only_main_replicas or sid in main_here}
-        return distribute_shards_to_ranks({sid: group for sid in keep}, keep, group)
+        return _balance(keep, group)
     out: Dict[int, List[Any]] = defaultdict(list)
     for sid, (n, main) in shards.items():
         out[_owner(sid, group)].append((sid, n, main))
@@ -215,7 +228,7 @@ def distribution_protocol(
                     by_holders[ranks][tuple(s)] = n  # type: ignore[index]
     saver: Dict[ShardId, int] = {}
     for ranks, keep in by_holders.items():
-        saver.update(distribute_shards_to_ranks({s: ranks for s in keep}, keep, ranks))
+        saver.update(_balance(keep, ranks))
     return saver
 
 
