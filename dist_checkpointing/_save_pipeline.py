@@ -77,10 +77,15 @@ def prepare_save(
             "a new directory (e.g. one per iteration, iter_0000200), or remove this one "
             "first (shutil.rmtree on one rank, then a barrier) if it is no longer needed"
         )
-    ckpt.mkdir(parents=True, exist_ok=True)
+    if ckpt.exists() and not ckpt.is_dir():
+        what = "a regular file" if ckpt.is_file() else "not a directory"
+        raise CheckpointingException(
+            f"{ckpt} is {what}; a checkpoint is a directory: save to another path"
+        )
     sharded_part, common_part = save_preprocess(sharded_state_dict, content_metadata)
     for sh in nested_sharded(sharded_part):
         sh.validate_metadata_integrity()
+    ckpt.mkdir(parents=True, exist_ok=True)
     records = [r for r in map(record_of, nested_sharded(sharded_part)) if r is not None]
     deferred = None
     if async_sharded_save and sharded.can_handle_sharded_objects and not node_local:

@@ -93,6 +93,13 @@ def verify_checkpoint(path: PathArg, step: Optional[int] = None) -> VerifyReport
     ckpt = Path(path)
     check_dir(ckpt)
     report = VerifyReport(str(ckpt), "incomplete", False)
+    _verify(ckpt, step, report)
+    for p in report.problems:  # files named relative to the checkpoint, as in load errors
+        p.message = p.message.replace(os.path.join(str(ckpt), ""), "")
+    return report
+
+
+def _verify(ckpt: Path, step: Optional[int], report: VerifyReport) -> None:
     config = None
     try:
         config = maybe_load_config(ckpt)
@@ -114,14 +121,14 @@ def verify_checkpoint(path: PathArg, step: Optional[int] = None) -> VerifyReport
     if tier or (config is not None and config.sharded_backend == "local"):
         report.kind, report.checksummed = "local", True
         _verify_local(ckpt, local_parts(ckpt, report.step), report)
-        return report
+        return
     if config is None and not has_dcp:
         if not report.problems:
             raise NotACheckpointError(
                 f"{ckpt}: no {CONFIG_FNAME} and no {_storage.DCP_METADATA_FNAME}: not a "
                 f"checkpoint, or a save that did not finish"
             )
-        return report
+        return
     report.kind = "dcp" if _storage.is_stock_dcp(ckpt) else "incomplete"
     if config is not None:
         report.kind = config.sharded_backend
@@ -132,7 +139,6 @@ def verify_checkpoint(path: PathArg, step: Optional[int] = None) -> VerifyReport
         except CheckpointingException as e:
             report.problems.append(Problem(CONFIG_FNAME, str(e)))
     _verify_dcp(ckpt, report)
-    return report
 
 
 def _verify_dcp(ckpt: Path, report: VerifyReport) -> None:
