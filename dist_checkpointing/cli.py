@@ -152,7 +152,8 @@ def _diff(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from .demo import DemoConfig, run_demo
 
-    run_demo(DemoConfig(args.world_size, args.hidden, args.layers, args.vocab, args.dir))
+    cfg = DemoConfig(args.world_size, args.hidden, args.layers, args.vocab, args.dir, args.keep)
+    run_demo(cfg)
     return EXIT_OK
 
 
@@ -202,13 +203,14 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--json", action="store_true", help="machine-readable output")
 
     demo = verb("demo", _demo, "save, reshard and load a multi-rank checkpoint on CPU")
-    demo.add_argument("--world-size", type=int, default=4)
-    demo.add_argument("--hidden", type=int, default=512)
-    demo.add_argument("--layers", type=int, default=4)
-    demo.add_argument("--vocab", type=int, default=8192)
+    demo.add_argument("--world-size", type=int, default=4, help="processes (default 4)")
+    demo.add_argument("--hidden", type=int, default=512, help="model width (default 512)")
+    demo.add_argument("--layers", type=int, default=4, help="transformer layers (default 4)")
+    demo.add_argument("--vocab", type=int, default=8192, help="embedding rows (default 8192)")
     demo.add_argument(
-        "--dir", default="", help="parent directory of the checkpoint (default: a temp dir)"
+        "--dir", default="", help="parent of the checkpoint, kept (default: a temporary one)"
     )
+    demo.add_argument("--keep", action="store_true", help="keep the temporary directory")
     return parser
 
 
