@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import contextvars
 import datetime
 import logging
 import os
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple, TypeVar
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple, TypeVar, Union
 
 import torch.distributed as dist
 
@@ -295,6 +297,22 @@ def error_report(error: Optional[BaseException]) -> Optional[Tuple[str, str]]:
     return None if error is None else (type(error).__name__, _describe(error))
 
 
+#: the checkpoint directory (with a trailing separator) whose files failure reports name
+#: relative to it, within `naming_files_within`
+_within: contextvars.ContextVar[str] = contextvars.ContextVar("dist_ckpt_within", default="")
+
+
+@contextlib.contextmanager
+def naming_files_within(ckpt: Union[str, os.PathLike[str]]) -> Iterator[None]:
+    """Within the block (this thread), failures name files inside `ckpt` relative to it, as
+    every damage message does (the message names `ckpt` once, in what failed)."""
+    token = _within.set(os.path.join(os.fspath(Path(ckpt)), ""))
+    try:
+        yield
+    finally:
+        _within.reset(token)
+
+
 def raise_on_reported_errors(
     reports: List[Optional[Tuple[str, str]]], error: Optional[BaseException], what: str
 ) -> None:
@@ -307,7 +325,9 @@ def raise_on_reported_errors(
         failed = [(get_rank(), (type(error).__name__, _describe(error)))]
     if not failed:
         return
-    message = format_rank_failures(what, [(rank, rep[1]) for rank, rep in failed])
+    within = _within.get()
+    causes = [(rank, rep[1].replace(within, "") if within else rep[1]) for rank, rep in failed]
+    message = format_rank_failures(what, causes)
     if isinstance(error, CheckpointingException):
         cls: type[CheckpointingException] = type(error)
     else:

@@ -78,10 +78,15 @@ def prepare_save(
             "a new directory (e.g. one per iteration, iter_0000200), or remove this one "
             "first (shutil.rmtree on one rank, then a barrier) if it is no longer needed"
         )
+    if objstore.is_file(ckpt):
+        raise CheckpointingException(
+            f"{ckpt} is a regular file; a checkpoint is a directory: save to another path"
+        )
     objstore.makedirs(ckpt)  # for a prefix: checks that its bucket can be reached
     sharded_part, common_part = save_preprocess(sharded_state_dict, content_metadata)
     for sh in nested_sharded(sharded_part):
         sh.validate_metadata_integrity()
+    ckpt.mkdir(parents=True, exist_ok=True)
     records = [r for r in map(record_of, nested_sharded(sharded_part)) if r is not None]
     deferred = None
     if async_sharded_save and sharded.can_handle_sharded_objects and not node_local:

@@ -34,25 +34,28 @@ def _print_json(data: Any) -> None:
 
 
 def _ls(args: argparse.Namespace) -> int:
-    from .tools.inspect import list_checkpoints
+    from .tools.listing import list_checkpoints
 
     found = list_checkpoints(args.root)
     if args.json:
-        _print_json([{**asdict(i), "tensor_bytes": i.tensor_bytes} for i in found])
-    else:
-        if not found:
-            print(f"{args.root}: no checkpoints")
-        for i in found:
-            mark = "*" if i.latest else " "
-            state = "complete" if i.complete else "INCOMPLETE"
-            step = "-" if i.step is None else str(i.step)
-            tensors = str(len(i.tensors)) if i.complete and i.kind != "local" else "-"
-            print(
-                f"{mark} {step:>8}  {state:<10}  {i.backend or '-':<15} {_size(i.size):>10}  "
-                f"{tensors:>7} tensors  {i.date:<25}  {i.path}"
-            )
-        if any(i.latest for i in found):
-            print("(* = latest)")
+        _print_json(
+            [{**asdict(i), "state": i.state, "tensor_bytes": i.tensor_bytes} for i in found]
+        )
+        return EXIT_OK
+    if not found:
+        print(f"{args.root}: no checkpoints")
+    for i in found:
+        step = "-" if i.step is None else str(i.step)
+        state = i.state if i.complete else i.state.upper()
+        tensors = str(len(i.tensors)) if i.complete and i.kind != "local" else "-"
+        print(
+            f"{'*' if i.latest else ' '} {step:>8}  {state:<10}  {i.backend or '-':<15} "
+            f"{_size(i.size):>10}  {tensors:>7} tensors  {i.date:<25}  {i.path}"
+        )
+        if i.problem:
+            print(f"{'':>12}{i.problem}")
+    if any(i.latest for i in found):
+        print("(* = latest)")
     return EXIT_OK  # incomplete entries are listed, not an error: a save may be running
 
 
@@ -60,19 +63,22 @@ def _inspect(args: argparse.Namespace) -> int:
     from .tools._light import Unsupported, describe_light
 
     try:  # complete torch_dist, DCP and local checkpoints without importing torch (fast)
-        info = describe_light(args.path)
+        info = describe_light(args.path, step=args.step)
     except Unsupported:  # anything else: the full reader decides, and names any problem
         from .tools.inspect import describe
 
-        info = describe(args.path)
+        info = describe(args.path, step=args.step)
     if args.json:
-        _print_json({**asdict(info), "tensor_bytes": info.tensor_bytes})
+        _print_json({**asdict(info), "state": info.state, "tensor_bytes": info.tensor_bytes})
         return EXIT_OK if info.complete else EXIT_PROBLEM
+    at = f" step {info.step}" if info.backend == "local tier" else ""
     if not info.complete:
-        print(f"{info.path}: incomplete checkpoint: {info.problem}", file=sys.stderr)
+        print(f"{info.path}{at}: {info.state} checkpoint: {info.problem}", file=sys.stderr)
         return EXIT_PROBLEM
     where = f" (world size {info.world_size})" if info.world_size else ""
-    print(f"{info.path}: {info.backend}{where}, {_size(info.size)} on disk, written {info.date}")
+    print(
+        f"{info.path}{at}: {info.backend}{where}, {_size(info.size)} on disk, written {info.date}"
+    )
     if info.tensors:
         print(f"  {'tensor':<40} {'shape':<20} {'dtype':<15} {'bytes':>14} {'shards':>6}")
     for t in info.tensors:
@@ -98,7 +104,7 @@ def _inspect(args: argparse.Namespace) -> int:
 def _verify(args: argparse.Namespace) -> int:
     from .tools.verify import summarize, verify_checkpoint
 
-    report = verify_checkpoint(args.path)
+    report = verify_checkpoint(args.path, step=args.step)
     if args.json:
         _print_json({**asdict(report), "ok": report.ok})
     else:
@@ -163,7 +169,8 @@ def _diff(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from .demo import DemoConfig, run_demo
 
-    run_demo(DemoConfig(args.world_size, args.hidden, args.layers, args.vocab, args.dir))
+    cfg = DemoConfig(args.world_size, args.hidden, args.layers, args.vocab, args.dir, args.keep)
+    run_demo(cfg)
     return EXIT_OK
 
 
@@ -188,12 +195,13 @@ def _parser() -> argparse.ArgumentParser:
         p.set_defaults(fn=fn)
         return p
 
-    ls = verb("ls", _ls, "list the checkpoints under a root, newest first")
-    ls.add_argument("root", help="directory holding checkpoint directories (iter_NNNNNNN)")
+    ls = verb("ls", _ls, "list the checkpoints under a root, complete or not, newest first")
+    ls.add_argument("root", help="directory to search (up to 4 levels down), e.g. a run's root")
     insp = verb("inspect", _inspect, "backend, tensors, shards, values and checksums")
-    insp.add_argument("path", help="checkpoint directory")
     ver = verb("verify", _verify, "read every byte and check every checksum")
-    ver.add_argument("path", help="checkpoint directory")
+    for p in (insp, ver):
+        p.add_argument("path", help="checkpoint directory, or a manager's local tier directory")
+        p.add_argument("--step", type=int, help="local tier: which step (default: newest complete)")
     conv = verb(
         "convert", _convert, "write the full tensors as safetensors shards or one torch file"
     )
@@ -224,13 +232,14 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--json", action="store_true", help="machine-readable output")
 
     demo = verb("demo", _demo, "save, reshard and load a multi-rank checkpoint on CPU")
-    demo.add_argument("--world-size", type=int, default=4)
-    demo.add_argument("--hidden", type=int, default=512)
-    demo.add_argument("--layers", type=int, default=4)
-    demo.add_argument("--vocab", type=int, default=8192)
+    demo.add_argument("--world-size", type=int, default=4, help="processes (default 4)")
+    demo.add_argument("--hidden", type=int, default=512, help="model width (default 512)")
+    demo.add_argument("--layers", type=int, default=4, help="transformer layers (default 4)")
+    demo.add_argument("--vocab", type=int, default=8192, help="embedding rows (default 8192)")
     demo.add_argument(
-        "--dir", default="", help="parent directory of the checkpoint (default: a temp dir)"
+        "--dir", default="", help="parent of the checkpoint, kept (default: a temporary one)"
     )
+    demo.add_argument("--keep", action="store_true", help="keep the temporary directory")
     return parser
 
 

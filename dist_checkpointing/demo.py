@@ -12,6 +12,8 @@ import datetime
 import logging
 import math
 import os
+import re
+import shutil
 import tempfile
 import time
 from dataclasses import dataclass
@@ -34,7 +36,9 @@ class DemoConfig:
         hidden: model width.
         layers: number of transformer layers.
         vocab: embedding rows.
-        directory: parent of the checkpoint directory (a temp dir when empty).
+        directory: parent of the checkpoint directory, kept (a temporary one when empty,
+            removed at the end unless `keep`).
+        keep: keep the temporary directory.
     """
 
     world_size: int = 4
@@ -42,6 +46,7 @@ class DemoConfig:
     layers: int = 4
     vocab: int = 8192
     directory: str = ""
+    keep: bool = False
 
 
 def _global_tensor(name: str, shape: Tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -65,7 +70,7 @@ def _specs(cfg: DemoConfig) -> List[_Spec]:
     return specs
 
 
-def _state(cfg: DemoConfig, swap_axes: bool, with_data: bool) -> Dict[str, Any]:
+def _state(cfg: DemoConfig, swap_axes: bool, with_data: bool, step: int) -> Dict[str, Any]:
     from .mapping import ShardedObject, ShardedTensor
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -83,7 +88,7 @@ def _state(cfg: DemoConfig, swap_axes: bool, with_data: bool) -> Dict[str, Any]:
     sd["rng"] = ShardedObject(
         "rng_state", {"rank": rank, "seed": 1234 + rank} if with_data else None, (world,), (rank,)
     )
-    sd["iteration"] = 100
+    sd["iteration"] = step
     return sd
 
 
@@ -107,7 +112,8 @@ def _worker(rank: int, cfg: DemoConfig, rendezvous: str, ckpt: str, log_level: i
     try:
         # importing torch.distributed.checkpoint is slow: keep it out of the timings
         serialization.get_default_save_sharded_strategy()
-        state = _state(cfg, swap_axes=False, with_data=True)
+        step = int(os.path.basename(ckpt)[len("iter_") :])
+        state = _state(cfg, swap_axes=False, with_data=True, step=step)
         nbytes = sum(
             math.prod(v.local_shape) * v.dtype.itemsize
             for v in state.values()
@@ -117,7 +123,7 @@ def _worker(rank: int, cfg: DemoConfig, rendezvous: str, ckpt: str, log_level: i
         t0 = time.perf_counter()
         serialization.save(state, ckpt)
         save_s = time.perf_counter() - t0
-        request = _state(cfg, swap_axes=True, with_data=False)
+        request = _state(cfg, swap_axes=True, with_data=False, step=step)
         dist.barrier()
         t0 = time.perf_counter()
         loaded = serialization.load(request, ckpt)
@@ -131,7 +137,7 @@ def _worker(rank: int, cfg: DemoConfig, rendezvous: str, ckpt: str, log_level: i
                     loaded[key].view(torch.uint8), want.contiguous().view(torch.uint8)
                 ):
                     mismatches.append(key)
-        if loaded["rng"] != {"rank": rank, "seed": 1234 + rank} or loaded["iteration"] != 100:
+        if loaded["rng"] != {"rank": rank, "seed": 1234 + rank} or loaded["iteration"] != step:
             mismatches.append("rng/iteration")
         totals = torch.tensor([nbytes, len(mismatches)], dtype=torch.float64)
         dist.all_reduce(totals)
@@ -180,13 +186,20 @@ def run_demo(cfg: DemoConfig) -> None:
         raise ValueError(
             f"world size {cfg.world_size} must divide hidden={cfg.hidden} and vocab={cfg.vocab}"
         )
+    keep = cfg.keep or bool(cfg.directory)
     parent = cfg.directory or tempfile.mkdtemp(prefix="dist_ckpt_demo_")
-    ckpt = os.path.join(parent, f"iter_{int(time.time())}")
+    os.makedirs(parent, exist_ok=True)
+    done = [int(n[5:]) for n in os.listdir(parent) if re.fullmatch(r"iter_\d{7,}", n)]
+    ckpt = os.path.join(parent, f"iter_{max(done, default=0) + 100:07d}")  # as a training job
     # a file rendezvous: no free-port race with other processes on the machine
-    with tempfile.TemporaryDirectory(prefix="dist_ckpt_demo_rdzv_") as rdzv:
-        mp.spawn(
-            _worker,
-            args=(cfg, os.path.join(rdzv, "store"), ckpt, logging.getLogger().getEffectiveLevel()),
-            nprocs=cfg.world_size,
-            join=True,
-        )
+    try:
+        with tempfile.TemporaryDirectory(prefix="dist_ckpt_demo_rdzv_") as rdzv:
+            level = logging.getLogger().getEffectiveLevel()
+            args = (cfg, os.path.join(rdzv, "store"), ckpt, level)
+            mp.spawn(_worker, args=args, nprocs=cfg.world_size, join=True)
+    finally:
+        if not keep:
+            shutil.rmtree(parent, ignore_errors=True)
+    print(
+        f"  kept: {ckpt}" if keep else f"  removed {parent} (temporary; --keep or --dir keeps it)"
+    )

@@ -1,19 +1,28 @@
-"""Which dtype conversions a load may make silently: exact ones (every stored value kept,
-e.g. float16 -> float32); lossy ones raise `LossyDtypeConversionError` unless opted in with
-`allow_lossy_dtype_conversion=True` (on `load` or `TorchDistLoadShardedStrategy`).
+"""Which dtype conversions a load makes: those exact for every value of the stored dtype
+(float16 -> float32) at once; others value by value (`copy_exact`: int64 -> float32 of
+integers below 2**24 loads, 2**24 + 1 raises `LossyDtypeConversionError`), unless opted in
+with `allow_lossy_dtype_conversion=True` (on `load` or `TorchDistLoadShardedStrategy`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Dict, FrozenSet, Iterator
+import logging
+from typing import Dict, FrozenSet, Iterator, Sequence
 
 import torch
 
 from .errors import LossyDtypeConversionError
 
-__all__ = ["is_exact_conversion", "check_dtype_conversion", "lossy_conversion_allowed"]
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "is_exact_conversion",
+    "check_dtype_conversion",
+    "copy_exact",
+    "lossy_conversion_allowed",
+]
 
 _F8 = [
     getattr(torch, n)
@@ -75,15 +84,54 @@ def check_dtype_conversion(
     key: str, stored: torch.dtype, requested: torch.dtype, allow_lossy: bool = False
 ) -> bool:
     """Checks loading `key`, stored as `stored`, into a `requested` tensor: False when
-    exact, True when lossy and allowed (by `allow_lossy` or the load-wide opt-in), else
-    raises `LossyDtypeConversionError`."""
+    exact for every value of `stored` or lossy and allowed (by `allow_lossy` or the
+    load-wide opt-in, with a warning): a plain copy; True when the load must go value by
+    value (`copy_exact`)."""
     if is_exact_conversion(stored, requested):
         return False
     if allow_lossy or _allow_lossy.get():
-        return True
-    raise LossyDtypeConversionError(
-        f"{key!r} is stored as {stored} and requested as {requested}: converting would lose "
-        f"values. Request {stored} (or a dtype that holds it exactly) and convert yourself, "
-        "or pass allow_lossy_dtype_conversion=True to load() (or to "
-        "TorchDistLoadShardedStrategy) to convert anyway"
-    )
+        logger.warning(
+            "%r is stored as %s and loaded as %s: lossy conversion (allowed by "
+            "allow_lossy_dtype_conversion)",
+            key,
+            stored,
+            requested,
+        )
+        return False
+    return True
+
+
+def copy_exact(key: str, dest: torch.Tensor, src: torch.Tensor, offset: Sequence[int]) -> None:
+    """`dest.copy_(src)` into another dtype, checked slice by slice (no second full copy).
+
+    Args:
+        key: the tensor's key, for the message.
+        dest: the destination (the requested dtype).
+        src: the stored values, same shape.
+        offset: the global offset of `src` (for the index in the message).
+
+    Raises:
+        LossyDtypeConversionError: a value changes; names the first one and its global index.
+    """
+    dest.copy_(src)
+    flat_src = src.reshape(1) if src.dim() == 0 else src
+    flat_dest = dest.reshape(1) if dest.dim() == 0 else dest
+    step = max(1, (1 << 20) // max(1, flat_src[0].numel())) if len(flat_src) else 1
+    for i in range(0, len(flat_src), step):  # about 1M values at a time
+        s, d = flat_src[i : i + step], flat_dest[i : i + step]
+        back = d.to(src.dtype)
+        # the round trip catches rounding (2**24 + 1 -> float32), the comparison in the
+        # common dtype catches wrapping (int8 -1 -> uint8 255 -> int8 -1); a NaN stays NaN
+        changed = ((back != s) | (d != s)) & ~(s.isnan() & back.isnan())
+        if not bool(changed.any()):
+            continue
+        j = int(changed.reshape(-1).nonzero()[0])
+        at = torch.unravel_index(torch.tensor(i * s[0].numel() + j), tuple(src.shape))
+        index = tuple(int(x) + o for x, o in zip(at, offset))
+        raise LossyDtypeConversionError(
+            f"{key!r} is stored as {src.dtype} and requested as {dest.dtype}: the value "
+            f"{s.reshape(-1)[j].item()} at index {index} would become "
+            f"{d.reshape(-1)[j].item()}. Request {src.dtype} (or a dtype that holds every "
+            "value) and convert yourself, or pass allow_lossy_dtype_conversion=True to load() "
+            "(or to TorchDistLoadShardedStrategy) to convert anyway"
+        )

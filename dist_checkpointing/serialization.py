@@ -7,6 +7,8 @@ raises a `CheckpointingException` on every rank. Node-local backends take the fl
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import logging
 import os
 import time
@@ -132,6 +134,8 @@ def save(
     ckpt = Path(checkpoint_dir)
     plan: Optional[SavePlan] = None
     error: Optional[BaseException] = None
+    # the directories this save creates, removed again (if empty) when it is refused
+    created = list(itertools.takewhile(lambda d: not d.exists(), [ckpt, *ckpt.parents]))
     try:
         plan = prepare_save(
             sharded_state_dict,
@@ -146,9 +150,15 @@ def save(
         )
     except Exception as e:  # agreed on below, with the digest exchange
         error = e
-    plan = agree_on_preparation(
-        plan, error, ckpt, validate_access_integrity, preprocess_common_before_consistancy_check
-    )
+    try:
+        plan = agree_on_preparation(
+            plan, error, ckpt, validate_access_integrity, preprocess_common_before_consistancy_check
+        )
+    except Exception:  # refused on every rank before anything was written
+        for d in created:
+            with contextlib.suppress(OSError):  # not empty, or another rank removed it
+                d.rmdir()
+        raise
     commit = make_commit(plan, ckpt, start)
     if plan.node_local:  # the one place the flow is chosen
         return _node_local_flow.save(plan, ckpt, async_sharded_save, commit)
@@ -208,7 +218,10 @@ def load(
         KeyMismatchError: under a raising strict mode.
         CheckpointingException: any other failure, on every rank.
     """
-    with lossy_conversion_allowed(allow_lossy_dtype_conversion):
+    with (
+        lossy_conversion_allowed(allow_lossy_dtype_conversion),
+        _dist.naming_files_within(checkpoint_dir),
+    ):
         return _load(
             sharded_state_dict,
             Path(checkpoint_dir),

@@ -11,11 +11,10 @@ script's code must sit under `if __name__ == "__main__":` (as here); without the
 from __future__ import annotations
 
 import shutil
-import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from _output import output_dir  # examples/_output.py
 
 import dist_checkpointing as dc
 from dist_checkpointing import ShardedTensor
@@ -25,7 +24,7 @@ from dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    root = Path(sys.argv[1] if len(sys.argv) > 1 else "ckpt_async")
+    root = output_dir("async")
     if rank == 0 and root.exists():
         shutil.rmtree(root)  # a fresh run: save() never overwrites a complete checkpoint
     dist.barrier()

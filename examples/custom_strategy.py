@@ -11,12 +11,12 @@ for the matching load strategy, so every process that loads must register it fir
 from __future__ import annotations
 
 import shutil
-import sys
 from pathlib import Path
 from typing import Any, Dict
 
 import torch
 import torch.distributed as dist
+from _output import output_dir  # examples/_output.py
 
 import dist_checkpointing as dc
 from dist_checkpointing import ShardedTensor
@@ -85,7 +85,7 @@ def register_per_rank() -> None:
 def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    ckpt = Path(sys.argv[1] if len(sys.argv) > 1 else "ckpt_custom") / "iter_0000001"
+    ckpt = output_dir("custom") / "iter_0000001"
     if rank == 0 and ckpt.exists():
         shutil.rmtree(ckpt)  # save() never overwrites a complete checkpoint
     dist.barrier()

@@ -11,11 +11,10 @@ copy rank 0 holds.
 from __future__ import annotations
 
 import shutil
-import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from _output import output_dir  # examples/_output.py
 
 from dist_checkpointing.local.basic_state_dict import BasicTensorAwareStateDict
 from dist_checkpointing.local.ckpt_managers.local_manager import LocalCheckpointManager
@@ -26,7 +25,7 @@ from dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    root = Path(sys.argv[1] if len(sys.argv) > 1 else "ckpt_local")
+    root = output_dir("local")
     mine = root / f"rank_{rank}"  # stands for this node's local disk
     if mine.exists():
         shutil.rmtree(mine)  # a fresh run

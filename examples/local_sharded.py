@@ -9,19 +9,18 @@
    part on the other rank; rank 1's directory is then deleted (a lost node) and its part
    comes back from that copy.
 
-Each rank uses ROOT/node_<rank> (default ./ckpt_local_sharded): a node-local disk in a real
+Each rank uses ROOT/node_<rank> (ROOT default: a temporary directory): a node-local disk in a real
 job. A rerun starts afresh.
 """
 
 from __future__ import annotations
 
 import shutil
-import sys
-from pathlib import Path
 from typing import Any, Dict
 
 import torch
 import torch.distributed as dist
+from _output import output_dir  # examples/_output.py
 
 import dist_checkpointing as dc
 from dist_checkpointing import ShardedTensor
@@ -57,7 +56,7 @@ def check(state: Dict[str, Any], rank: int, world: int) -> None:
 def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    root = Path(sys.argv[1] if len(sys.argv) > 1 else "ckpt_local_sharded")
+    root = output_dir("local_sharded")
     node = root / f"node_{rank}"  # stands for this node's local disk
     if node.exists():
         shutil.rmtree(node)  # a fresh run

@@ -5,7 +5,7 @@ blocks instead (resharding), and every value is checked.
 
     torchrun --standalone --nproc-per-node 2 examples/quickstart.py [CKPT_ROOT]
 
-Running it again reuses CKPT_ROOT (default ./ckpt_quickstart): the example removes its
+Running it again reuses CKPT_ROOT (default: a temporary directory): the example removes its
 old checkpoint first, because `save` never overwrites a complete checkpoint.
 """
 
@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import logging
 import shutil
-import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from _output import output_dir  # examples/_output.py
 
 import dist_checkpointing as dc
 from dist_checkpointing import ShardedTensor
@@ -28,7 +27,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    root = Path(sys.argv[1] if len(sys.argv) > 1 else "ckpt_quickstart")
+    root = output_dir("quickstart")
     ckpt = root / "iter_0000100"
     if rank == 0 and ckpt.exists():
         shutil.rmtree(ckpt)  # save() refuses to overwrite a complete checkpoint

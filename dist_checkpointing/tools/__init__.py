@@ -7,7 +7,7 @@
 - `export_hf(ckpt, out)` / `import_hf(hf_dir, ckpt, tp=...)`: megatron-core GPTModel
   checkpoints to and from HuggingFace Llama / Mixtral (`dist-ckpt export-hf` / `import-hf`).
 
-Names are imported on first use, so the torch-free fast path of `inspect` stays torch-free.
+Names are imported on first use, so the torch-free paths of `ls` and `inspect` stay torch-free.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ import importlib
 from typing import TYPE_CHECKING, Any, Dict
 
 _EXPORTS: Dict[str, str] = {
-    **dict.fromkeys(("CheckpointInfo", "describe", "list_checkpoints"), "inspect"),
+    **dict.fromkeys(("CheckpointInfo", "describe"), "inspect"),
+    "list_checkpoints": "listing",
     **dict.fromkeys(("VerifyReport", "verify_checkpoint"), "verify"),
     **dict.fromkeys(("ConvertResult", "convert_checkpoint"), "convert"),
     **dict.fromkeys(("DiffReport", "diff_checkpoints"), "diff"),
@@ -29,7 +30,8 @@ if TYPE_CHECKING:
     from .convert import ConvertResult, convert_checkpoint  # noqa: F401  (in __all__)
     from .diff import DiffReport, diff_checkpoints  # noqa: F401  (in __all__)
     from .hf import export_hf, import_hf  # noqa: F401  (in __all__)
-    from .inspect import CheckpointInfo, describe, list_checkpoints  # noqa: F401  (in __all__)
+    from .inspect import CheckpointInfo, describe  # noqa: F401  (in __all__)
+    from .listing import list_checkpoints  # noqa: F401  (in __all__)
     from .verify import VerifyReport, verify_checkpoint  # noqa: F401  (in __all__)
 
 

@@ -20,12 +20,19 @@ __all__ = [
     "CheckpointInfo",
     "SMALL_OBJECT",
     "check_dir",
+    "exists",
+    "is_file",
+    "names",
     "short_repr",
     "unwrap_object",
     "disk_size",
     "date_of",
+    "has_checkpoint_files",
+    "incomplete",
     "LocalPart",
     "local_parts",
+    "local_tier",
+    "tier_step",
     "fill_local",
 ]
 
@@ -67,10 +74,10 @@ class CheckpointInfo:
 
     Attributes:
         path: the directory.
-        kind: the backend named by `metadata.json` ('torch_dist', 'local'), 'dcp' or
-            'incomplete'.
+        kind: the backend named by `metadata.json` ('torch_dist', 'local'), 'dcp',
+            'incomplete' (no commit record) or 'unusable' (a damaged commit record).
         complete: whether it is committed (loadable).
-        step: from an `iter_NNNNNNN` directory name, else None.
+        step: from an `iter_NNNNNNN` directory name (a local tier: the iteration), else None.
         backend: `sharded_backend v<version>` (or 'dcp' / None).
         size: bytes on disk.
         date: modification time of the commit record (or the directory), ISO 8601 UTC.
@@ -101,6 +108,14 @@ class CheckpointInfo:
         """Bytes of all stored tensors (global shapes)."""
         return sum(t.nbytes for t in self.tensors)
 
+    @property
+    def state(self) -> str:
+        """'complete'; 'incomplete': not committed (a save that did not finish, or is still
+        running); 'unusable': committed but damaged or unreadable."""
+        if self.complete:
+            return "complete"
+        return "incomplete" if self.kind == "incomplete" else "unusable"
+
 
 def _remote(path: Any) -> Any:
     """`storage.objstore` for an object path (imported only then: `ls` stays light), else None.
@@ -113,6 +128,24 @@ def _remote(path: Any) -> Any:
     from ..storage import objstore
 
     return objstore if objstore.split(path) else None
+
+
+def exists(path: Path) -> bool:
+    """Whether a file or directory (an object or prefix) is at `path`."""
+    fs = _remote(path)
+    return bool(fs.exists(path)) if fs is not None else path.exists()
+
+
+def is_file(path: Path) -> bool:
+    """Whether a file (an object) is at `path`."""
+    fs = _remote(path)
+    return bool(fs.is_file(path)) if fs is not None else path.is_file()
+
+
+def names(path: Path) -> List[str]:
+    """The sorted names directly under a directory (a prefix)."""
+    fs = _remote(path)
+    return list(fs.listdir(path)) if fs is not None else sorted(os.listdir(path))
 
 
 def check_dir(path: Path) -> None:
@@ -164,30 +197,81 @@ def date_of(path: Path) -> str:
     )
 
 
-_LOCAL_PART = re.compile(r"iter_(\d{7,})_(\d+)_local\.pt")
+_LOCAL_PART = re.compile(r"iter_(\d{7,})_(\d+)_local(\.dirty)?\.pt")
+_CKPT_FILES = ("metadata.json", ".metadata", "common.pt", "checksums.json")  # what saves write
+
+
+def has_checkpoint_files(path: Path) -> bool:
+    """Whether directory `path` holds files that a save writes (committed or not)."""
+    return any(n in _CKPT_FILES or n.endswith(".distcp") for n in names(path))
+
+
+def incomplete(ckpt: Path, step: Optional[int]) -> CheckpointInfo:
+    """A directory with checkpoint files (or an `iter_` name) but no commit record."""
+    n = len(names(ckpt))
+    info = CheckpointInfo(str(ckpt), "incomplete", False, step, None, disk_size(ckpt), "")
+    info.date = date_of(ckpt / ".metadata") or date_of(ckpt)
+    info.problem = "no metadata.json (the commit record): a save that did not finish" + (
+        f" ({n} file(s) present)" if n else " (empty directory)"
+    )
+    return info
 
 
 @dataclass(frozen=True)
 class LocalPart:
-    """One committed part of a local checkpoint, as found on this machine."""
+    """One part of a local checkpoint, as found on this machine (`dirty`: not committed)."""
 
     holder: int
     owner: int
     iteration: int
     path: Path
+    dirty: bool = False
 
 
-def local_parts(ckpt: Path) -> List[LocalPart]:
-    """The committed local checkpoint parts under `<ckpt>/<rank>/`, by holder and owner."""
+def local_parts(
+    ckpt: Path, iteration: Optional[int] = None, dirty: bool = False
+) -> List[LocalPart]:
+    """The committed (with `dirty`, also uncommitted) parts under `<ckpt>/<rank>/`, by holder
+    and owner; of one `iteration` when given."""
     out = []
     for sub in sorted(ckpt.iterdir()) if ckpt.is_dir() else []:
-        if not (sub.is_dir() and sub.name.isdigit()):
-            continue
-        for f in sorted(sub.iterdir()):
+        for f in sorted(sub.iterdir()) if sub.is_dir() and sub.name.isdigit() else []:
             m = _LOCAL_PART.fullmatch(f.name)
-            if m:
-                out.append(LocalPart(int(sub.name), int(m.group(2)), int(m.group(1)), f))
+            if m and (dirty or not m[3]) and iteration in (None, int(m[1])):
+                out.append(LocalPart(int(sub.name), int(m[2]), int(m[1]), f, bool(m[3])))
     return out
+
+
+def local_tier(ckpt: Path) -> Dict[int, CheckpointInfo]:
+    """`{step: entry}` of a checkpoint manager's local tier (`<local_root>/<session_id>`:
+    `<rank>/iter_<step>_<owner>_local.pt`, no `metadata.json`), from file names; empty for
+    other directories. A step is complete when this machine holds a committed part of every
+    rank seen in the tier (on several nodes, each sees its own ranks' parts)."""
+    parts = local_parts(ckpt, dirty=True)
+    world = max((p.owner for p in parts), default=-1) + 1
+    out: Dict[int, CheckpointInfo] = {}
+    for it in sorted({p.iteration for p in parts}):
+        mine = [p for p in parts if p.iteration == it]
+        done = {p.owner for p in mine if not p.dirty}
+        dirty, missing = sorted({p.owner for p in mine} - done), sorted(set(range(world)) - done)
+        size = sum(p.path.stat().st_size for p in mine)
+        info = out[it] = CheckpointInfo(str(ckpt), "local", True, it, "local tier", size, "")
+        info.date, info.world_size = max(date_of(p.path) for p in mine), world
+        if missing:
+            info.kind, info.complete = "incomplete", False
+            info.problem = f"no committed part of rank(s) {missing} here" + (
+                " (.dirty: a save that did not finish, or is still running)" if dirty else ""
+            )
+    return out
+
+
+def tier_step(ckpt: Path, tier: Dict[int, CheckpointInfo], step: Optional[int]) -> CheckpointInfo:
+    """`step`'s entry of a local tier (default: the newest complete one, else the newest)."""
+    if step is None:
+        step = max((s for s, i in tier.items() if i.complete), default=max(tier))
+    if step not in tier:
+        raise NotACheckpointError(f"{ckpt}: no step {step} in this local tier (has {sorted(tier)})")
+    return tier[step]
 
 
 def fill_local(

@@ -24,7 +24,10 @@ from ._info import (
     TensorInfo,
     date_of,
     disk_size,
+    local_parts,
+    local_tier,
     short_repr,
+    tier_step,
     unwrap_object,
 )
 
@@ -229,8 +232,9 @@ def _config(ckpt: Path) -> Any:
     return body
 
 
-def describe_light(path: PathArg, deep: bool = True) -> CheckpointInfo:
-    """`tools.inspect.describe` for complete `torch_dist`, stock DCP and local checkpoints.
+def describe_light(path: PathArg, deep: bool = True, step: Optional[int] = None) -> CheckpointInfo:
+    """`tools.inspect.describe` for complete `torch_dist`, stock DCP and local checkpoints,
+    and for checkpoint managers' local tiers.
 
     Raises:
         Unsupported: anything else (missing, incomplete, damaged, another backend, classes
@@ -238,17 +242,24 @@ def describe_light(path: PathArg, deep: bool = True) -> CheckpointInfo:
     """
     if re.match(r"[A-Za-z][\w+.-]+:(/|$)", str(path)):  # an object store: the full reader
         raise Unsupported("not a local path")
+    from ._light_local import describe_local_light
+
     ckpt = Path(path)
     config = _config(ckpt) if ckpt.is_dir() else None
     m = _STEP_DIR.fullmatch(ckpt.name)
+    if config is None and (tier := local_tier(ckpt)):  # a checkpoint manager's local tier
+        info = tier_step(ckpt, tier, step)
+        if info.complete:
+            describe_local_light(ckpt, info, deep, local_parts(ckpt, info.step))
+        return info
+    if step is not None:
+        raise Unsupported("a step outside a local tier")
     step = int(m.group(1)) if m else None
     if config is not None and config["sharded_backend"] == "local":
-        from ._light_local import describe_local_light
-
         backend = f"local v{config.get('sharded_backend_version', 1)}"
         date = date_of(ckpt / "metadata.json")
         info = CheckpointInfo(str(ckpt), "local", True, step, backend, disk_size(ckpt), date)
-        describe_local_light(ckpt, info, deep)
+        describe_local_light(ckpt, info, deep, local_parts(ckpt))
         return info
     if not (ckpt / ".metadata").is_file():
         raise Unsupported("no .metadata")

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import struct
 from pathlib import Path
-from typing import Any, Dict, Iterator, Tuple
+from typing import Any, Dict, Iterator, List, Tuple
 
 from xxhash import xxh3_64_intdigest as _xxh3
 
-from ._info import CheckpointInfo, LocalPart, fill_local, local_parts
+from ._info import CheckpointInfo, LocalPart, fill_local
 from ._light import Unsupported, _DType, _Stub, _stub, _torch_payload
 
 __all__ = ["describe_local_light"]
@@ -122,13 +122,14 @@ def _rank_state(part: LocalPart) -> Dict[str, Any]:
     return {**sd, "sharded": sharded}
 
 
-def describe_local_light(ckpt: Path, info: CheckpointInfo, deep: bool) -> None:
-    """Fills `info` for a local checkpoint whose `metadata.json` was read.
+def describe_local_light(
+    ckpt: Path, info: CheckpointInfo, deep: bool, parts: List[LocalPart]
+) -> None:
+    """Fills `info` from the committed `parts` of a local checkpoint (or a tier's iteration).
 
     Raises:
         Unsupported: no parts, a damaged part, or anything not recognised.
     """
-    parts = local_parts(ckpt)
     if not parts:
         raise Unsupported("no parts")
     try:

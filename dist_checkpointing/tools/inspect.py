@@ -1,23 +1,24 @@
-"""`describe` one checkpoint directory and `list_checkpoints` under a root (no process group).
+"""`describe` one checkpoint directory (no process group); `list_checkpoints` is in `listing`.
 
 Recognised kinds:
 - `torch_dist` (ours or megatron-core's): `metadata.json` + DCP's `.metadata` and data files;
 - `dcp`: a stock PyTorch DCP checkpoint (`.metadata`, no `metadata.json`);
-- `local`: a ('local', 1) checkpoint (`<dir>/<rank>/iter_..._local.pt` parts);
-- `incomplete`: a directory with checkpoint files but no commit record (a crashed save).
+- `local`: a ('local', N) checkpoint (`<dir>/<rank>/iter_..._local.pt` parts), or one
+  iteration of a checkpoint manager's local tier (the same parts, no `metadata.json`);
+- `incomplete`: a directory with checkpoint files but no commit record (a crashed save);
+- `unusable`: a damaged commit record.
 """
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Callable, Dict, Optional
 
 from ..core import CONFIG_FNAME, maybe_load_config
 from ..errors import CheckpointingException, NotACheckpointError
 from ..integrity import CHECKSUMS_FNAME
-from ..manager.layout import parse_step, read_latest
-from ..storage import objstore
+from ..manager.layout import parse_step
 from . import _storage
 from ._info import (
     SMALL_OBJECT,
@@ -29,77 +30,93 @@ from ._info import (
     check_dir,
     date_of,
     disk_size,
+    exists,
     fill_local,
+    has_checkpoint_files,
+    incomplete,
+    is_file,
     local_parts,
+    local_tier,
     short_repr,
+    tier_step,
 )
+from .listing import list_checkpoints
 
 __all__ = ["TensorInfo", "ChecksumCoverage", "CheckpointInfo", "describe", "list_checkpoints"]
 
 
-def describe(path: PathArg, deep: bool = True) -> CheckpointInfo:
+def describe(path: PathArg, deep: bool = True, step: Optional[int] = None) -> CheckpointInfo:
     """Describes a checkpoint directory. Not collective; reads metadata only (no tensor data).
 
     Args:
-        path: the checkpoint directory.
+        path: the checkpoint directory, or a checkpoint manager's local tier directory
+            (`<local_root>/<session_id>`).
         deep: also read common values and small objects (short reprs) and local parts;
             False reads only the commit record and the tensor metadata (for listings).
+        step: which iteration of a local tier (default: the newest complete one).
 
     Returns:
         A `CheckpointInfo`; an incomplete or damaged checkpoint is described with
         `complete=False` and its `problem`, not raised.
 
     Raises:
-        NotACheckpointError: `path` does not exist or is not a directory.
+        NotACheckpointError: `path` does not exist, is not a directory, holds no checkpoint
+            files, or `step` is given for anything but a local tier holding it.
     """
     ckpt = Path(path)
-    if not objstore.exists(ckpt):
-        raise NotACheckpointError(f"{ckpt}: no such file or directory")
-    if not objstore.is_dir(ckpt):
-        raise NotACheckpointError(f"{ckpt}: not a directory (a checkpoint is a directory)")
-    has_dcp = objstore.is_file(ckpt / _storage.DCP_METADATA_FNAME)
-    ours = any(objstore.exists(ckpt / n) for n in (_storage.COMMON_FNAME, CHECKSUMS_FNAME))
-    info = CheckpointInfo(
-        str(ckpt), "incomplete", False, parse_step(ckpt.name), None, disk_size(ckpt), ""
-    )
+    check_dir(ckpt)
+    has_dcp = is_file(ckpt / _storage.DCP_METADATA_FNAME)
+    ours = any(exists(ckpt / n) for n in (_storage.COMMON_FNAME, CHECKSUMS_FNAME))
+    info = CheckpointInfo(str(ckpt), "unusable", False, parse_step(ckpt.name), None, 0, "")
     try:
         config = maybe_load_config(ckpt)
     except CheckpointingException as e:
+        info.size, info.date = disk_size(ckpt), date_of(ckpt)
         info.problem = f"damaged {CONFIG_FNAME}: {e}"
-        info.date = date_of(ckpt)
         return info
-    if config is None:
-        info.date = date_of(ckpt / _storage.DCP_METADATA_FNAME if has_dcp else ckpt)
-        if not has_dcp or ours:  # stock DCP writes neither common.pt nor checksums.json
-            children = [p for p in _subdirs(ckpt) if _looks_like_checkpoint(p)]
-            if children:
-                raise NotACheckpointError(
-                    f"{ckpt}: not a checkpoint but a directory of {len(children)} checkpoint(s) "
-                    f"(e.g. {children[-1].name}); list them with `dist-ckpt ls {ckpt}`"
-                )
-            files = len(objstore.listdir(ckpt))
-            info.problem = f"no {CONFIG_FNAME} (the commit record): a save that did not finish" + (
-                f" ({files} file(s) present)" if files else " (empty directory)"
+    tier = local_tier(ckpt) if config is None else {}
+    if tier:
+        info = tier_step(ckpt, tier, step)
+        if info.complete:
+            parts = local_parts(ckpt, info.step)
+            _fill_or_explain(info, lambda: fill_local(info, parts, _local_rank_state, deep))
+        return info
+    if step is not None:
+        raise NotACheckpointError(f"{ckpt}: step={step} selects an iteration of a local tier")
+    if config is None and (not has_dcp or ours):  # stock DCP writes neither
+        if not has_checkpoint_files(ckpt) and info.step is None:
+            found = [Path(i.path).relative_to(ckpt) for i in list_checkpoints(ckpt)]
+            raise NotACheckpointError(
+                f"{ckpt}: not a checkpoint but a directory of {len(found)} checkpoint(s) (e.g. "
+                f"{found[0]}); list them with `dist-ckpt ls {ckpt}`"
+                if found
+                else f"{ckpt}: not a checkpoint (no checkpoint files in it or below)"
             )
-            return info
+        return incomplete(ckpt, info.step)
+    info.size = disk_size(ckpt)
+    if config is None:
         info.kind, info.backend = "dcp", "dcp"
+        info.date = date_of(ckpt / _storage.DCP_METADATA_FNAME)
     else:
         info.kind = config.sharded_backend
         info.backend = f"{config.sharded_backend} v{config.sharded_backend_version}"
         info.date = date_of(ckpt / CONFIG_FNAME)
-    try:
-        if info.kind == "local":
-            _describe_local(ckpt, info, deep)
-        elif has_dcp:
-            _describe_dcp(ckpt, info, deep)
-        else:
-            info.problem = f"backend {info.backend} has no {_storage.DCP_METADATA_FNAME}"
-            return info
-    except CheckpointingException as e:
-        info.problem = str(e)
-        return info
-    info.complete = True
+    if info.kind == "local":
+        _fill_or_explain(info, lambda: _describe_local(ckpt, info, deep))
+    elif has_dcp:
+        _fill_or_explain(info, lambda: _describe_dcp(ckpt, info, deep))
+    else:
+        info.problem = f"backend {info.backend} has no {_storage.DCP_METADATA_FNAME}"
     return info
+
+
+def _fill_or_explain(info: CheckpointInfo, fill: Callable[[], None]) -> None:
+    """Runs `fill`; the checkpoint is complete unless it raises (then `problem` says why)."""
+    try:
+        fill()
+        info.complete = True
+    except CheckpointingException as e:
+        info.complete, info.problem = False, str(e)
 
 
 def _describe_dcp(ckpt: Path, info: CheckpointInfo, deep: bool) -> None:
@@ -132,7 +149,7 @@ def _describe_dcp(ckpt: Path, info: CheckpointInfo, deep: bool) -> None:
             except CheckpointingException as e:
                 value = f"<unreadable: {e}>"
         info.objects[key] = value
-    if deep and objstore.is_file(ckpt / _storage.COMMON_FNAME):
+    if deep and is_file(ckpt / _storage.COMMON_FNAME):
         from ..serialization import load_common_state_dict
 
         for key, value in sorted(load_common_state_dict(ckpt).items(), key=lambda kv: str(kv[0])):
@@ -153,30 +170,3 @@ def _local_rank_state(part: LocalPart) -> Dict[str, Any]:
         for slot, entry in sd["sharded"].items()
     }
     return {**sd, "sharded": sharded}
-
-
-def _looks_like_checkpoint(path: Path) -> bool:
-    if parse_step(path.name) is not None:
-        return True
-    return any(objstore.exists(path / n) for n in (CONFIG_FNAME, _storage.DCP_METADATA_FNAME))
-
-
-def _subdirs(path: Path) -> List[Path]:
-    return [path / n for n in objstore.listdir(path) if objstore.is_dir(path / n)]
-
-
-def list_checkpoints(root: PathArg) -> List[CheckpointInfo]:
-    """The checkpoints directly under `root` (complete or not), newest first (by step, then
-    date); the one named by the root's `latest` record has `latest=True`.
-
-    Raises:
-        NotACheckpointError: `root` does not exist or is not a directory.
-    """
-    base = Path(root)
-    check_dir(base)
-    latest = read_latest(base)
-    found = [describe(p, deep=False) for p in _subdirs(base) if _looks_like_checkpoint(p)]
-    for info in found:
-        info.latest = latest is not None and info.step == latest
-    found.sort(key=lambda i: (i.step if i.step is not None else -1, i.date), reverse=True)
-    return found

@@ -22,7 +22,7 @@ from ..errors import CheckpointingException, NotACheckpointError
 from ..integrity import ALGORITHM, CHECKSUMS_FNAME, Checksums, ItemSum, checksum, new_hasher
 from ..storage import objstore
 from . import _storage
-from ._info import PathArg, check_dir, local_parts
+from ._info import LocalPart, PathArg, check_dir, local_parts, local_tier, tier_step
 
 __all__ = ["Problem", "VerifyReport", "verify_checkpoint"]
 
@@ -55,6 +55,7 @@ class VerifyReport:
     Attributes:
         path: the checkpoint.
         kind: as in `describe` ('torch_dist', 'dcp', 'local', ...).
+        step: the iteration checked, for a checkpoint manager's local tier.
         checksummed: whether checksums were available (else structure only).
         items: stored items checked.
         bytes: bytes read.
@@ -67,6 +68,7 @@ class VerifyReport:
     items: int = 0
     bytes: int = 0
     problems: List[Problem] = field(default_factory=list)
+    step: Optional[int] = None
 
     @property
     def ok(self) -> bool:
@@ -74,21 +76,31 @@ class VerifyReport:
         return not self.problems
 
 
-def verify_checkpoint(path: PathArg) -> VerifyReport:
+def verify_checkpoint(path: PathArg, step: Optional[int] = None) -> VerifyReport:
     """Reads every byte of a checkpoint and checks every checksum. Not collective.
 
     Args:
-        path: a `torch_dist`, stock DCP or local checkpoint directory.
+        path: a `torch_dist`, stock DCP or local checkpoint directory, or a checkpoint
+            manager's local tier directory (`<local_root>/<session_id>`).
+        step: which iteration of a local tier (default: the newest complete one).
 
     Returns:
         A report; damage is reported in `problems` (file, key, byte range), not raised.
 
     Raises:
-        NotACheckpointError: `path` does not exist, or holds no checkpoint files at all.
+        NotACheckpointError: `path` does not exist, holds no checkpoint files at all, or
+            `step` is given for anything but a local tier holding it.
     """
     ckpt = Path(path)
     check_dir(ckpt)
     report = VerifyReport(str(ckpt), "incomplete", False)
+    _verify(ckpt, step, report)
+    for p in report.problems:  # files named relative to the checkpoint, as in load errors
+        p.message = p.message.replace(os.path.join(str(ckpt), ""), "")
+    return report
+
+
+def _verify(ckpt: Path, step: Optional[int], report: VerifyReport) -> None:
     config = None
     try:
         config = maybe_load_config(ckpt)
@@ -99,17 +111,25 @@ def verify_checkpoint(path: PathArg) -> VerifyReport:
         report.problems.append(
             Problem(CONFIG_FNAME, "missing: the save did not commit (incomplete checkpoint)")
         )
-    if config is not None and config.sharded_backend == "local":
+    tier = local_tier(ckpt) if config is None and not report.problems else {}
+    if tier:
+        info = tier_step(ckpt, tier, step)
+        report.step = info.step
+        if info.problem:
+            report.problems.append(Problem(".", info.problem))
+    elif step is not None:
+        raise NotACheckpointError(f"{ckpt}: step={step} selects an iteration of a local tier")
+    if tier or (config is not None and config.sharded_backend == "local"):
         report.kind, report.checksummed = "local", True
-        _verify_local(ckpt, report)
-        return report
+        _verify_local(ckpt, local_parts(ckpt, report.step), report)
+        return
     if config is None and not has_dcp:
         if not report.problems:
             raise NotACheckpointError(
                 f"{ckpt}: no {CONFIG_FNAME} and no {_storage.DCP_METADATA_FNAME}: not a "
                 f"checkpoint, or a save that did not finish"
             )
-        return report
+        return
     report.kind = "dcp" if _storage.is_stock_dcp(ckpt) else "incomplete"
     if config is not None:
         report.kind = config.sharded_backend
@@ -120,7 +140,6 @@ def verify_checkpoint(path: PathArg) -> VerifyReport:
         except CheckpointingException as e:
             report.problems.append(Problem(CONFIG_FNAME, str(e)))
     _verify_dcp(ckpt, report)
-    return report
 
 
 def _verify_dcp(ckpt: Path, report: VerifyReport) -> None:
@@ -254,10 +273,11 @@ def _decode_tensor(payload: bytes, item: _storage.StoredItem, report: VerifyRepo
         report.problems.append(_at(item, str(e)))
 
 
-def _verify_local(ckpt: Path, report: VerifyReport) -> None:
-    parts = local_parts(ckpt)
-    if not parts:
-        report.problems.append(Problem(str(ckpt), "a local checkpoint without any part"))
+def _verify_local(ckpt: Path, parts: List[LocalPart], report: VerifyReport) -> None:
+    if not parts:  # (an incomplete tier's iteration is already reported)
+        report.problems[:] = report.problems or [
+            Problem(".", "a local checkpoint without any part")
+        ]
         return
     for part in parts:
         report.items += 1
@@ -271,8 +291,9 @@ def _verify_local(ckpt: Path, report: VerifyReport) -> None:
 def summarize(report: VerifyReport) -> Tuple[str, List[str]]:
     """A one-line verdict and one line per problem, for the command line."""
     how = "checksums" if report.checksummed else "structure only (no checksums recorded)"
+    at = f" step {report.step}" if report.step is not None else ""
     if report.ok:
-        head = f"{report.path}: OK: {report.items} items, {report.bytes:,} bytes read, {how}"
+        head = f"{report.path}{at}: OK: {report.items} items, {report.bytes:,} bytes read, {how}"
     else:
-        head = f"{report.path}: DAMAGED: {len(report.problems)} problem(s); {report.items} items, {how}"
+        head = f"{report.path}{at}: DAMAGED: {len(report.problems)} problem(s); {report.items} items, {how}"
     return head, [str(p) for p in report.problems]

@@ -13,6 +13,7 @@ import torch
 import dist_checkpointing as dc
 from dist_checkpointing import ShardedObject
 from dist_checkpointing.errors import (
+    CheckpointCorruptedError,
     CheckpointExistsError,
     CheckpointingException,
     IncompatibleCheckpointError,
@@ -22,6 +23,7 @@ from dist_checkpointing.errors import (
     StrategyNotFoundError,
 )
 from dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
+from dist_checkpointing.tools import verify_checkpoint
 from dist_checkpointing.validation import StrictHandling
 from tests.distributed._failure_fns import (
     _rank,
@@ -53,9 +55,19 @@ pytestmark = pytest.mark.timeout(120)
     ],
 )
 def test_save_rejects_invalid_sharding_on_every_rank(world, tmp_path, builder, match):
-    outcomes = world.run(call_save, builder, str(tmp_path / "c"))
+    outcomes = world.run(call_save, builder, str(tmp_path / "new" / "c"))
     assert_all_raise(outcomes, ShardingIntegrityError, match)
-    assert not dc.check_is_distributed_checkpoint(tmp_path / "c")
+    assert os.listdir(tmp_path) == []  # refused before writing: nothing the save created is left
+    (tmp_path / "mine").mkdir()  # a directory the save did not create is kept
+    assert_all_raise(world.run(call_save, builder, str(tmp_path / "mine")), ShardingIntegrityError)
+    assert os.listdir(tmp_path) == ["mine"]
+
+
+def test_save_into_a_regular_file_names_it_on_every_rank(world, tmp_path):
+    (tmp_path / "afile").write_text("mine")
+    outcomes = world.run(call_save, good_state, str(tmp_path / "afile"))
+    assert_all_raise(outcomes, CheckpointingException, "afile is a regular file")
+    assert (tmp_path / "afile").read_text() == "mine"
 
 
 def test_load_rejects_overlapping_request_on_every_rank(world, saved):
@@ -237,3 +249,16 @@ def test_common_state_differences_are_logged_by_rank_0(world, tmp_path):
         "Common state differs between rank 0 and rank 1" in m and "'lr'" in m for m in logs[0]
     ), logs
     assert dc.load_common_state_dict(tmp_path / "c")["lr"] == 0.1
+
+
+@pytest.mark.parametrize("victim", ["common.pt", "__0_0.distcp"])
+def test_damage_is_named_relative_to_the_checkpoint_on_every_rank(world, saved, victim):
+    path = os.path.join(saved, victim)
+    data = bytearray(open(path, "rb").read())
+    data[len(data) // 2] ^= 1
+    open(path, "wb").write(bytes(data))
+    outcomes = world.run(call_load, good_state, saved)
+    assert_all_raise(outcomes, CheckpointCorruptedError, victim, "checksum mismatch")
+    assert all(str(o.error).count(saved) == 1 for o in outcomes)  # in "load ... from <dir>"
+    problems = [str(p) for p in verify_checkpoint(saved).problems]
+    assert problems and all(p.startswith(victim) and saved not in p for p in problems)

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
-from typing import List
+from typing import List, Optional
 
 import pytest
 
@@ -15,11 +16,11 @@ pytestmark = pytest.mark.timeout(600)
 ROOT = Path(__file__).parents[2]
 
 
-def _torchrun(script: str, *args: str) -> subprocess.CompletedProcess:
+def _torchrun(script: str, *args: str, cwd: Optional[Path] = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     cmd: List[str] = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     cmd += ["--nproc-per-node", "2", str(ROOT / "examples" / script), *args]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=280)
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=280, cwd=cwd)
 
 
 def _ok(out: subprocess.CompletedProcess) -> str:
@@ -51,3 +52,11 @@ def test_local_sharded_example_round_trips_both_ways_and_recovers_a_lost_node(tm
     for rank in (0, 1):
         assert f"rank {rank}: MCoreTensorAwareStateDict through the manager: OK" in text
         assert f"rank {rank}: ('local', 2) backend, recovered after losing node 1: OK" in text
+
+
+def test_an_example_without_a_directory_announces_a_temporary_one_and_removes_it(tmp_path):
+    before = sorted(ROOT.iterdir())
+    text = _ok(_torchrun("custom_strategy.py", cwd=tmp_path))
+    found = re.search(r"writing under (\S+) \(temporary, removed at exit", text)
+    assert found and not Path(found.group(1)).exists(), text
+    assert sorted(ROOT.iterdir()) == before and list(tmp_path.iterdir()) == []

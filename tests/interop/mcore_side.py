@@ -33,7 +33,7 @@ def worker(rank: int, world: int, port: int, mode: str, ckpt: str, result: str) 
     import torch
     import torch.distributed as dist
 
-    # megatron-core calls these even for CPU tensors (see PEERS.md)
+    # megatron-core 0.16 calls these even when every tensor is on the CPU; without CUDA they raise
     torch.cuda.synchronize = lambda *a, **k: None
     torch.cuda.current_device = lambda: "cpu"
     dist.init_process_group(

@@ -66,3 +66,18 @@ def save_big(ckpt: str, n: int, rows: int, cols: int) -> None:
             f"t{i:02d}", full.chunk(world, 1)[rank].clone(), (1, rank, world)
         )
     dc.save(sd, ckpt)
+
+
+def save_with_manager(base: str) -> None:
+    """2 ranks, a CheckpointManager with both tiers: persistent step 4, local steps 3 and 6."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    options = dc.CheckpointManagerOptions(
+        save_interval=4, async_save=False, local_root=f"{base}/local", local_save_interval=3
+    )
+    manager = dc.CheckpointManager(f"{base}/persistent", options)
+    rows = full_tensors()["rows"].chunk(world, 0)[rank].clone()
+    for step in range(1, 7):
+        manager.save(
+            step, {"rows": ShardedTensor.from_rank_offsets("rows", rows, (0, rank, world))}
+        )
+    manager.close()

@@ -27,6 +27,15 @@ def local_ckpt(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def run_root(tmp_path_factory) -> Path:
+    """A CheckpointManager's root after 6 steps on 2 ranks: `persistent/iter_0000004` and
+    the local tier `local/dist_ckpt` (steps 3 and 6, or only the newest when it cleans up)."""
+    base = tmp_path_factory.mktemp("run") / "run1"
+    get_world(2).run_ok(_tools_fns.save_with_manager, str(base), timeout=120)
+    return base
+
+
+@pytest.fixture(scope="session")
 def stock(tmp_path_factory) -> Path:
     """A stock PyTorch DCP checkpoint saved by 2 ranks."""
     ckpt = tmp_path_factory.mktemp("stock") / "dcp"

@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import os
+import re
+import shutil
 import subprocess
 import sys
 
@@ -55,11 +58,40 @@ def test_cli_errors_are_one_line_and_non_zero(args):
 
 @pytest.mark.timeout(200)
 def test_demo_saves_reshards_verifies_and_reports(tmp_path):
-    out = _run("demo", "--world-size", "2", *_SMALL_DEMO, "--dir", str(tmp_path))
+    for step in (100, 200):  # numbered like a training job's steps, each kept
+        out = _run("demo", "--world-size", "2", *_SMALL_DEMO, "--dir", str(tmp_path))
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert "verified: every byte" in out.stdout and "save GB/s" in out.stdout
+        assert f"kept: {tmp_path / f'iter_{step:07d}'}" in out.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000100", "iter_0000200"]
+    assert dc.check_is_distributed_checkpoint(tmp_path / "iter_0000200")
+
+
+@pytest.mark.timeout(200)
+def test_demo_without_a_directory_says_it_removes_its_temporary_one(tmp_path):
+    out = _run("demo", "--world-size", "2", *_SMALL_DEMO)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "verified: every byte" in out.stdout and "save GB/s" in out.stdout
-    (ckpt,) = list(tmp_path.iterdir())
-    assert dc.check_is_distributed_checkpoint(ckpt)
+    removed = re.search(r"removed (\S+) \(temporary; --keep or --dir keeps it\)", out.stdout)
+    assert removed and not os.path.exists(removed.group(1)), out.stdout
+    out = _run("demo", "--world-size", "2", *_SMALL_DEMO, "--keep")
+    kept = re.search(r"kept: (\S+)/iter_0000100", out.stdout)
+    assert kept and dc.check_is_distributed_checkpoint(f"{kept.group(1)}/iter_0000100")
+    shutil.rmtree(kept.group(1))
+
+
+def test_every_demo_option_is_documented(capsys):
+    with pytest.raises(SystemExit):
+        main(["demo", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for option, help_text in [
+        ("--world-size WORLD_SIZE", "processes (default 4)"),
+        ("--hidden HIDDEN", "model width (default 512)"),
+        ("--layers LAYERS", "transformer layers (default 4)"),
+        ("--vocab VOCAB", "embedding rows (default 8192)"),
+        ("--dir DIR", "parent of the checkpoint, kept (default: a temporary one)"),
+        ("--keep", "keep the temporary directory"),
+    ]:
+        assert f"{option} {help_text}" in text, option
 
 
 @pytest.mark.timeout(200)

@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -106,7 +107,8 @@ def test_ls_lists_newest_first_with_state_and_latest_marked(ours, tmp_path, caps
     assert found[1].size > 0 and found[1].date
     assert main(["ls", str(root)]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0].split()[:2] == ["11", "INCOMPLETE"] and out[1].startswith("*")
+    assert out[0].split()[:2] == ["11", "INCOMPLETE"] and "no metadata.json" in out[1]
+    assert out[2].startswith("*")
     assert main(["ls", "--json", str(root)]) == 0
     data = json.loads(capsys.readouterr().out)
     assert [d["step"] for d in data] == [11, 7, 3] and data[1]["latest"]
@@ -194,3 +196,73 @@ def test_fast_inspect_hands_other_checkpoints_to_the_full_reader(ours, local_ckp
         with pytest.raises(Unsupported):
             describe_light(local)
         assert not describe(local).complete  # the full reader names the damage
+
+
+def _run_cli_without_torch(*args: str) -> subprocess.CompletedProcess:
+    """`dist-ckpt ARGS` in a fresh interpreter; its stderr ends with the torch modules imported."""
+    code = (
+        "import sys\n"
+        "from dist_checkpointing.cli import main\n"
+        f"rc = main({list(args)!r})\n"
+        "print([m for m in sys.modules if m.split('.')[0] == 'torch'], file=sys.stderr)\n"
+        "sys.exit(rc)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env
+    )
+
+
+def test_ls_lists_both_tiers_of_a_manager_with_every_state_without_torch(run_root, tmp_path):
+    root = tmp_path / "run1"
+    shutil.copytree(run_root, root)
+    persistent, tier = root / "persistent", root / "local" / "dist_ckpt"
+    crashed = persistent / "iter_0000008"  # data files, no commit record
+    crashed.mkdir()
+    (crashed / "__0_0.distcp").write_bytes(b"partial")
+    dirty = tier / "1" / "iter_0000009_1_local.dirty.pt"  # rank 1 died while writing step 9
+    shutil.copy(next((tier / "1").glob("iter_*_1_local.pt")), dirty)
+    shutil.copy(
+        next((tier / "0").glob("iter_*_0_local.pt")), tier / "0" / "iter_0000009_0_local.pt"
+    )
+
+    started = time.monotonic()
+    out = _run_cli_without_torch("ls", str(root / "local"))
+    assert out.returncode == 0 and out.stderr.strip() == "[]", out.stderr[-2000:]
+    assert time.monotonic() - started < 10  # no torch import (~2 s of CPU on its own)
+    lines = out.stdout.splitlines()
+    assert lines[0].split()[:4] == ["9", "INCOMPLETE", "local", "tier"]
+    assert "no committed part of rank(s) [1] here (.dirty" in lines[1]
+    assert lines[2].split()[:4] == ["6", "complete", "local", "tier"]
+    out = _run_cli_without_torch("ls", "--json", str(root))
+    assert out.returncode == 0 and out.stderr.strip() == "[]", out.stderr[-2000:]
+    listed = [(e["step"], e["state"], e["path"]) for e in json.loads(out.stdout)]
+    assert listed[:3] == [
+        (9, "incomplete", str(tier)),
+        (8, "incomplete", str(crashed)),
+        (6, "complete", str(tier)),
+    ]
+    assert (4, "complete", str(persistent / "iter_0000004")) in listed
+
+    damaged = persistent / "iter_0000005"  # a commit record that does not parse
+    shutil.copytree(persistent / "iter_0000004", damaged)
+    (damaged / "metadata.json").write_text("{not json")
+    (entry,) = [i for i in list_checkpoints(root) if i.step == 5]
+    assert entry.state == "unusable" and "damaged metadata.json" in entry.problem
+
+
+def test_inspect_and_verify_read_a_managers_local_tier(run_root, capsys):
+    tier = run_root / "local" / "dist_ckpt"
+    info = describe(tier)
+    assert info.complete and info.step == 6 and info.world_size == 2
+    assert [(t.key, t.shape, t.shards) for t in info.tensors] == [("rows", [8, 6], 2)]
+    out = _run_cli_without_torch("inspect", str(tier))
+    assert out.returncode == 0 and out.stderr.strip() == "[]", out.stderr[-2000:]
+    assert f"{tier} step 6: local tier (world size 2)" in out.stdout
+    assert "incomplete" not in out.stdout + out.stderr
+    assert main(["verify", str(tier)]) == 0
+    assert f"{tier} step 6: OK: 2 items" in capsys.readouterr().out
+    assert main(["verify", str(tier), "--step", "2"]) == 2
+    assert "no step 2 in this local tier" in capsys.readouterr().err
+    assert main(["inspect", str(run_root / "local")]) == 2
+    assert f"dist-ckpt ls {run_root / 'local'}" in capsys.readouterr().err

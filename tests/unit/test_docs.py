@@ -73,3 +73,11 @@ def test_architecture_names_every_module():
     )
     unnamed = [m for m in modules if m not in named]
     assert unnamed == [], f"add a line for each to docs/architecture.md: {unnamed}"
+
+
+def test_code_and_tests_name_only_documents_in_the_repository():
+    have = {p.name for p in [*ROOT.glob("*.md"), *ROOT.glob("docs/*.md")]}
+    for folder in ("dist_checkpointing", "tests", "examples", "benchmarks"):
+        for path in (ROOT / folder).rglob("*.py"):
+            for name in re.findall(r"\b[\w-]+\.md\b", path.read_text()):
+                assert name in have, f"{path.relative_to(ROOT)} names {name}, not in the repository"

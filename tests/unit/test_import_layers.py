@@ -1,6 +1,6 @@
 """The import layers of the package, read from the source with `ast` (nothing is imported).
 
-Rules (DESIGN.md "Imports flow one way"):
+Rules (docs/architecture.md, "Imports flow one way"):
 1. Backends depend on the core, never the reverse: no module outside the backends and the
    application layer (the `dist-ckpt` command, its tools, the demo) imports one, except
    the registry's `_register_builtin_strategies`, which loads the built-ins lazily on first

@@ -1,4 +1,4 @@
-"""Every public name users rely on imports from its documented path (DESIGN.md's list).
+"""Every public name users rely on imports from its documented path (the list below).
 
 These paths mirror megatron-core's `dist_checkpointing` and nvidia-resiliency-ext's local
 checkpointing, so moving code inside the package must keep each of them importable.

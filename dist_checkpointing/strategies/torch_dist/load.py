@@ -32,8 +32,13 @@ from ..._progress import byte_progress
 from ..._safe_load import torch_load
 from ..._types import ShardedStateDict, StateDict
 from ...dict_utils import dict_list_map_inplace, nested_values
-from ...dtypes import check_dtype_conversion
-from ...errors import CheckpointCorruptedError, CheckpointingException, close_matches
+from ...dtypes import check_dtype_conversion, copy_exact
+from ...errors import (
+    CheckpointCorruptedError,
+    CheckpointingException,
+    LossyDtypeConversionError,
+    close_matches,
+)
 from ...integrity import Checksums, read_checksums
 from ...mapping import ShardedBase, ShardedObject, ShardedTensor
 from ..base import CheckpointDir, LoadShardedStrategy, require_backend, require_version
@@ -60,6 +65,8 @@ class _Plan:
     reads: List[ReadItem]
     objects: List[ShardedObject]
     copies: List[FlatCopy]
+    #: (key, destination, stored-dtype staging, global offset) of conversions checked by value
+    exact: List[Tuple[str, torch.Tensor, torch.Tensor, Tuple[int, ...]]]
 
 
 @dataclass
@@ -110,9 +117,9 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             the strategy in `FullyParallelLoadStrategyWrapper`).
         verify_checksums: verify everything read against the checkpoint's checksums when
             it has them (a mismatch raises `CheckpointCorruptedError`).
-        allow_lossy_dtype_conversion: load into a dtype that cannot hold every stored value
-            (float -> int, float32 -> bfloat16, ...) with a warning, instead of raising
-            `LossyDtypeConversionError` (see `dist_checkpointing.dtypes`).
+        allow_lossy_dtype_conversion: load into a dtype that does not hold some stored
+            value (float -> int, float32 -> bfloat16, ...) with a warning, instead of
+            raising `LossyDtypeConversionError` (see `dist_checkpointing.dtypes`).
 
     Raises:
         CheckpointingException: `thread_count` < 1.
@@ -197,9 +204,14 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         reads: List[ReadItem] = []
         objects: List[ShardedObject] = []
         copies: List[FlatCopy] = []
+        exact: List[Tuple[str, torch.Tensor, torch.Tensor, Tuple[int, ...]]] = []
         for sh in shards:
             if isinstance(sh, ShardedTensor) and sh.key in flat_layout:
-                self._check_tensor(sh, sdm, flat_layout[sh.key])
+                if (stored := self._check_tensor(sh, sdm, flat_layout[sh.key])) is not None:
+                    raise LossyDtypeConversionError(
+                        f"{sh.key!r} is stored flat (megatron-core <= 0.13) as {stored}: "
+                        f"request that dtype, not {sh.dtype}, or allow_lossy_dtype_conversion"
+                    )
                 slot = len(dests)
                 dests.append(self._destination(sh))
                 flat_reads, temps, flat_copies = plan_reformulated_reads(
@@ -217,8 +229,13 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                 dests += [t.view(r.lengths) for t, r in zip(temps, flat_reads)]
                 copies += flat_copies
             elif isinstance(sh, ShardedTensor):
+                stored = self._check_tensor(sh, sdm)
                 reads += self._plan_tensor(sh, sdm, len(dests), indices)
                 dests.append(self._destination(sh))
+                if stored is not None:  # read as stored, converted value by value in `_read`
+                    stage = torch.zeros(dests[-1].shape, dtype=stored)
+                    exact.append((sh.key, dests[-1], stage, tuple(sh.global_offset)))
+                    dests[-1] = stage
             elif isinstance(sh, ShardedObject):
                 if not isinstance(sdm.get(sh.unique_key), BytesStorageMetadata):
                     raise CheckpointingException(
@@ -229,7 +246,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                 raise CheckpointingException(
                     f"{self} cannot load {type(sh).__name__} {sh.key!r}; apply factories first"
                 )
-        return _Plan(start, metadata, checksums, dests, reads, objects, copies)
+        return _Plan(start, metadata, checksums, dests, reads, objects, copies, exact)
 
     def _read(
         self,
@@ -263,6 +280,8 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                 first_file=get_rank(),
             )
         apply_copies(copies, dests)
+        for key, dest, stage, offset in plan.exact:
+            copy_exact(key, dest, stage, offset)
         files = {str(_item_file(metadata, r.storage_index)) for r in reads}
         raw = read_byte_items(
             ckpt, metadata, [MetadataIndex(o.unique_key) for o in objects], checksums
@@ -315,9 +334,9 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
 
     def _check_tensor(
         self, sh: ShardedTensor, sdm: Dict[str, Any], shape: Optional[Tuple[int, ...]] = None
-    ) -> None:
-        """Raises unless `sh.key` is a stored tensor of `shape` (default: its stored size)
-        whose dtype converts to `sh.dtype` exactly (or lossy conversions are allowed)."""
+    ) -> Optional[torch.dtype]:
+        """Raises unless `sh.key` is a stored tensor of `shape` (default: its stored size);
+        its stored dtype when that converts to `sh.dtype` only value by value (`copy_exact`)."""
         stored = sdm.get(sh.key)
         if not isinstance(stored, TensorStorageMetadata):
             names = [k for k, v in sdm.items() if isinstance(v, TensorStorageMetadata)]
@@ -330,22 +349,15 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                 f"Global shape mismatch for {sh.key!r}: checkpoint has {shape}, "
                 f"requested {sh.global_shape}"
             )
-        stored_dtype = stored.properties.dtype
-        if check_dtype_conversion(
-            sh.key, stored_dtype, sh.dtype, self.allow_lossy_dtype_conversion
-        ):
-            logger.warning(
-                "%r is stored as %s and loaded as %s: lossy conversion (allowed by "
-                "allow_lossy_dtype_conversion)",
-                sh.key,
-                stored_dtype,
-                sh.dtype,
-            )
+        dtype = stored.properties.dtype
+        by_value = check_dtype_conversion(
+            sh.key, dtype, sh.dtype, self.allow_lossy_dtype_conversion
+        )
+        return dtype if by_value else None
 
     def _plan_tensor(
         self, sh: ShardedTensor, sdm: Dict[str, Any], slot: int, indices: Dict[str, ChunkIndex]
     ) -> List[ReadItem]:
-        self._check_tensor(sh, sdm)
         stored = sdm[sh.key]
         if sh.key not in indices:
             indices[sh.key] = ChunkIndex(stored)

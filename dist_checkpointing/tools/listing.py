@@ -1,0 +1,94 @@
+"""`list_checkpoints`: every checkpoint-like directory under a root, complete or not.
+
+Torch-free: the light reader and file names decide; only a committed checkpoint the light
+reader does not know (another backend, damage) goes to the full reader.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List, Optional
+
+from ._info import (
+    CheckpointInfo,
+    PathArg,
+    _remote,
+    check_dir,
+    exists,
+    has_checkpoint_files,
+    incomplete,
+    is_file,
+    local_tier,
+    names,
+)
+from ._light import _STEP_DIR, Unsupported, describe_light
+
+__all__ = ["list_checkpoints"]
+
+_MAX_DEPTH = 4  # <root>/<run>/local/<session>: deep enough for a manager's two tiers
+_LATEST = "latest_checkpointed_iteration.txt"  # manager.layout.LATEST_FNAME (imports torch)
+
+
+def list_checkpoints(root: PathArg) -> List[CheckpointInfo]:
+    """Every checkpoint-like directory at or under `root` (up to 4 levels down), newest first
+    (by step, then date). Not collective; reads metadata only.
+
+    Listed, with their `state`: committed checkpoints of any backend, stock DCP ones,
+    directories with checkpoint files but no commit record (incomplete), ones with a damaged
+    commit record (unusable), and every iteration of a checkpoint manager's local tier. The
+    one named by its directory's `latest` record has `latest=True`.
+
+    Raises:
+        NotACheckpointError: `root` does not exist or is not a directory.
+    """
+    base = Path(root)
+    check_dir(base)
+    found: List[CheckpointInfo] = []
+    _visit(base, 0, found)
+    found.sort(key=lambda i: (i.step if i.step is not None else -1, i.date), reverse=True)
+    return found
+
+
+def _visit(path: Path, depth: int, found: List[CheckpointInfo]) -> None:
+    tier = local_tier(path) if not exists(path / "metadata.json") else {}
+    if tier:
+        found.extend(tier.values())
+    elif has_checkpoint_files(path) or _STEP_DIR.fullmatch(path.name):
+        info = _describe(path)
+        latest = _latest(path.parent)
+        info.latest = latest is not None and info.step == latest
+        found.append(info)
+    elif depth < _MAX_DEPTH:
+        for sub in (path / n for n in names(path)):
+            if _is_dir(sub):
+                _visit(sub, depth + 1, found)
+
+
+def _describe(ckpt: Path) -> CheckpointInfo:
+    try:
+        return describe_light(ckpt, deep=False)
+    except Unsupported:
+        pass
+    ours = any(exists(ckpt / n) for n in ("common.pt", "checksums.json"))
+    if not exists(ckpt / "metadata.json") and (ours or not is_file(ckpt / ".metadata")):
+        m = _STEP_DIR.fullmatch(ckpt.name)
+        return incomplete(ckpt, int(m.group(1)) if m else None)
+    from .inspect import describe  # torch: damaged, or a backend the light reader does not know
+
+    return describe(ckpt, deep=False)
+
+
+def _is_dir(path: Path) -> bool:
+    fs = _remote(path)
+    return bool(fs.is_dir(path)) if fs is not None else path.is_dir() and not path.is_symlink()
+
+
+def _latest(root: Path) -> Optional[int]:
+    fs = _remote(root)
+    try:
+        if fs is not None:
+            return int((fs.read_object(root / _LATEST, 64) or b"").decode("ascii").strip())
+        with open(root / _LATEST, "rb") as f:
+            return int(f.read(64).decode("ascii").strip())
+    except (OSError, ValueError):  # none, unreadable or not a number
+        return None
