@@ -26,6 +26,7 @@ from .mapping import (
     apply_factory_merges,
 )
 from .megatron_compat import convert_sharded_state_dict
+from .quantized import dequantizing, expand_quantized
 from .validation import StrictHandling, validate_integrity_and_strict_load
 
 __all__ = [
@@ -77,6 +78,7 @@ def save_preprocess(
     containers: flat shards expanded, factories applied, LocalNonpersistentObjects dropped,
     `content_metadata` (if given) stored under `CONTENT_METADATA_KEY`."""
     sd = expand_flat_shards(convert_sharded_state_dict(_shallow_copy(sharded_state_dict)))
+    expand_quantized(sd)
     if content_metadata is not None:
         sd[CONTENT_METADATA_KEY] = content_metadata
     apply_factories(sd)
@@ -110,6 +112,9 @@ def prepare_load_request(
     (collective when these need every rank's request; `stored_metadata` called only if needed).
     Raises `KeyMismatchError` or `ShardingIntegrityError` on every rank."""
     sd = expand_flat_shards(convert_sharded_state_dict(_shallow_copy(sharded_state_dict)))
+    # opted in, a plain destination stored quantized is dequantized: the stored keys tell
+    stored = (stored_metadata() or {}) if dequantizing() else None
+    expand_quantized(sd, stored)
     factories, _ = extract_matching_values(
         sd, lambda x: isinstance(x, ShardedTensorFactory), return_lists_as_dicts=True
     )
@@ -120,7 +125,7 @@ def prepare_load_request(
     dict_list_map_inplace(_detached, request)
     ckpt_metadata = None
     if StrictHandling.requires_explicit_ckpt_mismatch_check(strict):
-        ckpt_metadata = stored_metadata()
+        ckpt_metadata = stored_metadata() if stored is None else stored
     local_md, global_md = None, None
     distributed_check = validate_access_integrity and not (
         StrictHandling.requires_global_app_metadata(strict)
