@@ -22,6 +22,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import torch
 
+from ._flat import in_place_factory
 from .dict_utils import dict_list_map_inplace
 from .errors import CheckpointingException
 from .mapping import ShardedTensor, ShardedTensorFactory
@@ -33,7 +34,6 @@ __all__ = [
     "dequantizing",
     "expand_quantized",
     "stored_form_hint",
-    "component_hint",
 ]
 
 logger = logging.getLogger(__name__)
@@ -52,14 +52,18 @@ def is_quantized(t: Any) -> bool:
 @contextlib.contextmanager
 def dequantize_on_load(allow: bool = True) -> Iterator[None]:
     """Within the block (this thread), a plain destination whose key is stored quantized is
-    filled with the dequantized values (data times its scales, broadcast over their blocks),
-    instead of raising. Opt-in: it allocates the stored pieces and converts with loss of
-    nothing but is no longer the stored form."""
+    filled with its data times its scales (broadcast over their blocks) instead of raising;
+    the stored pieces are read into temporary tensors."""
     token = _dequantize.set(allow)
     try:
         yield
     finally:
         _dequantize.reset(token)
+
+
+def dequantizing() -> bool:
+    """Whether `dequantize_on_load` is in effect."""
+    return _dequantize.get()
 
 
 def _blocks(key: str, name: str, outer: Sequence[int], inner: Sequence[int]) -> List[int]:
@@ -71,13 +75,7 @@ def _blocks(key: str, name: str, outer: Sequence[int], inner: Sequence[int]) -> 
     return [o // i for o, i in zip(outer, inner)]
 
 
-def _piece(
-    sh: ShardedTensor,
-    name: str,
-    inner: Optional[torch.Tensor],
-    dtype: torch.dtype,
-    blocks: List[int],
-) -> ShardedTensor:
+def _piece(sh: ShardedTensor, name: str, inner: Any, dtype: Any, blocks: List[int]) -> Any:
     """The ShardedTensor of one inner tensor of `sh`, covering blocks of `blocks`."""
     p = sh.prepend_axis_num
     offsets, ends = sh.global_offset[p:], sh.global_shape[p:]
@@ -118,15 +116,7 @@ def _as_factory(sh: ShardedTensor) -> ShardedTensorFactory:
         blocks = _blocks(sh.key, name, sh.local_shape, inner.shape)
         pieces[name] = _piece(sh, name, inner, inner.dtype, blocks)
 
-    def merge(loaded: Dict[str, torch.Tensor]) -> torch.Tensor:
-        # loads fill the inner tensors in place; a backend returning its own is copied in
-        for name, piece in pieces.items():
-            assert piece.data is not None
-            if loaded[name].data_ptr() != piece.data.data_ptr():
-                piece.data.copy_(loaded[name])
-        return outer
-
-    return ShardedTensorFactory(sh.key, outer, lambda *_: dict(pieces), merge, sh.replica_id)
+    return in_place_factory(sh, outer, pieces)
 
 
 def _dequantizing_factory(sh: ShardedTensor, stored: Dict[str, Any]) -> ShardedTensorFactory:
@@ -178,32 +168,21 @@ def expand_quantized(tree: Any, stored: Optional[Dict[str, Any]] = None) -> Any:
     return dict_list_map_inplace(convert, tree) if isinstance(tree, (dict, list)) else tree
 
 
-def dequantizing() -> bool:
-    """Whether `dequantize_on_load` is in effect."""
-    return _dequantize.get()
-
-
 def stored_form_hint(key: str, stored_keys: Sequence[str]) -> str:
-    """Why `key` is missing from a checkpoint holding `stored_keys`, when it is a quantized
-    tensor stored unquantized or the reverse; else ''."""
-    if any(k.startswith(key + SEP) for k in stored_keys):
+    """Why `key` is not in a checkpoint holding `stored_keys` (or, without them, why its
+    stored shape differs) when it is quantized on one side; else ''."""
+    base, _, name = key.partition(SEP)
+    if not name and any(k.startswith(key + SEP) for k in stored_keys):
         return (
             "; it is stored quantized (as its inner tensors): load it into a quantized tensor "
             "of the type it was saved from, or opt in to dequantizing with "
             "dist_checkpointing.quantized.dequantize_on_load()"
         )
-    base = key.split(SEP)[0]
-    if SEP in key and base in stored_keys:
+    if name and base in stored_keys:
         return f"; {base!r} is stored unquantized and is never quantized on load"
+    if name and not stored_keys:
+        return (
+            f" ({name!r} of quantized {base!r}: the checkpoint's scaling blocks differ from the "
+            "destination's; a per-tensor or per-block scale cannot be resharded across a block)"
+        )
     return ""
-
-
-def component_hint(key: str) -> str:
-    """Extra text for a shape mismatch of an inner tensor of a quantized tensor."""
-    if SEP not in key:
-        return ""
-    base, name = key.split(SEP, 1)
-    return (
-        f" ({name!r} of quantized {base!r}: the checkpoint's scaling blocks differ from the "
-        "destination's; a per-tensor or per-block scale cannot be resharded across a block)"
-    )

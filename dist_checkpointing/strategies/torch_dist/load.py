@@ -36,7 +36,7 @@ from ...dtypes import check_dtype_conversion
 from ...errors import CheckpointCorruptedError, CheckpointingException, close_matches
 from ...integrity import Checksums, read_checksums
 from ...mapping import ShardedBase, ShardedObject, ShardedTensor
-from ...quantized import component_hint, stored_form_hint
+from ...quantized import stored_form_hint
 from ..base import CheckpointDir, LoadShardedStrategy, require_backend, require_version
 from .finalize import gbps
 from .legacy_flat import FlatCopy, apply_copies, plan_reformulated_reads, reformulated_shapes
@@ -331,7 +331,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         if shape != sh.global_shape and not sh.allow_shape_mismatch:
             raise CheckpointingException(
                 f"Global shape mismatch for {sh.key!r}: checkpoint has {shape}, "
-                f"requested {sh.global_shape}{component_hint(sh.key)}"
+                f"requested {sh.global_shape}{stored_form_hint(sh.key, ())}"
             )
         stored_dtype = stored.properties.dtype
         if check_dtype_conversion(
