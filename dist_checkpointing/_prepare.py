@@ -17,6 +17,7 @@ from ._sharding_records import record_of
 from ._types import CommonStateDict, ShardedStateDict, StateDict
 from .coordination import run as run_protocol
 from .dict_utils import dict_list_map_inplace, extract_matching_values, merge, nested_values
+from .errors import CheckpointingException
 from .mapping import (
     LocalNonpersistentObject,
     ShardedBase,
@@ -114,7 +115,16 @@ def prepare_load_request(
     sd = expand_flat_shards(convert_sharded_state_dict(_shallow_copy(sharded_state_dict)))
     # opted in, a plain destination stored quantized is dequantized: the stored keys tell
     stored = (stored_metadata() or {}) if dequantizing() else None
-    expand_quantized(sd, stored)
+    distributed_check = validate_access_integrity and not (
+        StrictHandling.requires_global_app_metadata(strict)
+    )
+    error: Optional[Exception] = None
+    try:
+        expand_quantized(sd, stored)
+    except CheckpointingException as e:  # with the agreement below, raised on every rank
+        if not distributed_check:
+            raise
+        error = e
     factories, _ = extract_matching_values(
         sd, lambda x: isinstance(x, ShardedTensorFactory), return_lists_as_dicts=True
     )
@@ -127,9 +137,6 @@ def prepare_load_request(
     if StrictHandling.requires_explicit_ckpt_mismatch_check(strict):
         ckpt_metadata = stored_metadata() if stored is None else stored
     local_md, global_md = None, None
-    distributed_check = validate_access_integrity and not (
-        StrictHandling.requires_global_app_metadata(strict)
-    )
     if StrictHandling.requires_global_app_metadata(strict):  # every rank's request, everywhere
         local_md = [sh.without_data() for sh in nested_sharded(request)]
         global_md = _dist.all_gather_object(local_md)
@@ -141,7 +148,12 @@ def prepare_load_request(
         records = [r for r in map(record_of, nested_sharded(request)) if r is not None]
         run_protocol(
             agreement_protocol(
-                _dist.get_rank(), _dist.get_world_size(), records, _load_agreement, what="load"
+                _dist.get_rank(),
+                _dist.get_world_size(),
+                records,
+                _load_agreement,
+                error=error,
+                what="load",
             )
         )
     return LoadRequest(request, nonpersistent, factories, missing, unexpected)

@@ -113,3 +113,32 @@ def test_plain_destination_of_quantized_checkpoint_needs_dequantize_opt_in(world
         assert r["dequantized"] is True
         assert "'w': the split at offset" in r["cut"] and "scaling block of 32" in r["cut"]
         assert "'w' is stored unquantized and is never quantized on load" in r["reverse"]
+
+
+def _one_rank_cuts(ckpt: str) -> str:
+    rank = dist.get_rank()
+    q = _quant.quantize("block", torch.float8_e4m3fn)
+    mine = _quant.piece(q, "block", 0, rank, 2)
+    dc.save({"w": ShardedTensor.from_rank_offsets("w", mine, (0, rank, 2))}, ckpt)
+    if rank == 0:  # rows 0-4: whole 4-row blocks
+        sh = ShardedTensor(
+            "w", _quant.empty_like_piece(mine), torch.bfloat16, (4, 64), (8, 64), (0, 0), None
+        )
+    else:  # rows 5-8 with one scale row: blocks of 3 rows, the split at 5 cuts one
+        dest = _quant.QTensor(
+            torch.zeros(3, 64, dtype=torch.float8_e4m3fn), torch.zeros(1, 2), torch.bfloat16
+        )
+        sh = ShardedTensor("w", dest, torch.bfloat16, (3, 64), (8, 64), (5, 0), None)
+    try:
+        dc.load({"w": sh}, ckpt)
+    except dc.CheckpointingException as e:
+        return str(e)
+    return "loaded"
+
+
+def test_block_cut_on_one_rank_raises_on_every_rank(world_factory, tmp_path):
+    results = world_factory(WORLD).run_ok(_one_rank_cuts, str(tmp_path / "c"), timeout=60)
+    assert results[0] == results[1] and "failed on rank 1" in results[0], results
+    assert (
+        "'w': the split at offset 5 (length 3) of axis 0 cuts through a scaling block" in results[0]
+    )
