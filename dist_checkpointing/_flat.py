@@ -17,7 +17,7 @@ import torch
 from .dict_utils import dict_list_map_inplace
 from .mapping import ShardedTensor, ShardedTensorFactory
 
-__all__ = ["flat_range_boxes", "expand_flat_shards", "flat_shard_pieces"]
+__all__ = ["flat_range_boxes", "expand_flat_shards", "flat_shard_pieces", "in_place_factory"]
 
 Box = Tuple[Tuple[int, ...], Tuple[int, ...], int]  # offset in the piece, shape, flat start
 
@@ -86,19 +86,24 @@ def _as_factory(sh: ShardedTensor) -> ShardedTensorFactory:
     assert flat is not None
     pieces = flat_shard_pieces(sh)
 
-    def build(*_: Any) -> Dict[str, Any]:
-        return {str(i): piece for i, piece in enumerate(pieces)}
+    return in_place_factory(sh, flat, {str(i): piece for i, piece in enumerate(pieces)})
 
-    def merge(loaded: Any) -> torch.Tensor:
+
+def in_place_factory(
+    sh: ShardedTensor, result: Any, pieces: Dict[str, ShardedTensor]
+) -> ShardedTensorFactory:
+    """A factory of `pieces` (views of `result`) whose merge returns `result`."""
+
+    def merge(loaded: Any) -> Any:
         # loads fill the views in place; a backend that returns its own tensors is copied in
-        for i, piece in enumerate(pieces):
-            got = loaded[str(i)]
+        for name, piece in pieces.items():
+            got = loaded[name]
             assert piece.data is not None
             if isinstance(got, torch.Tensor) and got.data_ptr() != piece.data.data_ptr():
                 piece.data.copy_(got)
-        return flat
+        return result
 
-    return ShardedTensorFactory(sh.key, flat, build, merge, sh.replica_id)
+    return ShardedTensorFactory(sh.key, result, lambda *_: dict(pieces), merge, sh.replica_id)
 
 
 def expand_flat_shards(tree: Any) -> Any:

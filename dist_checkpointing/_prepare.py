@@ -17,6 +17,7 @@ from ._sharding_records import record_of
 from ._types import CommonStateDict, ShardedStateDict, StateDict
 from .coordination import run as run_protocol
 from .dict_utils import dict_list_map_inplace, extract_matching_values, merge, nested_values
+from .errors import CheckpointingException
 from .mapping import (
     LocalNonpersistentObject,
     ShardedBase,
@@ -26,6 +27,7 @@ from .mapping import (
     apply_factory_merges,
 )
 from .megatron_compat import convert_sharded_state_dict
+from .quantized import dequantizing, expand_quantized
 from .validation import StrictHandling, validate_integrity_and_strict_load
 
 __all__ = [
@@ -77,6 +79,7 @@ def save_preprocess(
     containers: flat shards expanded, factories applied, LocalNonpersistentObjects dropped,
     `content_metadata` (if given) stored under `CONTENT_METADATA_KEY`."""
     sd = expand_flat_shards(convert_sharded_state_dict(_shallow_copy(sharded_state_dict)))
+    expand_quantized(sd)
     if content_metadata is not None:
         sd[CONTENT_METADATA_KEY] = content_metadata
     apply_factories(sd)
@@ -110,6 +113,13 @@ def prepare_load_request(
     (collective when these need every rank's request; `stored_metadata` called only if needed).
     Raises `KeyMismatchError` or `ShardingIntegrityError` on every rank."""
     sd = expand_flat_shards(convert_sharded_state_dict(_shallow_copy(sharded_state_dict)))
+    # opted in, a plain destination stored quantized is dequantized: the stored keys tell
+    stored = (stored_metadata() or {}) if dequantizing() else None
+    error: Optional[Exception] = None
+    try:
+        expand_quantized(sd, stored)
+    except CheckpointingException as e:  # with the agreement below, raised on every rank
+        error = e
     factories, _ = extract_matching_values(
         sd, lambda x: isinstance(x, ShardedTensorFactory), return_lists_as_dicts=True
     )
@@ -120,15 +130,23 @@ def prepare_load_request(
     dict_list_map_inplace(_detached, request)
     ckpt_metadata = None
     if StrictHandling.requires_explicit_ckpt_mismatch_check(strict):
-        ckpt_metadata = stored_metadata()
+        ckpt_metadata = stored_metadata() if stored is None else stored
     request, missing, unexpected = validate_integrity_and_strict_load(
         request, strict, False, None, None, ckpt_metadata
     )
-    if validate_access_integrity:  # keys the checkpoint lacks are out of the request by now
+    if not validate_access_integrity:  # not collective then: fail here alone
+        if error is not None:
+            raise error
+    else:  # keys the checkpoint lacks are out of the request by now
         records = [r for r in map(record_of, nested_sharded(request)) if r is not None]
         run_protocol(
             agreement_protocol(
-                _dist.get_rank(), _dist.get_world_size(), records, _load_agreement, what="load"
+                _dist.get_rank(),
+                _dist.get_world_size(),
+                records,
+                _load_agreement,
+                error=error,
+                what="load",
             )
         )
     return LoadRequest(request, nonpersistent, factories, missing, unexpected)

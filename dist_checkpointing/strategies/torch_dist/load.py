@@ -41,6 +41,7 @@ from ...errors import (
 )
 from ...integrity import Checksums, read_checksums
 from ...mapping import ShardedBase, ShardedObject, ShardedTensor
+from ...quantized import stored_form_hint
 from ..base import CheckpointDir, LoadShardedStrategy, require_backend, require_version
 from .finalize import gbps
 from .legacy_flat import FlatCopy, apply_copies, plan_reformulated_reads, reformulated_shapes
@@ -341,13 +342,14 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         if not isinstance(stored, TensorStorageMetadata):
             names = [k for k, v in sdm.items() if isinstance(v, TensorStorageMetadata)]
             raise CheckpointingException(
-                f"Tensor {sh.key!r} is not in the checkpoint{close_matches(sh.key, names)}"
+                f"Tensor {sh.key!r} is not in the checkpoint"
+                + (stored_form_hint(sh.key, names) or close_matches(sh.key, names))
             )
         shape = tuple(stored.size) if shape is None else shape
         if shape != sh.global_shape and not sh.allow_shape_mismatch:
             raise CheckpointingException(
                 f"Global shape mismatch for {sh.key!r}: checkpoint has {shape}, "
-                f"requested {sh.global_shape}"
+                f"requested {sh.global_shape}{stored_form_hint(sh.key, ())}"
             )
         dtype = stored.properties.dtype
         by_value = check_dtype_conversion(

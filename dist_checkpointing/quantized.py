@@ -1,0 +1,188 @@
+"""Quantized tensor subclasses as ShardedTensor data, through PyTorch's wrapper-subclass
+protocol (`__tensor_flatten__`), so torchao's Float8Tensor and MXTensor and Transformer
+Engine's Float8Tensor work without importing either library.
+
+Such a tensor is saved as its inner tensors (data, scales), each an ordinary tensor under
+`<key>::<inner name>`, sharded like the outer tensor divided by its block: an inner tensor
+whose local shape is the outer's divided by `b` along an axis covers blocks of `b` there
+(per-row scale: the row length; 1x32 MX: 32; packed fp4: 2). A split that cuts through a
+block is refused. Loads fill the destination's own inner tensors in place (no high-precision
+copy); the destination's flatten metadata (ctx) is what rebuilds it. No component lives under
+the plain `<key>`, so a reader that does not know this layout fails instead of reading data
+without its scales; loading into a plain tensor is opt-in (`dequantize_on_load`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import logging
+import math
+from typing import Any, Dict, Iterator, List, Optional, Sequence
+
+import torch
+
+from ._flat import in_place_factory
+from .dict_utils import dict_list_map_inplace
+from .errors import CheckpointingException
+from .mapping import ShardedTensor, ShardedTensorFactory
+
+__all__ = [
+    "SEP",
+    "is_quantized",
+    "dequantize_on_load",
+    "dequantizing",
+    "expand_quantized",
+    "stored_form_hint",
+]
+
+logger = logging.getLogger(__name__)
+
+#: between a quantized tensor's key and the name of one of its inner tensors
+SEP = "::"
+
+_dequantize: contextvars.ContextVar[bool] = contextvars.ContextVar("dequantize", default=False)
+
+
+def is_quantized(t: Any) -> bool:
+    """Whether `t` is a wrapper tensor subclass that flattens into inner tensors."""
+    return isinstance(t, torch.Tensor) and hasattr(type(t), "__tensor_flatten__")
+
+
+@contextlib.contextmanager
+def dequantize_on_load(allow: bool = True) -> Iterator[None]:
+    """Within the block (this thread), a plain destination whose key is stored quantized is
+    filled with its data times its scales (broadcast over their blocks) instead of raising;
+    the stored pieces are read into temporary tensors."""
+    token = _dequantize.set(allow)
+    try:
+        yield
+    finally:
+        _dequantize.reset(token)
+
+
+def dequantizing() -> bool:
+    """Whether `dequantize_on_load` is in effect."""
+    return _dequantize.get()
+
+
+def _blocks(key: str, name: str, outer: Sequence[int], inner: Sequence[int]) -> List[int]:
+    if len(inner) != len(outer) or any(i == 0 or o % i for o, i in zip(outer, inner)):
+        raise CheckpointingException(
+            f"{key!r}: inner tensor {name!r} of shape {tuple(inner)} does not tile the "
+            f"tensor's shape {tuple(outer)} in whole blocks"
+        )
+    return [o // i for o, i in zip(outer, inner)]
+
+
+def _piece(sh: ShardedTensor, name: str, inner: Any, dtype: Any, blocks: List[int]) -> Any:
+    """The ShardedTensor of one inner tensor of `sh`, covering blocks of `blocks`."""
+    p = sh.prepend_axis_num
+    offsets, ends = sh.global_offset[p:], sh.global_shape[p:]
+    for axis, (o, n, b) in enumerate(zip(offsets, sh.local_shape, blocks)):
+        if o % b or (n % b and o + n != ends[axis]):
+            raise CheckpointingException(
+                f"{sh.key!r}: the split at offset {o} (length {n}) of axis {axis} cuts "
+                f"through a scaling block of {b} (inner tensor {name!r}, blocks "
+                f"{tuple(blocks)}); split at multiples of the block size"
+            )
+    local = tuple(math.ceil(n / b) for n, b in zip(sh.local_shape, blocks))
+    return ShardedTensor(
+        f"{sh.key}{SEP}{name}",
+        inner,
+        dtype,
+        local,
+        (*sh.global_shape[:p], *(math.ceil(g / b) for g, b in zip(ends, blocks))),
+        (*sh.global_offset[:p], *(o // b for o, b in zip(offsets, blocks))),
+        None,
+        sh.replica_id,
+        p,
+        sh.allow_shape_mismatch,
+    )
+
+
+def _as_factory(sh: ShardedTensor) -> ShardedTensorFactory:
+    """A factory saving `sh`'s inner tensors and loading into them in place."""
+    outer = sh.data
+    assert outer is not None
+    names, _ = outer.__tensor_flatten__()  # type: ignore[attr-defined]
+    pieces: Dict[str, ShardedTensor] = {}
+    for name in names:
+        inner = getattr(outer, name)
+        if is_quantized(inner):
+            raise CheckpointingException(f"{sh.key!r}: nested tensor subclass {name!r}")
+        if inner.dim() != len(sh.local_shape) and inner.numel() == 1:  # a per-tensor scale
+            inner = inner.view((1,) * len(sh.local_shape))
+        blocks = _blocks(sh.key, name, sh.local_shape, inner.shape)
+        pieces[name] = _piece(sh, name, inner, inner.dtype, blocks)
+
+    return in_place_factory(sh, outer, pieces)
+
+
+def _dequantizing_factory(sh: ShardedTensor, stored: Dict[str, Any]) -> ShardedTensorFactory:
+    """A factory loading a quantized key's stored pieces into a plain destination."""
+    p = sh.prepend_axis_num
+    found = {k[len(sh.key) + len(SEP) :]: md for k, md in stored.items()}
+    blocks = {
+        n: _blocks(sh.key, n, sh.global_shape[p:], md.global_shape[p:]) for n, md in found.items()
+    }
+    data = [n for n, b in blocks.items() if set(b) == {1} and found[n].dtype.is_floating_point]
+    if len(data) != 1 or not all(found[n].dtype.is_floating_point for n in found):
+        raise CheckpointingException(
+            f"{sh.key!r}: cannot dequantize inner tensors "
+            f"{ {n: (str(md.dtype), tuple(blocks[n])) for n, md in found.items()} } as data "
+            "times scales; load it into a quantized tensor of the type it was saved from"
+        )
+    pieces = {n: _piece(sh, n, None, found[n].dtype, blocks[n]) for n in found}
+
+    def merge(loaded: Dict[str, torch.Tensor]) -> torch.Tensor:
+        value = loaded[data[0]].to(torch.float32)
+        for name in found.keys() - {data[0]}:
+            scale = loaded[name].to(torch.float32)
+            for axis, b in enumerate(blocks[name]):
+                scale = scale.repeat_interleave(b, axis).narrow(axis, 0, value.shape[axis])
+            value = value * scale
+        out = sh.data if sh.data is not None else torch.empty(sh.local_shape, dtype=sh.dtype)
+        return out.copy_(value)
+
+    logger.info("dequantizing %r on load (%s)", sh.key, ", ".join(found))
+    return ShardedTensorFactory(sh.key, sh.data, lambda *_: dict(pieces), merge, sh.replica_id)
+
+
+def expand_quantized(tree: Any, stored: Optional[Dict[str, Any]] = None) -> Any:
+    """Replaces, in `tree` (in place), every ShardedTensor of a quantized tensor by a factory
+    of its inner tensors; with `stored` (the checkpoint's metadata, given when dequantizing
+    is allowed), also every plain one whose key is stored quantized."""
+
+    def convert(x: Any) -> Any:
+        if not isinstance(x, ShardedTensor) or x.flattened_range is not None:
+            return x
+        if is_quantized(x.data):
+            return _as_factory(x)
+        if stored is not None and x.key not in stored:
+            prefix = x.key + SEP
+            pieces = {k: md for k, md in stored.items() if k.startswith(prefix)}
+            return _dequantizing_factory(x, pieces) if pieces else x
+        return x
+
+    return dict_list_map_inplace(convert, tree) if isinstance(tree, (dict, list)) else tree
+
+
+def stored_form_hint(key: str, stored_keys: Sequence[str]) -> str:
+    """Why `key` is not in a checkpoint holding `stored_keys` (or, without them, why its
+    stored shape differs) when it is quantized on one side; else ''."""
+    base, _, name = key.partition(SEP)
+    if not name and any(k.startswith(key + SEP) for k in stored_keys):
+        return (
+            "; it is stored quantized (as its inner tensors): load it into a quantized tensor "
+            "of the type it was saved from, or opt in to dequantizing with "
+            "dist_checkpointing.quantized.dequantize_on_load()"
+        )
+    if name and base in stored_keys:
+        return f"; {base!r} is stored unquantized and is never quantized on load"
+    if name and not stored_keys:
+        return (
+            f" ({name!r} of quantized {base!r}: the checkpoint's scaling blocks differ from the "
+            "destination's; a per-tensor or per-block scale cannot be resharded across a block)"
+        )
+    return ""
