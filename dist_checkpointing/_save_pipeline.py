@@ -82,11 +82,10 @@ def prepare_save(
         raise CheckpointingException(
             f"{ckpt} is a regular file; a checkpoint is a directory: save to another path"
         )
-    objstore.makedirs(ckpt)  # for a prefix: checks that its bucket can be reached
     sharded_part, common_part = save_preprocess(sharded_state_dict, content_metadata)
     for sh in nested_sharded(sharded_part):
         sh.validate_metadata_integrity()
-    ckpt.mkdir(parents=True, exist_ok=True)
+    objstore.makedirs(ckpt)  # for a prefix: checks that its bucket can be reached
     records = [r for r in map(record_of, nested_sharded(sharded_part)) if r is not None]
     deferred = None
     if async_sharded_save and sharded.can_handle_sharded_objects and not node_local:

@@ -26,6 +26,7 @@ from .dict_utils import extract_matching_values, merge
 from .dtypes import lossy_conversion_allowed
 from .errors import CheckpointingException
 from .mapping import ShardedObject, ShardedTensor
+from .storage import objstore
 from .strategies.base import (
     AsyncSaveShardedStrategy,
     LoadCommonStrategy,
@@ -135,7 +136,8 @@ def save(
     plan: Optional[SavePlan] = None
     error: Optional[BaseException] = None
     # the directories this save creates, removed again (if empty) when it is refused
-    created = list(itertools.takewhile(lambda d: not d.exists(), [ckpt, *ckpt.parents]))
+    created = [] if objstore.split(ckpt) else [ckpt, *ckpt.parents]  # prefixes: no directories
+    created = list(itertools.takewhile(lambda d: not d.exists(), created))
     try:
         plan = prepare_save(
             sharded_state_dict,
