@@ -240,13 +240,12 @@ class SaveFinalizer:
                 digest = hashlib.blake2b(report, digest_size=16).digest()
             outcome = self._gather_and_finish(ckpt, error, (digest, report, stats), opts)
         if outcome is not None:  # the same outcome on every rank: all raise, no more collectives
-            cls = (
-                type(error) if isinstance(error, CheckpointingException) else CheckpointingException
-            )
+            msg = f"torch_dist save to {ckpt} failed on {outcome}"
+            cls = type(error) if isinstance(error, CheckpointingException) else None
             try:
-                exc = cls(f"torch_dist save to {ckpt} failed on {outcome}")
+                exc = (cls or CheckpointingException)(msg)
             except TypeError:
-                exc = CheckpointingException(f"torch_dist save to {ckpt} failed on {outcome}")
+                exc = CheckpointingException(msg)
             raise exc from error
         self.sent_digest = digest
 
@@ -290,19 +289,11 @@ class SaveFinalizer:
         except Exception as e:  # turned into an error on every rank by the caller
             return f"rank 0 (metadata): {type(e).__name__}: {e}"
         items, nbytes, files = (sum(g[2][i] for g in gathered) for i in range(3))
-        seconds = time.perf_counter() - start
-        logger.info(
-            "torch_dist save %s: %d items, %.3f GB (%d bytes) in %d file(s) from %d rank(s) in "
-            "%.2f s (until the slowest rank finished), %.2f GB/s",
-            ckpt,
-            items,
-            nbytes / 1e9,
-            nbytes,
-            files,
-            len(gathered),
-            seconds,
-            gbps(nbytes, seconds),
-        )
+        secs = time.perf_counter() - start
+        msg = "torch_dist save %s: %d items, %.3f GB (%d bytes) in %d file(s) from %d rank(s) in "
+        msg += "%.2f s (until the slowest rank finished), %.2f GB/s"
+        rate = gbps(nbytes, secs)
+        logger.info(msg, ckpt, items, nbytes / 1e9, nbytes, files, len(gathered), secs, rate)
         return None
 
 

@@ -9,7 +9,6 @@ rank decodes only the keys it asks for (`open_for_load`).
 
 from __future__ import annotations
 
-import functools
 import io
 import itertools
 import json
@@ -31,7 +30,8 @@ from torch.distributed.checkpoint.metadata import (
 
 from ...errors import CheckpointCorruptedError, UnsafeCheckpointError
 from ...integrity import Checksums, checksum
-from ...storage.fileio import atomic_write, read_capped
+from ...storage.fileio import read_capped
+from ..common import write_bytes_atomically
 
 __all__ = [
     "DCP_METADATA_FNAME",
@@ -83,10 +83,6 @@ def serialize_metadata(metadata: Metadata) -> Dict[str, bytes]:
     return files
 
 
-def _write(payload: bytes, f: io.BufferedWriter) -> None:
-    f.write(payload)
-
-
 def write_metadata_files(checkpoint_dir: Path, files: Dict[str, bytes]) -> Dict[str, int]:
     """Writes `serialize_metadata`'s files atomically (a stale index is removed).
 
@@ -94,7 +90,7 @@ def write_metadata_files(checkpoint_dir: Path, files: Dict[str, bytes]) -> Dict[
         `{file name: xxh3-64}` of the written files.
     """
     for name, payload in files.items():
-        atomic_write(Path(checkpoint_dir) / name, functools.partial(_write, payload))
+        write_bytes_atomically(payload, str(Path(checkpoint_dir) / name))
     if INDEX_FNAME not in files:
         (Path(checkpoint_dir) / INDEX_FNAME).unlink(missing_ok=True)
     return {name: checksum(payload) for name, payload in files.items()}
@@ -300,18 +296,13 @@ def open_for_load(
             for row in rows:
                 info = _StorageInfo(files[row[-3]], row[-2], row[-1])
                 storage[MetadataIndex(key, row[:n] if dtype else None)] = info
-            sdm[key] = (
-                BytesStorageMetadata()
-                if dtype is None
-                else TensorStorageMetadata(
-                    TensorProperties(dtype=getattr(torch, dtype)),
-                    torch.Size(shape),
-                    [
-                        ChunkStorageMetadata(torch.Size(r[:n]), torch.Size(r[n : 2 * n]))
-                        for r in rows
-                    ],
-                )
-            )
+            if dtype is None:
+                sdm[key] = BytesStorageMetadata()
+            else:
+                boxes = [(torch.Size(r[:n]), torch.Size(r[n : 2 * n])) for r in rows]
+                chunks = [ChunkStorageMetadata(offsets, sizes) for offsets, sizes in boxes]
+                props = TensorProperties(dtype=getattr(torch, dtype))
+                sdm[key] = TensorStorageMetadata(props, torch.Size(shape), chunks)
         metadata = Metadata(state_dict_metadata=sdm, storage_data=storage, version="1.0.0")
         _check_metadata(metadata, path)
     except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
