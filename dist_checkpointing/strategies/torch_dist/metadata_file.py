@@ -299,8 +299,8 @@ def open_for_load(
             if dtype is None:
                 sdm[key] = BytesStorageMetadata()
             else:
-                boxes = [(torch.Size(r[:n]), torch.Size(r[n : 2 * n])) for r in rows]
-                chunks = [ChunkStorageMetadata(offsets, sizes) for offsets, sizes in boxes]
+                extents = [(torch.Size(r[:n]), torch.Size(r[n : 2 * n])) for r in rows]
+                chunks = [ChunkStorageMetadata(offsets, sizes) for offsets, sizes in extents]
                 props = TensorProperties(dtype=getattr(torch, dtype))
                 sdm[key] = TensorStorageMetadata(props, torch.Size(shape), chunks)
         metadata = Metadata(state_dict_metadata=sdm, storage_data=storage, version="1.0.0")
