@@ -309,9 +309,8 @@ class CheckpointManager:
                 )
             except CheckpointingException as e:
                 skipped.append((f"{tier} step {step} ({path})", str(e)))
-                _dist.log_rank0(
-                    logger, logging.WARNING, "skipping %s checkpoint of step %d: %s", tier, step, e
-                )
+                msg = "skipping %s checkpoint of step %d: %s"
+                _dist.log_rank0(logger, logging.WARNING, msg, tier, step, e)
                 continue
             self.last_restore = RestoreInfo(step, tier, path, skipped)
             self._after_restore(step)

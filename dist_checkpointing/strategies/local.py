@@ -185,14 +185,8 @@ class LocalLoadShardedStrategy(NodeLocalLoadShardedStrategy):
         state = self._read_state(checkpoint_dir)
         where = str(checkpoint_dir)
         if is_v1_state(state):
-            result = _dist.run_collectively(
-                f"local checkpoint load from {where}",
-                v1_fill_request,
-                sharded_state_dict,
-                state,
-                where,
-                _RESHARD_HINT,
-            )
+            fill = (v1_fill_request, sharded_state_dict, state, where, _RESHARD_HINT)
+            result = _dist.run_collectively(f"local checkpoint load from {where}", *fill)
             return _common(state), result
         common = _common(state)
         state.common = {}  # the request alone comes back, mirroring its structure

@@ -208,19 +208,11 @@ class SaveFinalizer:
         dedup: bool,
         checksums: bool,
     ) -> None:
-        """Collective: rank 0 gathers every rank's report, writes `.metadata`.
-
-        Args:
-            results: this rank's write results.
-            error: this rank's failure before finalization, if any.
-            start: when the save started (`time.perf_counter`), for the log line.
-            dedup: keep one copy of each chunk in the metadata (every replica was written).
-            checksums: write `checksums.json`.
-
-        Raises:
-            CheckpointingException: on every rank, if any rank failed (the class of this
-                rank's error when it is one).
-        """
+        """Collective: rank 0 gathers every rank's report (its `items`, `results`, or its
+        `error`), writes `.metadata` (`dedup`: one copy of each chunk) and, with `checksums`,
+        `checksums.json`; `start` (`time.perf_counter`) dates the save in the log line. Raises
+        `CheckpointingException` (this rank's error class when it is one) on every rank if
+        any rank failed."""
         opts = (dedup, checksums, start)
         files = {str(r.storage_data.relative_path) for r in results}
         stats = (len(results), sum(r.size_in_bytes for r in results), len(files))
