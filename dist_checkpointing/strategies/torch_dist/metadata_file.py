@@ -216,10 +216,8 @@ def _check_metadata(metadata: Any, path: Path) -> None:
             for chunk in value.chunks:
                 if len(chunk.offsets) != ndim or len(chunk.sizes) != ndim:
                     raise CheckpointCorruptedError(f"{path}: chunk of {key!r} has wrong rank")
-                if any(
-                    o < 0 or s < 0 or o + s > g
-                    for o, s, g in zip(chunk.offsets, chunk.sizes, value.size)
-                ):
+                bounds = zip(chunk.offsets, chunk.sizes, value.size)
+                if any(o < 0 or s < 0 or o + s > g for o, s, g in bounds):
                     raise CheckpointCorruptedError(
                         f"{path}: chunk of {key!r} lies outside {tuple(value.size)}"
                     )
@@ -227,13 +225,8 @@ def _check_metadata(metadata: Any, path: Path) -> None:
         if not isinstance(index, MetadataIndex) or not isinstance(info, _StorageInfo):
             raise CheckpointCorruptedError(f"{path}: malformed storage entry {index!r}")
         rel = str(info.relative_path)
-        if (
-            "/" in rel
-            or "\\" in rel
-            or rel in ("", ".", "..")
-            or info.offset < 0
-            or info.length < 0
-        ):
+        bad_path = "/" in rel or "\\" in rel or rel in ("", ".", "..")
+        if bad_path or info.offset < 0 or info.length < 0:
             raise CheckpointCorruptedError(
                 f"{path}: invalid storage location {info!r} for {index.fqn!r}"
             )

@@ -241,12 +241,9 @@ class _RecipeUnpickler(pickle.Unpickler):
             return _recipe
         if (module, name) == ("collections", "OrderedDict"):
             return collections.OrderedDict
-        if (
-            module == "torch"
-            and name.endswith("Storage")
-            and isinstance(getattr(torch, name, None), type)
-        ):
-            return getattr(torch, name)
+        storage = getattr(torch, name, None) if module == "torch" else None
+        if name.endswith("Storage") and isinstance(storage, type):
+            return storage
         raise pickle.UnpicklingError(f"unexpected global {module}.{name}")
 
     def persistent_load(self, pid: Any) -> Any:
