@@ -32,35 +32,26 @@ def flat_range_boxes(shape: Tuple[int, ...], start: int, stop: int) -> List[Box]
     inner = math.prod(shape[1:])
     first, head = divmod(start, inner)
     last, tail = divmod(stop, inner)
-    rest = (0,) * (len(shape) - 1)
-    if first == last:  # inside one row
+
+    def row(i: int, lo: int, hi: int) -> List[Box]:  # the range [lo, hi) of row i
         return [
-            ((first, *o), (1, *s), first * inner + f)
-            for o, s, f in flat_range_boxes(tuple(shape[1:]), head, tail)
+            ((i, *o), (1, *s), i * inner + f) for o, s, f in flat_range_boxes(shape[1:], lo, hi)
         ]
-    boxes: List[Box] = []
-    if head:
-        boxes += [
-            ((first, *o), (1, *s), first * inner + f)
-            for o, s, f in flat_range_boxes(tuple(shape[1:]), head, inner)
-        ]
-        first += 1
-    if last > first:
-        boxes.append(((first, *rest), (last - first, *shape[1:]), first * inner))
-    if tail:
-        boxes += [
-            ((last, *o), (1, *s), last * inner + f)
-            for o, s, f in flat_range_boxes(tuple(shape[1:]), 0, tail)
-        ]
-    return boxes
+
+    if first == last:  # inside one row
+        return row(first, head, tail)
+    boxes = row(first, head, inner) if head else []
+    whole = first + 1 if head else first  # the first whole row
+    if last > whole:
+        boxes.append(((whole, *(0,) * (len(shape) - 1)), (last - whole, *shape[1:]), whole * inner))
+    return boxes + row(last, 0, tail)
 
 
 def flat_shard_pieces(sh: ShardedTensor) -> List[ShardedTensor]:
     """The ordinary pieces (one per box, data viewing the flat data) of a flat shard with
     data; an empty range gives one empty piece, so the key still takes part in checks."""
     assert sh.flattened_range is not None and sh.data is not None
-    start = int(sh.flattened_range.start)
-    stop = int(sh.flattened_range.stop)
+    start, stop = int(sh.flattened_range.start), int(sh.flattened_range.stop)
     p = sh.prepend_axis_num
     chunk_offset = sh.global_offset[p:]
     boxes = flat_range_boxes(tuple(sh.local_shape), start, stop)

@@ -90,15 +90,9 @@ def prepare_save(
     deferred = None
     if async_sharded_save and sharded.can_handle_sharded_objects and not node_local:
         deferred = common.deferred_save_common(common_part, ckpt)
+    digest = _common_digest(common_part, preprocess_common)
     return SavePlan(
-        sharded,
-        common,
-        node_local,
-        sharded_part,
-        common_part,
-        records,
-        _common_digest(common_part, preprocess_common),
-        deferred,
+        sharded, common, node_local, sharded_part, common_part, records, digest, deferred
     )
 
 
@@ -155,15 +149,10 @@ def _log_common_differences(
     for rank, other in enumerate(gathered[1:], start=1):
         only_0, only_r, mismatch = diff(gathered[0], other)
         if only_0 or only_r or mismatch:
-            logger.warning(
-                "Common state differs between rank 0 and rank %d (rank 0's is saved): only on rank 0: %s, "
-                "only on rank %d: %s, different values: %s",
-                rank,
-                only_0[:10],
-                rank,
-                only_r[:10],
-                [m[0] for m in mismatch[:10]],
-            )
+            msg = "Common state differs between rank 0 and rank %d (rank 0's is saved): only on "
+            msg += "rank 0: %s, only on rank %d: %s, different values: %s"
+            mismatched = [m[0] for m in mismatch[:10]]
+            logger.warning(msg, rank, only_0[:10], rank, only_r[:10], mismatched)
 
 
 def save_common(plan: SavePlan, ckpt: Path) -> ShardedStateDict:
@@ -186,15 +175,8 @@ def make_commit(plan: SavePlan, ckpt: Path, start: float) -> Callable[[], None]:
     def commit() -> None:
         def write_config() -> None:
             if plan.node_local or _dist.get_rank() == 0:
-                save_config(
-                    CheckpointingConfig(
-                        plan.sharded.backend,
-                        plan.sharded.version,
-                        plan.common.backend,
-                        plan.common.version,
-                    ),
-                    ckpt,
-                )
+                s, c = plan.sharded, plan.common
+                save_config(CheckpointingConfig(s.backend, s.version, c.backend, c.version), ckpt)
 
         _dist.run_collectively(f"commit of {ckpt}", write_config)
         _dist.log_rank0(

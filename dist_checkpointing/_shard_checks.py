@@ -14,13 +14,7 @@ from .errors import CheckpointingException
 if TYPE_CHECKING:
     from .mapping import ShardedTensor
 
-__all__ = [
-    "as_int_tuple",
-    "check_replica_id",
-    "check_sharded_tensor",
-    "check_flattened_range",
-    "flat_len",
-]
+__all__ = ["as_int_tuple", "check_replica_id", "check_sharded_tensor"]
 
 
 def as_int_tuple(value: Any, name: str, key: str) -> Tuple[int, ...]:
@@ -62,7 +56,19 @@ def check_sharded_tensor(st: ShardedTensor) -> None:
         raise CheckpointingException(
             f"prepend_axis_num of {key!r} must be a non-negative int: {st.prepend_axis_num!r}"
         )
-    check_flattened_range(st)
+    fr = st.flattened_range
+    if fr is not None:
+        volume = math.prod(st.local_shape)
+        if not isinstance(fr, slice) or fr.step not in (None, 1):
+            raise CheckpointingException(
+                f"flattened_range of {key!r} must be a slice without step: {fr!r}"
+            )
+        ints = isinstance(fr.start, int) and isinstance(fr.stop, int)
+        if not (ints and 0 <= fr.start <= fr.stop <= volume):
+            raise CheckpointingException(
+                f"flattened_range {fr!r} of {key!r} must lie within the {volume} elements "
+                f"of local_shape {st.local_shape}"
+            )
     if st.data is not None:
         if not isinstance(st.data, torch.Tensor):
             raise CheckpointingException(
@@ -72,12 +78,12 @@ def check_sharded_tensor(st: ShardedTensor) -> None:
             raise CheckpointingException(
                 f"data dtype {st.data.dtype} of {key!r} differs from dtype {st.dtype}"
             )
-        expected = st.local_shape if st.flattened_range is None else (flat_len(st),)
+        expected, what = st.local_shape, "local_shape"
+        if fr is not None:
+            expected, what = (fr.stop - fr.start,), "the flattened_range length"
         if tuple(st.data.shape) != expected:
             raise CheckpointingException(
-                f"data shape {tuple(st.data.shape)} of {key!r} differs from "
-                f"{'local_shape' if st.flattened_range is None else 'the flattened_range length'} "
-                f"{expected}"
+                f"data shape {tuple(st.data.shape)} of {key!r} differs from {what} {expected}"
             )
     ndim = len(st.global_shape)
     if len(st.global_offset) != ndim:
@@ -112,31 +118,3 @@ def check_sharded_tensor(st: ShardedTensor) -> None:
                     f"global_offset {off} of {key!r} is not a multiple of the local size "
                     f"{size} on a regular grid"
                 )
-
-
-def check_flattened_range(st: ShardedTensor) -> None:
-    """Checks that `st.flattened_range` (if any) is a step-less slice inside the local shape."""
-    fr = st.flattened_range
-    if fr is None:
-        return
-    if not isinstance(fr, slice) or fr.step not in (None, 1):
-        raise CheckpointingException(
-            f"flattened_range of {st.key!r} must be a slice without step: {fr!r}"
-        )
-    volume = math.prod(st.local_shape)
-    if not (
-        isinstance(fr.start, int)
-        and isinstance(fr.stop, int)
-        and 0 <= fr.start <= fr.stop <= volume
-    ):
-        raise CheckpointingException(
-            f"flattened_range {fr!r} of {st.key!r} must lie within the {volume} elements "
-            f"of local_shape {st.local_shape}"
-        )
-
-
-def flat_len(st: ShardedTensor) -> int:
-    """The number of elements `st.flattened_range` selects."""
-    check_flattened_range(st)
-    assert st.flattened_range is not None
-    return int(st.flattened_range.stop - st.flattened_range.start)

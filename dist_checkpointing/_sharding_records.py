@@ -39,26 +39,19 @@ class ShardRecord(NamedTuple):
 
 def record_of(sh: Any) -> Optional[ShardRecord]:
     """The record of a `ShardedTensor` or `ShardedObject` (None for other leaves)."""
-    main = 0 if is_main_replica(sh.replica_id) else 1
     if isinstance(sh, ShardedTensor):
-        return ShardRecord(
-            "t",
-            sh.key,
-            str(sh.dtype),
-            tuple(sh.global_shape),
-            tuple(sh.global_offset),
-            tuple(sh.prepended_local_shape),
-            main,
-        )
-    if isinstance(sh, ShardedObject):
-        return ShardRecord(
-            "o", sh.key, "", tuple(sh.global_shape), tuple(sh.global_offset), (), main
-        )
-    return None
+        kind, dtype, local = "t", str(sh.dtype), tuple(sh.prepended_local_shape)
+    elif isinstance(sh, ShardedObject):
+        kind, dtype, local = "o", "", ()
+    else:
+        return None
+    main = 0 if is_main_replica(sh.replica_id) else 1
+    shape, offset = tuple(sh.global_shape), tuple(sh.global_offset)
+    return ShardRecord(kind, sh.key, dtype, shape, offset, local, main)
 
 
 def _first_overlap(starts: np.ndarray, ends: np.ndarray) -> Optional[Tuple[int, int]]:
-    """Returns one pair (i, j), i < j, of overlapping non-empty boxes, or None.
+    """One pair (i, j), i < j, of overlapping non-empty boxes, or None.
 
     Sweeps along the axis with the most distinct starts: a box is compared only with the
     boxes that start before it ends on that axis (not with every other box).
@@ -99,11 +92,9 @@ def _tensor_problems(key: str, shards: List[Tuple[int, ShardRecord]]) -> List[st
             f"Invalid access pattern for {key!r}: no rank holds a main replica (replica_id 0), "
             "so it would not be saved"
         ]
-    ndim = len(ref.global_shape)
-    starts = np.array([sh.global_offset for _, sh in main], dtype=np.int64).reshape(len(main), ndim)
-    sizes = np.array([sh.prepended_local_shape for _, sh in main], dtype=np.int64).reshape(
-        len(main), ndim
-    )
+    dims = (len(main), len(ref.global_shape))
+    starts = np.array([sh.global_offset for _, sh in main], dtype=np.int64).reshape(dims)
+    sizes = np.array([sh.prepended_local_shape for _, sh in main], dtype=np.int64).reshape(dims)
     pair = _first_overlap(starts, starts + sizes)
     if pair is not None:
         (ra, a), (rb, b) = main[pair[0]], main[pair[1]]

@@ -45,16 +45,12 @@ def extract_matching_values(
         else:
             target.append(v)
 
-    if isinstance(x, dict):
-        items: Iterable[Tuple[Any, Any]] = x.items()
-        matching: Any = {}
-        non_matching: Any = {}
-    elif isinstance(x, list):
-        items = enumerate(x)
-        matching = {} if return_lists_as_dicts else []
-        non_matching = {} if return_lists_as_dicts else []
-    else:
+    if not isinstance(x, (dict, list)):
         raise ValueError(f"Expected a dict or a list, got {type(x).__name__}")
+    items: Iterable[Tuple[Any, Any]] = x.items() if isinstance(x, dict) else enumerate(x)
+    as_dict = isinstance(x, dict) or return_lists_as_dicts
+    matching: Any = {} if as_dict else []
+    non_matching: Any = {} if as_dict else []
     for k, v in items:
         if isinstance(v, (dict, list)):
             sub_match, sub_rest = extract_matching_values(v, predicate, return_lists_as_dicts)
@@ -91,11 +87,8 @@ def diff(x1: Any, x2: Any, prefix: KeyPath = ()) -> Tuple[List[KeyPath], List[Ke
         children = [(i, v1, v2) for i, (v1, v2) in enumerate(zip(x1, x2))]
     else:
         if isinstance(x1, torch.Tensor) and isinstance(x2, torch.Tensor):
-            equal = (
-                x1.shape == x2.shape
-                and x1.dtype == x2.dtype
-                and bool(torch.equal(x1.cpu(), x2.cpu()))
-            )
+            same_kind = x1.shape == x2.shape and x1.dtype == x2.dtype
+            equal = same_kind and bool(torch.equal(x1.cpu(), x2.cpu()))
         elif isinstance(x1, torch.Tensor) or isinstance(x2, torch.Tensor):
             equal = False
         else:

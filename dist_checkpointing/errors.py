@@ -103,11 +103,9 @@ def describe_ckpt_id(ckpt_id: Any) -> str:
     """'iteration I, rank R[, session S]' for a local checkpoint id (for messages)."""
     try:
         iteration, owner, session = ckpt_id
-        return f"iteration {iteration}, rank {owner}" + (
-            f", session {session!r}" if session else ""
-        )
     except (TypeError, ValueError):
         return repr(ckpt_id)
+    return f"iteration {iteration}, rank {owner}" + (f", session {session!r}" if session else "")
 
 
 class UnsupportedShardedObjectError(CheckpointingException):

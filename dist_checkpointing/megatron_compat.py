@@ -12,11 +12,10 @@ import importlib.util
 import logging
 import sys
 import types
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence
 
 import torch
 
-from ._types import ShardedStateDict
 from .errors import CheckpointingException, UnsupportedShardedObjectError
 from .mapping import (
     LocalNonpersistentObject,
@@ -144,14 +143,32 @@ def convert_object(obj: Any, where: str = "state dict leaf") -> Any:
         raise CheckpointingException(f"{where}: invalid megatron-core {name}: {e}") from e
 
 
-def _convert(x: Any, path: Tuple[Any, ...]) -> Any:
+def _has_sharded(x: Any) -> bool:
+    if isinstance(x, dict):
+        return any(_has_sharded(v) for v in x.values())
+    if isinstance(x, (list, tuple)):
+        return any(_has_sharded(v) for v in x)
+    return looks_sharded(x)
+
+
+def convert_sharded_state_dict(sharded_state_dict: Any, path: Sequence[Any] = ()) -> Any:
+    """Replaces every megatron-core mapping object in a tree by ours, IN PLACE (entry points
+    call it on a shallow copy of the caller's tree).
+
+    Returns the tree (or converted leaf); `path` is its key path, for messages.
+
+    Raises:
+        UnsupportedShardedObjectError: a leaf looks sharded but cannot be handled.
+        CheckpointingException: a megatron object whose metadata is invalid.
+    """
+    x, path = sharded_state_dict, tuple(path)
     if isinstance(x, dict):
         for k, v in x.items():
-            x[k] = _convert(v, path + (k,))
+            x[k] = convert_sharded_state_dict(v, path + (k,))
         return x
     if isinstance(x, list):
         for i, v in enumerate(x):
-            x[i] = _convert(v, path + (i,))
+            x[i] = convert_sharded_state_dict(v, path + (i,))
         return x
     where = "/".join(map(str, path)) or "<root>"
     if isinstance(x, tuple):
@@ -165,35 +182,9 @@ def _convert(x: Any, path: Tuple[Any, ...]) -> Any:
     if is_megatron_object(x):
         return convert_object(x, where)
     if looks_sharded(x):
-        raise _unsupported(
-            x,
-            where,
-            "not a ShardedTensor/ShardedObject/factory of ours or of megatron-core 0.14-0.19",
-        )
+        why = "not a ShardedTensor/ShardedObject/factory of ours or of megatron-core 0.14-0.19"
+        raise _unsupported(x, where, why)
     return x
-
-
-def _has_sharded(x: Any) -> bool:
-    if isinstance(x, dict):
-        return any(_has_sharded(v) for v in x.values())
-    if isinstance(x, (list, tuple)):
-        return any(_has_sharded(v) for v in x)
-    return looks_sharded(x)
-
-
-def convert_sharded_state_dict(
-    sharded_state_dict: Any, path: Sequence[Any] = ()
-) -> ShardedStateDict:
-    """Replaces every megatron-core mapping object in a tree by ours, IN PLACE (entry points
-    call it on a shallow copy of the caller's tree).
-
-    Returns the tree (or converted leaf); `path` is its key path, for messages.
-
-    Raises:
-        UnsupportedShardedObjectError: a leaf looks sharded but cannot be handled.
-        CheckpointingException: a megatron object whose metadata is invalid.
-    """
-    return _convert(sharded_state_dict, tuple(path))
 
 
 # ---- install(): our package in place of megatron.core.dist_checkpointing ---------------------
@@ -207,23 +198,8 @@ def _target(fullname: str) -> Optional[str]:
     return None
 
 
-class _AliasLoader(importlib.abc.Loader):
-    """Loads a megatron module name as the matching module of this package."""
-
-    def __init__(self, target: str) -> None:
-        self.target = target
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
-        # a placeholder: the import system stamps the alias spec on it, not on our module
-        return types.ModuleType(spec.name)
-
-    def exec_module(self, module: types.ModuleType) -> None:
-        # the import system returns whatever sys.modules holds under the name afterwards
-        sys.modules[module.__name__] = importlib.import_module(self.target)
-
-
-class _AliasFinder(importlib.abc.MetaPathFinder):
-    """Finds `megatron.core.dist_checkpointing[.X]` as `dist_checkpointing[.X]`."""
+class _AliasFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Finds and loads `megatron.core.dist_checkpointing[.X]` as `dist_checkpointing[.X]`."""
 
     def find_spec(
         self, fullname: str, path: Optional[Sequence[str]] = None, target: Any = None
@@ -231,7 +207,15 @@ class _AliasFinder(importlib.abc.MetaPathFinder):
         ours = _target(fullname)
         if ours is None or importlib.util.find_spec(ours) is None:
             return None
-        return importlib.machinery.ModuleSpec(fullname, _AliasLoader(ours))
+        return importlib.machinery.ModuleSpec(fullname, self)
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
+        # a placeholder: the import system stamps the alias spec on it, not on our module
+        return types.ModuleType(spec.name)
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        # the import system returns whatever sys.modules holds under the name afterwards
+        sys.modules[module.__name__] = importlib.import_module(str(_target(module.__name__)))
 
 
 _finder: Optional[_AliasFinder] = None

@@ -70,11 +70,8 @@ def get_param_id_to_sharded_param_map(
         else:
             out[index] = leaf
     if not out:
-        _dist.log_rank0(
-            logger,
-            logging.WARNING,
-            "No model sharded tensor matches an optimizer parameter." + KEEP_VARS_HINT,
-        )
+        msg = "No model sharded tensor matches an optimizer parameter." + KEEP_VARS_HINT
+        _dist.log_rank0(logger, logging.WARNING, msg)
     return out
 
 

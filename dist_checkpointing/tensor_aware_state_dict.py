@@ -99,12 +99,8 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
         distribution = None
         if algo == "fully_parallel":
             if cached_metadata is None:
-                distribution = _dist.run_collectively(
-                    "fully parallel shard distribution",
-                    compute_distribution,
-                    sharded,
-                    parallelization_group,
-                )
+                what, group = "fully parallel shard distribution", parallelization_group
+                distribution = _dist.run_collectively(what, compute_distribution, sharded, group)
             else:
                 distribution = cached_metadata
                 if distribution.group != group_ranks(parallelization_group):
@@ -260,11 +256,12 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
         if not sharded_state_dict:
             return (result, set(), set()) if return_mismatch_keys else result
         strict = parse_strict_flag(strict)
+        stored = list(nested_values(self.sharded_state_dict))
 
         def stored_metadata() -> Dict[str, ShardedBase]:
             return {
                 (sh.key if isinstance(sh, ShardedTensor) else sh.unique_key): sh.without_data()
-                for sh in nested_values(self.sharded_state_dict)
+                for sh in stored
                 if isinstance(sh, (ShardedTensor, ShardedObject))
             }
 
@@ -272,22 +269,13 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
             sharded_state_dict, strict, validate_access_integrity, stored_metadata
         )
         merge(result, prepared.nonpersistent)
-        request, factories = prepared.sharded, prepared.factories
-        missing, unexpected = prepared.missing_keys, prepared.unexpected_keys
+        request = prepared.sharded
         tensors = {shard_id(sh): sh.data for sh in self._with_data()}
-        objects = {
-            sh.unique_key: sh.data
-            for sh in nested_values(self.sharded_state_dict)
-            if isinstance(sh, ShardedObject)
-        }
+        objects = {sh.unique_key: sh.data for sh in stored if isinstance(sh, ShardedObject)}
         wanted = [sh for sh in nested_values(request) if isinstance(sh, ShardedTensor)]
         if algo == "fully_parallel" and _dist.is_distributed():
-            _dist.run_collectively(
-                "fully parallel exchange of local checkpoint shards",
-                exchange_shards,
-                tensors,
-                wanted,
-            )
+            what = "fully parallel exchange of local checkpoint shards"
+            _dist.run_collectively(what, exchange_shards, tensors, wanted)
         where = f"rank {_dist.get_rank()}'s local checkpoint"
 
         def fill(leaf: Any) -> Any:
@@ -320,9 +308,10 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
             )
         else:
             dict_list_map_inplace(fill, request)
-        request = apply_factory_merges(request, factories)
-        merge(result, request)
-        return (result, missing, unexpected) if return_mismatch_keys else result
+        merge(result, apply_factory_merges(request, prepared.factories))
+        if return_mismatch_keys:
+            return result, prepared.missing_keys, prepared.unexpected_keys
+        return result
 
 
 allow_in_hollow_state(MCoreTensorAwareStateDict, ShardedTensor, ShardedObject)

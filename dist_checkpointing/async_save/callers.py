@@ -167,8 +167,7 @@ class TemporalAsyncCaller(AsyncCaller):
         )
 
     def _await_start(self, call_idx: int, call: _Fork, block: bool) -> Optional[CallStatus]:
-        """Waits for the writer's start message (re-forking a stuck writer); returns a status
-        unless it started."""
+        """Waits for the writer to start (re-forking a stuck one); a status unless it started."""
         while not call.started:
             deadline = call.forked_at + self.startup_timeout
             if call.recv.poll(max(deadline - time.monotonic(), 0.0) if block else 0):
@@ -232,7 +231,7 @@ class TemporalAsyncCaller(AsyncCaller):
 
 
 def _persistent_worker(
-    tasks: Any, results: Any, niceness: int, log_setup: Tuple[int, bool] = (logging.WARNING, True)
+    tasks: Any, results: Any, niceness: int, log_setup: Tuple[int, bool]
 ) -> None:
     level, shown = log_setup  # the parent's: a spawned process starts unconfigured
     if shown:

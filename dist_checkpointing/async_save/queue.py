@@ -87,21 +87,11 @@ class AsyncCallsQueue:
         self.writer_niceness = writer_niceness
         self._calls: Deque[_Call] = deque()
         self._next_idx = 0
-        self._persistent_caller: Optional[PersistentAsyncCaller] = None
-        self._temporal_caller: Optional[TemporalAsyncCaller] = None
+        self._caller: Optional[AsyncCaller] = None  # made on the first request with work
         _live_queues.add(self)
         if not _atexit_registered:
             atexit.register(_warn_unfinalized_at_exit)
             _atexit_registered = True
-
-    def _caller(self, request: AsyncRequest) -> AsyncCaller:
-        if self.persistent:
-            if self._persistent_caller is None:
-                self._persistent_caller = PersistentAsyncCaller(self.writer_niceness)
-            return self._persistent_caller
-        if self._temporal_caller is None:
-            self._temporal_caller = TemporalAsyncCaller(self.writer_niceness)
-        return self._temporal_caller
 
     def schedule_async_request(self, async_request: AsyncRequest) -> int:
         """Starts a request's background work; returns its call index.
@@ -111,7 +101,7 @@ class AsyncCallsQueue:
                 the main script calls this outside `if __name__ == "__main__":`, which the
                 spawned writer would re-run.
         """
-        if self.persistent and self._persistent_caller is None:
+        if self.persistent and self._caller is None:
             check_main_guard()  # before any work: the spawned writer would re-run the script
         request = async_request.freeze()
         if request.preload_fn is not None:
@@ -120,7 +110,10 @@ class AsyncCallsQueue:
         self._next_idx += 1
         caller: Optional[AsyncCaller] = None
         if request.async_fn is not None:
-            caller = self._caller(request)
+            if self._caller is None:
+                kind = PersistentAsyncCaller if self.persistent else TemporalAsyncCaller
+                self._caller = kind(self.writer_niceness)
+            caller = self._caller
             caller.schedule(idx, request)
         self._calls.append(_Call(idx, request, caller, time.perf_counter()))
         return idx
@@ -193,7 +186,6 @@ class AsyncCallsQueue:
             self._shutdown_callers()
 
     def _shutdown_callers(self) -> None:
-        for caller in (self._persistent_caller, self._temporal_caller):
-            if caller is not None:
-                caller.close()
-        self._persistent_caller = self._temporal_caller = None
+        if self._caller is not None:
+            self._caller.close()
+        self._caller = None

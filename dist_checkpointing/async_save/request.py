@@ -119,13 +119,8 @@ class AsyncRequest:
         self.finalize_fns.append(fn)
 
     def prepend_async_fn(self, fn: Callable[..., Any], *args: Any) -> None:
-        """Makes the background work run `fn(*args)` first, then the current `async_fn`.
-
-        `result` stays the current `async_fn`'s return value (or `fn`'s when there was none).
-
-        Args:
-            fn: the work to run first, in the same background process (picklable).
-            *args: its arguments.
+        """Makes the background work run `fn(*args)` (picklable) first, then the current
+        `async_fn`; `result` stays the latter's return value (`fn`'s when there was none).
 
         Raises:
             CheckpointingException: the request is frozen, or wraps a future.

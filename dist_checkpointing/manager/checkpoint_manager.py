@@ -152,8 +152,7 @@ class CheckpointManager:
         return True
 
     def _schedule(self, step: int, tier: str, request: Any, on_commit: Callable[[], None]) -> None:
-        """Hands a background save to the queue; `on_commit` runs when it is finalized (now,
-        for a synchronous save: no request)."""
+        """Queues a background save; `on_commit` runs at its finalization (now if synchronous)."""
         if request is None:
             on_commit()
             return
@@ -173,13 +172,13 @@ class CheckpointManager:
     def _save_local(self, step: int, sharded_state_dict: ShardedStateDict) -> None:
         from ..tensor_aware_state_dict import MCoreTensorAwareStateDict
 
+        def committed() -> None:
+            self._local_latest = max(self._local_latest, step)
+            logger.info("local checkpoint of step %d committed", step)
+
         state, _ = MCoreTensorAwareStateDict.from_state_dict(sharded_state_dict, algo="atomic")
         request = self._local.save(state, step, is_async=self.options.async_save)
-        self._schedule(step, "local", request, lambda: self._local_committed(step))
-
-    def _local_committed(self, step: int) -> None:
-        self._local_latest = max(self._local_latest, step)
-        logger.info("local checkpoint of step %d committed", step)
+        self._schedule(step, "local", request, committed)
 
     def _save_persistent(self, step: int, sharded_state_dict: ShardedStateDict) -> None:
         from ..serialization import save
@@ -223,8 +222,7 @@ class CheckpointManager:
         return doomed
 
     def _failed(self, step: int, tier: str, error: CheckpointingException) -> None:
-        """Collective: a save of `step` failed (on every rank, agreed). Removes the
-        uncommitted persistent directory, then raises, or logs, records and goes on."""
+        """Collective: removes a failed save's directory, then raises or records and goes on."""
         if tier == "persistent":
             what = f"cleanup after the failed save of step {step}"
             self._on_rank0(what, self._remove_failed, step)
@@ -310,9 +308,8 @@ class CheckpointManager:
                 )
             except CheckpointingException as e:
                 skipped.append((f"{tier} step {step} ({path})", str(e)))
-                _dist.log_rank0(
-                    logger, logging.WARNING, "skipping %s checkpoint of step %d: %s", tier, step, e
-                )
+                msg = "skipping %s checkpoint of step %d: %s"
+                _dist.log_rank0(logger, logging.WARNING, msg, tier, step, e)
                 continue
             self.last_restore = RestoreInfo(step, tier, path, skipped)
             self._after_restore(step)
@@ -382,22 +379,20 @@ class CheckpointManager:
     # ---- helpers ------------------------------------------------------------------------
     def _scan(self) -> Tuple[List[int], List[int]]:
         """`(complete, incomplete)` steps of the `iter_*` directories under the root."""
-        complete: List[int] = []
-        incomplete: List[int] = []
         try:
             entries = [self.root / name for name in objstore.listdir(self.root)]
         except FileNotFoundError:
             return [], []
+        complete: List[int] = []
+        incomplete: List[int] = []
         for p in entries:
             step = parse_step(p.name)
-            if step is None or not objstore.is_dir(p):
-                continue
-            (complete if check_is_distributed_checkpoint(p) else incomplete).append(step)
+            if step is not None and objstore.is_dir(p):
+                (complete if check_is_distributed_checkpoint(p) else incomplete).append(step)
         return complete, incomplete
 
     def _startup(self) -> List[int]:
-        """Rank 0: creates the root, removes incomplete directories (crash leftovers: no save
-        runs yet), repairs the `latest` record, returns the complete steps."""
+        """Rank 0: creates the root, removes crashed saves, repairs `latest`; the complete steps."""
         objstore.makedirs(self.root)
         complete, incomplete = self._scan()
         for path in (self.root / step_dir_name(s) for s in incomplete):

@@ -85,14 +85,6 @@ def _register_builtin_strategies() -> None:
     register_default_local_strategies()
 
 
-def _registered_listing() -> str:
-    entries = [
-        f"({action.value}, {backend!r}, {version})"
-        for action, backend, version in sorted(_registry, key=lambda k: (k[0].value, k[1], k[2]))
-    ]
-    return ", ".join(entries) or "none"
-
-
 def get_default_strategy(action: StrategyAction, backend: str, version: int) -> StrategyBase:
     """Returns the strategy registered for `(action, backend, version)`.
 
@@ -105,10 +97,12 @@ def get_default_strategy(action: StrategyAction, backend: str, version: int) -> 
     try:
         return _registry[(action, backend, version)]
     except (KeyError, TypeError) as e:
+        listed = sorted(_registry, key=lambda k: (k[0].value, k[1], k[2]))
+        registered = ", ".join(f"({a.value}, {b!r}, {v})" for a, b, v in listed) or "none"
         raise StrategyNotFoundError(
             f"Cannot find a default strategy for: {(action.value, backend, version)} (no "
             f"strategy registered for action={action.value}, backend={backend!r}, "
-            f"version={version!r}). Registered: {_registered_listing()}"
+            f"version={version!r}). Registered: {registered}"
         ) from e
 
 
@@ -127,7 +121,7 @@ def register_default_strategy(
         raise CheckpointingException(f"Backend must be a non-empty string, got {backend!r}")
     if isinstance(version, bool) or not isinstance(version, int) or version < 1:
         raise CheckpointingException(f"Version must be a positive int, got {version!r}")
-    base = _base_for(action)
+    base = _BASES[action]
     if not isinstance(strategy, base):
         raise CheckpointingException(
             f"Strategy for {action.value} must be a {base.__name__}, got {type(strategy).__name__}"
@@ -145,7 +139,7 @@ def resolve_strategy(
         StrategyNotFoundError: if the tuple is not registered.
         CheckpointingException: if `spec` is of the wrong kind.
     """
-    base = _base_for(action)
+    base = _BASES[action]
     if spec is None:
         if default is None:
             raise CheckpointingException(f"No strategy given for {action.value}")
@@ -312,9 +306,7 @@ class NodeLocalSaveShardedStrategy(AsyncSaveShardedStrategy):
     """A backend that stores each rank's whole state (sharded and common) on its own node;
     every rank writes its own `metadata.json`, so the directory need not be shared."""
 
-    @property
-    def can_handle_sharded_objects(self) -> bool:
-        return True
+    can_handle_sharded_objects = True
 
     @abstractmethod
     def async_save_rank_state(
@@ -346,9 +338,7 @@ class NodeLocalSaveShardedStrategy(AsyncSaveShardedStrategy):
 class NodeLocalLoadShardedStrategy(LoadShardedStrategy):
     """Loads checkpoints of a `NodeLocalSaveShardedStrategy` backend."""
 
-    @property
-    def can_handle_sharded_objects(self) -> bool:
-        return True
+    can_handle_sharded_objects = True
 
     @abstractmethod
     def load_rank_state(
@@ -366,12 +356,10 @@ class NodeLocalLoadShardedStrategy(LoadShardedStrategy):
         return self.load_rank_state(sharded_state_dict, checkpoint_dir)[1]
 
 
-def _base_for(action: StrategyAction) -> Type[StrategyBase]:
-    """The base class a strategy registered or resolved for `action` must derive from."""
-    bases: Dict[StrategyAction, Type[StrategyBase]] = {
-        StrategyAction.LOAD_COMMON: LoadCommonStrategy,
-        StrategyAction.LOAD_SHARDED: LoadShardedStrategy,
-        StrategyAction.SAVE_COMMON: SaveCommonStrategy,
-        StrategyAction.SAVE_SHARDED: SaveShardedStrategy,
-    }
-    return bases[action]
+#: The base class a strategy registered or resolved for an action must derive from.
+_BASES: Dict[StrategyAction, Type[StrategyBase]] = {
+    StrategyAction.LOAD_COMMON: LoadCommonStrategy,
+    StrategyAction.LOAD_SHARDED: LoadShardedStrategy,
+    StrategyAction.SAVE_COMMON: SaveCommonStrategy,
+    StrategyAction.SAVE_SHARDED: SaveShardedStrategy,
+}

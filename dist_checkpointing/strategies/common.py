@@ -67,6 +67,8 @@ def _torch_save_atomic(obj: Any, path: Path) -> None:
 class TorchCommonSaveStrategy(SaveCommonStrategy):
     """Writes `common.pt` (rank 0) and ShardedObjects as per-object `.pt` files."""
 
+    can_handle_sharded_objects = True
+
     def save_common(self, common_state_dict: StateDict, checkpoint_dir: CheckpointDir) -> None:
         """Rank 0 writes `common_state_dict` to `<checkpoint_dir>/common.pt`, atomically."""
         if get_rank() == 0:
@@ -93,10 +95,6 @@ class TorchCommonSaveStrategy(SaveCommonStrategy):
                 path.parent.mkdir(parents=True, exist_ok=True)
                 _torch_save_atomic(sh_obj.data, path)
 
-    @property
-    def can_handle_sharded_objects(self) -> bool:
-        return True
-
 
 class TorchCommonLoadStrategy(LoadCommonStrategy):
     """Reads `common.pt` and per-object `.pt` files.
@@ -106,6 +104,8 @@ class TorchCommonLoadStrategy(LoadCommonStrategy):
             allowlist classes with `torch.serialization.add_safe_globals`).
         verify_checksums: check `common.pt` against `checksums.json` when it records one.
     """
+
+    can_handle_sharded_objects = True
 
     def __init__(self, weights_only: bool = True, verify_checksums: bool = True) -> None:
         self.weights_only = weights_only
@@ -189,14 +189,8 @@ class TorchCommonLoadStrategy(LoadCommonStrategy):
         root = Path(checkpoint_dir)
         out: ShardedStateDict = {}
         for path in sorted(root.rglob("shard_*.pt")):
-            rel = path.relative_to(root)
-            if len(rel.parts) < 2:
-                continue
-            unique_key = "/".join(rel.parts[:-1] + (path.stem,))
-            sh_obj = ShardedObject.empty_from_unique_key(unique_key)
-            out[sh_obj.unique_key] = sh_obj
+            rel = path.relative_to(root).with_suffix("")
+            if len(rel.parts) >= 2:
+                sh_obj = ShardedObject.empty_from_unique_key(rel.as_posix())
+                out[sh_obj.unique_key] = sh_obj
         return out
-
-    @property
-    def can_handle_sharded_objects(self) -> bool:
-        return True

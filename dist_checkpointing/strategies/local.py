@@ -100,24 +100,16 @@ class LocalSaveShardedStrategy(NodeLocalSaveShardedStrategy):
         self.algo = algo
         self.parallelization_group = parallelization_group
 
-    def _rank_state(
-        self, sharded_state_dict: ShardedStateDict, common_state_dict: StateDict
-    ) -> MCoreTensorAwareStateDict:
-        for sh in nested_values(sharded_state_dict):
-            if isinstance(sh, ShardedTensor) and sh.data is None:
-                raise CheckpointingException(f"ShardedTensor {sh.key!r} has no data to save")
-        state, _ = MCoreTensorAwareStateDict.from_state_dict(
-            sharded_state_dict,
-            algo=self.algo,
-            parallelization_group=self.parallelization_group,
-        )
-        state.common = common_state_dict
-        return state
-
     def _save(
         self, sharded: ShardedStateDict, common: StateDict, ckpt: CheckpointDir, is_async: bool
     ) -> Optional[AsyncRequest]:
-        state = self._rank_state(sharded, common)
+        for sh in nested_values(sharded):
+            if isinstance(sh, ShardedTensor) and sh.data is None:
+                raise CheckpointingException(f"ShardedTensor {sh.key!r} has no data to save")
+        state, _ = MCoreTensorAwareStateDict.from_state_dict(
+            sharded, algo=self.algo, parallelization_group=self.parallelization_group
+        )
+        state.common = common
         manager = LocalCheckpointManager(ckpt, "", self.repl_strategy)
         manager._cleanup_failed_save(_ITERATION)  # parts of an earlier, uncommitted save here
         return manager.save(state, _ITERATION, is_async=is_async)
@@ -193,14 +185,8 @@ class LocalLoadShardedStrategy(NodeLocalLoadShardedStrategy):
         state = self._read_state(checkpoint_dir)
         where = str(checkpoint_dir)
         if is_v1_state(state):
-            result = _dist.run_collectively(
-                f"local checkpoint load from {where}",
-                v1_fill_request,
-                sharded_state_dict,
-                state,
-                where,
-                _RESHARD_HINT,
-            )
+            fill = (v1_fill_request, sharded_state_dict, state, where, _RESHARD_HINT)
+            result = _dist.run_collectively(f"local checkpoint load from {where}", *fill)
             return _common(state), result
         common = _common(state)
         state.common = {}  # the request alone comes back, mirroring its structure
@@ -257,8 +243,7 @@ def _metadata(state: Any, with_objects: bool) -> ShardedStateDict:
 
 
 def _into_given_tensors(request: Any, loaded: Any) -> Any:
-    """`loaded`, with each tensor copied into the request's own tensor where one was given
-    (a load fills the caller's tensors in place, as the other backends do)."""
+    """`loaded`, copied into the request's own tensors where given (loads fill in place)."""
     if isinstance(request, dict) and isinstance(loaded, dict):
         return {k: _into_given_tensors(request.get(k), v) for k, v in loaded.items()}
     if isinstance(request, list) and isinstance(loaded, list) and len(request) == len(loaded):

@@ -209,19 +209,11 @@ class SaveFinalizer:
         dedup: bool,
         checksums: bool,
     ) -> None:
-        """Collective: rank 0 gathers every rank's report, writes `.metadata`.
-
-        Args:
-            results: this rank's write results.
-            error: this rank's failure before finalization, if any.
-            start: when the save started (`time.perf_counter`), for the log line.
-            dedup: keep one copy of each chunk in the metadata (every replica was written).
-            checksums: write `checksums.json`.
-
-        Raises:
-            CheckpointingException: on every rank, if any rank failed (the class of this
-                rank's error when it is one).
-        """
+        """Collective: rank 0 gathers every rank's report (its `items`, `results`, or its
+        `error`), writes `.metadata` (`dedup`: one copy of each chunk) and, with `checksums`,
+        `checksums.json`; `start` (`time.perf_counter`) dates the save in the log line. Raises
+        `CheckpointingException` (this rank's error class when it is one) on every rank if
+        any rank failed."""
         opts = (dedup, checksums, start)
         files = {str(r.storage_data.relative_path) for r in results}
         stats = (len(results), sum(r.size_in_bytes for r in results), len(files))
@@ -241,13 +233,12 @@ class SaveFinalizer:
                 digest = hashlib.blake2b(report, digest_size=16).digest()
             outcome = self._gather_and_finish(ckpt, error, (digest, report, stats), opts)
         if outcome is not None:  # the same outcome on every rank: all raise, no more collectives
-            cls = (
-                type(error) if isinstance(error, CheckpointingException) else CheckpointingException
-            )
+            msg = f"torch_dist save to {ckpt} failed on {outcome}"
+            cls = type(error) if isinstance(error, CheckpointingException) else None
             try:
-                exc = cls(f"torch_dist save to {ckpt} failed on {outcome}")
+                exc = (cls or CheckpointingException)(msg)
             except TypeError:
-                exc = CheckpointingException(f"torch_dist save to {ckpt} failed on {outcome}")
+                exc = CheckpointingException(msg)
             raise exc from error
         self.sent_digest = digest
 
@@ -291,19 +282,11 @@ class SaveFinalizer:
         except Exception as e:  # turned into an error on every rank by the caller
             return f"rank 0 (metadata): {type(e).__name__}: {e}"
         items, nbytes, files = (sum(g[2][i] for g in gathered) for i in range(3))
-        seconds = time.perf_counter() - start
-        logger.info(
-            "torch_dist save %s: %d items, %.3f GB (%d bytes) in %d file(s) from %d rank(s) in "
-            "%.2f s (until the slowest rank finished), %.2f GB/s",
-            ckpt,
-            items,
-            nbytes / 1e9,
-            nbytes,
-            files,
-            len(gathered),
-            seconds,
-            gbps(nbytes, seconds),
-        )
+        secs = time.perf_counter() - start
+        msg = "torch_dist save %s: %d items, %.3f GB (%d bytes) in %d file(s) from %d rank(s) in "
+        msg += "%.2f s (until the slowest rank finished), %.2f GB/s"
+        rate = gbps(nbytes, secs)
+        logger.info(msg, ckpt, items, nbytes / 1e9, nbytes, files, len(gathered), secs, rate)
         return None
 
 

@@ -96,22 +96,11 @@ def plan_reformulated_reads(
     dtype: torch.dtype,
     allow_partial: bool,
 ) -> Tuple[List[ReadItem], List[torch.Tensor], List[FlatCopy]]:
-    """Plans the reads of one requested region from megatron's flat layout.
-
-    Args:
-        stored: the tensor `key`'s stored (reformulated) metadata; `orig_shape` its shape.
-        offsets: the requested region's global offset, `sizes` its shape (prepended axes
-            included), `dest_slot` its destination slot.
-        first_temp_slot: destination slot of the first temporary run (of `dtype`).
-        allow_partial: accept a region the checkpoint covers only in part.
-
-    Returns:
-        `(reads, temporaries, copies)`: read i fills temporary i (slot `first_temp_slot +
-        i`); then each copy moves an overlap from a temporary into the destination.
-
-    Raises:
-        CheckpointingException: when part of the region is not in the checkpoint.
-    """
+    """Plans the reads of the region (`offsets`, `sizes`, slot `dest_slot`) of `key`, stored
+    as `stored` in megatron's flat layout, `orig_shape` its shape: `(reads, temporaries,
+    copies)`, read i filling temporary i (slot `first_temp_slot + i`), each copy moving an
+    overlap into the destination. Raises `CheckpointingException` where the checkpoint holds
+    only part of the region, unless `allow_partial`."""
     grid = tuple(stored.size)[:-1]
     piece = tuple(o // g for o, g in zip(orig_shape, grid))
     reads: List[ReadItem] = []

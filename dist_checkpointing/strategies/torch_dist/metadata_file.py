@@ -9,7 +9,6 @@ rank decodes only the keys it asks for (`open_for_load`).
 
 from __future__ import annotations
 
-import functools
 import io
 import itertools
 import json
@@ -32,7 +31,8 @@ from torch.distributed.checkpoint.metadata import (
 from ...errors import CheckpointCorruptedError, UnsafeCheckpointError
 from ...integrity import Checksums, checksum
 from ...storage import objstore
-from ...storage.fileio import atomic_write, read_capped
+from ...storage.fileio import read_capped
+from ..common import write_bytes_atomically
 
 __all__ = [
     "DCP_METADATA_FNAME",
@@ -84,10 +84,6 @@ def serialize_metadata(metadata: Metadata) -> Dict[str, bytes]:
     return files
 
 
-def _write(payload: bytes, f: io.BufferedWriter) -> None:
-    f.write(payload)
-
-
 def write_metadata_files(checkpoint_dir: Path, files: Dict[str, bytes]) -> Dict[str, int]:
     """Writes `serialize_metadata`'s files atomically (a stale index is removed).
 
@@ -95,7 +91,7 @@ def write_metadata_files(checkpoint_dir: Path, files: Dict[str, bytes]) -> Dict[
         `{file name: xxh3-64}` of the written files.
     """
     for name, payload in files.items():
-        atomic_write(Path(checkpoint_dir) / name, functools.partial(_write, payload))
+        write_bytes_atomically(payload, str(Path(checkpoint_dir) / name))
     if INDEX_FNAME not in files:
         objstore.remove(Path(checkpoint_dir) / INDEX_FNAME)
     return {name: checksum(payload) for name, payload in files.items()}
@@ -221,10 +217,8 @@ def _check_metadata(metadata: Any, path: Path) -> None:
             for chunk in value.chunks:
                 if len(chunk.offsets) != ndim or len(chunk.sizes) != ndim:
                     raise CheckpointCorruptedError(f"{path}: chunk of {key!r} has wrong rank")
-                if any(
-                    o < 0 or s < 0 or o + s > g
-                    for o, s, g in zip(chunk.offsets, chunk.sizes, value.size)
-                ):
+                bounds = zip(chunk.offsets, chunk.sizes, value.size)
+                if any(o < 0 or s < 0 or o + s > g for o, s, g in bounds):
                     raise CheckpointCorruptedError(
                         f"{path}: chunk of {key!r} lies outside {tuple(value.size)}"
                     )
@@ -232,13 +226,8 @@ def _check_metadata(metadata: Any, path: Path) -> None:
         if not isinstance(index, MetadataIndex) or not isinstance(info, _StorageInfo):
             raise CheckpointCorruptedError(f"{path}: malformed storage entry {index!r}")
         rel = str(info.relative_path)
-        if (
-            "/" in rel
-            or "\\" in rel
-            or rel in ("", ".", "..")
-            or info.offset < 0
-            or info.length < 0
-        ):
+        bad_path = "/" in rel or "\\" in rel or rel in ("", ".", "..")
+        if bad_path or info.offset < 0 or info.length < 0:
             raise CheckpointCorruptedError(
                 f"{path}: invalid storage location {info!r} for {index.fqn!r}"
             )
@@ -301,18 +290,13 @@ def open_for_load(
             for row in rows:
                 info = _StorageInfo(files[row[-3]], row[-2], row[-1])
                 storage[MetadataIndex(key, row[:n] if dtype else None)] = info
-            sdm[key] = (
-                BytesStorageMetadata()
-                if dtype is None
-                else TensorStorageMetadata(
-                    TensorProperties(dtype=getattr(torch, dtype)),
-                    torch.Size(shape),
-                    [
-                        ChunkStorageMetadata(torch.Size(r[:n]), torch.Size(r[n : 2 * n]))
-                        for r in rows
-                    ],
-                )
-            )
+            if dtype is None:
+                sdm[key] = BytesStorageMetadata()
+            else:
+                extents = [(torch.Size(r[:n]), torch.Size(r[n : 2 * n])) for r in rows]
+                chunks = [ChunkStorageMetadata(offsets, sizes) for offsets, sizes in extents]
+                props = TensorProperties(dtype=getattr(torch, dtype))
+                sdm[key] = TensorStorageMetadata(props, torch.Size(shape), chunks)
         metadata = Metadata(state_dict_metadata=sdm, storage_data=storage, version="1.0.0")
         _check_metadata(metadata, path)
     except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:

@@ -241,12 +241,9 @@ class _RecipeUnpickler(pickle.Unpickler):
             return _recipe
         if (module, name) == ("collections", "OrderedDict"):
             return collections.OrderedDict
-        if (
-            module == "torch"
-            and name.endswith("Storage")
-            and isinstance(getattr(torch, name, None), type)
-        ):
-            return getattr(torch, name)
+        storage = getattr(torch, name, None) if module == "torch" else None
+        if name.endswith("Storage") and isinstance(storage, type):
+            return storage
         raise pickle.UnpicklingError(f"unexpected global {module}.{name}")
 
     def persistent_load(self, pid: Any) -> Any:
@@ -283,17 +280,12 @@ def _layout_from(recipe: Any, data_start: int, storage_nbytes: int) -> Optional[
 
 
 def head_layout(head: bytes, data_off: int, data_len: int) -> Optional[ChunkLayout]:
-    """Locates a chunk's data from the item's first `data_off` bytes alone, or None.
+    """Locates a chunk's data from `head`, the item's bytes before its data, alone, or None.
 
     For items whose storage record is known (from the checksums, whose frame digest is
     checked later) to span `[data_off, data_off + data_len)`: the first record must be
     `data.pkl`, so nothing after the data is read first (`chunk_layout` starts from the
     directory at the item's end: one more random read per chunk).
-
-    Args:
-        head: the item's bytes before its data.
-        data_off: where the storage record's data starts in the item (`len(head)`).
-        data_len: the storage record's size in bytes.
     """
     try:
         if len(head) != data_off or len(head) < _LOCAL.size:
@@ -315,11 +307,8 @@ def head_layout(head: bytes, data_off: int, data_len: int) -> Optional[ChunkLayo
 
 
 def chunk_layout(item: io.RawIOBase) -> Optional[ChunkLayout]:
-    """Locates the contiguous data of a `torch.save`d tensor item, or None if it cannot.
-
-    Args:
-        item: a seekable binary view of exactly one item.
-    """
+    """Locates the contiguous data of a `torch.save`d tensor item (a seekable binary view of
+    exactly one item), or None if it cannot."""
     try:
         # the directory only: zipfile would check CRCs, which our writer leaves out
         zf = zipfile.ZipFile(item)  # type: ignore[arg-type]
