@@ -107,15 +107,3 @@ def test_sigkill_of_one_rank_then_restart_resumes_and_the_loss_continues(tmp_pat
     losses = _losses(resumed)
     assert sorted(losses) == list(range(expected + 1, STEPS + 1))
     assert all(losses[s] == reference[s] for s in losses), (losses, reference)
-
-
-def test_readme_quickstart_shows_lines_of_this_example():
-    """The README's Quickstart code is taken from the example this file runs: every line
-    it shows (but `...`) is a line of the script, so the two cannot drift apart."""
-    readme = (SCRIPT.parents[1] / "README.md").read_text()
-    section = readme.split("\n## Quickstart\n", 1)[1].split("\n## ", 1)[0]
-    code = section.split("```python\n", 1)[1].split("```", 1)[0]
-    script_lines = {line.strip() for line in SCRIPT.read_text().splitlines()}
-    shown = [line.strip() for line in code.splitlines() if line.strip() not in ("", "...")]
-    assert "manager.save(step, sharded_state(w, momentum))" in " ".join(shown)
-    assert [line for line in shown if line not in script_lines] == []

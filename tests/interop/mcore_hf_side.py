@@ -154,7 +154,7 @@ def worker(rank: int, world: int, port: int, workdir: str) -> None:
     import torch
     import torch.distributed as dist
 
-    # megatron-core calls these on CPU paths (see PEERS.md); in this test process only
+    # megatron-core calls these on CPU paths; in this test process only
     torch.cuda.synchronize = lambda *a, **k: None
     torch.cuda.current_device = lambda: "cpu"
     from megatron.core import tensor_parallel

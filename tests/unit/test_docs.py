@@ -81,3 +81,10 @@ def test_code_and_tests_name_only_documents_in_the_repository():
         for path in (ROOT / folder).rglob("*.py"):
             for name in re.findall(r"\b[\w-]+\.md\b", path.read_text()):
                 assert name in have, f"{path.relative_to(ROOT)} names {name}, not in the repository"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_page_names_only_documents_in_the_repository(page):
+    have = {p.name for p in [*ROOT.glob("*.md"), *ROOT.glob("docs/*.md")]}
+    named = set(re.findall(r"\b[\w-]+\.md\b", page.read_text()))
+    assert named <= have, f"{page.name} names {sorted(named - have)}, not in the repository"
