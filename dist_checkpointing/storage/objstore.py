@@ -22,6 +22,7 @@ import os
 import re
 import shutil
 import threading
+import traceback
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -151,7 +152,8 @@ class ObjectWriter:
                 _pool_and_budget()[1].acquire()  # blocks while the rank's parts are in use
                 self._buf = bytearray(self._part)
             n = min(len(data), self._part - self._fill)
-            self._buf[self._fill : self._fill + n] = data[:n]
+            memoryview(self._buf)[self._fill : self._fill + n] = data[:n]  # a bytearray slice
+            # assigned from a memoryview would copy it first
             self._fill, data = self._fill + n, data[n:]
             if self._fill == self._part and (len(data) or self._pos < self.size):
                 self._send()
@@ -162,19 +164,26 @@ class ObjectWriter:
             created = _call("upload to", self._loc, "create_multipart_upload")
             self._upload_id = created["UploadId"]
         assert self._buf is not None
-        buf, number, upload_id = self._buf, len(self._parts) + 1, self._upload_id
-        del buf[self._fill :]  # the last part: shrunk in place, not copied
+        held, number, upload_id = [self._buf], len(self._parts) + 1, self._upload_id
+        del held[0][self._fill :]  # the last part: shrunk in place, not copied
         self._buf, self._fill = None, 0
         pool, budget = _pool_and_budget()
 
         def upload() -> Dict[str, Any]:
+            # the part is freed before its budget is returned: no reference outlives the call
+            # (an error's frames are cleared), else a new part would join it in memory
+            kw = {"UploadId": upload_id, "PartNumber": number, "Body": held.pop()}
             try:
-                kw = {"UploadId": upload_id, "PartNumber": number, "Body": buf}
                 return {
                     "PartNumber": number,
                     "ETag": _call("upload to", self._loc, "upload_part", **kw)["ETag"],
                 }
+            except BaseException as e:
+                for x in (e, e.__cause__):
+                    traceback.clear_frames(x.__traceback__ if x is not None else None)
+                raise
             finally:
+                kw.clear()
                 budget.release()
 
         self._parts.append(pool.submit(upload))
@@ -303,10 +312,11 @@ class _ObjectFile(io.RawIOBase):
 
 
 def open_read(path: Any) -> io.BufferedIOBase:
-    """A file opened for reading (an object: read in ranged GETs of 8 MiB or more)."""
+    """A file opened for reading (an object: ranged GETs of up to 8 MiB, or more at once)."""
     if split(path) is None:
         return open(path, "rb")
-    return io.BufferedReader(_ObjectFile(path), 8 * _MB)
+    raw = _ObjectFile(path)
+    return io.BufferedReader(raw, max(1, min(8 * _MB, raw.size)))
 
 
 # ---- the same operations on local paths and object paths ---------------------------------
