@@ -16,6 +16,7 @@ and server errors are retried with backoff (`AWS_MAX_ATTEMPTS`, standard mode).
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import os
@@ -24,13 +25,14 @@ import shutil
 import threading
 import traceback
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 
 from ..errors import CheckpointCorruptedError, CheckpointingException
 
-__all__ = ["ObjectWriter", "split", "read_range", "read_object", "put_object", "open_read"]
+__all__ = ["ObjectWriter", "split", "read_range", "prefetched", "read_object", "put_object"]
+__all__ += ["open_read"]
 __all__ += ["stat", "exists", "is_file", "is_dir", "listdir", "makedirs", "remove"]
 __all__ += ["remove_tree", "replace_tree"]
 
@@ -43,6 +45,7 @@ _UNKEYED = ("head_bucket", "list_objects_v2", "delete_objects")
 _clients: Dict[Tuple[Any, ...], Any] = {}  # thread-safe clients by process and settings
 _shared: List[Any] = []  # [request thread pool, part budget], made on first use
 _lock = threading.Lock()
+_local = threading.local()
 Loc = Tuple[str, str]
 
 
@@ -96,7 +99,8 @@ def _client() -> Any:
 
 def _call(what: str, loc: Loc, method: str, **kw: Any) -> Any:
     """One request (retried by the client); a failure becomes a CheckpointingException that
-    names the object and endpoint, or FileNotFoundError for a missing object."""
+    names the object and endpoint, FileNotFoundError for a missing object, EOFError for a
+    range past its end."""
     client = _client()
     if method not in _UNKEYED:
         kw.setdefault("Key", loc[1])
@@ -107,6 +111,8 @@ def _call(what: str, loc: Loc, method: str, **kw: Any) -> Any:
         where = f"s3://{loc[0]}/{loc[1]} at {client.meta.endpoint_url}"
         if code in ("NoSuchKey", "404", "NoSuchUpload"):
             raise FileNotFoundError(f"{where}: no such object") from e
+        if code == "InvalidRange":
+            raise EOFError(f"{where}: range past the end of the object") from e
         if code == "NoSuchBucket":
             raise CheckpointingException(f"{what} {where}: bucket {loc[0]!r} does not exist") from e
         raise CheckpointingException(f"{what} {where} failed: {type(e).__name__}: {e}") from e
@@ -229,19 +235,26 @@ class ObjectWriter:
 def read_range(
     path: Any, offset: int, out: np.ndarray, progress: Optional[Callable[[int], None]] = None
 ) -> None:
-    """Fills `out` (flat uint8) from `offset` of an object with parallel ranged GETs.
+    """Fills `out` (flat uint8) from `offset` of an object with parallel ranged GETs of parts
+    (from memory inside this thread's `prefetched` range).
 
     Raises:
         CheckpointCorruptedError: the object is missing or shorter than the region.
     """
     loc, step = split(path) or ("", ""), part_size()
+    held = getattr(_local, "window", None)  # (loc, offset, bytes) of a prefetched range
+    if held is not None and held[0] == loc and 0 <= offset - held[1] <= held[2].size - out.size:
+        out[:] = held[2][offset - held[1] : offset - held[1] + out.size]
+        if progress is not None:
+            progress(out.size)
+        return
 
     def get(start: int) -> None:
         n = min(step, out.size - start)
         rng = f"bytes={offset + start}-{offset + start + n - 1}"
         try:
             got = _call("read of", loc, "get_object", Range=rng)["Body"].read()
-        except FileNotFoundError as e:
+        except (FileNotFoundError, EOFError) as e:
             raise CheckpointCorruptedError(str(e)) from e
         if len(got) != n:
             raise CheckpointCorruptedError(f"{path}: short read at offset {offset + start}")
@@ -255,6 +268,24 @@ def read_range(
             progress(min(out.size, s + step))
 
 
+@contextlib.contextmanager
+def prefetched(path: Any, offset: int, n: int) -> Iterator[None]:
+    """Reads this thread makes of `[offset, offset + n)` of an object are served from memory,
+    fetched at once (one GET per part) if `n <= concurrency x part size`: a stored item's
+    records, data and trailer then cost no more requests than its bytes."""
+    loc = split(path)
+    if loc is None or n > concurrency() * part_size():
+        yield
+        return
+    data = np.empty(n, dtype=np.uint8)
+    read_range(path, offset, data)
+    _local.window = (loc, offset, data)
+    try:
+        yield
+    finally:
+        _local.window = None
+
+
 def read_object(path: Any, limit: Optional[int] = None) -> Optional[bytes]:
     """An object's bytes (at most `limit` + 1 of them), or None when it does not exist."""
     kw = {} if limit is None else {"Range": f"bytes=0-{limit}"}
@@ -262,10 +293,8 @@ def read_object(path: Any, limit: Optional[int] = None) -> Optional[bytes]:
         return _call("read of", split(path) or ("", ""), "get_object", **kw)["Body"].read()
     except FileNotFoundError:
         return None
-    except CheckpointingException as e:
-        if "InvalidRange" in str(e):  # a range of an empty object
-            return b""
-        raise
+    except EOFError:  # a range of an empty object
+        return b""
 
 
 def put_object(path: Any, data: bytes) -> None:
@@ -288,11 +317,11 @@ def _list(loc: Loc, delimiter: str = "") -> Tuple[List[Any], List[str]]:
 
 
 class _ObjectFile(io.RawIOBase):
-    """A seekable read-only object: each read is a ranged GET."""
+    """A seekable read-only object (of `size` bytes, else looked up): each read a ranged GET."""
 
-    def __init__(self, path: Any) -> None:
+    def __init__(self, path: Any, size: Optional[int] = None) -> None:
         self._path, self._pos = path, 0
-        self.size = stat(path)[0]
+        self.size = stat(path)[0] if size is None else size
 
     def readable(self) -> bool:
         return True
@@ -311,11 +340,12 @@ class _ObjectFile(io.RawIOBase):
         return n
 
 
-def open_read(path: Any) -> io.BufferedIOBase:
-    """A file opened for reading (an object: ranged GETs of up to 8 MiB, or more at once)."""
+def open_read(path: Any, size: Optional[int] = None) -> io.BufferedReader:
+    """A file opened for reading (an object, of `size` bytes if given: ranged GETs of up to
+    8 MiB, or more at once)."""
     if split(path) is None:
         return open(path, "rb")
-    raw = _ObjectFile(path)
+    raw = _ObjectFile(path, size)
     return io.BufferedReader(raw, max(1, min(8 * _MB, raw.size)))
 
 

@@ -15,7 +15,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
-import numpy as np
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
@@ -23,7 +22,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 
 from ...errors import CheckpointCorruptedError
 from ...integrity import Checksums
-from ...storage import objstore, read_region
+from ...storage import objstore
 from .chunk_reader import ChunkGroup, parse_chunk, read_stored, release_scratch
 from .verify import mismatch
 
@@ -85,10 +84,10 @@ class _FileRange(io.RawIOBase):
 @contextlib.contextmanager
 def open_range(path: Path, info: _StorageInfo) -> Iterator[io.BufferedReader]:
     """Opens the byte range of one stored item, checking the file is long enough."""
-    if objstore.split(path) is not None:  # an object: one ranged GET of the item
-        data = np.empty(info.length, dtype=np.uint8)
-        read_region(str(path), info.offset, data)
-        yield io.BufferedReader(io.BytesIO(data))  # type: ignore[arg-type]
+    if objstore.split(path) is not None:  # an object: ranged GETs (a small item's at once)
+        with objstore.prefetched(path, info.offset, info.length):
+            raw = objstore.open_read(path, size=info.offset + info.length).raw
+            yield io.BufferedReader(_FileRange(raw, info.offset, info.length), 1 << 16)
         return
     try:
         f = open(path, "rb")
