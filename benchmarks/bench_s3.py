@@ -13,7 +13,9 @@ One run, the same server, fp32 state split on rows across ranks (16 tensors):
 
 Every method runs in its own world of gloo processes; the methods take turns in each repeat,
 in an order rotated every repeat. A step's time runs from a barrier until every rank is done;
-figures are medians over the repeats; ratios are against the ceiling of the same run.
+figures are medians over the repeats; ratios are against the ceiling of the same run. `CPU
+s`: user + system seconds of the busiest rank's process in the step (the server's not
+included), less sensitive than wall time to other jobs on a shared machine.
 
     python -m benchmarks.bench_s3 --start-server --size-mib 1024 --repeats 3 \\
         --dcp-python /work/venvs/s3fs/bin/python
@@ -29,7 +31,7 @@ import sys
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Dict, List
+from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -45,6 +47,8 @@ from benchmarks._common import (
 )
 
 METHODS = ["ceiling", "dcp", "ours"]
+#: per method and repeat: seconds of each step, and CPU seconds of its busiest rank
+KEYS = ["save", "load", "save CPU s", "load CPU s"]
 
 
 def _shapes(total: int, world: int) -> List[tuple]:
@@ -141,6 +145,14 @@ class _Ceiling:
         view[s : s + n] = memoryview(got["Body"].read())
 
 
+def _cpu(fn: Callable[[], float]) -> Tuple[float, float]:
+    """`fn()`'s result and the CPU seconds (user + system, all threads) this process spent."""
+    before = os.times()
+    out = fn()
+    after = os.times()
+    return out, (after.user - before.user) + (after.system - before.system)
+
+
 def _world(rank: int, world: int, args: argparse.Namespace, port: int, queue: Any) -> None:
     init_world(rank, world, port)
     torch.set_num_threads(1)
@@ -150,8 +162,8 @@ def _world(rank: int, world: int, args: argparse.Namespace, port: int, queue: An
     if args.worker == "ceiling":
         up = _Ceiling(data, args.part_mb << 20, args.concurrency)
         down = _Ceiling(dest, args.part_mb << 20, args.concurrency)
-        t_save = timed(lambda: up.save(args.bucket, args.prefix))
-        t_load = timed(lambda: down.load(args.bucket, args.prefix))
+        t_save, c_save = _cpu(lambda: timed(lambda: up.save(args.bucket, args.prefix)))
+        t_load, c_load = _cpu(lambda: timed(lambda: down.load(args.bucket, args.prefix)))
         ok = bool((up.flat == down.flat).all())
     else:
         if args.worker == "ours":
@@ -166,14 +178,15 @@ def _world(rank: int, world: int, args: argparse.Namespace, port: int, queue: An
             def run(save: bool) -> None:
                 _dcp(url, data if save else dest, args.endpoint, save)
 
-        t_save = timed(lambda: run(True))
-        t_load = timed(lambda: run(False))
+        t_save, c_save = _cpu(lambda: timed(lambda: run(True)))
+        t_load, c_load = _cpu(lambda: timed(lambda: run(False)))
         ok = all(torch.equal(a, b) for a, b in zip(data, dest))
     ok = max_over_ranks(0.0 if ok else 1.0) == 0.0
+    c_save, c_load = max_over_ranks(c_save), max_over_ranks(c_load)
     if rank == 0:
-        queue.put(
-            {"save": t_save, "load": t_load, "ok": ok, "bytes": sum(r * c * 4 for r, c in shapes)}
-        )
+        nbytes = sum(r * c * 4 for r, c in shapes)
+        cpu = {"save CPU s": c_save, "load CPU s": c_load}
+        queue.put({"save": t_save, "load": t_load, **cpu, "ok": ok, "bytes": nbytes})
     dist.destroy_process_group()
 
 
@@ -226,9 +239,7 @@ def main() -> None:
         if not args.bucket:
             args.bucket = f"bench-{uuid.uuid4().hex[:8]}"
             client.create_bucket(Bucket=args.bucket)
-        times: Dict[str, Dict[str, List[float]]] = {
-            m: {"save": [], "load": []} for m in args.methods
-        }
+        times: Dict[str, Dict[str, List[float]]] = {m: {k: [] for k in KEYS} for m in args.methods}
         nbytes = 0
         for rep in range(args.repeats):
             for m in rotated(list(args.methods), rep):
@@ -246,12 +257,9 @@ def main() -> None:
                 if not res["ok"]:
                     sys.exit(f"{m}: loaded data differ from the saved data")
                 nbytes = res["bytes"]
-                for k in ("save", "load"):
+                for k in KEYS:
                     times[m][k].append(res[k])
-                print(
-                    f"repeat {rep} {m}: save {res['save']:.2f} s, load {res['load']:.2f} s",
-                    flush=True,
-                )
+                print(f"repeat {rep} {m}: " + ", ".join(f"{k} {res[k]:.2f}" for k in KEYS))
                 _clear(client, args.bucket, prefix)
         rows = []
         ceil = (
@@ -265,9 +273,10 @@ def main() -> None:
                 row[f"{k} GB/s"] = nbytes / s / 1e9
                 row[f"{k} x ceil"] = ceil[k] / s if ceil else None
                 row[f"{k} x dcp"] = dcp[k] / s if dcp else None
+                row[f"{k} CPU s"] = median(t[f"{k} CPU s"])
             rows.append(row)
         cols = ["method"] + [
-            f"{k} {c}" for k in ("save", "load") for c in ("GB/s", "x ceil", "x dcp")
+            f"{k} {c}" for k in ("save", "load") for c in ("GB/s", "x ceil", "x dcp", "CPU s")
         ]
         print_table(
             f"{nbytes / 2**30:.2f} GiB, {args.world} ranks, part {args.part_mb} MiB x "

@@ -16,6 +16,7 @@ and server errors are retried with backoff (`AWS_MAX_ATTEMPTS`, standard mode).
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import io
 import logging
@@ -31,7 +32,7 @@ import numpy as np
 
 from ..errors import CheckpointCorruptedError, CheckpointingException
 
-__all__ = ["ObjectWriter", "split", "read_range", "prefetched", "read_object", "put_object"]
+__all__ = ["ObjectWriter", "split", "read_range", "prefetching", "read_object", "put_object"]
 __all__ += ["open_read"]
 __all__ += ["stat", "exists", "is_file", "is_dir", "listdir", "makedirs", "remove"]
 __all__ += ["remove_tree", "replace_tree"]
@@ -235,16 +236,19 @@ class ObjectWriter:
 def read_range(
     path: Any, offset: int, out: np.ndarray, progress: Optional[Callable[[int], None]] = None
 ) -> None:
-    """Fills `out` (flat uint8) from `offset` of an object with parallel ranged GETs of parts
-    (from memory inside this thread's `prefetched` range).
+    """Fills `out` (flat uint8) from `offset` of an object with parallel ranged GETs of about
+    a part each, 2/3 to 3/2 of one: a region a little over whole parts costs no extra request
+    (from memory within this thread's `prefetching` ranges).
 
     Raises:
         CheckpointCorruptedError: the object is missing or shorter than the region.
     """
-    loc, step = split(path) or ("", ""), part_size()
-    held = getattr(_local, "window", None)  # (loc, offset, bytes) of a prefetched range
-    if held is not None and held[0] == loc and 0 <= offset - held[1] <= held[2].size - out.size:
-        out[:] = held[2][offset - held[1] : offset - held[1] + out.size]
+    loc = split(path) or ("", "")
+    step = max(1, -(-out.size // max(1, round(out.size / part_size()))))
+    ahead = getattr(_local, "ahead", None)
+    held = ahead.find(loc, offset, out.size) if ahead is not None else None
+    if held is not None:
+        out[:] = held
         if progress is not None:
             progress(out.size)
         return
@@ -268,22 +272,50 @@ def read_range(
             progress(min(out.size, s + step))
 
 
+class _Ahead:
+    """Ranges of one object fetched whole, in order, each while the one before is used."""
+
+    def __init__(self, path: Any, ranges: List[Tuple[int, int]]) -> None:
+        cap = concurrency() * part_size() // 2  # two in memory: concurrency x part at most
+        self.loc, self.path = split(path), path
+        self.ranges = sorted(r for r in ranges if 0 < r[1] <= cap)
+        self.got: Dict[int, Future] = {}
+        self.pool = ThreadPoolExecutor(1, "dc-s3-ahead")
+
+    def _fetch(self, i: int) -> np.ndarray:
+        data = np.empty(self.ranges[i][1], dtype=np.uint8)
+        read_range(self.path, self.ranges[i][0], data)  # in the fetching thread: from the store
+        return data
+
+    def find(self, loc: Loc, offset: int, n: int) -> Optional[np.ndarray]:
+        """The bytes `[offset, offset + n)` if a range holds them (waiting for its fetch)."""
+        i = bisect.bisect_right(self.ranges, (offset, 1 << 62)) - 1
+        if loc != self.loc or i < 0 or offset + n > sum(self.ranges[i]):
+            return None
+        for k in [k for k in self.got if k < i]:  # passed: freed
+            del self.got[k]
+        for k in (i, i + 1)[: len(self.ranges) - i]:
+            if k not in self.got:
+                self.got[k] = self.pool.submit(self._fetch, k)
+        start = offset - self.ranges[i][0]
+        return self.got[i].result()[start : start + n]
+
+
 @contextlib.contextmanager
-def prefetched(path: Any, offset: int, n: int) -> Iterator[None]:
-    """Reads this thread makes of `[offset, offset + n)` of an object are served from memory,
-    fetched at once (one GET per part) if `n <= concurrency x part size`: a stored item's
-    records, data and trailer then cost no more requests than its bytes."""
-    loc = split(path)
-    if loc is None or n > concurrency() * part_size():
+def prefetching(path: Any, ranges: List[Tuple[int, int]]) -> Iterator[None]:
+    """Reads this thread makes within `ranges` (offset, length) of an object are served from
+    memory: each range of at most `concurrency x part size / 2` is fetched whole (parallel
+    part GETs) while the one before it is read, so the store always has work; a stored
+    item's records, data and trailer then cost no more requests than its bytes."""
+    if split(path) is None:
         yield
         return
-    data = np.empty(n, dtype=np.uint8)
-    read_range(path, offset, data)
-    _local.window = (loc, offset, data)
+    _local.ahead = _Ahead(path, ranges)
     try:
         yield
     finally:
-        _local.window = None
+        _local.ahead.pool.shutdown(wait=True, cancel_futures=True)
+        _local.ahead = None
 
 
 def read_object(path: Any, limit: Optional[int] = None) -> Optional[bytes]:

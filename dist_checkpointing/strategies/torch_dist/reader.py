@@ -84,10 +84,9 @@ class _FileRange(io.RawIOBase):
 @contextlib.contextmanager
 def open_range(path: Path, info: _StorageInfo) -> Iterator[io.BufferedReader]:
     """Opens the byte range of one stored item, checking the file is long enough."""
-    if objstore.split(path) is not None:  # an object: ranged GETs (a small item's at once)
-        with objstore.prefetched(path, info.offset, info.length):
-            raw = objstore.open_read(path, size=info.offset + info.length).raw
-            yield io.BufferedReader(_FileRange(raw, info.offset, info.length), 1 << 16)
+    if objstore.split(path) is not None:  # an object: ranged GETs (see `read_tensors`)
+        raw = objstore.open_read(path, size=info.offset + info.length).raw
+        yield io.BufferedReader(_FileRange(raw, info.offset, info.length), 1 << 16)
         return
     try:
         f = open(path, "rb")
@@ -201,8 +200,10 @@ def read_tensor_items(
         names = names[k:] + names[:k]
 
     def load_file(name: str) -> int:
-        try:
-            return sum(load_group(g) for g in by_file[name])
+        ranges = [(g.info.offset, g.info.length) for g in by_file[name]]
+        try:  # an object's items are fetched ahead, whole (records, data, trailer at once)
+            with objstore.prefetching(checkpoint_dir / name, ranges):
+                return sum(load_group(g) for g in by_file[name])
         finally:
             release_scratch()  # do not keep a chunk-sized buffer after the load
 
