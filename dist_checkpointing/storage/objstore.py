@@ -4,7 +4,8 @@ A checkpoint on a store is a key prefix. `ObjectWriter` has `FileWriter`'s inter
 streams a file as a parallel multipart upload: part buffers come from one process-wide
 budget of `2 x concurrency` parts, so a rank holds at most `2 x part size x concurrency`
 bytes however many files it writes at once. `read_range` fills a destination with parallel
-ranged GETs of only the bytes asked for. The helpers at the end (`is_file`, `listdir`,
+ranged GETs of only the bytes asked for; within `prefetching` ranges (a data file's items),
+from memory fetched ahead. The helpers at the end (`is_file`, `listdir`,
 `makedirs`, `remove_tree`, ...) take a local path or an object path alike, so callers keep
 one code path. `pathlib.Path("s3://b/k")` prints as `s3:/b/k`; both spellings name the same
 object. A path with any other scheme (`xyz://...`) is refused, never made a local directory.
@@ -33,8 +34,7 @@ import numpy as np
 from ..errors import CheckpointCorruptedError, CheckpointingException
 
 __all__ = ["ObjectWriter", "split", "read_range", "prefetching", "read_object", "put_object"]
-__all__ += ["open_read"]
-__all__ += ["stat", "exists", "is_file", "is_dir", "listdir", "makedirs", "remove"]
+__all__ += ["open_read", "stat", "exists", "is_file", "is_dir", "listdir", "makedirs", "remove"]
 __all__ += ["remove_tree", "replace_tree"]
 
 logger = logging.getLogger(__name__)
@@ -181,10 +181,8 @@ class ObjectWriter:
             # (an error's frames are cleared), else a new part would join it in memory
             kw = {"UploadId": upload_id, "PartNumber": number, "Body": held.pop()}
             try:
-                return {
-                    "PartNumber": number,
-                    "ETag": _call("upload to", self._loc, "upload_part", **kw)["ETag"],
-                }
+                tag = _call("upload to", self._loc, "upload_part", **kw)["ETag"]
+                return {"PartNumber": number, "ETag": tag}
             except BaseException as e:
                 for x in (e, e.__cause__):
                     traceback.clear_frames(x.__traceback__ if x is not None else None)
@@ -292,8 +290,7 @@ class _Ahead:
         i = bisect.bisect_right(self.ranges, (offset, 1 << 62)) - 1
         if loc != self.loc or i < 0 or offset + n > sum(self.ranges[i]):
             return None
-        for k in [k for k in self.got if k < i]:  # passed: freed
-            del self.got[k]
+        self.got = {k: f for k, f in self.got.items() if k >= i}  # those passed are freed
         for k in (i, i + 1)[: len(self.ranges) - i]:
             if k not in self.got:
                 self.got[k] = self.pool.submit(self._fetch, k)
