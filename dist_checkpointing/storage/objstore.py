@@ -4,7 +4,8 @@ A checkpoint on a store is a key prefix. `ObjectWriter` has `FileWriter`'s inter
 streams a file as a parallel multipart upload: part buffers come from one process-wide
 budget of `2 x concurrency` parts, so a rank holds at most `2 x part size x concurrency`
 bytes however many files it writes at once. `read_range` fills a destination with parallel
-ranged GETs of only the bytes asked for. The helpers at the end (`is_file`, `listdir`,
+ranged GETs of only the bytes asked for; within `prefetching` ranges (a data file's items),
+from memory fetched ahead. The helpers at the end (`is_file`, `listdir`,
 `makedirs`, `remove_tree`, ...) take a local path or an object path alike, so callers keep
 one code path. `pathlib.Path("s3://b/k")` prints as `s3:/b/k`; both spellings name the same
 object. A path with any other scheme (`xyz://...`) is refused, never made a local directory.
@@ -16,21 +17,24 @@ and server errors are retried with backoff (`AWS_MAX_ATTEMPTS`, standard mode).
 
 from __future__ import annotations
 
+import bisect
+import contextlib
 import io
 import logging
 import os
 import re
 import shutil
 import threading
+import traceback
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 
 from ..errors import CheckpointCorruptedError, CheckpointingException
 
-__all__ = ["ObjectWriter", "split", "read_range", "read_object", "put_object", "open_read"]
-__all__ += ["stat", "exists", "is_file", "is_dir", "listdir", "makedirs", "remove"]
+__all__ = ["ObjectWriter", "split", "read_range", "prefetching", "read_object", "put_object"]
+__all__ += ["open_read", "stat", "exists", "is_file", "is_dir", "listdir", "makedirs", "remove"]
 __all__ += ["remove_tree", "replace_tree"]
 
 logger = logging.getLogger(__name__)
@@ -42,6 +46,7 @@ _UNKEYED = ("head_bucket", "list_objects_v2", "delete_objects")
 _clients: Dict[Tuple[Any, ...], Any] = {}  # thread-safe clients by process and settings
 _shared: List[Any] = []  # [request thread pool, part budget], made on first use
 _lock = threading.Lock()
+_local = threading.local()
 Loc = Tuple[str, str]
 
 
@@ -95,7 +100,8 @@ def _client() -> Any:
 
 def _call(what: str, loc: Loc, method: str, **kw: Any) -> Any:
     """One request (retried by the client); a failure becomes a CheckpointingException that
-    names the object and endpoint, or FileNotFoundError for a missing object."""
+    names the object and endpoint, FileNotFoundError for a missing object, EOFError for a
+    range past its end."""
     client = _client()
     if method not in _UNKEYED:
         kw.setdefault("Key", loc[1])
@@ -106,6 +112,8 @@ def _call(what: str, loc: Loc, method: str, **kw: Any) -> Any:
         where = f"s3://{loc[0]}/{loc[1]} at {client.meta.endpoint_url}"
         if code in ("NoSuchKey", "404", "NoSuchUpload"):
             raise FileNotFoundError(f"{where}: no such object") from e
+        if code == "InvalidRange":
+            raise EOFError(f"{where}: range past the end of the object") from e
         if code == "NoSuchBucket":
             raise CheckpointingException(f"{what} {where}: bucket {loc[0]!r} does not exist") from e
         raise CheckpointingException(f"{what} {where} failed: {type(e).__name__}: {e}") from e
@@ -151,7 +159,8 @@ class ObjectWriter:
                 _pool_and_budget()[1].acquire()  # blocks while the rank's parts are in use
                 self._buf = bytearray(self._part)
             n = min(len(data), self._part - self._fill)
-            self._buf[self._fill : self._fill + n] = data[:n]
+            memoryview(self._buf)[self._fill : self._fill + n] = data[:n]  # a bytearray slice
+            # assigned from a memoryview would copy it first
             self._fill, data = self._fill + n, data[n:]
             if self._fill == self._part and (len(data) or self._pos < self.size):
                 self._send()
@@ -162,19 +171,24 @@ class ObjectWriter:
             created = _call("upload to", self._loc, "create_multipart_upload")
             self._upload_id = created["UploadId"]
         assert self._buf is not None
-        buf, number, upload_id = self._buf, len(self._parts) + 1, self._upload_id
-        del buf[self._fill :]  # the last part: shrunk in place, not copied
+        held, number, upload_id = [self._buf], len(self._parts) + 1, self._upload_id
+        del held[0][self._fill :]  # the last part: shrunk in place, not copied
         self._buf, self._fill = None, 0
         pool, budget = _pool_and_budget()
 
         def upload() -> Dict[str, Any]:
+            # the part is freed before its budget is returned: no reference outlives the call
+            # (an error's frames are cleared), else a new part would join it in memory
+            kw = {"UploadId": upload_id, "PartNumber": number, "Body": held.pop()}
             try:
-                kw = {"UploadId": upload_id, "PartNumber": number, "Body": buf}
-                return {
-                    "PartNumber": number,
-                    "ETag": _call("upload to", self._loc, "upload_part", **kw)["ETag"],
-                }
+                tag = _call("upload to", self._loc, "upload_part", **kw)["ETag"]
+                return {"PartNumber": number, "ETag": tag}
+            except BaseException as e:
+                for x in (e, e.__cause__):
+                    traceback.clear_frames(x.__traceback__ if x is not None else None)
+                raise
             finally:
+                kw.clear()
                 budget.release()
 
         self._parts.append(pool.submit(upload))
@@ -220,19 +234,29 @@ class ObjectWriter:
 def read_range(
     path: Any, offset: int, out: np.ndarray, progress: Optional[Callable[[int], None]] = None
 ) -> None:
-    """Fills `out` (flat uint8) from `offset` of an object with parallel ranged GETs.
+    """Fills `out` (flat uint8) from `offset` of an object with parallel ranged GETs of about
+    a part each, 2/3 to 3/2 of one: a region a little over whole parts costs no extra request
+    (from memory within this thread's `prefetching` ranges).
 
     Raises:
         CheckpointCorruptedError: the object is missing or shorter than the region.
     """
-    loc, step = split(path) or ("", ""), part_size()
+    loc = split(path) or ("", "")
+    step = max(1, -(-out.size // max(1, round(out.size / part_size()))))
+    ahead = getattr(_local, "ahead", None)
+    held = ahead.find(loc, offset, out.size) if ahead is not None else None
+    if held is not None:
+        out[:] = held
+        if progress is not None:
+            progress(out.size)
+        return
 
     def get(start: int) -> None:
         n = min(step, out.size - start)
         rng = f"bytes={offset + start}-{offset + start + n - 1}"
         try:
             got = _call("read of", loc, "get_object", Range=rng)["Body"].read()
-        except FileNotFoundError as e:
+        except (FileNotFoundError, EOFError) as e:
             raise CheckpointCorruptedError(str(e)) from e
         if len(got) != n:
             raise CheckpointCorruptedError(f"{path}: short read at offset {offset + start}")
@@ -246,6 +270,51 @@ def read_range(
             progress(min(out.size, s + step))
 
 
+class _Ahead:
+    """Ranges of one object fetched whole, in order, each while the one before is used."""
+
+    def __init__(self, path: Any, ranges: List[Tuple[int, int]]) -> None:
+        cap = concurrency() * part_size() // 2  # two in memory: concurrency x part at most
+        self.loc, self.path = split(path), path
+        self.ranges = sorted(r for r in ranges if 0 < r[1] <= cap)
+        self.got: Dict[int, Future] = {}
+        self.pool = ThreadPoolExecutor(1, "dc-s3-ahead")
+
+    def _fetch(self, i: int) -> np.ndarray:
+        data = np.empty(self.ranges[i][1], dtype=np.uint8)
+        read_range(self.path, self.ranges[i][0], data)  # in the fetching thread: from the store
+        return data
+
+    def find(self, loc: Loc, offset: int, n: int) -> Optional[np.ndarray]:
+        """The bytes `[offset, offset + n)` if a range holds them (waiting for its fetch)."""
+        i = bisect.bisect_right(self.ranges, (offset, 1 << 62)) - 1
+        if loc != self.loc or i < 0 or offset + n > sum(self.ranges[i]):
+            return None
+        self.got = {k: f for k, f in self.got.items() if k >= i}  # those passed are freed
+        for k in (i, i + 1)[: len(self.ranges) - i]:
+            if k not in self.got:
+                self.got[k] = self.pool.submit(self._fetch, k)
+        start = offset - self.ranges[i][0]
+        return self.got[i].result()[start : start + n]
+
+
+@contextlib.contextmanager
+def prefetching(path: Any, ranges: List[Tuple[int, int]]) -> Iterator[None]:
+    """Reads this thread makes within `ranges` (offset, length) of an object are served from
+    memory: each range of at most `concurrency x part size / 2` is fetched whole (parallel
+    part GETs) while the one before it is read, so the store always has work; a stored
+    item's records, data and trailer then cost no more requests than its bytes."""
+    if split(path) is None:
+        yield
+        return
+    _local.ahead = _Ahead(path, ranges)
+    try:
+        yield
+    finally:
+        _local.ahead.pool.shutdown(wait=True, cancel_futures=True)
+        _local.ahead = None
+
+
 def read_object(path: Any, limit: Optional[int] = None) -> Optional[bytes]:
     """An object's bytes (at most `limit` + 1 of them), or None when it does not exist."""
     kw = {} if limit is None else {"Range": f"bytes=0-{limit}"}
@@ -253,10 +322,8 @@ def read_object(path: Any, limit: Optional[int] = None) -> Optional[bytes]:
         return _call("read of", split(path) or ("", ""), "get_object", **kw)["Body"].read()
     except FileNotFoundError:
         return None
-    except CheckpointingException as e:
-        if "InvalidRange" in str(e):  # a range of an empty object
-            return b""
-        raise
+    except EOFError:  # a range of an empty object
+        return b""
 
 
 def put_object(path: Any, data: bytes) -> None:
@@ -279,11 +346,11 @@ def _list(loc: Loc, delimiter: str = "") -> Tuple[List[Any], List[str]]:
 
 
 class _ObjectFile(io.RawIOBase):
-    """A seekable read-only object: each read is a ranged GET."""
+    """A seekable read-only object (of `size` bytes, else looked up): each read a ranged GET."""
 
-    def __init__(self, path: Any) -> None:
+    def __init__(self, path: Any, size: Optional[int] = None) -> None:
         self._path, self._pos = path, 0
-        self.size = stat(path)[0]
+        self.size = stat(path)[0] if size is None else size
 
     def readable(self) -> bool:
         return True
@@ -302,11 +369,13 @@ class _ObjectFile(io.RawIOBase):
         return n
 
 
-def open_read(path: Any) -> io.BufferedIOBase:
-    """A file opened for reading (an object: read in ranged GETs of 8 MiB or more)."""
+def open_read(path: Any, size: Optional[int] = None) -> io.BufferedReader:
+    """A file opened for reading (an object, of `size` bytes if given: ranged GETs of up to
+    8 MiB, or more at once)."""
     if split(path) is None:
         return open(path, "rb")
-    return io.BufferedReader(_ObjectFile(path), 8 * _MB)
+    raw = _ObjectFile(path, size)
+    return io.BufferedReader(raw, max(1, min(8 * _MB, raw.size)))
 
 
 # ---- the same operations on local paths and object paths ---------------------------------

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Dict
+from typing import Any, Dict, Tuple
 
 import torch
 import torch.distributed as dist
@@ -54,3 +54,42 @@ def save_expecting_error(environment: Dict[str, str], url: str) -> str:
     except Exception as e:
         return f"{type(e).__name__}: {e}"
     return ""
+
+
+def big(step: int, fill: bool = True) -> Dict[str, Any]:
+    """12 MiB per rank: with 5 MiB parts, each rank's data object is a 3-part upload."""
+    r, n = dist.get_rank(), 3 << 20
+    t = torch.full((n,), float(step + r)) if fill else torch.zeros(n)
+    return {
+        "w": ShardedTensor.from_rank_offsets("w", t, (0, r, dist.get_world_size())),
+        "step": step,
+    }
+
+
+def save_big(environment: Dict[str, str], url: str, step: int) -> str:
+    """Saves `big(step)`; returns this rank's error ("" if none)."""
+    use(environment)
+    try:
+        dc.save(big(step), url)
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return ""
+
+
+def after_kill(environment: Dict[str, str], root: str) -> Tuple[bool, str, bool, bool]:
+    """After a rank died saving step 2 under `root`: (step 2 is not a checkpoint, the error
+    loading it, step 1 loads exactly, step 3 saves and loads)."""
+    use(environment)
+
+    def loads(url: str, step: int) -> bool:
+        got = dc.load(big(step, fill=False), url)
+        return torch.equal(got["w"], big(step)["w"].data) and got["step"] == step
+
+    error = ""
+    try:
+        dc.load(big(2, fill=False), f"{root}/iter_0000002")
+    except Exception as e:
+        error = type(e).__name__
+    b_is_ckpt = dc.check_is_distributed_checkpoint(f"{root}/iter_0000002")
+    dc.save(big(3), f"{root}/iter_0000003")
+    return not b_is_ckpt, error, loads(f"{root}/iter_0000001", 1), loads(f"{root}/iter_0000003", 3)

@@ -2,7 +2,8 @@
 
 The proxy forwards each request to the server unless a rule matches it: a rule answers
 with an error status (500, 503 SlowDown) or resets the connection after reading part of
-the request body, a given number of times. Used by tests and `benchmarks/bench_s3.py`.
+the request body, a given number of times, or first calls a rule's `action` (a test kills a
+rank with it when that rank's request arrives). Used by tests and `benchmarks/bench_s3.py`.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import threading
 import time
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test"}
 
@@ -65,6 +66,7 @@ class Rule:
     code: str = "SlowDown"
     times: int = 1
     hits: int = 0
+    action: Optional[Callable[[], None]] = None
 
 
 class FaultProxy:
@@ -87,6 +89,8 @@ class FaultProxy:
                 proxy.seen.append(what)
                 n = int(self.headers.get("Content-Length") or 0)
                 rule = proxy._take(what)
+                if rule is not None and rule.action is not None:
+                    rule.action()
                 if rule is not None and rule.status == 0:  # read some of the body, then RST
                     self.rfile.read(min(n, 1024))
                     linger = struct.pack("ii", 1, 0)

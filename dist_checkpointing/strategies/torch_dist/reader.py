@@ -15,7 +15,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
-import numpy as np
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
@@ -23,7 +22,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 
 from ...errors import CheckpointCorruptedError
 from ...integrity import Checksums
-from ...storage import objstore, read_region
+from ...storage import objstore
 from .chunk_reader import ChunkGroup, parse_chunk, read_stored, release_scratch
 from .verify import mismatch
 
@@ -85,10 +84,9 @@ class _FileRange(io.RawIOBase):
 @contextlib.contextmanager
 def open_range(path: Path, info: _StorageInfo) -> Iterator[io.BufferedReader]:
     """Opens the byte range of one stored item, checking the file is long enough."""
-    if objstore.split(path) is not None:  # an object: one ranged GET of the item
-        data = np.empty(info.length, dtype=np.uint8)
-        read_region(str(path), info.offset, data)
-        yield io.BufferedReader(io.BytesIO(data))  # type: ignore[arg-type]
+    if objstore.split(path) is not None:  # an object: ranged GETs (see `read_tensors`)
+        raw = objstore.open_read(path, size=info.offset + info.length).raw
+        yield io.BufferedReader(_FileRange(raw, info.offset, info.length), 1 << 16)
         return
     try:
         f = open(path, "rb")
@@ -202,8 +200,10 @@ def read_tensor_items(
         names = names[k:] + names[:k]
 
     def load_file(name: str) -> int:
-        try:
-            return sum(load_group(g) for g in by_file[name])
+        ranges = [(g.info.offset, g.info.length) for g in by_file[name]]
+        try:  # an object's items are fetched ahead, whole (records, data, trailer at once)
+            with objstore.prefetching(checkpoint_dir / name, ranges):
+                return sum(load_group(g) for g in by_file[name])
         finally:
             release_scratch()  # do not keep a chunk-sized buffer after the load
 
