@@ -1,6 +1,6 @@
-"""S3-compatible object stores (`s3://`) behind this package's file interface: a checkpoint
-is a key prefix; the helpers take local and object paths alike. The client is boto3 (extra
-`[s3]`), set up from the standard AWS environment and files."""
+"""S3-compatible object stores (`s3://`, `msc://`) behind this package's file interface: a
+checkpoint is a key prefix; the helpers take local and object paths alike. The client is
+boto3 (extra `[s3]`), set up from the AWS environment and files or the path's MSC profile."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 import numpy as np
 
 from ..errors import CheckpointCorruptedError, CheckpointingException
+from . import msc
 
 __all__ = ["ObjectWriter", "split", "read_range", "prefetching", "read_object", "put_object"]
 __all__ += ["open_read", "stat", "exists", "is_file", "is_dir", "listdir", "makedirs", "remove"]
@@ -28,14 +29,14 @@ logger = logging.getLogger(__name__)
 
 _SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]+):(?:/+(.*))?", re.S)  # `s3://` is `s3:`
 _MB = 1 << 20
-_ENV = "AWS_ENDPOINT_URL AWS_ACCESS_KEY_ID AWS_SECRET_ACCESS_KEY AWS_PROFILE".split()
+_ENV = "AWS_ENDPOINT_URL AWS_ACCESS_KEY_ID AWS_SECRET_ACCESS_KEY AWS_PROFILE MSC_CONFIG".split()
 _UNKEYED = ("head_bucket", "list_objects_v2", "delete_objects")
 _clients: Dict[Tuple[Any, ...], Any] = {}  # thread-safe clients by process and settings
 _shared: List[Any] = []  # [request thread pool, part budget], made on first use
 _lock = threading.Lock()
 _local = threading.local()
-Loc = Tuple[str, str]  # bucket, key
-_NOWHERE: Loc = ("", "")  # for mypy: `split` of an object path is never None
+Loc = Tuple[str, str, Optional[str]]  # bucket, key, MSC profile (None: the AWS environment)
+_NOWHERE: Loc = ("", "", None)  # for mypy: `split` of an object path is never None
 
 
 def part_size() -> int:
@@ -56,14 +57,17 @@ def split(path: Any) -> Optional[Loc]:
     if m is None:
         return None
     scheme, (bucket, _, key) = m[1].lower(), (m[2] or "").partition("/")
+    if scheme == "msc":  # msc://profile/key
+        store, base, _ = msc.profile(bucket, f"msc://{m[2] or ''}")
+        return store, f"{base}/{key}".strip("/"), bucket
     if scheme != "s3" or not bucket:
         why = f"unsupported URL scheme {m[1]!r}" if scheme != "s3" else "no bucket in the path"
-        raise CheckpointingException(f"{text}: {why} (supported: local, s3:// paths)")
-    return bucket, key.strip("/")
+        raise CheckpointingException(f"{text}: {why} (supported: local, s3://, msc:// paths)")
+    return bucket, key.strip("/"), None
 
 
-def _client() -> Any:
-    which = (os.getpid(), *map(os.environ.get, _ENV))  # forked workers, new settings
+def _client(name: Optional[str]) -> Any:
+    which = (os.getpid(), name, *map(os.environ.get, _ENV))  # forked workers, new settings
     with _lock:
         if which not in _clients:
             try:
@@ -72,17 +76,20 @@ def _client() -> Any:
             except ImportError as e:
                 hint = "pip install 'dist_checkpointing[s3]'"
                 raise CheckpointingException(f"s3:// paths need boto3: {hint}") from e
+            kw = dict(msc.profile(name)[2]) if name is not None else {}
             attempts = int(os.environ.get("AWS_MAX_ATTEMPTS", 5))
             retries = {"mode": "standard", "max_attempts": attempts}
-            config = Config(retries=retries, max_pool_connections=2 * concurrency() + 4)
-            _clients[which] = boto3.session.Session().client("s3", config=config)
+            pool = 2 * concurrency() + 4
+            config = Config(retries=retries, max_pool_connections=pool, s3=kw.pop("s3", None))
+            session = boto3.session.Session(profile_name=kw.pop("profile_name", None))
+            _clients[which] = session.client("s3", config=config, **kw)
         return _clients[which]
 
 
 def _call(what: str, loc: Loc, method: str, **kw: Any) -> Any:
     """One request. Errors: FileNotFoundError (no object), EOFError (range past its end), else
-    a CheckpointingException naming the object and endpoint."""
-    client = _client()
+    a CheckpointingException naming the object as the user did, its bucket and endpoint."""
+    client = _client(loc[2])
     if method not in _UNKEYED:
         kw.setdefault("Key", loc[1])
     try:
@@ -90,6 +97,8 @@ def _call(what: str, loc: Loc, method: str, **kw: Any) -> Any:
     except Exception as e:
         code = str(getattr(e, "response", {}).get("Error", {}).get("Code", ""))
         where = f"s3://{loc[0]}/{loc[1]} at {client.meta.endpoint_url}"
+        if loc[2] is not None:
+            where = f"msc://{loc[2]}/{loc[1][len(msc.profile(loc[2])[1]) :].lstrip('/')} ({where})"
         if code == "NoSuchBucket" or (code == "404" and method == "head_bucket"):
             raise CheckpointingException(f"{what} {where}: bucket {loc[0]!r} does not exist") from e
         if code in ("NoSuchKey", "404", "NoSuchUpload"):
@@ -403,6 +412,6 @@ def replace_tree(src: Any, dst: Any) -> None:
     keys = sorted((o["Key"] for o in _list(s)[0]), key=lambda k: k.endswith("/metadata.json"))
     for k in keys:
         source = {"Bucket": s[0], "Key": k}
-        _call("copy to", (d[0], d[1] + k[len(s[1]) :]), "copy_object", CopySource=source)
+        _call("copy to", (d[0], d[1] + k[len(s[1]) :], d[2]), "copy_object", CopySource=source)
     remove(os.path.join(os.fspath(src), "metadata.json"))
     remove_tree(src)
