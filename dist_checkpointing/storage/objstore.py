@@ -1,19 +1,6 @@
-"""S3-compatible object storage behind this package's file interface (`s3://` paths).
-
-A checkpoint on a store is a key prefix. `ObjectWriter` has `FileWriter`'s interface and
-streams a file as a parallel multipart upload: part buffers come from one process-wide
-budget of `2 x concurrency` parts, so a rank holds at most `2 x part size x concurrency`
-bytes however many files it writes at once. `read_range` fills a destination with parallel
-ranged GETs of only the bytes asked for; within `prefetching` ranges (a data file's items),
-from memory fetched ahead. The helpers at the end (`is_file`, `listdir`,
-`makedirs`, `remove_tree`, ...) take a local path or an object path alike, so callers keep
-one code path. `pathlib.Path("s3://b/k")` prints as `s3:/b/k`; both spellings name the same
-object. A path with any other scheme (`xyz://...`) is refused, never made a local directory.
-
-The client is boto3 (optional extra `dist_checkpointing[s3]`), configured from the standard
-AWS environment and config files (`AWS_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`, ...); throttling
-and server errors are retried with backoff (`AWS_MAX_ATTEMPTS`, standard mode).
-"""
+"""S3-compatible object stores (`s3://`, `msc://`) behind this package's file interface: a
+checkpoint is a key prefix; the helpers take local and object paths alike. The client is
+boto3 (extra `[s3]`), set up from the AWS environment and files or the path's MSC profile."""
 
 from __future__ import annotations
 
@@ -32,6 +19,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 import numpy as np
 
 from ..errors import CheckpointCorruptedError, CheckpointingException
+from . import msc
 
 __all__ = ["ObjectWriter", "split", "read_range", "prefetching", "read_object", "put_object"]
 __all__ += ["open_read", "stat", "exists", "is_file", "is_dir", "listdir", "makedirs", "remove"]
@@ -41,13 +29,14 @@ logger = logging.getLogger(__name__)
 
 _SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]+):(?:/+(.*))?", re.S)  # `s3://` is `s3:`
 _MB = 1 << 20
-_ENV = ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE")
+_ENV = "AWS_ENDPOINT_URL AWS_ACCESS_KEY_ID AWS_SECRET_ACCESS_KEY AWS_PROFILE MSC_CONFIG".split()
 _UNKEYED = ("head_bucket", "list_objects_v2", "delete_objects")
 _clients: Dict[Tuple[Any, ...], Any] = {}  # thread-safe clients by process and settings
 _shared: List[Any] = []  # [request thread pool, part budget], made on first use
 _lock = threading.Lock()
 _local = threading.local()
-Loc = Tuple[str, str]
+Loc = Tuple[str, str, Optional[str]]  # bucket, key, MSC profile (None: the AWS environment)
+_NOWHERE: Loc = ("", "", None)  # for mypy: `split` of an object path is never None
 
 
 def part_size() -> int:
@@ -61,48 +50,46 @@ def concurrency() -> int:
 
 
 def split(path: Any) -> Optional[Loc]:
-    """`(bucket, key)` of an `s3://` path (also as `pathlib` prints it), None for a local one.
-
-    Raises:
-        CheckpointingException: a scheme other than s3, or no bucket.
-    """
-    m = _SCHEME.fullmatch(os.fspath(path))
+    """The `Loc` of an object path (`Path("s3://b/k")` prints as `s3:/b/k`: the same), None for
+    a local one. Any other scheme is refused (`CheckpointingException`), never made local."""
+    text = os.fspath(path)
+    m = _SCHEME.fullmatch(text)
     if m is None:
         return None
-    if m.group(1).lower() != "s3":
-        raise CheckpointingException(
-            f"{os.fspath(path)}: unsupported URL scheme {m.group(1)!r} (supported: local paths "
-            "and s3://bucket/prefix)"
-        )
-    bucket, _, key = (m.group(2) or "").partition("/")
-    if not bucket:
-        raise CheckpointingException(f"{os.fspath(path)}: no bucket in the s3:// path")
-    return bucket, key.strip("/")
+    scheme, (bucket, _, key) = m[1].lower(), (m[2] or "").partition("/")
+    if scheme == "msc":  # msc://profile/key
+        store, base, _ = msc.profile(bucket, f"msc://{m[2] or ''}")
+        return store, f"{base}/{key}".strip("/"), bucket
+    if scheme != "s3" or not bucket:
+        why = f"unsupported URL scheme {m[1]!r}" if scheme != "s3" else "no bucket in the path"
+        raise CheckpointingException(f"{text}: {why} (supported: local, s3://, msc:// paths)")
+    return bucket, key.strip("/"), None
 
 
-def _client() -> Any:
-    which = (os.getpid(), *(os.environ.get(k) for k in _ENV))  # forked workers, new settings
+def _client(name: Optional[str]) -> Any:
+    which = (os.getpid(), name, *map(os.environ.get, _ENV))  # forked workers, new settings
     with _lock:
         if which not in _clients:
             try:
                 import boto3
                 from botocore.config import Config
             except ImportError as e:
-                raise CheckpointingException(
-                    "s3:// paths need boto3: pip install 'dist_checkpointing[s3]'"
-                ) from e
+                hint = "pip install 'dist_checkpointing[s3]'"
+                raise CheckpointingException(f"s3:// paths need boto3: {hint}") from e
+            kw = dict(msc.profile(name)[2]) if name is not None else {}
             attempts = int(os.environ.get("AWS_MAX_ATTEMPTS", 5))
             retries = {"mode": "standard", "max_attempts": attempts}
-            config = Config(retries=retries, max_pool_connections=2 * concurrency() + 4)
-            _clients[which] = boto3.session.Session().client("s3", config=config)
+            pool = 2 * concurrency() + 4
+            config = Config(retries=retries, max_pool_connections=pool, s3=kw.pop("s3", None))
+            session = boto3.session.Session(profile_name=kw.pop("profile_name", None))
+            _clients[which] = session.client("s3", config=config, **kw)
         return _clients[which]
 
 
 def _call(what: str, loc: Loc, method: str, **kw: Any) -> Any:
-    """One request (retried by the client); a failure becomes a CheckpointingException that
-    names the object and endpoint, FileNotFoundError for a missing object, EOFError for a
-    range past its end."""
-    client = _client()
+    """One request. Errors: FileNotFoundError (no object), EOFError (range past its end), else
+    a CheckpointingException naming the object as the user did, its bucket and endpoint."""
+    client = _client(loc[2])
     if method not in _UNKEYED:
         kw.setdefault("Key", loc[1])
     try:
@@ -110,12 +97,14 @@ def _call(what: str, loc: Loc, method: str, **kw: Any) -> Any:
     except Exception as e:
         code = str(getattr(e, "response", {}).get("Error", {}).get("Code", ""))
         where = f"s3://{loc[0]}/{loc[1]} at {client.meta.endpoint_url}"
+        if loc[2] is not None:
+            where = f"msc://{loc[2]}/{loc[1][len(msc.profile(loc[2])[1]) :].lstrip('/')} ({where})"
+        if code == "NoSuchBucket" or (code == "404" and method == "head_bucket"):
+            raise CheckpointingException(f"{what} {where}: bucket {loc[0]!r} does not exist") from e
         if code in ("NoSuchKey", "404", "NoSuchUpload"):
             raise FileNotFoundError(f"{where}: no such object") from e
         if code == "InvalidRange":
             raise EOFError(f"{where}: range past the end of the object") from e
-        if code == "NoSuchBucket":
-            raise CheckpointingException(f"{what} {where}: bucket {loc[0]!r} does not exist") from e
         raise CheckpointingException(f"{what} {where} failed: {type(e).__name__}: {e}") from e
 
 
@@ -128,24 +117,16 @@ def _pool_and_budget() -> Tuple[ThreadPoolExecutor, threading.BoundedSemaphore]:
 
 
 class ObjectWriter:
-    """Writes one object from sequential `write`s as a parallel multipart upload.
-
-    `FileWriter`'s interface; the object appears only when `finish` completes the upload.
-
-    Args:
-        path: `s3://bucket/key`.
-        size: the object's final size.
-    """
+    """`FileWriter`'s interface: an object of `size` bytes streamed as a parallel multipart
+    upload, which appears only when `finish` completes it."""
 
     direct = False
+    _buf: Optional[bytearray] = None  # the part being filled
+    _upload_id: Optional[str] = None
 
     def __init__(self, path: Any, size: int, *args: Any, **kwargs: Any) -> None:
-        self.path, self.size = os.fspath(path), size
-        self._loc = split(path) or ("", "")
-        self._part = part_size()
-        self._buf: Optional[bytearray] = None
-        self._fill = self._pos = 0
-        self._upload_id: Optional[str] = None
+        self.path, self.size, self._loc = os.fspath(path), size, split(path) or _NOWHERE
+        self._part, self._fill, self._pos = part_size(), 0, 0
         self._parts: List[Future] = []
 
     def write(self, view: memoryview, offset: int) -> None:
@@ -159,8 +140,7 @@ class ObjectWriter:
                 _pool_and_budget()[1].acquire()  # blocks while the rank's parts are in use
                 self._buf = bytearray(self._part)
             n = min(len(data), self._part - self._fill)
-            memoryview(self._buf)[self._fill : self._fill + n] = data[:n]  # a bytearray slice
-            # assigned from a memoryview would copy it first
+            memoryview(self._buf)[self._fill : self._fill + n] = data[:n]  # no temporary copy
             self._fill, data = self._fill + n, data[n:]
             if self._fill == self._part and (len(data) or self._pos < self.size):
                 self._send()
@@ -168,8 +148,7 @@ class ObjectWriter:
     def _send(self) -> None:
         """Hands the part buffer to an upload thread, which returns it to the budget."""
         if self._upload_id is None:
-            created = _call("upload to", self._loc, "create_multipart_upload")
-            self._upload_id = created["UploadId"]
+            self._upload_id = _call("upload to", self._loc, "create_multipart_upload")["UploadId"]
         assert self._buf is not None
         held, number, upload_id = [self._buf], len(self._parts) + 1, self._upload_id
         del held[0][self._fill :]  # the last part: shrunk in place, not copied
@@ -194,19 +173,14 @@ class ObjectWriter:
         self._parts.append(pool.submit(upload))
 
     def finish(self) -> None:
-        """Uploads the rest and completes the object (a single PUT when it fits in a part).
-
-        Raises:
-            CheckpointingException: an upload failed (the partial upload is aborted).
-        """
+        """Completes the object (one PUT if it fits in a part), or aborts the upload and raises."""
         try:
             if self._pos != self.size:
                 raise CheckpointingException(f"{self.path}: {self._pos} of {self.size} bytes")
             if self._upload_id is None:
                 body = bytes(self._buf[: self._fill]) if self._buf is not None else b""
                 self.abort()  # returns the buffer
-                put_object(self.path, body)
-                return
+                return put_object(self.path, body)
             self._send()
             done = {"Parts": [f.result() for f in self._parts]}
             kw = {"UploadId": self._upload_id, "MultipartUpload": done}
@@ -216,7 +190,7 @@ class ObjectWriter:
             self.abort()
             raise
 
-    def abort(self, remove: bool = False) -> None:
+    def abort(self) -> None:
         """Abandons the upload after a failure: nothing of it becomes visible."""
         if self._buf is not None:
             self._buf = None
@@ -234,22 +208,15 @@ class ObjectWriter:
 def read_range(
     path: Any, offset: int, out: np.ndarray, progress: Optional[Callable[[int], None]] = None
 ) -> None:
-    """Fills `out` (flat uint8) from `offset` of an object with parallel ranged GETs of about
-    a part each, 2/3 to 3/2 of one: a region a little over whole parts costs no extra request
-    (from memory within this thread's `prefetching` ranges).
-
-    Raises:
-        CheckpointCorruptedError: the object is missing or shorter than the region.
-    """
-    loc = split(path) or ("", "")
+    """Fills `out` (flat uint8) from `offset` of an object (CheckpointCorruptedError if it is
+    shorter) with parallel GETs of 2/3 to 3/2 of a part, or from `prefetching` memory."""
+    loc, report = split(path) or _NOWHERE, progress or (lambda n: None)
     step = max(1, -(-out.size // max(1, round(out.size / part_size()))))
-    ahead = getattr(_local, "ahead", None)
-    held = ahead.find(loc, offset, out.size) if ahead is not None else None
+    find = getattr(_local, "find", None)
+    held = find(loc, offset, out.size) if find is not None else None
     if held is not None:
         out[:] = held
-        if progress is not None:
-            progress(out.size)
-        return
+        return report(out.size)
 
     def get(start: int) -> None:
         n = min(step, out.size - start)
@@ -266,60 +233,47 @@ def read_range(
     jobs = [_pool_and_budget()[0].submit(get, s) for s in starts] if len(starts) > 1 else []
     for i, s in enumerate(starts):
         jobs[i].result() if jobs else get(s)  # in order: `progress` sees the prefix grow
-        if progress is not None:
-            progress(min(out.size, s + step))
-
-
-class _Ahead:
-    """Ranges of one object fetched whole, in order, each while the one before is used."""
-
-    def __init__(self, path: Any, ranges: List[Tuple[int, int]]) -> None:
-        cap = concurrency() * part_size() // 2  # two in memory: concurrency x part at most
-        self.loc, self.path = split(path), path
-        self.ranges = sorted(r for r in ranges if 0 < r[1] <= cap)
-        self.got: Dict[int, Future] = {}
-        self.pool = ThreadPoolExecutor(1, "dc-s3-ahead")
-
-    def _fetch(self, i: int) -> np.ndarray:
-        data = np.empty(self.ranges[i][1], dtype=np.uint8)
-        read_range(self.path, self.ranges[i][0], data)  # in the fetching thread: from the store
-        return data
-
-    def find(self, loc: Loc, offset: int, n: int) -> Optional[np.ndarray]:
-        """The bytes `[offset, offset + n)` if a range holds them (waiting for its fetch)."""
-        i = bisect.bisect_right(self.ranges, (offset, 1 << 62)) - 1
-        if loc != self.loc or i < 0 or offset + n > sum(self.ranges[i]):
-            return None
-        self.got = {k: f for k, f in self.got.items() if k >= i}  # those passed are freed
-        for k in (i, i + 1)[: len(self.ranges) - i]:
-            if k not in self.got:
-                self.got[k] = self.pool.submit(self._fetch, k)
-        start = offset - self.ranges[i][0]
-        return self.got[i].result()[start : start + n]
+        report(min(out.size, s + step))
 
 
 @contextlib.contextmanager
 def prefetching(path: Any, ranges: List[Tuple[int, int]]) -> Iterator[None]:
-    """Reads this thread makes within `ranges` (offset, length) of an object are served from
-    memory: each range of at most `concurrency x part size / 2` is fetched whole (parallel
-    part GETs) while the one before it is read, so the store always has work; a stored
-    item's records, data and trailer then cost no more requests than its bytes."""
-    if split(path) is None:
-        yield
-        return
-    _local.ahead = _Ahead(path, ranges)
+    """Reads this thread makes within `ranges` (offset, length) of an object come from memory:
+    each range of up to `concurrency x part size / 2` (two are held) is fetched whole while
+    the one before it is read, so the store always has work."""
+    loc, cap = split(path), concurrency() * part_size() // 2
+    spans = sorted(r for r in ranges if 0 < r[1] <= cap)
+    pool = ThreadPoolExecutor(1, "dc-s3-ahead")
+    got: Dict[int, Future] = {}  # range index -> its fetch
+
+    def fetch(i: int) -> np.ndarray:
+        data = np.empty(spans[i][1], dtype=np.uint8)
+        read_range(path, spans[i][0], data)  # in the fetching thread: from the store
+        return data
+
+    def find(at: Loc, offset: int, n: int) -> Optional[np.ndarray]:
+        i = bisect.bisect_right(spans, (offset, 1 << 62)) - 1
+        if at != loc or i < 0 or offset + n > sum(spans[i]):
+            return None
+        for k in [k for k in got if k < i]:
+            del got[k]  # those passed are freed
+        for k in (i, i + 1)[: len(spans) - i]:
+            got[k] = got.get(k) or pool.submit(fetch, k)
+        return got[i].result()[offset - spans[i][0] :][:n]
+
+    _local.find = find if loc is not None else None
     try:
         yield
     finally:
-        _local.ahead.pool.shutdown(wait=True, cancel_futures=True)
-        _local.ahead = None
+        _local.find = None
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
-def read_object(path: Any, limit: Optional[int] = None) -> Optional[bytes]:
-    """An object's bytes (at most `limit` + 1 of them), or None when it does not exist."""
-    kw = {} if limit is None else {"Range": f"bytes=0-{limit}"}
+def read_object(path: Any, limit: int) -> Optional[bytes]:
+    """An object's first `limit` + 1 bytes, or None when it does not exist."""
     try:
-        return _call("read of", split(path) or ("", ""), "get_object", **kw)["Body"].read()
+        got = _call("read of", split(path) or _NOWHERE, "get_object", Range=f"bytes=0-{limit}")
+        return got["Body"].read()
     except FileNotFoundError:
         return None
     except EOFError:  # a range of an empty object
@@ -328,35 +282,32 @@ def read_object(path: Any, limit: Optional[int] = None) -> Optional[bytes]:
 
 def put_object(path: Any, data: bytes) -> None:
     """Writes a whole object in one PUT (readers see the old object or all of the new one)."""
-    _call("upload to", split(path) or ("", ""), "put_object", Body=data)
+    _call("upload to", split(path) or _NOWHERE, "put_object", Body=data)
 
 
 def _list(loc: Loc, delimiter: str = "") -> Tuple[List[Any], List[str]]:
     """`(objects: Key, Size, LastModified; sub-prefixes)` under the prefix `key/`."""
-    objects: List[Any] = []
-    subs: List[str] = []
+    found: Tuple[List[Any], List[str]] = ([], [])
     kw = {"Prefix": f"{loc[1]}/" if loc[1] else "", "Delimiter": delimiter}
     while True:
         r = _call("listing of", loc, "list_objects_v2", **kw)
-        objects += r.get("Contents", [])
-        subs += [p["Prefix"] for p in r.get("CommonPrefixes", [])]
+        found[0].extend(r.get("Contents", []))
+        found[1].extend(p["Prefix"] for p in r.get("CommonPrefixes", []))
         if not r.get("IsTruncated"):
-            return objects, subs
+            return found
         kw["ContinuationToken"] = r["NextContinuationToken"]
 
 
 class _ObjectFile(io.RawIOBase):
-    """A seekable read-only object (of `size` bytes, else looked up): each read a ranged GET."""
+    """A seekable read-only object of `size` bytes: each read a ranged GET."""
 
-    def __init__(self, path: Any, size: Optional[int] = None) -> None:
-        self._path, self._pos = path, 0
-        self.size = stat(path)[0] if size is None else size
+    def __init__(self, path: Any, size: int) -> None:
+        self._path, self._pos, self.size = path, 0, size
 
     def readable(self) -> bool:
         return True
 
-    def seekable(self) -> bool:
-        return True
+    seekable = readable
 
     def seek(self, offset: int, whence: int = 0) -> int:
         self._pos = max(0, (0, self._pos, self.size)[whence] + offset)
@@ -370,24 +321,16 @@ class _ObjectFile(io.RawIOBase):
 
 
 def open_read(path: Any, size: Optional[int] = None) -> io.BufferedReader:
-    """A file opened for reading (an object, of `size` bytes if given: ranged GETs of up to
-    8 MiB, or more at once)."""
+    """A file opened for reading (an object of `size` bytes if given: ranged GETs of 8 MiB)."""
     if split(path) is None:
         return open(path, "rb")
-    raw = _ObjectFile(path, size)
+    raw = _ObjectFile(path, stat(path)[0] if size is None else size)
     return io.BufferedReader(raw, max(1, min(8 * _MB, raw.size)))
 
 
-# ---- the same operations on local paths and object paths ---------------------------------
-
-
 def stat(path: Any) -> Tuple[int, float]:
-    """`(bytes, newest modification time)` of an object, or of all objects under a prefix.
-
-    Raises:
-        FileNotFoundError: there is neither.
-    """
-    loc = split(path) or ("", "")
+    """`(bytes, newest modification time)` of an object, else of the objects under a prefix."""
+    loc = split(path) or _NOWHERE
     try:
         head = _call("lookup of", loc, "head_object")
         return int(head["ContentLength"]), head["LastModified"].timestamp()
@@ -401,10 +344,8 @@ def stat(path: Any) -> Tuple[int, float]:
 def is_file(path: Any) -> bool:
     """Whether a file (an object) exists at `path`."""
     loc = split(path)
-    if loc is None:
-        return os.path.isfile(path)
     try:
-        return _call("lookup of", loc, "head_object") is not None
+        return os.path.isfile(path) if loc is None else bool(_call("lookup of", loc, "head_object"))
     except FileNotFoundError:
         return False
 
@@ -426,28 +367,20 @@ def listdir(path: Any) -> List[str]:
     if loc is None:
         return os.listdir(path)
     objects, subs = _list(loc, "/")
-    names = {n[len(loc[1]) + 1 if loc[1] else 0 :].rstrip("/") for n in subs}
-    names |= {o["Key"][len(loc[1]) + 1 if loc[1] else 0 :] for o in objects}
+    cut = len(loc[1]) + 1 if loc[1] else 0
+    names = {k[cut:].rstrip("/") for k in subs + [o["Key"] for o in objects]}
     if not names:
         raise FileNotFoundError(f"{path}: no objects under this prefix")
     return sorted(names)
 
 
 def makedirs(path: Any) -> None:
-    """Creates a directory; for a prefix, checks that its bucket can be reached.
-
-    Raises:
-        CheckpointingException: the bucket is missing or refuses these credentials.
-    """
+    """Creates a directory; for a prefix, raises unless its bucket can be reached."""
     loc = split(path)
     if loc is None:
         os.makedirs(path, exist_ok=True)
-        return
-    try:
+    else:
         _call("access to", loc, "head_bucket")
-    except FileNotFoundError as e:  # HEAD of a missing bucket: a bare 404
-        where = f"s3://{loc[0]}/{loc[1]} at {_client().meta.endpoint_url}"
-        raise CheckpointingException(f"{where}: bucket {loc[0]!r} does not exist") from e
 
 
 def remove(path: Any) -> None:
@@ -463,8 +396,7 @@ def remove_tree(path: Any) -> None:
     """Removes a directory and everything under it (a prefix and its objects)."""
     loc = split(path)
     if loc is None:
-        shutil.rmtree(path, ignore_errors=True)
-        return
+        return shutil.rmtree(path, ignore_errors=True)
     keys = [{"Key": o["Key"]} for o in _list(loc)[0]]
     for i in range(0, len(keys), 1000):
         batch = {"Objects": keys[i : i + 1000], "Quiet": True}
@@ -476,12 +408,10 @@ def replace_tree(src: Any, dst: Any) -> None:
     copied last and removed from the source first, so no moment shows two checkpoints."""
     s, d = split(src), split(dst)
     if s is None or d is None:
-        os.replace(src, dst)
-        return
+        return os.replace(src, dst)
     keys = sorted((o["Key"] for o in _list(s)[0]), key=lambda k: k.endswith("/metadata.json"))
     for k in keys:
-        target = d[1] + k[len(s[1]) :]
         source = {"Bucket": s[0], "Key": k}
-        _call("copy to", (d[0], target), "copy_object", CopySource=source)
+        _call("copy to", (d[0], d[1] + k[len(s[1]) :], d[2]), "copy_object", CopySource=source)
     remove(os.path.join(os.fspath(src), "metadata.json"))
     remove_tree(src)

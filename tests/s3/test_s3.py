@@ -87,7 +87,7 @@ def test_cli_ls_inspect_verify_on_store(bucket, capsys):
     assert main(["inspect", f"s3://{bucket}/job/iter_0000002"]) != 0
 
 
-@pytest.mark.parametrize("url", ["xyz://bucket/ckpt", "msc://profile/ckpt", "s3://"])
+@pytest.mark.parametrize("url", ["xyz://bucket/ckpt", "s3://"])
 def test_unsupported_url_is_refused_not_made_a_local_directory(url, tmp_path):
     with pytest.raises(CheckpointingException, match="scheme|bucket"):
         dc.save(_state(1.0), url)
