@@ -24,8 +24,19 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from . import _dist
 from ._sharding_records import ShardRecord, key_problems
-from .coordination import AllReduceSum, AllToAll, Broadcast, Gather, Protocol, dumps, loads
+from .coordination import (
+    AllReduceSum,
+    AllToAll,
+    Broadcast,
+    Gather,
+    Protocol,
+    digest,
+    dumps,
+    fail_together,
+    loads,
+)
 from .errors import ShardingIntegrityError
+from .validation import format_problems
 
 __all__ = ["Agreement", "AgreementCache", "agreement_protocol", "owner_of"]
 
@@ -60,11 +71,11 @@ def owner_of(key: str, world: int) -> int:
 
 def records_digest(records: Sequence[ShardRecord]) -> bytes:
     """A digest of one rank's records (in order)."""
-    return hashlib.blake2b(dumps([tuple(r) for r in records]), digest_size=16).digest()
+    return digest([tuple(r) for r in records])
 
 
-def _lanes(rank: int, digest: bytes) -> Tuple[int, ...]:
-    h = hashlib.blake2b(rank.to_bytes(8, "little") + digest, digest_size=16).digest()
+def _lanes(rank: int, records: bytes) -> Tuple[int, ...]:
+    h = hashlib.blake2b(rank.to_bytes(8, "little") + records, digest_size=16).digest()
     return tuple(int.from_bytes(h[i : i + 4], "little") & _LANE for i in range(0, 16, 4))
 
 
@@ -136,15 +147,6 @@ def agreement_protocol(
         rec = ShardRecord(*msg[2:])
         by_key[rec.key].append((msg[1], rec))
     problems = [p for key in sorted(by_key) for p in key_problems(key, by_key[key])]
-    (count,) = yield AllReduceSum((len(problems),))
-    if count:
-        from .validation import format_problems
-
-        gathered = yield Gather(dumps(problems[:_SENT_PROBLEMS]))
-        text = ""
-        if gathered is not None:
-            text = format_problems([p for g in gathered for p in loads(g)], count)
-        message = yield Broadcast(dumps(text))
-        raise ShardingIntegrityError(loads(message))
+    yield from fail_together(problems, format_problems, ShardingIntegrityError, sent=_SENT_PROBLEMS)
     cache.local, cache.world = local, world
     return Agreement(agreement.digest, True, agreement.common_differs)

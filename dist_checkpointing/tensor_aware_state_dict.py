@@ -30,7 +30,6 @@ from .exchange_utils import (
     exchange_shards,
     group_ranks,
     shard_id,
-    without_data,
 )
 from .local.base_state_dict import TensorAwareStateDict, allow_in_hollow_state
 from .local.basic_state_dict import _usable_device
@@ -120,7 +119,7 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
                         "structure changed since it was computed; pass cached_metadata=None"
                     )
                 if distribution.saver[sid] != me:
-                    return without_data(x)
+                    return x.without_data()
             return copy.copy(x) if isinstance(x, (ShardedTensor, ShardedObject)) else x
 
         sharded = dict_list_map_outplace(own_leaf, sharded)
