@@ -12,7 +12,6 @@ The bridge from this package's sharded state dicts to `local/`'s `TensorAwareSta
 from __future__ import annotations
 
 import copy
-import logging
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 
@@ -37,8 +36,6 @@ from .mapping import ShardedBase, ShardedObject, ShardedTensor, apply_factory_me
 from .validation import StrictHandling, parse_strict_flag
 
 __all__ = ["MCoreTensorAwareStateDict", "ShardDistribution"]
-
-logger = logging.getLogger(__name__)
 
 ALGOS = ("atomic", "fully_parallel")
 
