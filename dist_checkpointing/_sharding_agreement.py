@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import zlib
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -34,11 +33,12 @@ from .coordination import (
     dumps,
     fail_together,
     loads,
+    owner,
 )
 from .errors import ShardingIntegrityError
 from .validation import format_problems
 
-__all__ = ["Agreement", "AgreementCache", "agreement_protocol", "owner_of"]
+__all__ = ["Agreement", "AgreementCache", "agreement_protocol"]
 
 #: problems each owner sends rank 0 at most (the message shows `validation._MAX_REPORTED`)
 _SENT_PROBLEMS = 20
@@ -62,11 +62,6 @@ class Agreement:
     digest: Tuple[int, ...]  # identifies every rank's shard records, by rank
     validated: bool  # the distributed check ran (False: skipped, nothing changed)
     common_differs: bool  # some rank's common state differs from another's
-
-
-def owner_of(key: str, world: int) -> int:
-    """The rank that checks `key` (the same on every rank and in every process)."""
-    return zlib.crc32(key.encode()) % world
 
 
 def records_digest(records: Sequence[ShardRecord]) -> bytes:
@@ -121,15 +116,15 @@ def agreement_protocol(
     # are checked: each kind of them goes to an aggregator of this rank's group of about
     # sqrt(world) ranks, which forwards each kind once, so that a key every rank holds (a
     # layer-stacked one) reaches its owner from ~2 sqrt(world) ranks, not from all of them.
-    group = max(1, math.isqrt(world))
+    group, ranks = max(1, math.isqrt(world)), range(world)
     outgoing: Dict[int, List[Tuple[Any, ...]]] = defaultdict(list)
     kinds = set()
     for rec in records:
         if rec.replica_id == 0:
-            outgoing[owner_of(rec.key, world)].append(("m", rank, *rec))
+            outgoing[owner(rec.key, ranks)].append(("m", rank, *rec))
         elif (rec.kind, rec.key, rec.dtype, rec.global_shape) not in kinds:
             kinds.add((rec.kind, rec.key, rec.dtype, rec.global_shape))
-            outgoing[owner_of(f"{rec.key}#{rank // group}", world)].append(("r", rank, *rec))
+            outgoing[owner(f"{rec.key}#{rank // group}", ranks)].append(("r", rank, *rec))
     received = yield AllToAll({dest: dumps(msgs) for dest, msgs in outgoing.items()})
     mine: List[Tuple[Any, ...]] = []
     forward: Dict[int, Dict[Tuple[Any, ...], Tuple[Any, ...]]] = defaultdict(dict)
@@ -138,7 +133,7 @@ def agreement_protocol(
             if msg[0] == "m":
                 mine.append(msg)
             else:  # as an aggregator: the first rank of each kind, per key owner
-                forward[owner_of(msg[3], world)].setdefault((msg[3], msg[2], msg[4], msg[5]), msg)
+                forward[owner(msg[3], ranks)].setdefault((msg[3], msg[2], msg[4], msg[5]), msg)
     again = yield AllToAll({dest: dumps(list(kinds_.values())) for dest, kinds_ in forward.items()})
     for src in sorted(again):
         mine += loads(again[src])

@@ -19,6 +19,7 @@ import hashlib
 import io
 import pickle
 import time
+import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Generator, List, Mapping, Sequence, Tuple, Type, TypeVar
 
@@ -39,6 +40,7 @@ __all__ = [
     "dumps",
     "fail_together",
     "loads",
+    "owner",
     "run",
     "simulate",
 ]
@@ -271,6 +273,11 @@ class _PlainUnpickler(pickle.Unpickler):
 
     def find_class(self, module: str, name: str) -> Any:
         raise pickle.UnpicklingError(f"coordination messages carry no globals ({module}.{name})")
+
+
+def owner(name: str, ranks: Sequence[int]) -> int:
+    """The rank of `ranks` that handles `name` (a hash: the same in every process)."""
+    return ranks[zlib.crc32(name.encode()) % len(ranks)]
 
 
 def fail_together(

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import heapq
 import logging
-import zlib
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
@@ -19,7 +18,7 @@ import torch.distributed as dist
 
 from . import _dist, coordination
 from ._types import ShardedStateDict
-from .coordination import AllToAll, Protocol, digest, fail_together
+from .coordination import AllToAll, Protocol, digest, fail_together, owner
 from .dict_utils import nested_values
 from .errors import CheckpointingException
 from .mapping import ShardedTensor, is_main_replica
@@ -107,10 +106,6 @@ def compute_distribution(
     return ShardDistribution(coordination.run(protocol), ranks)
 
 
-def _owner(sid: ShardId, ranks: Sequence[int]) -> int:
-    return ranks[zlib.crc32(repr(sid).encode()) % len(ranks)]
-
-
 def _fail_together(
     problems: List[str], what: str, lanes: Tuple[int, ...] = ()
 ) -> Protocol[Tuple[int, ...]]:
@@ -180,7 +175,7 @@ def distribution_protocol(
         return _balance(keep, group)
     out: Dict[int, List[Any]] = defaultdict(list)
     for sid, (n, main) in shards.items():
-        out[_owner(sid, group)].append((sid, n, main))
+        out[owner(repr(sid), group)].append((sid, n, main))
     received = yield AllToAll({d: coordination.dumps(m) for d, m in out.items()})
     holders: Dict[ShardId, List[Tuple[int, int, bool]]] = defaultdict(list)
     for src, msg in received.items():
@@ -226,9 +221,9 @@ def exchange_plan_protocol(
     """
     out: Dict[int, List[Any]] = defaultdict(list)
     for sid, meta in have.items():
-        out[_owner(sid, range(world))].append((sid, meta))
+        out[owner(repr(sid), range(world))].append((sid, meta))
     for sid in need:
-        out[_owner(sid, range(world))].append((sid, None))
+        out[owner(repr(sid), range(world))].append((sid, None))
     received = yield AllToAll({d: coordination.dumps(m) for d, m in out.items()})
     source: Dict[ShardId, Tuple[int, Any]] = {}
     wanted: Dict[ShardId, List[int]] = defaultdict(list)
