@@ -307,16 +307,16 @@ def exchange_shards(
                 t = tensors[sid]
                 assert t is not None
                 host[sid] = t.detach().to("cpu").contiguous()
-            with _dist._collective("shard exchange"):
-                pending.append(_posted(dist.isend(host[sid], dst=dst, group=group)))
-            nbytes = host[sid].numel() * host[sid].element_size()
-            moved += nbytes
+            buf, post, peer = host[sid], dist.isend, dst
+            moved += buf.numel() * buf.element_size()
         else:
-            received[sid] = _receive_buffer(into.get(sid), shape, getattr(torch, dtype))
-            with _dist._collective("shard exchange"):
-                pending.append(_posted(dist.irecv(received[sid], src=src, group=group)))
-            nbytes = received[sid].numel() * received[sid].element_size()
-        in_flight += nbytes
+            buf = received[sid] = _receive_buffer(into.get(sid), shape, getattr(torch, dtype))
+            post, peer = dist.irecv, src
+        with _dist._collective("shard exchange"):
+            work = post(buf, peer, group=group)
+        assert work is not None  # None only on ranks outside the group, never here
+        pending.append(work)
+        in_flight += buf.numel() * buf.element_size()
         if in_flight >= IN_FLIGHT_BYTES:
             finish_window()
             in_flight = 0
@@ -340,9 +340,3 @@ def _receive_buffer(
     ):
         return destination.detach()
     return torch.empty(shape, dtype=dtype)
-
-
-def _posted(work: Optional[dist.Work]) -> dist.Work:
-    """A point-to-point handle (None only for ranks outside the group, never here)."""
-    assert work is not None
-    return work
