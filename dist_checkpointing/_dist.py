@@ -12,6 +12,7 @@ import atexit
 import contextlib
 import contextvars
 import datetime
+import itertools
 import logging
 import os
 from pathlib import Path
@@ -232,15 +233,10 @@ def _describe(exc: BaseException) -> str:
 
 def rank_ranges(ranks: Iterable[int]) -> str:
     """'0-3, 5, 7-9' for ranks {0, 1, 2, 3, 5, 7, 8, 9} (consecutive runs compressed)."""
-    ordered = sorted(set(ranks))
     parts: List[str] = []
-    i = 0
-    while i < len(ordered):
-        j = i
-        while j + 1 < len(ordered) and ordered[j + 1] == ordered[j] + 1:
-            j += 1
-        parts.append(str(ordered[i]) if i == j else f"{ordered[i]}-{ordered[j]}")
-        i = j + 1
+    for _, run in itertools.groupby(enumerate(sorted(set(ranks))), lambda ir: ir[1] - ir[0]):
+        first, *rest = [r for _, r in run]
+        parts.append(f"{first}-{rest[-1]}" if rest else str(first))
     return ", ".join(parts)
 
 

@@ -1,20 +1,28 @@
-"""Invariant checks run when a `ShardedTensor` is built; each raises `CheckpointingException`
-naming the key and the broken invariant."""
+"""Invariant checks run when a `ShardedTensor` or `ShardedObject` is built; each raises
+`CheckpointingException` naming the key and the broken invariant."""
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Tuple
+from typing import TYPE_CHECKING, Any, Sequence, Tuple
 
 import torch
 
+from ._paths import check_key_is_safe_relative_path
 from ._types import ReplicaId
 from .errors import CheckpointingException
 
 if TYPE_CHECKING:
-    from .mapping import ShardedTensor
+    from .mapping import ShardedObject, ShardedTensor
 
-__all__ = ["as_int_tuple", "check_replica_id", "check_sharded_tensor"]
+__all__ = [
+    "as_int_tuple",
+    "check_flat_data",
+    "check_replica_id",
+    "check_sharded_object",
+    "check_sharded_tensor",
+    "grid_of_rank_offsets",
+]
 
 
 def as_int_tuple(value: Any, name: str, key: str) -> Tuple[int, ...]:
@@ -39,6 +47,27 @@ def check_replica_id(replica_id: Any, key: str) -> ReplicaId:
             raise CheckpointingException(f"replica_id of {key!r} must be >= 0: {replica_id}")
         return replica_id
     return as_int_tuple(replica_id, "replica_id", key)
+
+
+def _check_same_length(key: str, offset: Tuple[int, ...], shape: Tuple[int, ...]) -> None:
+    if len(offset) != len(shape):
+        raise CheckpointingException(
+            f"global_offset {offset} and global_shape {shape} of {key!r} have different lengths"
+        )
+
+
+def check_sharded_object(obj: ShardedObject) -> None:
+    """Checks that `obj` has a safe key and lies inside its grid; normalizes int tuples."""
+    check_key_is_safe_relative_path(obj.key, "ShardedObject key")
+    obj.global_shape = as_int_tuple(obj.global_shape, "global_shape", obj.key)
+    obj.global_offset = as_int_tuple(obj.global_offset, "global_offset", obj.key)
+    obj.replica_id = check_replica_id(obj.replica_id, obj.key)
+    _check_same_length(obj.key, obj.global_offset, obj.global_shape)
+    if any(o >= s for o, s in zip(obj.global_offset, obj.global_shape)):
+        raise CheckpointingException(
+            f"global_offset {obj.global_offset} of {obj.key!r} lies outside "
+            f"global_shape {obj.global_shape}"
+        )
 
 
 def check_sharded_tensor(st: ShardedTensor) -> None:
@@ -86,11 +115,7 @@ def check_sharded_tensor(st: ShardedTensor) -> None:
                 f"data shape {tuple(st.data.shape)} of {key!r} differs from {what} {expected}"
             )
     ndim = len(st.global_shape)
-    if len(st.global_offset) != ndim:
-        raise CheckpointingException(
-            f"global_offset {st.global_offset} and global_shape {st.global_shape} of "
-            f"{key!r} have different lengths"
-        )
+    _check_same_length(key, st.global_offset, st.global_shape)
     if len(st.local_shape) + st.prepend_axis_num != ndim:
         raise CheckpointingException(
             f"local_shape {st.local_shape} with prepend_axis_num={st.prepend_axis_num} "
@@ -118,3 +143,49 @@ def check_sharded_tensor(st: ShardedTensor) -> None:
                     f"global_offset {off} of {key!r} is not a multiple of the local size "
                     f"{size} on a regular grid"
                 )
+
+
+def grid_of_rank_offsets(
+    key: str,
+    local_shape: Tuple[int, ...],
+    prepend_axis_num: int,
+    rank_offsets: Sequence[Tuple[int, int, int]],
+) -> Tuple[Tuple[int, ...], Tuple[int, ...], Tuple[int, ...]]:
+    """`(global_shape, global_offset, axis_fragmentations)` of a piece of `local_shape` placed
+    by `(axis, axis_rank_offset, axis_fragmentations)` triples (`from_rank_offsets`)."""
+    ndim = len(local_shape) + prepend_axis_num
+    global_offset = [0] * ndim
+    global_shape = [1] * prepend_axis_num + list(local_shape)
+    fragmentations = [1] * ndim
+    seen = set()
+    for triple in rank_offsets:
+        if len(triple) != 3:
+            raise CheckpointingException(
+                f"rank offset {triple!r} of {key!r} must be (axis, axis_rank_offset, "
+                "axis_fragmentations)"
+            )
+        axis, pos, fragm = (int(v) for v in triple)
+        if not 0 <= axis < ndim or fragm < 1 or not 0 <= pos < fragm or axis in seen:
+            raise CheckpointingException(
+                f"Invalid rank offsets {tuple(rank_offsets)} for {key!r} (global ndim {ndim})"
+            )
+        seen.add(axis)
+        local = 1 if axis < prepend_axis_num else local_shape[axis - prepend_axis_num]
+        global_shape[axis] = local * fragm
+        global_offset[axis] = local * pos
+        fragmentations[axis] = fragm
+    return tuple(global_shape), tuple(global_offset), tuple(fragmentations)
+
+
+def check_flat_data(key: str, data: Any, flattened_range: slice) -> None:
+    """Checks that `data` of a flat shard is 1-D and as long as `flattened_range`."""
+    if not isinstance(data, torch.Tensor) or data.ndim != 1:
+        raise CheckpointingException(
+            f"A flat ShardedTensor {key!r} needs 1-D data, got "
+            f"{tuple(data.shape) if isinstance(data, torch.Tensor) else type(data).__name__}"
+        )
+    if (flattened_range.stop or 0) - (flattened_range.start or 0) != data.numel():
+        raise CheckpointingException(
+            f"Flat ShardedTensor {key!r}: data length {data.numel()} differs from the "
+            f"flattened_range length {flattened_range}"
+        )

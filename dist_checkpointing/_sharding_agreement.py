@@ -17,17 +17,28 @@ from __future__ import annotations
 
 import hashlib
 import math
-import zlib
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from . import _dist
 from ._sharding_records import ShardRecord, key_problems
-from .coordination import AllReduceSum, AllToAll, Broadcast, Gather, Protocol, dumps, loads
+from .coordination import (
+    AllReduceSum,
+    AllToAll,
+    Broadcast,
+    Gather,
+    Protocol,
+    digest,
+    dumps,
+    fail_together,
+    loads,
+    owner,
+)
 from .errors import ShardingIntegrityError
+from .validation import format_problems
 
-__all__ = ["Agreement", "AgreementCache", "agreement_protocol", "owner_of"]
+__all__ = ["Agreement", "AgreementCache", "agreement_protocol"]
 
 #: problems each owner sends rank 0 at most (the message shows `validation._MAX_REPORTED`)
 _SENT_PROBLEMS = 20
@@ -53,18 +64,13 @@ class Agreement:
     common_differs: bool  # some rank's common state differs from another's
 
 
-def owner_of(key: str, world: int) -> int:
-    """The rank that checks `key` (the same on every rank and in every process)."""
-    return zlib.crc32(key.encode()) % world
-
-
 def records_digest(records: Sequence[ShardRecord]) -> bytes:
     """A digest of one rank's records (in order)."""
-    return hashlib.blake2b(dumps([tuple(r) for r in records]), digest_size=16).digest()
+    return digest([tuple(r) for r in records])
 
 
-def _lanes(rank: int, digest: bytes) -> Tuple[int, ...]:
-    h = hashlib.blake2b(rank.to_bytes(8, "little") + digest, digest_size=16).digest()
+def _lanes(rank: int, records: bytes) -> Tuple[int, ...]:
+    h = hashlib.blake2b(rank.to_bytes(8, "little") + records, digest_size=16).digest()
     return tuple(int.from_bytes(h[i : i + 4], "little") & _LANE for i in range(0, 16, 4))
 
 
@@ -110,15 +116,15 @@ def agreement_protocol(
     # are checked: each kind of them goes to an aggregator of this rank's group of about
     # sqrt(world) ranks, which forwards each kind once, so that a key every rank holds (a
     # layer-stacked one) reaches its owner from ~2 sqrt(world) ranks, not from all of them.
-    group = max(1, math.isqrt(world))
+    group, ranks = max(1, math.isqrt(world)), range(world)
     outgoing: Dict[int, List[Tuple[Any, ...]]] = defaultdict(list)
     kinds = set()
     for rec in records:
         if rec.replica_id == 0:
-            outgoing[owner_of(rec.key, world)].append(("m", rank, *rec))
+            outgoing[owner(rec.key, ranks)].append(("m", rank, *rec))
         elif (rec.kind, rec.key, rec.dtype, rec.global_shape) not in kinds:
             kinds.add((rec.kind, rec.key, rec.dtype, rec.global_shape))
-            outgoing[owner_of(f"{rec.key}#{rank // group}", world)].append(("r", rank, *rec))
+            outgoing[owner(f"{rec.key}#{rank // group}", ranks)].append(("r", rank, *rec))
     received = yield AllToAll({dest: dumps(msgs) for dest, msgs in outgoing.items()})
     mine: List[Tuple[Any, ...]] = []
     forward: Dict[int, Dict[Tuple[Any, ...], Tuple[Any, ...]]] = defaultdict(dict)
@@ -127,7 +133,7 @@ def agreement_protocol(
             if msg[0] == "m":
                 mine.append(msg)
             else:  # as an aggregator: the first rank of each kind, per key owner
-                forward[owner_of(msg[3], world)].setdefault((msg[3], msg[2], msg[4], msg[5]), msg)
+                forward[owner(msg[3], ranks)].setdefault((msg[3], msg[2], msg[4], msg[5]), msg)
     again = yield AllToAll({dest: dumps(list(kinds_.values())) for dest, kinds_ in forward.items()})
     for src in sorted(again):
         mine += loads(again[src])
@@ -136,15 +142,6 @@ def agreement_protocol(
         rec = ShardRecord(*msg[2:])
         by_key[rec.key].append((msg[1], rec))
     problems = [p for key in sorted(by_key) for p in key_problems(key, by_key[key])]
-    (count,) = yield AllReduceSum((len(problems),))
-    if count:
-        from .validation import format_problems
-
-        gathered = yield Gather(dumps(problems[:_SENT_PROBLEMS]))
-        text = ""
-        if gathered is not None:
-            text = format_problems([p for g in gathered for p in loads(g)], count)
-        message = yield Broadcast(dumps(text))
-        raise ShardingIntegrityError(loads(message))
+    yield from fail_together(problems, format_problems, ShardingIntegrityError, sent=_SENT_PROBLEMS)
     cache.local, cache.world = local, world
     return Agreement(agreement.digest, True, agreement.common_differs)

@@ -15,10 +15,13 @@ peer, as any all-to-all must).
 from __future__ import annotations
 
 import gc
+import hashlib
+import io
 import pickle
 import time
+import zlib
 from dataclasses import dataclass, field
-from typing import Any, Dict, Generator, List, Mapping, Sequence, Tuple, TypeVar
+from typing import Any, Callable, Dict, Generator, List, Mapping, Sequence, Tuple, Type, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -33,6 +36,11 @@ __all__ = [
     "Gather",
     "Protocol",
     "SimStats",
+    "digest",
+    "dumps",
+    "fail_together",
+    "loads",
+    "owner",
     "run",
     "simulate",
 ]
@@ -252,16 +260,41 @@ def dumps(obj: Any) -> bytes:
 
 def loads(data: bytes) -> Any:
     """The inverse of `dumps` for messages this module's protocols sent (plain data only)."""
-    return _PlainUnpickler(data).load()
+    return _PlainUnpickler(io.BytesIO(data)).load()
+
+
+def digest(obj: Any) -> bytes:
+    """A 16-byte digest of plain data (as `dumps` serialises it)."""
+    return hashlib.blake2b(dumps(obj), digest_size=16).digest()
 
 
 class _PlainUnpickler(pickle.Unpickler):
     """Refuses every global: messages carry plain data, never code."""
 
-    def __init__(self, data: bytes) -> None:
-        import io
-
-        super().__init__(io.BytesIO(data))
-
     def find_class(self, module: str, name: str) -> Any:
         raise pickle.UnpicklingError(f"coordination messages carry no globals ({module}.{name})")
+
+
+def owner(name: str, ranks: Sequence[int]) -> int:
+    """The rank of `ranks` that handles `name` (a hash: the same in every process)."""
+    return ranks[zlib.crc32(name.encode()) % len(ranks)]
+
+
+def fail_together(
+    problems: Sequence[str],
+    message: Callable[[List[str], int], str],
+    error: Type[Exception],
+    *,
+    lanes: Tuple[int, ...] = (),
+    sent: int = 20,
+) -> Protocol[Tuple[int, ...]]:
+    """Raises `error(message(problems, count))` on every rank if any rank has problems (each
+    sends rank 0 at most `sent`, which rank 0 formats for all); else returns the sums of
+    `lanes` over ranks, carried by the same reduction."""
+    count, *sums = yield AllReduceSum((len(problems), *lanes))
+    if count:
+        gathered = yield Gather(dumps(list(problems[:sent])))
+        text = "" if gathered is None else message([p for g in gathered for p in loads(g)], count)
+        text = yield Broadcast(dumps(text))
+        raise error(loads(text))
+    return tuple(sums)

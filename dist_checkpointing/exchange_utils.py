@@ -1,26 +1,24 @@
 """Who saves or loads each replicated shard within a group, and moving shards between ranks.
 
 Shared by `strategies.fully_parallel` and `tensor_aware_state_dict`: of the ranks holding
-a shard, one does the I/O (`distribute_shards_to_ranks`, pure; `compute_distribution`,
-collective) and `exchange_shards` sends it to the others.
+a shard, one does the I/O (`compute_distribution`, collective) and `exchange_shards` sends
+it to the others.
 """
 
 from __future__ import annotations
 
-import hashlib
 import heapq
 import logging
-import zlib
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 from . import _dist, coordination
 from ._types import ShardedStateDict
-from .coordination import AllReduceSum, AllToAll, Broadcast, Gather, Protocol
+from .coordination import AllToAll, Protocol, digest, fail_together, owner
 from .dict_utils import nested_values
 from .errors import CheckpointingException
 from .mapping import ShardedTensor, is_main_replica
@@ -30,13 +28,12 @@ __all__ = [
     "ShardDistribution",
     "shard_id",
     "group_ranks",
-    "distribute_shards_to_ranks",
+    "shard_sizes",
     "compute_distribution",
     "distribution_protocol",
     "exchange_plan_protocol",
     "exchange_shards",
     "IN_FLIGHT_BYTES",
-    "without_data",
 ]
 
 logger = logging.getLogger(__name__)
@@ -70,26 +67,9 @@ class ShardDistribution:
     group: Tuple[int, ...]
 
 
-def distribute_shards_to_ranks(
-    holders: Mapping[ShardId, Sequence[int]], sizes: Mapping[ShardId, int], ranks: Iterable[int]
-) -> Dict[ShardId, int]:
-    """Assigns each shard to one of its holders, balancing bytes: largest shards first (ties
-    by id), each to the holder with the fewest bytes so far (lowest rank on ties).
-
-    `ranks` lists every rank of the group (each holder among them). Returns shard -> rank.
-    """
-    load = {rank: 0 for rank in ranks}
-    saver: Dict[ShardId, int] = {}
-    for sid in sorted(holders, key=lambda s: (-sizes[s], s)):
-        rank = min(holders[sid], key=lambda r: (load[r], r))
-        saver[sid] = rank
-        load[rank] += sizes[sid]
-    return saver
-
-
 def _balance(sizes: Mapping[ShardId, int], ranks: Sequence[int]) -> Dict[ShardId, int]:
-    """`distribute_shards_to_ranks` where every rank holds every shard, in O(shards x log
-    ranks): the least loaded rank (lowest on ties) is the top of a heap."""
+    """Assigns shards held by every one of `ranks` to one of them, balancing bytes: largest
+    shards first (ties by id), each to the least loaded rank (lowest on ties)."""
     heap = [(0, rank) for rank in sorted(ranks)]
     saver: Dict[ShardId, int] = {}
     for sid in sorted(sizes, key=lambda s: (-sizes[s], s)):
@@ -99,11 +79,14 @@ def _balance(sizes: Mapping[ShardId, int], ranks: Sequence[int]) -> Dict[ShardId
     return saver
 
 
-def without_data(sh: ShardedTensor) -> ShardedTensor:
-    """`sh.without_data()`, typed as a ShardedTensor."""
-    out = sh.without_data()
-    assert isinstance(out, ShardedTensor)
-    return out
+def shard_sizes(sharded: ShardedStateDict) -> Dict[ShardId, Tuple[int, bool]]:
+    """What `compute_distribution` balances: for each ShardedTensor with data, shard id ->
+    (bytes, whether this rank holds its main replica)."""
+    return {
+        shard_id(sh): (sh.data.numel() * sh.data.element_size(), is_main_replica(sh.replica_id))
+        for sh in nested_values(sharded)
+        if isinstance(sh, ShardedTensor) and sh.data is not None
+    }
 
 
 def compute_distribution(
@@ -118,35 +101,20 @@ def compute_distribution(
         CheckpointingException: ranks of the group disagree on its membership.
     """
     ranks = group_ranks(group)
-    mine = {
-        shard_id(sh): (sh.data.numel() * sh.data.element_size(), is_main_replica(sh.replica_id))
-        for sh in nested_values(sharded)
-        if isinstance(sh, ShardedTensor) and sh.data is not None
-    }
+    mine = shard_sizes(sharded)
     protocol = distribution_protocol(_dist.get_rank(), ranks, mine, only_main_replicas)
     return ShardDistribution(coordination.run(protocol), ranks)
-
-
-def _owner(sid: ShardId, ranks: Sequence[int]) -> int:
-    return ranks[zlib.crc32(repr(sid).encode()) % len(ranks)]
-
-
-def _digest(obj: Any) -> bytes:
-    return hashlib.blake2b(coordination.dumps(obj), digest_size=16).digest()
 
 
 def _fail_together(
     problems: List[str], what: str, lanes: Tuple[int, ...] = ()
 ) -> Protocol[Tuple[int, ...]]:
-    """Raises `CheckpointingException` on every rank if any rank has problems; else returns
-    the sums of `lanes` over ranks (carried by the same reduction)."""
-    count, *sums = yield AllReduceSum((len(problems), *lanes))
-    if count:
-        gathered = yield Gather(coordination.dumps(problems[:4]))
-        lines = [p for g in gathered or [] for p in coordination.loads(g)]
-        text = yield Broadcast(coordination.dumps("; ".join(lines)))
-        raise CheckpointingException(f"{what}: {coordination.loads(text)} ({count} in all)")
-    return tuple(sums)
+    """`fail_together` raising `CheckpointingException("<what>: <problems> (<n> in all)")`."""
+
+    def message(lines: List[str], count: int) -> str:
+        return f"{what}: {'; '.join(lines)} ({count} in all)"
+
+    return fail_together(problems, message, CheckpointingException, lanes=lanes, sent=4)
 
 
 def distribution_protocol(
@@ -163,8 +131,7 @@ def distribution_protocol(
        whose members hold different shards are summed.
     2. Every member of a group holds the same shards (the usual case): the leader returns the
        shards with a main replica in the group and each rank balances its own shards over
-       the group (as `distribute_shards_to_ranks` does): the same inputs on every member, so the
-       same result.
+       the group: the same inputs on every member, so the same result.
     3. Otherwise each shard's record goes to an owner in the group (a hash of its id), which
        returns its holders; a rank balances each set of shards with the same holders over
        those holders, all of whom hold all of them.
@@ -180,10 +147,10 @@ def distribution_protocol(
         shard id -> the rank that saves (or loads) it, for this rank's shards.
     """
     group = tuple(sorted(group))
-    leader, gdigest = group[0], _digest(group)
+    leader, gdigest = group[0], digest(group)
     sizes = sorted((sid, n) for sid, (n, _) in shards.items())
     mains = sorted(sid for sid, (_, main) in shards.items() if main)
-    received = yield AllToAll({leader: coordination.dumps((gdigest, _digest(sizes), mains))})
+    received = yield AllToAll({leader: coordination.dumps((gdigest, digest(sizes), mains))})
     problems: List[str] = []
     uniform, has_main = 1, []
     if rank == leader:
@@ -197,8 +164,9 @@ def distribution_protocol(
             )
         uniform = int(len({m[1] for m in members.values()}) == 1)
         has_main = sorted({sid for m in members.values() for sid in m[2]})
-    what = "fully parallel shard distribution"
-    (split,) = yield from _fail_together(problems, what, (int(not uniform),))
+    (split,) = yield from _fail_together(
+        problems, "fully parallel shard distribution", (int(not uniform),)
+    )
     if not split:
         reply = coordination.dumps(has_main)
         got = yield AllToAll({r: reply for r in group} if rank == leader else {})
@@ -207,7 +175,7 @@ def distribution_protocol(
         return _balance(keep, group)
     out: Dict[int, List[Any]] = defaultdict(list)
     for sid, (n, main) in shards.items():
-        out[_owner(sid, group)].append((sid, n, main))
+        out[owner(repr(sid), group)].append((sid, n, main))
     received = yield AllToAll({d: coordination.dumps(m) for d, m in out.items()})
     holders: Dict[ShardId, List[Tuple[int, int, bool]]] = defaultdict(list)
     for src, msg in received.items():
@@ -253,9 +221,9 @@ def exchange_plan_protocol(
     """
     out: Dict[int, List[Any]] = defaultdict(list)
     for sid, meta in have.items():
-        out[_owner(sid, range(world))].append((sid, meta))
+        out[owner(repr(sid), range(world))].append((sid, meta))
     for sid in need:
-        out[_owner(sid, range(world))].append((sid, None))
+        out[owner(repr(sid), range(world))].append((sid, None))
     received = yield AllToAll({d: coordination.dumps(m) for d, m in out.items()})
     source: Dict[ShardId, Tuple[int, Any]] = {}
     wanted: Dict[ShardId, List[int]] = defaultdict(list)
@@ -339,16 +307,16 @@ def exchange_shards(
                 t = tensors[sid]
                 assert t is not None
                 host[sid] = t.detach().to("cpu").contiguous()
-            with _dist._collective("shard exchange"):
-                pending.append(_posted(dist.isend(host[sid], dst=dst, group=group)))
-            nbytes = host[sid].numel() * host[sid].element_size()
-            moved += nbytes
+            buf, post, peer = host[sid], dist.isend, dst
+            moved += buf.numel() * buf.element_size()
         else:
-            received[sid] = _receive_buffer(into.get(sid), shape, getattr(torch, dtype))
-            with _dist._collective("shard exchange"):
-                pending.append(_posted(dist.irecv(received[sid], src=src, group=group)))
-            nbytes = received[sid].numel() * received[sid].element_size()
-        in_flight += nbytes
+            buf = received[sid] = _receive_buffer(into.get(sid), shape, getattr(torch, dtype))
+            post, peer = dist.irecv, src
+        with _dist._collective("shard exchange"):
+            work = post(buf, peer, group=group)
+        assert work is not None  # None only on ranks outside the group, never here
+        pending.append(work)
+        in_flight += buf.numel() * buf.element_size()
         if in_flight >= IN_FLIGHT_BYTES:
             finish_window()
             in_flight = 0
@@ -372,9 +340,3 @@ def _receive_buffer(
     ):
         return destination.detach()
     return torch.empty(shape, dtype=dtype)
-
-
-def _posted(work: Optional[dist.Work]) -> dist.Work:
-    """A point-to-point handle (None only for ranks outside the group, never here)."""
-    assert work is not None
-    return work

@@ -10,7 +10,6 @@ checkpoint without `checksums.json` (megatron-core, stock DCP) loads unverified.
 from __future__ import annotations
 
 import json
-import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,8 +37,6 @@ __all__ = [
     "SUMS_SUFFIX",
     "write_item_sums",
 ]
-
-logger = logging.getLogger(__name__)
 
 CHECKSUMS_FNAME = "checksums.json"
 ALGORITHM = "xxh3_64"

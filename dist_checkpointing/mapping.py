@@ -1,22 +1,23 @@
 """The sharded state dict data model: nested dicts/lists whose leaves are `ShardedTensor`,
 `ShardedObject`, `ShardedTensorFactory`, `LocalNonpersistentObject`, or anything else
-("common" state, written once by rank 0). Classes validate their metadata at construction.
-
-Over 400 lines: the leaf classes stay in one module because pickled checkpoints and
-megatron's code name them by this module's path.
+("common" state, written once by rank 0). Classes validate their metadata at construction
+(`_shard_checks`); pickled checkpoints and megatron's code name them by this module's path.
 """
 
 from __future__ import annotations
 
-import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, List, Optional, Tuple, Union
 
 import torch
 
-from ._paths import check_key_is_safe_relative_path
-from ._shard_checks import as_int_tuple, check_replica_id, check_sharded_tensor
+from ._shard_checks import (
+    check_flat_data,
+    check_sharded_object,
+    check_sharded_tensor,
+    grid_of_rank_offsets,
+)
 from ._types import ReplicaId, ShardedStateDict, StateDict
 from .dict_utils import dict_list_map_inplace
 from .errors import CheckpointingException
@@ -34,8 +35,6 @@ __all__ = [
     "apply_factories",
     "apply_factory_merges",
 ]
-
-logger = logging.getLogger(__name__)
 
 
 def is_main_replica(replica_id: ReplicaId) -> bool:
@@ -61,7 +60,8 @@ class ShardedBase(ABC):
 
 @dataclass
 class ShardedTensor(ShardedBase):
-    """This rank's piece of a global tensor.
+    """This rank's piece of a global tensor (construction raises `CheckpointingException` on
+    metadata that is not a valid piece).
 
     Attributes:
         key: unique name of the global tensor.
@@ -77,9 +77,6 @@ class ShardedTensor(ShardedBase):
             the rest is zeros; e.g. padded vocabularies).
         flattened_range: for a flat shard (megatron-core <= 0.13's distributed optimizer),
             the slice of the row-major flattened local piece that `data` holds.
-
-    Raises:
-        CheckpointingException: at construction, on metadata that is not a valid piece.
     """
 
     key: str
@@ -132,8 +129,8 @@ class ShardedTensor(ShardedBase):
         return tuple(out)
 
     def max_allowed_chunks(self) -> Tuple[int, ...]:
-        """Global size / fragmentation along each axis (raises without a regular grid or
-        when an axis does not divide evenly, unless `allow_shape_mismatch`)."""
+        """Global size / fragmentation along each axis (raises off a regular grid or where an
+        axis does not divide, unless `allow_shape_mismatch`)."""
         if self.axis_fragmentations is None:
             raise CheckpointingException(f"{self.key!r} has no axis_fragmentations")
         out = []
@@ -162,12 +159,9 @@ class ShardedTensor(ShardedBase):
             self.data = data
 
     def narrow(self, dim: int, start: int, length: int) -> List[ShardedTensor]:
-        """Narrows the local tensor along local axis `dim` on every rank, like `torch.narrow`
-        (the global tensor shrinks proportionally); returns a one-element list.
-
-        Raises:
-            CheckpointingException: if the sharding along `dim` is not a regular grid.
-        """
+        """`torch.narrow` of the local tensor on local axis `dim` (every rank alike, so the
+        global tensor shrinks in proportion); a one-element list. Raises
+        `CheckpointingException` off a regular grid along `dim`."""
         if self.data is None:
             raise CheckpointingException(f"Cannot narrow {self.key!r} without data")
         if self.flattened_range is not None:
@@ -180,20 +174,11 @@ class ShardedTensor(ShardedBase):
                 f"narrow of {self.key!r} needs a regular grid on axis {dim}: global {glob}, "
                 f"offset {off}, local {local}"
             )
-        new_data = self.data.narrow(dim, start, length)
-        shape = list(self.global_shape)
-        offset = list(self.global_offset)
-        shape[gdim] = glob // local * length
-        offset[gdim] = off // local * length
-        return [
-            replace(
-                self,
-                data=new_data,
-                local_shape=tuple(new_data.shape),
-                global_shape=tuple(shape),
-                global_offset=tuple(offset),
-            )
-        ]
+        data = self.data.narrow(dim, start, length)
+        shape, offset = list(self.global_shape), list(self.global_offset)
+        shape[gdim], offset[gdim] = glob // local * length, off // local * length
+        geometry = {"global_shape": tuple(shape), "global_offset": tuple(offset)}
+        return [replace(self, data=data, local_shape=tuple(data.shape), **geometry)]
 
     @classmethod
     def from_rank_offsets(
@@ -209,17 +194,14 @@ class ShardedTensor(ShardedBase):
         """Builds a ShardedTensor on a regular grid from per-axis rank positions.
 
         Args:
-            key: unique name of the global tensor.
-            data: the local tensor.
-            *rank_offsets: `(axis, axis_rank_offset, axis_fragmentations)` triples: along
-                global `axis` the tensor is split in `axis_fragmentations` equal pieces and
-                `data` is piece number `axis_rank_offset`.
+            key, data: the global tensor's name and the local tensor.
+            *rank_offsets: `(axis, axis_rank_offset, axis_fragmentations)`: along global
+                `axis`, `data` is piece `axis_rank_offset` of `axis_fragmentations` equal ones.
             replica_id, prepend_axis_num, allow_shape_mismatch: see `ShardedTensor`.
             flattened_range: must be None (flat shards: `from_rank_offsets_flat`).
 
         Raises:
-            CheckpointingException: on an invalid or repeated axis, or a position outside
-                `[0, axis_fragmentations)`.
+            CheckpointingException: an invalid or repeated axis, or a position out of range.
         """
         if flattened_range is not None:
             raise CheckpointingException(
@@ -228,30 +210,10 @@ class ShardedTensor(ShardedBase):
             )
         if not isinstance(data, torch.Tensor):
             raise CheckpointingException(f"data of {key!r} must be a torch.Tensor")
-        ndim = data.ndim + prepend_axis_num
-        global_offset = [0] * ndim
-        global_shape = [1] * prepend_axis_num + list(data.shape)
-        fragmentations = [1] * ndim
-        seen = set()
-        for triple in rank_offsets:
-            if len(triple) != 3:
-                raise CheckpointingException(
-                    f"rank offset {triple!r} of {key!r} must be (axis, axis_rank_offset, "
-                    "axis_fragmentations)"
-                )
-            axis, pos, fragm = (int(v) for v in triple)
-            if not 0 <= axis < ndim or fragm < 1 or not 0 <= pos < fragm or axis in seen:
-                raise CheckpointingException(
-                    f"Invalid rank offsets {rank_offsets} for {key!r} (global ndim {ndim})"
-                )
-            seen.add(axis)
-            local = 1 if axis < prepend_axis_num else data.shape[axis - prepend_axis_num]
-            global_shape[axis] = local * fragm
-            global_offset[axis] = local * pos
-            fragmentations[axis] = fragm
-        shapes = tuple(data.shape), tuple(global_shape), tuple(global_offset), tuple(fragmentations)
+        local = tuple(data.shape)
+        grid = grid_of_rank_offsets(key, local, prepend_axis_num, rank_offsets)
         return cls(
-            key, data, data.dtype, *shapes, replica_id, prepend_axis_num, allow_shape_mismatch
+            key, data, data.dtype, local, *grid, replica_id, prepend_axis_num, allow_shape_mismatch
         )
 
     @classmethod
@@ -266,16 +228,9 @@ class ShardedTensor(ShardedBase):
         prepend_axis_num: int = 0,
         allow_shape_mismatch: bool = False,
     ) -> ShardedTensor:
-        """Builds a flat shard: `data` is `flattened_range` of this rank's flattened grid piece
-        (of shape `non_flat_local_shape`, placed by `rank_offsets`), as megatron-core <= 0.13.
-
-        Args:
-            key: unique name of the global tensor.
-            data: the 1-D local data, `flattened_range.stop - flattened_range.start` long.
-            non_flat_local_shape: shape of the whole grid piece.
-            *rank_offsets: `(axis, axis_rank_offset, axis_fragmentations)` triples.
-            flattened_range: the slice of the flattened piece held here (required).
-            replica_id, prepend_axis_num, allow_shape_mismatch: see `ShardedTensor`.
+        """Builds a flat shard (megatron-core <= 0.13): `data`, 1-D, is the `flattened_range`
+        (required) of this rank's flattened grid piece of shape `non_flat_local_shape`,
+        placed by `rank_offsets` as in `from_rank_offsets`.
 
         Raises:
             CheckpointingException: without `flattened_range`, on data that is not 1-D of
@@ -286,26 +241,11 @@ class ShardedTensor(ShardedBase):
                 f"Cannot instantiate a non-flat ShardedTensor {key!r} with "
                 "`from_rank_offsets_flat`; use `from_rank_offsets`"
             )
-        if not isinstance(data, torch.Tensor) or data.ndim != 1:
-            raise CheckpointingException(
-                f"A flat ShardedTensor {key!r} needs 1-D data, got "
-                f"{tuple(data.shape) if isinstance(data, torch.Tensor) else type(data).__name__}"
-            )
-        if (flattened_range.stop or 0) - (flattened_range.start or 0) != data.numel():
-            raise CheckpointingException(
-                f"Flat ShardedTensor {key!r}: data length {data.numel()} differs from the "
-                f"flattened_range length {flattened_range}"
-            )
-        meta = torch.empty(tuple(non_flat_local_shape), dtype=data.dtype, device="meta")
-        grid = cls.from_rank_offsets(
-            key,
-            meta,
-            *rank_offsets,
-            replica_id=replica_id,
-            prepend_axis_num=prepend_axis_num,
-            allow_shape_mismatch=allow_shape_mismatch,
-        )
-        return replace(grid, data=data, flattened_range=flattened_range)
+        check_flat_data(key, data, flattened_range)
+        local = tuple(non_flat_local_shape)
+        grid = grid_of_rank_offsets(key, local, prepend_axis_num, rank_offsets)
+        meta = (replica_id, prepend_axis_num, allow_shape_mismatch, flattened_range)
+        return cls(key, data, data.dtype, local, *grid, *meta)
 
     def __str__(self) -> str:
         flat = "" if self.flattened_range is None else f", flattened_range={self.flattened_range}"
@@ -318,17 +258,14 @@ class ShardedTensor(ShardedBase):
 
 @dataclass
 class ShardedObject(ShardedBase):
-    """This rank's piece of a global grid of picklable objects (not reshardable).
+    """This rank's piece of a global grid of picklable objects (not reshardable;
+    construction raises `CheckpointingException` on an unsafe key or inconsistent metadata).
 
     Attributes:
         key: name of the global object; a safe relative path ('/'-separated, no '..').
         data: the local object, or None for metadata-only instances.
-        global_shape: shape of the grid of pieces.
-        global_offset: position of this piece in the grid.
+        global_shape, global_offset: shape of the grid of pieces; this piece's position.
         replica_id: which copy this is; only main replicas are saved.
-
-    Raises:
-        CheckpointingException: at construction, on an unsafe key or inconsistent metadata.
     """
 
     key: str
@@ -342,20 +279,7 @@ class ShardedObject(ShardedBase):
 
     def validate_metadata_integrity(self) -> None:
         """Raises `CheckpointingException` on an unsafe key or an offset outside the grid."""
-        check_key_is_safe_relative_path(self.key, "ShardedObject key")
-        self.global_shape = as_int_tuple(self.global_shape, "global_shape", self.key)
-        self.global_offset = as_int_tuple(self.global_offset, "global_offset", self.key)
-        self.replica_id = check_replica_id(self.replica_id, self.key)
-        if len(self.global_shape) != len(self.global_offset):
-            raise CheckpointingException(
-                f"global_offset {self.global_offset} and global_shape {self.global_shape} of "
-                f"{self.key!r} have different lengths"
-            )
-        if any(o >= s for o, s in zip(self.global_offset, self.global_shape)):
-            raise CheckpointingException(
-                f"global_offset {self.global_offset} of {self.key!r} lies outside "
-                f"global_shape {self.global_shape}"
-            )
+        check_sharded_object(self)
 
     @property
     def unique_key(self) -> str:
@@ -370,11 +294,8 @@ class ShardedObject(ShardedBase):
 
     @classmethod
     def empty_from_unique_key(cls, unique_key: str, replica_id: ReplicaId = 0) -> ShardedObject:
-        """Parses a `unique_key` back into a metadata-only ShardedObject.
-
-        Raises:
-            CheckpointingException: if it is not `<key>/shard_<offset>_<shape>`.
-        """
+        """Parses a `unique_key` back into a metadata-only ShardedObject (raises
+        `CheckpointingException` if it is not `<key>/shard_<offset>_<shape>`)."""
         try:
             key, shard = unique_key.rsplit("/", 1)
             tag, offset_s, shape_s = shard.split("_")
@@ -446,16 +367,9 @@ def apply_factories(sharded_state_dict: ShardedStateDict) -> None:
 
 
 def apply_factory_merges(x1: Any, x2: Any, key: Tuple[Any, ...] = ()) -> Any:
-    """Merges loaded sub-state-dicts back into tensors, following the factories in `x2`.
-
-    Args:
-        x1: the loaded state dict (modified in place and returned).
-        x2: a tree with the structure of (part of) `x1` holding the original factories.
-        key: key path of `x1` in the enclosing tree (for error messages).
-
-    Raises:
-        CheckpointingException: when the trees do not line up.
-    """
+    """Merges the loaded sub-state-dicts in `x1` (in place; returned) back into tensors,
+    following the factories in `x2`, a tree shaped like (part of) `x1`; `key` is the key
+    path of `x1`, for messages. Raises `CheckpointingException` if the trees do not line up."""
     if isinstance(x2, ShardedTensorFactory):
         return x2.merge_fn(x1)
     if isinstance(x1, dict) and isinstance(x2, dict):

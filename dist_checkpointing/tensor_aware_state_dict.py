@@ -12,7 +12,6 @@ The bridge from this package's sharded state dicts to `local/`'s `TensorAwareSta
 from __future__ import annotations
 
 import copy
-import logging
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 
@@ -30,7 +29,6 @@ from .exchange_utils import (
     exchange_shards,
     group_ranks,
     shard_id,
-    without_data,
 )
 from .local.base_state_dict import TensorAwareStateDict, allow_in_hollow_state
 from .local.basic_state_dict import _usable_device
@@ -38,8 +36,6 @@ from .mapping import ShardedBase, ShardedObject, ShardedTensor, apply_factory_me
 from .validation import StrictHandling, parse_strict_flag
 
 __all__ = ["MCoreTensorAwareStateDict", "ShardDistribution"]
-
-logger = logging.getLogger(__name__)
 
 ALGOS = ("atomic", "fully_parallel")
 
@@ -120,7 +116,7 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
                         "structure changed since it was computed; pass cached_metadata=None"
                     )
                 if distribution.saver[sid] != me:
-                    return without_data(x)
+                    return x.without_data()
             return copy.copy(x) if isinstance(x, (ShardedTensor, ShardedObject)) else x
 
         sharded = dict_list_map_outplace(own_leaf, sharded)

@@ -3,7 +3,6 @@ megatron-core's names and signatures (`megatron.core.dist_checkpointing.utils`).
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 from ._types import ShardedStateDict, StateDict
@@ -28,8 +27,6 @@ __all__ = [
     "replace_prefix_for_sharding",
     "apply_prefix_mapping",
 ]
-
-logger = logging.getLogger(__name__)
 
 #: The leaves whose key the renaming helpers rewrite.
 _KEYED = (ShardedTensor, ShardedTensorFactory, ShardedObject)

@@ -4,7 +4,6 @@ the distributed check a save runs is `_sharding_agreement`."""
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections import defaultdict
 from enum import Enum
@@ -22,7 +21,7 @@ from ._sharding_records import ShardRecord, key_problems, record_of
 from ._types import ShardedStateDict
 from .dict_utils import dict_list_map_outplace, extract_matching_values, nested_values
 from .errors import KeyMismatchError, ShardingIntegrityError, close_matches
-from .mapping import ShardedBase, ShardedObject, ShardedTensor
+from .mapping import ShardedBase, ShardedObject
 from .megatron_compat import convert_object, convert_sharded_state_dict
 
 __all__ = [
@@ -30,7 +29,6 @@ __all__ = [
     "parse_strict_flag",
     "determine_global_metadata",
     "validate_sharding_integrity",
-    "metadata_fingerprint",
     "find_sharding_problems",
     "validate_integrity_and_strict_load",
     "determine_missing_and_unexpected_keys",
@@ -162,29 +160,6 @@ def validate_sharding_integrity(
     problems = find_sharding_problems(global_metadata)
     if problems:
         raise ShardingIntegrityError(format_problems(problems))
-
-
-def metadata_fingerprint(local_metadata: LocalMetadata) -> str:
-    """A digest of a rank's shard geometry (keys, shapes, offsets, dtypes, replica ids)."""
-    h = hashlib.blake2b(digest_size=16)
-    for sh in local_metadata:
-        if isinstance(sh, ShardedTensor):
-            desc: tuple = (
-                "t",
-                sh.key,
-                str(sh.dtype),
-                sh.local_shape,
-                sh.global_shape,
-                sh.global_offset,
-                sh.replica_id,
-                sh.prepend_axis_num,
-            )
-        elif isinstance(sh, ShardedObject):
-            desc = ("o", sh.unique_key, sh.replica_id)
-        else:
-            desc = (type(sh).__name__, sh.key, sh.replica_id)
-        h.update(repr(desc).encode())
-    return h.hexdigest()
 
 
 def _sharded_key(sh: ShardedBase) -> str:

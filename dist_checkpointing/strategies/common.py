@@ -4,7 +4,6 @@ sharded backends that don't store them) go to `<ckpt>/<key>/shard_<offset>_<shap
 from __future__ import annotations
 
 import io
-import logging
 from pathlib import Path
 from typing import Any, Callable, List, Optional, Tuple
 
@@ -36,8 +35,6 @@ __all__ = [
     "TorchCommonLoadStrategy",
     "register_default_common_strategies",
 ]
-
-logger = logging.getLogger(__name__)
 
 COMMON_STATE_FNAME = "common.pt"
 #: megatron-core >= 0.17 stores the common state as this ShardedObject in the DCP files.

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from .. import _dist
 from .._types import ShardedStateDict, StateDict
+from ..coordination import digest
 from ..dict_utils import dict_list_map_inplace, extract_matching_values, merge, nested_values
 from ..errors import CheckpointingException
 from ..exchange_utils import (
@@ -25,9 +26,9 @@ from ..exchange_utils import (
     compute_distribution,
     exchange_shards,
     shard_id,
+    shard_sizes,
 )
 from ..mapping import ShardedTensor
-from ..validation import metadata_fingerprint
 from .async_utils import AsyncRequest
 from .base import (
     AsyncSaveShardedStrategy,
@@ -48,12 +49,12 @@ EXCHANGE_ALGOS = ("broadcast", "gather_rounds", "gather_object")
 
 
 class _DistributionCache:
-    """A distribution reused while every rank's shard structure stays the same (agreed on
+    """A distribution reused while no rank's input to it (`shard_sizes`) changes (agreed on
     by all ranks, so they recompute together)."""
 
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
-        self.fingerprint: Optional[str] = None
+        self.fingerprint: Optional[bytes] = None
         self.distribution: Optional[ShardDistribution] = None
 
     def get(
@@ -63,15 +64,9 @@ class _DistributionCache:
         only_main_replicas: bool,
     ) -> ShardDistribution:
         """Collective: the cached distribution, or a fresh one (then cached)."""
-        fingerprint = ""
+        fingerprint = b""
         if self.enabled:
-            fingerprint = metadata_fingerprint(
-                [
-                    sh.without_data()
-                    for sh in nested_values(sharded)
-                    if isinstance(sh, ShardedTensor)
-                ]
-            )
+            fingerprint = digest(sorted(shard_sizes(sharded).items()))
             fresh = fingerprint == self.fingerprint and self.distribution is not None
             if not _dist.all_reduce_max([int(not fresh)])[0]:
                 assert self.distribution is not None
