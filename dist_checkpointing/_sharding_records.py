@@ -32,8 +32,8 @@ class ShardRecord(NamedTuple):
     @property
     def unique_key(self) -> str:
         """An object's key with its grid position (as `ShardedObject.unique_key`)."""
-        loc = "_".join(str(x) for x in self.global_offset)
-        glob = "_".join(str(x) for x in self.global_shape)
+        loc = ".".join(map(str, self.global_offset))
+        glob = ".".join(map(str, self.global_shape))
         return f"{self.key}/shard_{loc}_{glob}"
 
 

@@ -89,6 +89,17 @@ def test_a_gap_and_a_duplicate_object_are_reported():
     assert "Duplicate ShardedObject keys" in msg and "rng/shard_2_8" in msg
 
 
+def test_a_duplicate_object_on_a_2d_grid_is_named_as_its_unique_key():
+    from dist_checkpointing import ShardedObject
+
+    world = 4
+    records = [[ShardRecord("o", "rng", "", (2, 2), (r // 2, r % 2), (), 0)] for r in range(world)]
+    records[3] = [records[3][0]._replace(global_offset=(1, 0))]  # rank 3 claims rank 2's place
+    got, _ = run_all(records, [AgreementCache() for _ in range(world)])
+    name = ShardedObject("rng", None, (2, 2), (1, 0)).unique_key
+    assert all(name in str(e) for e in got), (name, str(got[0]))
+
+
 def test_a_preparation_failure_on_one_rank_raises_on_every_rank():
     world = 8
     records = grid_records(world)
