@@ -83,7 +83,8 @@ class _MemorySink:
         self.buffer.numpy()[offset : offset + data.size] = data
 
     def close(self) -> None:
-        image = LocalImage(self.ckpt_id, self.buffer, [], 0, 0, finished=True)
+        flat = self.buffer.numpy()
+        image = LocalImage(self.ckpt_id, self.buffer, [], 0, 0, [], flat, finished=True)
         self.manager._save_image(image, self.ckpt_id)
 
     def abort(self) -> None:
