@@ -28,12 +28,7 @@ logger = logging.getLogger(__name__)
 
 def _is_main_test(test: ast.expr) -> bool:
     """Whether `test` is `__name__ == "__main__"` (either way round)."""
-    if not (isinstance(test, ast.Compare) and [type(op) for op in test.ops] == [ast.Eq]):
-        return False
-    sides = [test.left, test.comparators[0]]
-    names = [s.id for s in sides if isinstance(s, ast.Name)]
-    consts = [s.value for s in sides if isinstance(s, ast.Constant)]
-    return names == ["__name__"] and consts == ["__main__"]
+    return ast.unparse(test) in ("__name__ == '__main__'", "'__main__' == __name__")
 
 
 def check_main_guard() -> None:
@@ -93,6 +88,12 @@ def _lower_priority(niceness: int) -> None:
             os.nice(niceness)
         except OSError as e:
             logger.debug("could not lower writer priority: %s", e)
+
+
+def _died(proc: Any, what: str = "background writer") -> CallStatus:
+    """The status of a call whose writer process `proc` ended without reporting it."""
+    proc.join()
+    return (CallState.FAILED, f"{what} (pid {proc.pid}) died with exit code {proc.exitcode}")
 
 
 def _temporal_child(
@@ -159,13 +160,6 @@ class TemporalAsyncCaller(AsyncCaller):
         call.forked_at = time.monotonic()
         call.attempts += 1
 
-    def _died(self, call: _Fork) -> CallStatus:
-        call.proc.join()
-        return (
-            CallState.FAILED,
-            f"background writer (pid {call.proc.pid}) died with exit code {call.proc.exitcode}",
-        )
-
     def _await_start(self, call_idx: int, call: _Fork, block: bool) -> Optional[CallStatus]:
         """Waits for the writer to start (re-forking a stuck one); a status unless it started."""
         while not call.started:
@@ -174,7 +168,7 @@ class TemporalAsyncCaller(AsyncCaller):
                 try:
                     call.recv.recv()
                 except EOFError:
-                    return self._died(call)
+                    return _died(call.proc)
                 call.started = True
                 return None
             if time.monotonic() < deadline:  # still within its time to start
@@ -208,11 +202,11 @@ class TemporalAsyncCaller(AsyncCaller):
                 return (CallState.RUNNING, None)
             call.proc.join()
             if not call.recv.poll(0):
-                return self._finish(call_idx, self._died(call))
+                return self._finish(call_idx, _died(call.proc))
         try:
             status = call.recv.recv()
         except EOFError:
-            status = self._died(call)
+            status = _died(call.proc)
         return self._finish(call_idx, status)
 
     def _finish(self, call_idx: int, status: CallStatus) -> CallStatus:
@@ -304,12 +298,8 @@ class PersistentAsyncCaller(AsyncCaller):
                 self._drain(None)  # a result may have arrived just before the exit
                 if call_idx in self._done:
                     break
-                code = self._proc.exitcode
-                for idx in self._pending:
-                    self._done[idx] = (
-                        CallState.FAILED,
-                        f"persistent async worker (pid {self._proc.pid}) died with exit code {code}",
-                    )
+                died = _died(self._proc, "persistent async worker")
+                self._done.update((idx, died) for idx in self._pending)
                 self._pending.clear()
                 break
             if not block:

@@ -1,11 +1,4 @@
-"""`AsyncCallsQueue`: schedules async requests and finalizes them once every rank is done.
-
-Every rank schedules its `AsyncRequest` (a caller runs its `async_fn` in another process,
-or the queue watches its future), then calls `maybe_finalize_async_calls` the same number of
-times. A call is finalized once it finished on every rank: its finalize functions run in
-order on every rank. A failure on any rank raises `AsyncSaveError` on every rank and drops
-the call (nothing is committed); the queue keeps working.
-"""
+"""`AsyncCallsQueue`: schedules async requests and finalizes them once every rank is done."""
 
 from __future__ import annotations
 
@@ -140,13 +133,10 @@ class AsyncCallsQueue:
         while self._calls:
             call = self._calls[0]
             state, payload = call.poll(blocking)
-            running, failed_here = state is CallState.RUNNING, state is CallState.FAILED
-            if no_dist:
-                any_running, any_failed = running, failed_here
-            else:  # one small all-reduce per poll; messages are exchanged only on failure
-                any_running, any_failed = (
-                    bool(v) for v in _dist.all_reduce_max([int(running), int(failed_here)])
-                )
+            failed_here = state is CallState.FAILED
+            flags = [int(state is CallState.RUNNING), int(failed_here)]
+            # one small all-reduce per poll; messages are exchanged only on failure
+            any_running, any_failed = flags if no_dist else _dist.all_reduce_max(flags)
             if any_running:
                 break
             self._calls.popleft()

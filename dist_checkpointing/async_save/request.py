@@ -1,9 +1,5 @@
-"""`AsyncRequest`: one save's background work and its collective finalization.
-
-The work is a function run in another process (`async_fn`) or a future for work already
-running in this process's threads (`from_future`). Requests change only through their
-methods, and only until `AsyncCallsQueue` schedules them.
-"""
+"""`AsyncRequest`: one save's background work (in another process, or a future in this
+one's threads) and its collective finalization; it changes only until it is scheduled."""
 
 from __future__ import annotations
 
@@ -97,9 +93,8 @@ class AsyncRequest:
         description: str = "",
     ) -> AsyncRequest:
         """A request for work already running in this process's threads: the queue polls
-        `future`; its result becomes `result`, its exception fails the call on every rank.
-        The other arguments are as the attributes.
-        """
+        `future`; its result becomes `result`, its exception fails the call on every rank
+        (the other arguments are as the attributes)."""
         cleanup = list(cleanup_fns or [])
         return cls(None, (), finalize_fns, None, cleanup, description=description, future=future)
 

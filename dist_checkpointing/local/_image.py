@@ -9,6 +9,7 @@ import io
 import struct
 import threading
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any, List, Optional, Tuple
 
 import numpy as np
@@ -49,13 +50,9 @@ def _aligned(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
-@dataclass(frozen=True)
-class _Layout:
-    size: int
-
-    @property
-    def signature(self) -> Tuple[Any, ...]:
-        return ("local", self.size)
+def _layout(size: int) -> Any:
+    """What `ImagePool` keys a buffer of `size` bytes by."""
+    return SimpleNamespace(size=size, signature=("local", size))
 
 
 def load_header(data: bytes, what: str, weights_only: bool = True) -> Any:
@@ -66,31 +63,28 @@ def load_header(data: bytes, what: str, weights_only: bool = True) -> Any:
 
 @dataclass
 class LocalImage:
-    """A local checkpoint part: staged in one host `buffer`, or (unstaged) the tensors' own
-    memory (`sources`) plus the header, checksum table and footer (`tail`)."""
+    """A local checkpoint part: the bytes of its tensors (`sources`) and its header, checksum
+    table and footer (`tail`), all staged in one host `buffer` or (unstaged) `sources` being
+    the tensors' own memory."""
 
     ckpt_id: Tuple[Any, ...]
     buffer: Optional[torch.Tensor]  # uint8, 1-D, the whole image; None when unstaged
     slots: List[Tuple[int, int]]  # (offset, nbytes) per tensor
     header_offset: int
     header_len: int
+    sources: List[np.ndarray]  # per tensor, its bytes
+    tail: np.ndarray  # header + table + footer
     finished: bool = False
-    sources: Optional[List[np.ndarray]] = None  # per tensor, its bytes (unstaged only)
-    tail: Optional[np.ndarray] = None  # header + table + footer (unstaged only)
     pooled: Optional[torch.Tensor] = None  # the pool buffer behind `buffer`
 
     @property
     def nbytes(self) -> int:
-        if self.buffer is not None:
-            return int(self.buffer.numel())
-        assert self.tail is not None
         return self.header_offset + int(self.tail.size)
 
     def segments(self) -> List[np.ndarray]:
         """The image's bytes as consecutive flat uint8 arrays."""
         if self.buffer is not None:
             return [self.buffer.numpy()]
-        assert self.sources is not None and self.tail is not None
         out: List[np.ndarray] = []
         for (off, n), src in zip(self.slots, self.sources):
             out.append(src)
@@ -121,7 +115,7 @@ def release_image(image: LocalImage) -> None:
     """Returns a staged image's pooled buffer for reuse (the image must not be used again)."""
     if image.pooled is not None:
         pooled, image.pooled, image.buffer = image.pooled, None, None
-        _POOL.release(_Layout(int(pooled.numel())), pooled)
+        _POOL.release(_layout(int(pooled.numel())), pooled)
 
 
 def start_image(
@@ -167,9 +161,9 @@ def start_image(
         tail = np.zeros(total - h_off, dtype=np.uint8)
         tail[:h_len] = header_bytes
         sources = [_byte_view(t) for t in tensors]
-        return LocalImage(tuple(ckpt_id), None, slots, h_off, h_len, False, sources, tail)
+        return LocalImage(tuple(ckpt_id), None, slots, h_off, h_len, sources, tail)
     rounded = -(-(total + ALIGN) // _POOL_GRANULE) * _POOL_GRANULE
-    pooled = _POOL.acquire(_Layout(rounded), pin=on_cuda)
+    pooled = _POOL.acquire(_layout(rounded), pin=on_cuda)
     buffer = pooled[:total]
     for (off, n), t in zip(slots, tensors):
         if n:
@@ -178,22 +172,20 @@ def start_image(
         buffer[off + n : _aligned(off + n)].zero_()
     for device in {t.device for t in tensors if t.is_cuda}:
         torch.cuda.synchronize(device)
-    buffer.numpy()[h_off : h_off + h_len] = header_bytes
-    return LocalImage(tuple(ckpt_id), buffer, slots, h_off, h_len, pooled=pooled)
+    flat = buffer.numpy()
+    flat[h_off : h_off + h_len] = header_bytes
+    sources = [flat[off : off + n] for off, n in slots]
+    return LocalImage(
+        tuple(ckpt_id), buffer, slots, h_off, h_len, sources, flat[h_off:], pooled=pooled
+    )
 
 
-def finish_image(image: LocalImage, sums: Optional[List[int]] = None) -> LocalImage:
-    """Computes the checksums (unless given in `sums`) and writes the footer; returns `image`."""
+def finish_image(image: LocalImage) -> LocalImage:
+    """Computes the checksums and writes the footer; returns `image`."""
     if image.finished:
         return image
-    if image.buffer is not None:
-        flat = image.buffer.numpy()
-        parts, tail = [flat[off : off + n] for off, n in image.slots], flat[image.header_offset :]
-    else:
-        assert image.sources is not None and image.tail is not None
-        parts, tail = image.sources, image.tail
-    sums = [checksum(p) for p in parts] if sums is None else sums
-    table = np.array(sums, dtype="<u8").view(np.uint8)
+    tail = image.tail
+    table = np.array([checksum(p) for p in image.sources], dtype="<u8").view(np.uint8)
     t0, t1 = image.header_len, image.header_len + table.size
     tail[t0:t1] = table
     footer = _FOOTER.pack(

@@ -7,10 +7,11 @@ state, so they must be types `torch.load(weights_only=True)` accepts (or be allo
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, List, Optional, Tuple
+from typing import Any, Iterable, List, Optional, Tuple
 
 import torch
 
+from ..dict_utils import dict_list_map_inplace, nested_values
 from ..errors import CheckpointingException
 from .base_state_dict import TensorAwareStateDict, allow_in_hollow_state
 
@@ -47,15 +48,6 @@ def _usable_device(device: str) -> torch.device:
     return dev
 
 
-def _map_leaves(fn: Callable[[Any], Any], tree: Any) -> Any:
-    """Applies `fn` to every non-container leaf, in place, in a fixed (insertion) order."""
-    if isinstance(tree, (dict, list)):
-        for k in tree.keys() if isinstance(tree, dict) else range(len(tree)):
-            tree[k] = _map_leaves(fn, tree[k])
-        return tree
-    return fn(tree)
-
-
 def _leaves(tree: Any, path: str = "") -> Iterable[Tuple[str, Any]]:
     """`(path, leaf)` of every non-container leaf, '/'-joined paths, in insertion order."""
     if isinstance(tree, (dict, list)):
@@ -89,31 +81,28 @@ class BasicTensorAwareStateDict(TensorAwareStateDict):
     def is_hollow(self) -> bool:
         return self._hollow
 
+    def _replace(self, kind: type, values: Iterable[Any]) -> None:
+        """Replaces the leaves of type `kind`, in `pop_tensors` order, with `values`."""
+        it = iter(values)
+        dict_list_map_inplace(lambda x: next(it) if isinstance(x, kind) else x, self.state_dict)
+
     def pop_tensors(self) -> List[torch.Tensor]:
         self._require(False, "pop tensors")
-        popped: List[torch.Tensor] = []
-        devices = self._devices
-
-        def pop(x: Any) -> Any:
-            if isinstance(x, torch.Tensor):
-                device = devices[len(popped)] if devices is not None else None
-                popped.append(x)
-                return TensorPlaceholder.of(x, device)
-            return x
-
-        _map_leaves(pop, self.state_dict)
+        popped = self.tensors
+        devices = self._devices or [str(t.device) for t in popped]
+        self._replace(torch.Tensor, map(TensorPlaceholder.of, popped, devices))
         self._hollow = True
         return popped
 
     @property
     def tensors(self) -> List[torch.Tensor]:
         self._require(False, "list tensors")
-        return [x for _, x in _leaves(self.state_dict) if isinstance(x, torch.Tensor)]
+        return [x for x in nested_values(self.state_dict) if isinstance(x, torch.Tensor)]
 
     def placeholders(self) -> List[TensorPlaceholder]:
         """The placeholders of a hollow state, in `pop_tensors` order."""
         self._require(True, "list placeholders")
-        return [x for _, x in _leaves(self.state_dict) if isinstance(x, TensorPlaceholder)]
+        return [x for x in nested_values(self.state_dict) if isinstance(x, TensorPlaceholder)]
 
     def insert_tensors(self, tensor_data: Iterable[torch.Tensor]) -> None:
         self._require(True, "insert tensors")
@@ -129,44 +118,33 @@ class BasicTensorAwareStateDict(TensorAwareStateDict):
                     f"insert_tensors: tensor {i} has shape {tuple(tensor.shape)} and dtype "
                     f"{tensor.dtype}, expected {holder.shape} and {holder.dtype}"
                 )
-        it = iter(data)
-        _map_leaves(lambda x: next(it) if isinstance(x, TensorPlaceholder) else x, self.state_dict)
+        self._replace(TensorPlaceholder, data)
         self._devices = [h.device for h in holders]
         self._hollow = False
 
     def init_tensors(self) -> None:
-        holders = self.placeholders()
-        self.insert_tensors([h.empty() for h in holders])
+        self.insert_tensors([h.empty() for h in self.placeholders()])
 
     def copy_tensors_to_cpu(self, non_blocking: bool = False) -> None:
         self._require(False, "copy tensors to CPU")
         tensors = self.tensors
         if self._devices is None:
             self._devices = [str(t.device) for t in tensors]
-        it = iter(t.to("cpu", non_blocking=non_blocking) for t in tensors)
-        _map_leaves(lambda x: next(it) if isinstance(x, torch.Tensor) else x, self.state_dict)
+        self._replace(torch.Tensor, [t.to("cpu", non_blocking=non_blocking) for t in tensors])
 
     def restore_tensor_device(self, non_blocking: bool = True) -> None:
         self._require(False, "restore tensor devices")
         if self._devices is None:
             return
-        devices = iter(self._devices)
-
-        def restore(x: Any) -> Any:
-            if not isinstance(x, torch.Tensor):
-                return x
-            target = _usable_device(next(devices))
-            return x if x.device == target else x.to(target, non_blocking=non_blocking)
-
-        _map_leaves(restore, self.state_dict)
+        moved = []
+        for t, d in zip(self.tensors, map(_usable_device, self._devices)):
+            moved.append(t if t.device == d else t.to(d, non_blocking=non_blocking))
+        self._replace(torch.Tensor, moved)
 
     def tensor_names(self) -> List[str]:
         """'/'-joined paths of the tensor leaves, in `pop_tensors` order (for messages)."""
-        return [
-            p
-            for p, x in _leaves(self.state_dict)
-            if isinstance(x, (torch.Tensor, TensorPlaceholder))
-        ]
+        kinds = (torch.Tensor, TensorPlaceholder)
+        return [p for p, x in _leaves(self.state_dict) if isinstance(x, kinds)]
 
     def __getitem__(self, key: Any) -> Any:
         return self.state_dict[key]

@@ -1,19 +1,12 @@
 """`CheckpointManager`: when to save, how many to keep, which checkpoint to load.
 
-One manager per training job, on every rank (as Orbax's): the loop calls `save(step,
-state)` every step and `load(state)` once at start; the manager decides whether a save is
-due, runs it (async by default), commits it, moves the `latest` record, applies retention,
-and on load falls back from a damaged or missing checkpoint to the next usable one.
-
-Two tiers: persistent `torch_dist` checkpoints under `<root>/iter_<step, 7 digits>` every
-`save_interval` steps (reshardable), and optional node-local ones every
-`local_save_interval` steps through `LocalCheckpointManager` (fast recovery, same layout).
-
+One manager per training job, on every rank (as Orbax's): the loop calls `save(step, state)`
+every step and `load(state)` once at start. Two tiers: persistent `torch_dist` checkpoints
+under `<root>/iter_<step, 7 digits>` every `save_interval` steps (reshardable), and optional
+node-local ones every `local_save_interval` steps through `LocalCheckpointManager` (fast
+recovery, same layout). `options.py` and `layout.py` hold the policy and the names on disk.
 Every public method is collective (on every rank, in the same order) except `latest_step`,
 `all_steps` and `should_save`.
-
-Over 400 lines: the schedule, the two tiers, retention and the fallback load all act on the
-manager's one record of steps; `options.py` and `layout.py` hold the rest.
 """
 
 from __future__ import annotations
@@ -81,8 +74,7 @@ class CheckpointManager:
         self._last_saved = -1
         self._closed = False
         self._local: Any = None
-        complete = self._on_rank0(f"startup scan of {self.root}", self._startup)
-        self._persistent_latest = max(complete, default=-1)
+        self._persistent_latest = self._on_rank0(f"startup scan of {self.root}", self._startup)
         self._local_latest = -1
         if self.options.local_root is not None:
             from ..local.ckpt_managers.local_manager import LocalCheckpointManager
@@ -121,8 +113,7 @@ class CheckpointManager:
 
         Args:
             step: the training step (increasing across calls).
-            sharded_state_dict: the state, as for `dist_checkpointing.save`; free to change
-                once `save` returns.
+            sharded_state_dict: as for `dist_checkpointing.save`; free to change on return.
             force: save to the persistent tier even if not due.
 
         Returns:
@@ -193,16 +184,19 @@ class CheckpointManager:
         )
         self._schedule(step, "persistent", request, lambda: self._persistent_committed(step))
 
-    def _clear_target(self, path: Path) -> None:
-        """Rank 0: moves aside what a previous run left at a step this run saves again."""
+    def _clear_target(self, path: Path, failed: bool = False) -> None:
+        """Rank 0: removes an uncommitted directory at `path` (left by a crash, or by this
+        run's `failed` save); before a save, moves a committed one (an earlier run's) aside."""
         if not objstore.exists(path):
             return
         if not check_is_distributed_checkpoint(path):
+            if failed:
+                logger.warning("removing %s, left by its failed save", path)
             objstore.remove_tree(path)
-            return
-        aside = path.with_name(f"{path.name}.superseded-{int(time.time())}")
-        logger.warning("%s exists from an earlier run; moved to %s", path, aside)
-        objstore.replace_tree(path, aside)
+        elif not failed:
+            aside = path.with_name(f"{path.name}.superseded-{int(time.time())}")
+            logger.warning("%s exists from an earlier run; moved to %s", path, aside)
+            objstore.replace_tree(path, aside)
 
     def _persistent_committed(self, step: int) -> None:
         """Collective (in finalization): `latest` record, then retention, on rank 0."""
@@ -225,19 +219,12 @@ class CheckpointManager:
         """Collective: removes a failed save's directory, then raises or records and goes on."""
         if tier == "persistent":
             what = f"cleanup after the failed save of step {step}"
-            self._on_rank0(what, self._remove_failed, step)
+            self._on_rank0(what, self._clear_target, self.root / step_dir_name(step), True)
         if self.options.on_error == "raise":
             raise error
         self.failed_saves.append((step, str(error)))
         msg = "%s checkpoint save of step %d failed (on_error='continue': training goes on): %s"
         _dist.log_rank0(logger, logging.ERROR, msg, tier, step, error)
-
-    def _remove_failed(self, step: int) -> None:
-        """Rank 0: removes the directory of a failed save unless it is a committed one."""
-        path = self.root / step_dir_name(step)
-        if objstore.is_dir(path) and not check_is_distributed_checkpoint(path):
-            logger.warning("removing %s, left by its failed save", path)
-            objstore.remove_tree(path)
 
     def _finalize(self, blocking: bool) -> None:
         while self._queue.get_num_unfinalized_calls():
@@ -280,10 +267,10 @@ class CheckpointManager:
     ) -> Tuple[StateDict, int]:
         """Collective: loads the newest usable checkpoint of either tier.
 
-        Candidates are tried newest first (the local tier first at equal steps); one missing
-        on some rank, incomplete or failing its checksums is skipped and logged. Newer ones
-        that failed are moved aside (persistent: renamed `iter_X.unusable-<time>`; local:
-        removed) so that later saves and retention see one timeline.
+        Candidates are tried newest first (local first at equal steps); one missing on some
+        rank, incomplete or failing its checksums is skipped and logged, and moved aside
+        (persistent: renamed `iter_X.unusable-<time>`; local: removed) once an older one
+        loaded, so that later saves and retention see one timeline.
 
         Args:
             sharded_state_dict: what to load, as for `dist_checkpointing.load` (the local
@@ -301,10 +288,10 @@ class CheckpointManager:
         candidates = self._candidates()
         skipped: List[Tuple[str, str]] = []
         for step, tier, path in candidates:
+            what = f"load of the {tier} checkpoint {path}"
             try:
-                what = f"load of the {tier} checkpoint {path}"
                 state = _dist.run_collectively(
-                    what, self._load_one, tier, path, sharded_state_dict, load_kwargs
+                    what, self._load_one, tier, path, _fresh(sharded_state_dict), load_kwargs
                 )
             except CheckpointingException as e:
                 skipped.append((f"{tier} step {step} ({path})", str(e)))
@@ -312,7 +299,7 @@ class CheckpointManager:
                 _dist.log_rank0(logger, logging.WARNING, msg, tier, step, e)
                 continue
             self.last_restore = RestoreInfo(step, tier, path, skipped)
-            self._after_restore(step)
+            self._after_restore(step, tier)
             more = f"; skipped {len(skipped)} newer: " + "; ".join(s for s, _ in skipped)
             msg = "loaded the %s checkpoint of step %d (%s)%s"
             _dist.log_rank0(logger, logging.INFO, msg, tier, step, path, more if skipped else "")
@@ -337,17 +324,14 @@ class CheckpointManager:
         out.sort(key=lambda c: (c[0], c[1] == "local"), reverse=True)
         return out
 
-    def _load_one(
-        self, tier: str, path: str, sharded_state_dict: ShardedStateDict, load_kwargs: Any
-    ) -> Any:
-        if tier == "local":
-            state, _ = self._local.load()
-            return state.to_state_dict(_fresh(sharded_state_dict), algo="atomic")
+    def _load_one(self, tier: str, path: str, request: ShardedStateDict, load_kwargs: Any) -> Any:
         from ..serialization import load
 
-        return load(_fresh(sharded_state_dict), path, **load_kwargs)
+        if tier == "local":
+            return self._local.load()[0].to_state_dict(request, algo="atomic")
+        return load(request, path, **load_kwargs)
 
-    def _after_restore(self, step: int) -> None:
+    def _after_restore(self, step: int, tier: str) -> None:
         """Collective: newer checkpoints that failed to load leave the timeline."""
 
         def quarantine() -> int:
@@ -358,10 +342,7 @@ class CheckpointManager:
                     aside = path.with_name(f"{path.name}.unusable-{int(time.time())}")
                     logger.warning("moving the unusable checkpoint %s to %s", path, aside)
                     objstore.replace_tree(path, aside)
-            newest = max((s for s in complete if s <= step), default=-1)
-            if newest >= 0 and read_latest(self.root) != newest:
-                write_latest(self.root, newest)
-            return newest
+            return self._record_latest(max((s for s in complete if s <= step), default=-1))
 
         self._persistent_latest = self._on_rank0("quarantine after load", quarantine)
         if self._local is not None:
@@ -371,9 +352,7 @@ class CheckpointManager:
             for iteration in sorted(stale):
                 self._local._cleanup_failed_save(iteration)
             self._local.latest_iteration = -1
-            self._local_latest = (
-                step if self.last_restore and self.last_restore.tier == "local" else -1
-            )
+            self._local_latest = step if tier == "local" else -1
         self._last_saved = step
 
     # ---- helpers ------------------------------------------------------------------------
@@ -391,21 +370,23 @@ class CheckpointManager:
                 (complete if check_is_distributed_checkpoint(p) else incomplete).append(step)
         return complete, incomplete
 
-    def _startup(self) -> List[int]:
-        """Rank 0: creates the root, removes crashed saves, repairs `latest`; the complete steps."""
+    def _startup(self) -> int:
+        """Rank 0: creates the root, removes crashed saves, repairs `latest`; the newest step."""
         objstore.makedirs(self.root)
         complete, incomplete = self._scan()
         for path in (self.root / step_dir_name(s) for s in incomplete):
             logger.warning("removing the incomplete checkpoint %s (a crashed save)", path.name)
             objstore.remove_tree(path)
-        newest = max(complete, default=None)
-        if newest is not None and read_latest(self.root) != newest:
-            # a crash between the commit and the record update (or a record naming a
-            # checkpoint that is gone): the record follows the newest committed checkpoint
-            write_latest(self.root, newest)
-        elif newest is None:
+        if not complete:
             objstore.remove(self.root / LATEST_FNAME)
-        return complete
+        return self._record_latest(max(complete, default=-1))
+
+    def _record_latest(self, newest: int) -> int:
+        """Rank 0: makes the `latest` record name `newest` (if >= 0), which it may not after a
+        crash between a commit and the record update, or when its checkpoint is gone."""
+        if newest >= 0 and read_latest(self.root) != newest:
+            write_latest(self.root, newest)
+        return newest
 
     @staticmethod
     def _on_rank0(what: str, fn: Callable[..., T], *args: Any) -> T:

@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict, List
+import ast
+from typing import Any
 
-import torch
-
-from .. import _dist
-from .._types import ShardedStateDict, StateDict
-from ..dict_utils import dict_list_map_inplace
-from ..errors import CheckpointingException
+from .._types import ShardedStateDict
 from ..mapping import ShardedObject, ShardedTensor
+from ..tensor_aware_state_dict import MCoreTensorAwareStateDict
 
-__all__ = ["is_v1_state", "v1_fill_request", "v1_sharded_metadata"]
+__all__ = ["is_v1_state", "v1_as_v2"]
 
 _FORMAT = 1
 
@@ -23,57 +20,30 @@ def is_v1_state(state: Any) -> bool:
     return isinstance(sd, dict) and sd.get("format") == _FORMAT
 
 
-def v1_sharded_metadata(state: Any) -> List[Any]:
-    """`(key, dtype, global shape)` of a version-1 rank state's tensors, then its objects' keys."""
-    sd = state.state_dict
-    tensors = [
-        (s.rsplit(" (", 1)[0], e["data"].dtype, e["global_shape"]) for s, e in sd["sharded"].items()
-    ]
-    return tensors + list(sd["objects"])
+def v1_as_v2(state: Any) -> MCoreTensorAwareStateDict:
+    """A version-1 rank state as the version-2 state holding the same shards and objects.
 
-
-def v1_fill_request(request: ShardedStateDict, state: Any, where: str, hint: str) -> StateDict:
-    """Replaces each requested leaf with its stored value (copied into `data` when given).
-
-    Raises:
-        CheckpointingException: a requested shard or object is absent or differs in shape
-            or dtype (naming it, with `hint`).
+    Version 1 stored every shard a rank held under `"<key> <global offset>"`, with its
+    global and local shapes, and the ShardedObjects by unique key.
     """
-    sd: Dict[str, Any] = state.state_dict
-    tensors: Dict[str, Any] = sd["sharded"]
-    objects: Dict[str, Any] = sd["objects"]
-
-    def fill(leaf: Any) -> Any:
-        if isinstance(leaf, ShardedTensor):
-            entry = tensors.get(f"{leaf.key} {tuple(leaf.global_offset)}")
-            if entry is None:
-                raise CheckpointingException(
-                    f"{where}: rank {_dist.get_rank()} saved no shard of {leaf.key!r} at offset "
-                    f"{leaf.global_offset}. {hint}"
-                )
-            data: torch.Tensor = entry["data"]
-            if (
-                tuple(entry["global_shape"]) != tuple(leaf.global_shape)
-                or tuple(entry["local_shape"]) != tuple(leaf.local_shape)
-                or data.dtype != leaf.dtype
-            ):
-                raise CheckpointingException(
-                    f"{where}: shard of {leaf.key!r} at {leaf.global_offset} was saved with global "
-                    f"shape {tuple(entry['global_shape'])}, local shape "
-                    f"{tuple(entry['local_shape'])}, dtype {data.dtype}; requested "
-                    f"{tuple(leaf.global_shape)}, {tuple(leaf.local_shape)}, {leaf.dtype}. {hint}"
-                )
-            if leaf.data is not None:
-                leaf.data.copy_(data.view(leaf.data.shape))
-                return leaf.data
-            return data.clone().view(leaf.local_shape)
-        if isinstance(leaf, ShardedObject):
-            if leaf.unique_key not in objects:
-                raise CheckpointingException(
-                    f"{where}: rank {_dist.get_rank()} saved no ShardedObject "
-                    f"{leaf.unique_key!r}. {hint}"
-                )
-            return objects[leaf.unique_key]
-        return leaf
-
-    return dict_list_map_inplace(fill, request)
+    sd = state.state_dict
+    sharded: ShardedStateDict = {}
+    for name, entry in sd["sharded"].items():
+        key, offset = name.rsplit(" (", 1)
+        local, shape = tuple(entry["local_shape"]), tuple(entry["global_shape"])
+        data = entry["data"].view(local)
+        sharded[name] = ShardedTensor(
+            key,
+            data,
+            data.dtype,
+            local,
+            shape,
+            ast.literal_eval(f"({offset}"),
+            None,
+            prepend_axis_num=len(shape) - len(local),
+        )
+    for unique_key, value in sd["objects"].items():
+        sharded[unique_key] = ShardedObject.empty_from_unique_key(unique_key)
+        sharded[unique_key].data = value
+    common = sd["common"] if isinstance(sd["common"], dict) else {}
+    return MCoreTensorAwareStateDict(common=common, sharded_state_dict=sharded)

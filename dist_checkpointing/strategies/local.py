@@ -7,7 +7,6 @@ own part, from a replica holder when its node lost it (no resharding). Version 1
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Optional, Tuple
 
 import torch.distributed as dist
@@ -21,7 +20,7 @@ from ..local.ckpt_managers.local_manager import LocalCheckpointManager
 from ..local.replication.strategies import ReplicationStrategy
 from ..mapping import ShardedObject, ShardedTensor
 from ..tensor_aware_state_dict import MCoreTensorAwareStateDict
-from ._local_v1 import is_v1_state, v1_fill_request, v1_sharded_metadata
+from ._local_v1 import is_v1_state, v1_as_v2
 from .base import (
     CheckpointDir,
     NodeLocalLoadShardedStrategy,
@@ -37,8 +36,6 @@ __all__ = [
     "LocalLoadShardedStrategy",
     "register_default_local_strategies",
 ]
-
-logger = logging.getLogger(__name__)
 
 BACKEND = "local"
 VERSION = 2
@@ -156,7 +153,7 @@ class LocalLoadShardedStrategy(NodeLocalLoadShardedStrategy):
         manager.weights_only = self.weights_only
         return manager
 
-    def _read_state(self, checkpoint_dir: CheckpointDir) -> Any:
+    def _read_state(self, checkpoint_dir: CheckpointDir) -> MCoreTensorAwareStateDict:
         """Collective: this rank's stored state (fetched from a holder if needed)."""
         manager = self._manager(checkpoint_dir)
         world = _dist.get_world_size()
@@ -172,8 +169,11 @@ class LocalLoadShardedStrategy(NodeLocalLoadShardedStrategy):
         return self._checked(state, checkpoint_dir)
 
     @staticmethod
-    def _checked(state: Any, where: Any) -> Any:
-        if not isinstance(state, MCoreTensorAwareStateDict) and not is_v1_state(state):
+    def _checked(state: Any, where: Any) -> MCoreTensorAwareStateDict:
+        """`state` as a version-2 rank state (a version-1 one converted)."""
+        if is_v1_state(state):
+            return v1_as_v2(state)
+        if not isinstance(state, MCoreTensorAwareStateDict):
             raise CheckpointingException(
                 f"{where}: not a ('local', 1) or ('local', 2) rank state ({type(state).__name__})"
             )
@@ -183,11 +183,6 @@ class LocalLoadShardedStrategy(NodeLocalLoadShardedStrategy):
         self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir
     ) -> Tuple[StateDict, StateDict]:
         state = self._read_state(checkpoint_dir)
-        where = str(checkpoint_dir)
-        if is_v1_state(state):
-            fill = (v1_fill_request, sharded_state_dict, state, where, _RESHARD_HINT)
-            result = _dist.run_collectively(f"local checkpoint load from {where}", *fill)
-            return _common(state), result
         common = _common(state)
         state.common = {}  # the request alone comes back, mirroring its structure
         try:
@@ -197,10 +192,10 @@ class LocalLoadShardedStrategy(NodeLocalLoadShardedStrategy):
                 validate_access_integrity=False,
             )
         except CheckpointingException as e:
-            raise type(e)(f"{where}: {e}. {_RESHARD_HINT}") from e
+            raise type(e)(f"{checkpoint_dir}: {e}. {_RESHARD_HINT}") from e
         return common, _into_given_tensors(sharded_state_dict, loaded)
 
-    def _own_state(self, checkpoint_dir: CheckpointDir) -> Any:
+    def _own_state(self, checkpoint_dir: CheckpointDir) -> MCoreTensorAwareStateDict:
         """This rank's own stored state, read from its own directory (not collective)."""
         manager = self._manager(checkpoint_dir)
         return self._checked(manager._load((_ITERATION, _dist.get_rank(), "")), checkpoint_dir)
@@ -216,28 +211,19 @@ class LocalLoadShardedStrategy(NodeLocalLoadShardedStrategy):
         return _metadata(self._own_state(checkpoint_dir), with_objects=True)
 
 
-def _common(state: Any) -> StateDict:
-    common = state.state_dict["common"] if is_v1_state(state) else state.common
-    return common if isinstance(common, dict) else {}
+def _common(state: MCoreTensorAwareStateDict) -> StateDict:
+    return state.common if isinstance(state.common, dict) else {}
 
 
-def _metadata(state: Any, with_objects: bool) -> ShardedStateDict:
+def _metadata(state: MCoreTensorAwareStateDict, with_objects: bool) -> ShardedStateDict:
     """Whole-tensor metadata (no data) of a rank state's tensors (and objects)."""
-    if is_v1_state(state):
-        entries = v1_sharded_metadata(state)
-    else:
-        entries = [
-            (x.key, x.dtype, x.global_shape) if isinstance(x, ShardedTensor) else x.unique_key
-            for x in nested_values(state.sharded_state_dict)
-            if isinstance(x, (ShardedTensor, ShardedObject))
-        ]
     out: ShardedStateDict = {}
-    for entry in entries:
-        if isinstance(entry, tuple):
-            key, dtype, shape = entry[0], entry[1], tuple(entry[2])
-            out[key] = ShardedTensor(key, None, dtype, shape, shape, (0,) * len(shape), None)
-        elif with_objects:
-            obj = ShardedObject.empty_from_unique_key(entry)
+    for x in nested_values(state.sharded_state_dict):
+        if isinstance(x, ShardedTensor):
+            shape = tuple(x.global_shape)
+            out[x.key] = ShardedTensor(x.key, None, x.dtype, shape, shape, (0,) * len(shape), None)
+        elif isinstance(x, ShardedObject) and with_objects:
+            obj = ShardedObject.empty_from_unique_key(x.unique_key)
             out[obj.unique_key] = obj
     return out
 

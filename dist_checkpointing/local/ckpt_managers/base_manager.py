@@ -1,19 +1,13 @@
 """`BaseCheckpointManager`: save, find and load local checkpoints, with replication.
 
-A checkpoint of iteration I is the set of parts `(I, r, session)`, one per rank r. The base
-class owns the protocol; subclasses store parts (`LocalCheckpointManager`: files).
-
-Save (collective): the caller copies the tensors into a host image (a sync save of CPU
-tensors copies nothing); the process's one background thread removes older parts of I
-held here (never mixed with new ones), then writes this rank's part as a dirty file while
-the replication exchange writes the peers' parts. Finalize (collective) commits (renames)
-the parts and removes older iterations; if any rank failed, every rank removes I's files.
-
-`find_latest` and `load` (collective) agree on the newest iteration whose every part some
-rank holds; `load` moves missing parts from holders, and a part with no usable copy raises
-`NoReplicasAvailableError` on every rank.
-
-Over 400 lines: save, find and load share the agreement steps and the background queue.
+A checkpoint of iteration I is the set of parts `(I, r, session)`, one per rank r; subclasses
+store parts (`LocalCheckpointManager`: files). Save copies the tensors into a host image; one
+background thread per process removes older parts of I held here, then writes this rank's
+part while the replication exchange writes the peers'. Finalize commits (renames) the parts
+and removes older iterations; if any rank failed, every rank removes I's files. `find_latest`
+and `load` agree on the newest iteration whose every part some rank holds; `load` moves
+missing parts from holders, and a part with no usable copy raises `NoReplicasAvailableError`
+on every rank.
 """
 
 from __future__ import annotations
@@ -65,9 +59,7 @@ def _background_thread() -> concurrent.futures.ThreadPoolExecutor:
     """The process's one background thread: saves never interleave their collectives."""
     global _executor
     if _executor is None:
-        _executor = concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="dc-local-ckpt"
-        )
+        _executor = concurrent.futures.ThreadPoolExecutor(1, "dc-local-ckpt")
         _dist.at_teardown(_stop_background_thread)
     return _executor
 
@@ -78,17 +70,6 @@ def _stop_background_thread() -> None:
     if _executor is not None:
         _executor.shutdown(wait=True)
         _executor = None
-
-
-def _verify(image: torch.Tensor, expected: CkptID, where: str, weights_only: bool) -> None:
-    """Decodes `image`; CheckpointCorruptedError also when its header names another part
-    (a recycled file torn by a crash holds an older part's valid bytes)."""
-    held, _ = decode_image(image, where, weights_only=weights_only)
-    if tuple(held) != tuple(expected):
-        raise CheckpointCorruptedError(
-            f"{where}: holds local checkpoint part {tuple(held)}, expected {tuple(expected)} "
-            "(an older part's bytes: torn by a crash?)"
-        )
 
 
 class _MemorySink:
@@ -102,7 +83,8 @@ class _MemorySink:
         self.buffer.numpy()[offset : offset + data.size] = data
 
     def close(self) -> None:
-        image = LocalImage(self.ckpt_id, self.buffer, [], 0, 0, finished=True)
+        flat = self.buffer.numpy()
+        image = LocalImage(self.ckpt_id, self.buffer, [], 0, 0, [], flat, finished=True)
         self.manager._save_image(image, self.ckpt_id)
 
     def abort(self) -> None:
@@ -117,11 +99,9 @@ class BaseCheckpointManager(ABC):
         repl_strategy: where copies of each part go; None keeps each part on its owner only.
         use_replicas: whether parts held by other ranks count in `find_latest` and `load`
             (default: when `repl_strategy` is given).
-        fsync: the durability policy. True: parts are fsync'd before the rename and the
-            directory after it, so a committed part survives a machine crash. False: no
-            fsync; a machine crash can leave a committed part torn or missing, which its
-            checksums detect at load, and a replica is used. Default (None): False with a
-            `repl_strategy`, True without.
+        fsync: True: parts and the directory are fsync'd, so a committed part survives a
+            machine crash; False: a crash can leave a part torn or missing, which checksums
+            detect at load (a replica is used). Default: False with a `repl_strategy`.
     """
 
     def __init__(
@@ -190,11 +170,6 @@ class BaseCheckpointManager(ABC):
         image, where = self._load_image(ckpt_id)
         return decode_image(image, where, weights_only=self.weights_only)[1]
 
-    def _save(self, state_dict: TensorAwareStateDict, ckpt_id: CkptID) -> None:
-        """Stores and commits one part here (no replication)."""
-        self._save_image(finish_image(start_image(state_dict, ckpt_id)), ckpt_id)
-        self._commit(ckpt_id)
-
     # ---- protocol -------------------------------------------------------------------------
     def find_latest(self) -> int:
         """Collective: the newest complete iteration (see the module docstring), or -1."""
@@ -217,10 +192,7 @@ class BaseCheckpointManager(ABC):
         Args:
             state_dict: this rank's state; unchanged, and free to change once `save` returns.
             iteration: the global iteration; must be newer than any saved by this manager.
-            is_async: return an `AsyncRequest` instead of waiting for the writes.
-
-        Returns:
-            None, or the request when `is_async`.
+            is_async: return an `AsyncRequest` instead of waiting for the writes (None).
 
         Raises:
             SameMachineReplicationException: a dirty file of `iteration` exists on some rank
@@ -238,12 +210,8 @@ class BaseCheckpointManager(ABC):
 
         def finalize() -> None:
             self._finalize_save(iteration, future)
-            logger.info(
-                "local checkpoint of iteration %d: %.1f MB (own part) in %.2f s",
-                iteration,
-                nbytes / 1e6,
-                time.perf_counter() - start,
-            )
+            msg = "local checkpoint of iteration %d: %.1f MB (own part) in %.2f s"
+            logger.info(msg, iteration, nbytes / 1e6, time.perf_counter() - start)
 
         request = AsyncRequest.from_future(
             future,
@@ -324,11 +292,18 @@ class BaseCheckpointManager(ABC):
         self._cleanup(iteration)
         self.latest_iteration = -1
 
-    def _checked_part(self, ckpt_id: CkptID) -> Any:
-        """Reads and verifies a part held here: its bytes, or the error saying why not."""
+    def _checked(self, ckpt_id: CkptID, received: Optional[Tuple[torch.Tensor, str]] = None) -> Any:
+        """Verifies the copy of a part held here (or `received`, `(image, where)`): its bytes,
+        or the error saying why not, also when its header names another part (a recycled
+        file torn by a crash holds an older part's valid bytes)."""
         try:
-            image, where = self._load_image(ckpt_id)
-            _verify(image, ckpt_id, where, self.weights_only)
+            image, where = received or self._load_image(ckpt_id)
+            held, _ = decode_image(image, where, weights_only=self.weights_only)
+            if tuple(held) != tuple(ckpt_id):
+                raise CheckpointCorruptedError(
+                    f"{where}: holds local checkpoint part {tuple(held)}, expected "
+                    f"{tuple(ckpt_id)} (an older part's bytes: torn by a crash?)"
+                )
             return image
         except CheckpointingException as e:
             return e
@@ -342,52 +317,30 @@ class BaseCheckpointManager(ABC):
                 owners.setdefault(iteration, set()).add(owner)
         return owners
 
-    def _raise_nothing_complete(self) -> None:
-        """Raises (identically on every rank) why no iteration is complete."""
-        owners = self._owners_by_iteration()
-        if not owners:
-            raise CheckpointingException(
-                f"No local checkpoint found on any rank (session {self.session_id!r})"
-            )
-        newest = max(owners)
-        lost = sorted(set(range(_dist.get_world_size())) - owners[newest])
-        raise NoReplicasAvailableError(
-            f"No complete local checkpoint: no rank holds a usable copy of iteration {newest}'s "
-            f"part of rank(s) {lost} (session {self.session_id!r})"
-        )
-
     def _retrieve(self, plan: ExchangePlan, held: Dict[CkptID, torch.Tensor]) -> List[Any]:
         """Collective: one attempt at `plan`; usable parts (kept or received) go into `held`.
         Returns the copies found unusable, as `(holder rank, id)`."""
         me = self.rank
         keep = [id_ for s, r, id_ in plan.transfers if s == r == me and id_ not in held]
-        bad: List[Any] = []
         with concurrent.futures.ThreadPoolExecutor(1, "dc-local-keep") as pool:
-            kept = pool.submit(lambda: [(i, self._checked_part(i)) for i in keep])
+            kept = pool.submit(lambda: [(me, i, self._checked(i)) for i in keep])
             try:
                 got, unsent = transfer_parts(
                     plan, lambda id_: self._load_image(id_)[0], host_group()
                 )
             finally:
                 outcomes = kept.result()
-        for id_, outcome in outcomes:
+        for id_, (sender, buffer) in got.items():
+            where = f"local checkpoint part {describe_ckpt_id(id_)} (sent by rank {sender})"
+            outcomes.append((sender, id_, self._checked(id_, (buffer, where))))
+        bad = [(me, id_) for id_ in unsent]
+        for holder, id_, outcome in outcomes:
             if isinstance(outcome, torch.Tensor):
                 held[id_] = outcome
             else:
-                logger.warning(
-                    "part %s unusable, trying another copy: %s", describe_ckpt_id(id_), outcome
-                )
-                bad.append((me, id_))
-        bad += [(me, id_) for id_ in unsent]
-        for id_, (sender, buffer) in got.items():
-            where = f"local checkpoint part {describe_ckpt_id(id_)} (sent by rank {sender})"
-            try:
-                _verify(buffer, id_, where, self.weights_only)
-            except CheckpointingException as e:
-                logger.warning("copy from rank %d unusable, trying another: %s", sender, e)
-                bad.append((sender, id_))
-                continue
-            held[id_] = buffer
+                msg = "copy of part %s held by rank %d unusable, trying another: %s"
+                logger.warning(msg, describe_ckpt_id(id_), holder, outcome)
+                bad.append((holder, id_))
         return bad
 
     def load(self) -> Tuple[TensorAwareStateDict, CkptID]:
@@ -405,8 +358,17 @@ class BaseCheckpointManager(ABC):
         start = time.perf_counter()
         iteration = self.find_latest()
         assert self.globally_available_ids is not None
-        if iteration == -1:
-            self._raise_nothing_complete()
+        owners = self._owners_by_iteration()
+        if not owners:
+            raise CheckpointingException(
+                f"No local checkpoint found on any rank (session {self.session_id!r})"
+            )
+        if iteration == -1:  # the same message on every rank
+            lost = sorted(set(range(_dist.get_world_size())) - owners[max(owners)])
+            raise NoReplicasAvailableError(
+                f"No complete local checkpoint: no rank holds a usable copy of iteration "
+                f"{max(owners)}'s part of rank(s) {lost} (session {self.session_id!r})"
+            )
         wanted = self._ckpt_id(iteration)
         available = {
             r: [tuple(i) for i in ids if i[0] == iteration]
@@ -432,10 +394,6 @@ class BaseCheckpointManager(ABC):
         where = f"local checkpoint part {describe_ckpt_id(wanted)}"
         _, state = decode_image(image, where, verify=False, weights_only=self.weights_only)
         state.restore_tensor_device(non_blocking=False)
-        logger.info(
-            "loaded local checkpoint %s: %.1f MB in %.2f s",
-            describe_ckpt_id(wanted),
-            image.numel() / 1e6,
-            time.perf_counter() - start,
-        )
+        msg = "loaded local checkpoint %s: %.1f MB in %.2f s"
+        logger.info(msg, describe_ckpt_id(wanted), image.numel() / 1e6, time.perf_counter() - start)
         return state, wanted

@@ -118,25 +118,21 @@ def _receive(
         return bufs[k % len(bufs)][lead : lead + lengths[k]]
 
     def post(k: int) -> None:
-        view = torch.from_numpy(chunk(k))
-        window.append((k, dist.irecv(view, src=peer, group=group, tag=k)))
+        window.append(dist.irecv(torch.from_numpy(chunk(k)), src=peer, group=group, tag=k))
 
     try:
-        for k in range(min(len(bufs), len(lengths))):
+        for k in range(len(bufs)):
             post(k)
-        following = len(window)
-        while window:
-            k, work = window.popleft()
-            work.wait()
+        for k in range(len(lengths)):
+            window.popleft().wait()
             if error is None:
                 assert sink is not None
                 try:
                     sink.write(chunk(k), offsets[k])
                 except Exception as e:  # keep draining: the peer's sends must complete
                     error = e
-            if following < len(lengths):
-                post(following)
-                following += 1
+            if k + len(bufs) < len(lengths):  # its buffer is free again
+                post(k + len(bufs))
         if sink is not None and error is None:
             sink.close()
             sink = None
@@ -152,7 +148,6 @@ def _receive(
 def stream_exchange(
     group: Any,
     ranks: Sequence[int],
-    me: int,
     id_: CkptID,
     segments: Sequence[np.ndarray],
     open_sink: OpenSink,
@@ -164,7 +159,7 @@ def stream_exchange(
     messages = pack_messages(segments)
     infos: List[Any] = [None] * len(ranks)
     dist.all_gather_object(infos, (tuple(id_), [int(m.size) for m in messages]), group=group)
-    peers = [(p, info) for p, info in zip(ranks, infos) if p != me]
+    peers = [(p, info) for p, info in zip(ranks, infos) if p != dist.get_rank()]
     sends = [
         dist.isend(torch.from_numpy(m), dst=peer, group=group, tag=k)
         for peer, _ in peers

@@ -172,13 +172,11 @@ def transfer_parts(
 class ReplicationStrategy(ABC):
     """Decides where copies of each rank's local checkpoint part go (the manager's contract).
 
-    For every save, `BaseCheckpointManager.save` calls, on every rank:
-    1. `prepare()`: in the caller's thread, collective over all ranks (may create groups).
-    2. `replicate_stream(image, id_, open_sink)`: in the manager's background thread,
-       collective over the ranks this rank exchanges with only, writing each part received
-       into a sink the manager opens. The default calls `replicate_images` (abstract).
-
-    Loading does not call the strategy (see `plan_retrieval`). Copies are byte-identical.
+    For every save, `BaseCheckpointManager.save` calls, on every rank: `prepare()` in the
+    caller's thread (collective over all ranks; may create groups), then `replicate_stream`
+    in the manager's background thread (collective over the ranks this rank exchanges with;
+    by default through `replicate_images`). Loading does not call the strategy (see
+    `plan_retrieval`). Copies are byte-identical.
     """
 
     def prepare(self) -> None:
@@ -266,19 +264,14 @@ class CliqueReplicationStrategy(ReplicationStrategy):
         Raises:
             CheckpointingException: on every rank, if the world size is not divisible by J*F.
         """
-        if replication_jump is None:
-            replication_jump = max(1, torch.cuda.device_count())
-        world = _dist.get_world_size()
-        cliques = clique_ranks(world, replication_jump, replication_factor)
+        jump = max(1, torch.cuda.device_count()) if replication_jump is None else replication_jump
+        cliques = clique_ranks(_dist.get_world_size(), jump, replication_factor)
         me = _dist.get_rank()
         mine: Any = None
-        for ranks in cliques:
-            # timeout=None is new_group's default (the process group's)
-            group = None
+        for ranks in cliques:  # every rank creates every group (timeout=None: the default)
             if _dist.is_distributed():
                 group = _dist.new_own_group(ranks, backend="gloo", timeout=timeout)
-            if me in ranks:
-                mine = group
+                mine = group if me in ranks else mine
         logger.debug("replication cliques %s (rank %d)", cliques, me)
         return cls(mine)
 
@@ -289,8 +282,7 @@ class CliqueReplicationStrategy(ReplicationStrategy):
     def replicate_images(
         self, image: torch.Tensor, id_: CkptID
     ) -> List[Tuple[CkptID, torch.Tensor]]:
-        """Collective over the clique: sends this rank's image to every other member and
-        returns theirs as `(id, image)` pairs."""
+        """Collective over the clique: sends this rank's image to every other member."""
         if len(self._clique()) == 1:
             return []
         me = _dist.get_rank()
@@ -318,9 +310,7 @@ class CliqueReplicationStrategy(ReplicationStrategy):
             return []
         if self.target_device != "cpu":  # exchange buffers on a device: whole images
             return super().replicate_stream(image, id_, open_sink)
-        return stream_exchange(
-            self.local_group, self.ranks, _dist.get_rank(), id_, image.segments(), open_sink
-        )
+        return stream_exchange(self.local_group, self.ranks, id_, image.segments(), open_sink)
 
 
 class LazyCliqueReplicationStrategy(CliqueReplicationStrategy):
