@@ -6,13 +6,13 @@ never imports `mapping`, `serialization` or `strategies`). Its interface:
     direct: `FileWriter` (O_DIRECT, buffered where refused: one registry of refusing
         directories), `read_region` and `read_file` (through the page cache).
     segments: files written from byte segments (`write_segments`, `StreamedFile`).
-    buffers, pinned: aligned, pooled host buffers, page-locked for CUDA sources.
+    buffers: aligned, pooled host buffers, page-locked for CUDA sources.
     fileio: atomic replace and fsync helpers.
     faults: the fault-injection seam every read and write consults (tests).
 """
 
 from . import faults, objstore
-from .buffers import ALIGN, ChunkBuffers, ImagePool, host_buffer
+from .buffers import ALIGN, ChunkBuffers, ImagePool
 from .direct import (
     FileWriter,
     direct_allowed,
@@ -36,7 +36,6 @@ __all__ = [
     "faults",
     "objstore",
     "fsync_dir",
-    "host_buffer",
     "pwrite_all",
     "read_capped",
     "read_file",
