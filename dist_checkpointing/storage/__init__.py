@@ -13,15 +13,7 @@ never imports `mapping`, `serialization` or `strategies`). Its interface:
 
 from . import faults, objstore
 from .buffers import ALIGN, ChunkBuffers, ImagePool
-from .direct import (
-    FileWriter,
-    direct_allowed,
-    pwrite_all,
-    read_file,
-    read_region,
-    refuse_direct,
-    reset_direct_fallbacks,
-)
+from .direct import FileWriter, pwrite_all, read_file, read_region, reset_direct_fallbacks
 from .fileio import atomic_write, fsync_dir, read_capped
 from .segments import StreamedFile, write_segments
 
@@ -32,7 +24,6 @@ __all__ = [
     "ImagePool",
     "StreamedFile",
     "atomic_write",
-    "direct_allowed",
     "faults",
     "objstore",
     "fsync_dir",
@@ -40,7 +31,6 @@ __all__ = [
     "read_capped",
     "read_file",
     "read_region",
-    "refuse_direct",
     "reset_direct_fallbacks",
     "write_segments",
 ]
