@@ -15,14 +15,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
 from ..._flat import flat_range_boxes
-from ...errors import CheckpointCorruptedError, CheckpointingException
+from ...errors import CheckpointCorruptedError
+from .plan import overlap, require_covered
 
 __all__ = ["reformulated_shapes", "FlatCopy", "plan_reformulated_reads", "apply_copies"]
 
@@ -72,17 +73,6 @@ class FlatCopy:
     dest_offset: Tuple[int, ...]  # of the destination, global
     lo: Tuple[int, ...]  # overlap, global
     hi: Tuple[int, ...]
-
-
-def overlap(
-    a_off: Sequence[int], a_size: Sequence[int], b_off: Sequence[int], b_size: Sequence[int]
-) -> Optional[Tuple[Tuple[int, ...], Tuple[int, ...]]]:
-    """The `(lo, hi)` corners of two boxes' overlap, or None where they do not overlap."""
-    lo = tuple(max(x, y) for x, y in zip(a_off, b_off))
-    hi = tuple(min(x + sx, y + sy) for x, sx, y, sy in zip(a_off, a_size, b_off, b_size))
-    if any(h <= low for low, h in zip(lo, hi)):
-        return None
-    return lo, hi
 
 
 def plan_reformulated_reads(
@@ -136,12 +126,7 @@ def plan_reformulated_reads(
             )
             temps.append(temp)
             copies.append(FlatCopy(temp, glob, dest_slot, tuple(offsets), lo, hi))
-    wanted = math.prod(sizes)
-    if covered != wanted and not allow_partial:
-        raise CheckpointingException(
-            f"Checkpoint holds {covered} of the {wanted} elements requested for {key!r} "
-            f"at offset {offsets} with shape {sizes}"
-        )
+    require_covered(key, covered, offsets, sizes, allow_partial)
     return reads, temps, copies
 
 

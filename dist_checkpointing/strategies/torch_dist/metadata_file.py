@@ -33,6 +33,7 @@ from ...integrity import Checksums, checksum
 from ...storage import objstore
 from ...storage.fileio import read_capped
 from ..common import write_bytes_atomically
+from .plan import overlapping
 
 __all__ = [
     "DCP_METADATA_FNAME",
@@ -233,19 +234,6 @@ def _check_metadata(metadata: Any, path: Path) -> None:
             )
 
 
-def _overlapping(
-    rows: List[List[int]], n: int, boxes: Sequence[Tuple[Sequence[int], Sequence[int]]]
-) -> List[List[int]]:
-    """The index rows (offsets, sizes, file, offset, length) whose chunk overlaps a box."""
-    table = np.asarray(rows, dtype=np.int64)
-    starts, ends = table[:, :n], table[:, :n] + table[:, n : 2 * n]
-    keep = np.zeros(len(rows), dtype=bool)
-    for offsets, sizes in boxes:
-        lo = np.asarray(offsets, dtype=np.int64)
-        keep |= np.all((starts < lo + np.asarray(sizes, dtype=np.int64)) & (ends > lo), axis=1)
-    return [rows[i] for i in np.nonzero(keep)[0]]
-
-
 def open_for_load(
     checkpoint_dir: Path,
     keys: Optional[Collection[str]],
@@ -286,7 +274,11 @@ def open_for_load(
             if any(len(row) != 2 * n + 3 for row in rows):
                 raise ValueError(f"malformed entry of {key!r}")
             if dtype is not None and boxes is not None and key in boxes and rows:
-                rows = _overlapping(rows, n, boxes[key])
+                table = np.asarray(rows, dtype=np.int64)  # offsets, sizes, file, offset, length
+                keep = np.zeros(len(rows), dtype=bool)
+                for box in boxes[key]:
+                    keep |= overlapping(table[:, :n], table[:, n : 2 * n], *box)
+                rows = [rows[i] for i in np.nonzero(keep)[0]]
             for row in rows:
                 info = _StorageInfo(files[row[-3]], row[-2], row[-1])
                 storage[MetadataIndex(key, row[:n] if dtype else None)] = info
