@@ -24,8 +24,6 @@ from ...integrity import ItemSum
 from ...storage import read_region
 from .verify import (
     ChunkVerifier,
-    RangeVerifier,
-    Verifier,
     check_layout,
     flat_bytes,
     frame_matches,
@@ -210,18 +208,7 @@ def _read_data(
         dest = resolve(group.reads[0])
         if _in_place(group.reads[0], dest, layout, row0, row1, whole):
             a, b = (0, layout.nbytes) if whole else (row0 * row_bytes, row1 * row_bytes)
-            verifier: Verifier
-            if whole or expected is None:
-                verifier = ChunkVerifier(raw, layout, dest, a, group.info, expected, what)
-            else:
-                verifier = RangeVerifier(
-                    lambda off, n: read_exact(raw, layout.data_offset + off, n),
-                    dest,
-                    a,
-                    group.info,
-                    expected,
-                    what,
-                )
+            verifier = ChunkVerifier(raw, layout, dest, a, group.info, expected, what)
             _read_verified(path, data_file_off + a, dest, verifier, request)
             return b - a + verifier.extra_bytes
     start, stop = row0 * row_bytes, row1 * row_bytes
@@ -249,7 +236,7 @@ def _read_data(
 
 
 def _read_verified(
-    path: str, offset: int, data: torch.Tensor, verifier: Verifier, request: int
+    path: str, offset: int, data: torch.Tensor, verifier: ChunkVerifier, request: int
 ) -> None:
     """Reads `data`'s bytes from `offset`, verifying each request's bytes as they land."""
     progress = verifier if verifier.needed else None
