@@ -42,8 +42,7 @@ from ...quantized import stored_form_hint
 from ..base import CheckpointDir, LoadShardedStrategy, require_backend, require_version
 from .finalize import gbps
 from .legacy_flat import FlatCopy, apply_copies, plan_reformulated_reads, reformulated_shapes
-from .maintenance import remove_sharded_tensors
-from .metadata_file import open_for_load, read_metadata
+from .metadata_file import open_for_load, read_metadata, remove_sharded_tensors
 from .plan import BACKEND, SUPPORTED_VERSIONS, ChunkIndex, TensorRequest, plan_tensor_reads
 from .reader import read_byte_items, read_tensor_items
 
@@ -367,7 +366,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
 
     def remove_sharded_tensors(self, checkpoint_dir: CheckpointDir, key_prefix: str) -> None:
         """Drops every key starting with `key_prefix`, and the data files named with it (see
-        `maintenance.remove_sharded_tensors`; not collective).
+        `metadata_file.remove_sharded_tensors`; not collective).
 
         Raises:
             CheckpointingException: if no data file starts with the prefix, or kept keys live
