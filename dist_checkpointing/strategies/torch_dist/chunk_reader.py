@@ -1,9 +1,9 @@
 """Reading one stored tensor chunk into the destinations of its reads, verified as it lands.
 
-A plain chunk's zip is parsed directly and only the rows the reads need are read. Whole
-rows into a contiguous host destination of the stored dtype land in place (O_DIRECT by
-default); other reads land in a per-thread scratch buffer through the page cache (shared
-by a node's ranks) and are copied out as they are verified.
+A plain chunk's zip is parsed directly and only the rows the reads need are read (through
+the page cache, shared by a node's ranks). Whole rows into a contiguous host destination of
+the stored dtype land in place; other reads land in a per-thread scratch buffer and are
+copied out as they are verified.
 """
 
 from __future__ import annotations
@@ -21,11 +21,9 @@ from torch.distributed.checkpoint.planner import ReadItem
 from ..._safe_load import torch_load
 from ...errors import CheckpointCorruptedError
 from ...integrity import ItemSum
-from ...storage import read_region
 from .verify import (
     ChunkVerifier,
     check_layout,
-    flat_bytes,
     frame_matches,
     mismatch,
     read_exact,
@@ -209,7 +207,7 @@ def _read_data(
         if _in_place(group.reads[0], dest, layout, row0, row1, whole):
             a, b = (0, layout.nbytes) if whole else (row0 * row_bytes, row1 * row_bytes)
             verifier = ChunkVerifier(raw, layout, dest, a, group.info, expected, what)
-            _read_verified(path, data_file_off + a, dest, verifier, request)
+            verifier.read(path, data_file_off + a, request)
             return b - a + verifier.extra_bytes
     start, stop = row0 * row_bytes, row1 * row_bytes
     if expected is not None and not whole:  # widen to whole checksum blocks
@@ -228,20 +226,11 @@ def _read_data(
     streamed = len(shape) >= 1 and row_bytes > 0 and (expected is None or expected.blocked)
     scatter = _Scatter(pairs, row0, row1 - row0, row_bytes, skip) if streamed else None
     verifier = ChunkVerifier(raw, layout, region, start, group.info, expected, what, scatter)
-    _read_verified(path, data_file_off + start, region, verifier, request)
+    verifier.read(path, data_file_off + start, request)
     if scatter is None:  # one digest for the whole item: copy once it is verified
         for src, dest, _ in pairs:
             dest.copy_(src)
     return stop - start
-
-
-def _read_verified(
-    path: str, offset: int, data: torch.Tensor, verifier: ChunkVerifier, request: int
-) -> None:
-    """Reads `data`'s bytes from `offset`, verifying each request's bytes as they land."""
-    progress = verifier if verifier.needed else None
-    read_region(path, offset, flat_bytes(data), progress, request)
-    verifier.finish()
 
 
 _scratch_local = threading.local()

@@ -15,6 +15,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from ...errors import CheckpointCorruptedError
 from ...integrity import ItemSum, new_hasher
+from ...storage import read_region
 
 __all__ = [
     "ChunkVerifier",
@@ -96,14 +97,14 @@ def flat_bytes(t: torch.Tensor) -> Any:
 
 
 class ChunkVerifier:
-    """Verifies the range `[start, start + len(data))` of a chunk's data region as
-    `read_region` fills `data`.
+    """Reads the range `[start, start + len(data))` of a chunk's data region into `data`
+    (`read`) and verifies it as it lands.
 
-    Called with the leading bytes of `data` filled so far; checks each block completed while
-    it is still in the CPU caches (a whole-item digest is fed incrementally); `finish`
-    completes the check. The bytes of the range's first and last blocks outside it (rows of
-    a resharded load) are read from `raw`, the first before the range, the last after it, so
-    the file stays read in order.
+    Called with the leading bytes filled so far, it checks each block completed while still
+    in the CPU caches (a whole-item digest is fed incrementally); `finish` completes the
+    check. The bytes of the range's first and last blocks outside it (rows of a resharded
+    load) are read from `raw`, the first before the range, the last after it, so the file
+    stays read in order.
 
     Args:
         raw: the item's stream (its frame and edge blocks are read from it).
@@ -145,11 +146,6 @@ class ChunkVerifier:
             if start % block:
                 self.head = self._edge(self.next * block, start % block)
             self.tail_len = max(0, min(expected.data_len, self.end * block) - self.b)
-
-    @property
-    def needed(self) -> bool:
-        """Whether the read must report its progress to this verifier."""
-        return self.expected is not None or self.consume is not None
 
     @property
     def extra_bytes(self) -> int:
@@ -195,6 +191,13 @@ class ChunkVerifier:
             if k >= len(expected.blocks) or h.intdigest() != expected.blocks[k]:
                 raise block_mismatch(self.what, self.info, expected, k)
             self.next, self.done = k + 1, min(hi, self.b) - self.a
+
+    def read(self, path: str, offset: int, request: int) -> None:
+        """Reads the range's bytes from `offset` of `path` into `data`, verifying them as they
+        land (`read_region` with `request` bytes per request), then `finish`es."""
+        needed = self.expected is not None or self.consume is not None
+        read_region(path, offset, self.view, self if needed else None, request)
+        self.finish()
 
     def finish(self) -> None:
         """Verifies (and consumes) what is left (all of it, if the read reported no progress)."""
