@@ -183,42 +183,32 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         copies: List[FlatCopy] = []
         exact: List[Tuple[str, torch.Tensor, torch.Tensor, Tuple[int, ...]]] = []
         for sh in shards:
-            if isinstance(sh, ShardedTensor) and sh.key in flat_layout:
-                if (stored := self._check_tensor(sh, sdm, flat_layout[sh.key])) is not None:
-                    raise LossyDtypeConversionError(
-                        f"{sh.key!r} is stored flat (megatron-core <= 0.13) as {stored}: "
-                        f"request that dtype, not {sh.dtype}, or allow_lossy_dtype_conversion"
+            if isinstance(sh, ShardedTensor):
+                flat_shape = flat_layout.get(sh.key)
+                stored = self._check_tensor(sh, sdm, flat_shape)
+                md, offset = sdm[sh.key], sh.global_offset
+                request = TensorRequest(sh.key, len(dests), offset, sh.prepended_local_shape)
+                if flat_shape is not None:
+                    if stored is not None:
+                        raise LossyDtypeConversionError(
+                            f"{sh.key!r} is stored flat (megatron-core <= 0.13) as {stored}: "
+                            f"request that dtype, not {sh.dtype}, or allow_lossy_dtype_conversion"
+                        )
+                    dests.append(self._destination(sh))
+                    flat_reads, temps, flat_copies = plan_reformulated_reads(
+                        request, md, flat_shape, sh.dtype, sh.allow_shape_mismatch
                     )
-                slot = len(dests)
-                dests.append(self._destination(sh))
-                flat_reads, temps, flat_copies = plan_reformulated_reads(
-                    sh.key,
-                    sdm[sh.key],
-                    flat_layout[sh.key],
-                    sh.global_offset,
-                    sh.prepended_local_shape,
-                    slot,
-                    slot + 1,
-                    sh.dtype,
-                    sh.allow_shape_mismatch,
-                )
-                reads += flat_reads
-                dests += [t.view(r.lengths) for t, r in zip(temps, flat_reads)]
-                copies += flat_copies
-            elif isinstance(sh, ShardedTensor):
-                stored = self._check_tensor(sh, sdm)
+                    reads += flat_reads
+                    dests += [t.view(r.lengths) for t, r in zip(temps, flat_reads)]
+                    copies += flat_copies
+                    continue
                 if sh.key not in indices:
-                    indices[sh.key] = ChunkIndex(sdm[sh.key])
-                request = TensorRequest(
-                    sh.key, len(dests), sh.global_offset, sh.prepended_local_shape
-                )
-                reads += plan_tensor_reads(
-                    request, sdm[sh.key], sh.allow_shape_mismatch, indices[sh.key]
-                )
+                    indices[sh.key] = ChunkIndex(md)
+                reads += plan_tensor_reads(request, md, sh.allow_shape_mismatch, indices[sh.key])
                 dests.append(self._destination(sh))
                 if stored is not None:  # read as stored, converted value by value in `_read`
                     stage = torch.zeros(dests[-1].shape, dtype=stored)
-                    exact.append((sh.key, dests[-1], stage, tuple(sh.global_offset)))
+                    exact.append((sh.key, dests[-1], stage, tuple(offset)))
                     dests[-1] = stage
             elif isinstance(sh, ShardedObject):
                 if not isinstance(sdm.get(sh.unique_key), BytesStorageMetadata):
