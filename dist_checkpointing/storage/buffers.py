@@ -106,9 +106,7 @@ class _Pins:
                 unpin(b)
 
     def unpin_all(self) -> None:
-        with self._lock:
-            bufs = list(self._bufs.values())
-        self.unpin(bufs)
+        self.unpin(list(self._bufs.values()))
 
 
 def private(nbytes: int) -> np.ndarray:

@@ -22,10 +22,6 @@ from .direct import FileWriter, PathLike
 __all__ = ["ChunkStream", "StreamedFile", "write_segments"]
 
 
-def _aligned(buf: np.ndarray) -> bool:
-    return buf.ctypes.data % ALIGN == 0
-
-
 def _write_chunks(out: FileWriter, buf: np.ndarray, pos: int) -> None:
     view = memoryview(buf)  # type: ignore[arg-type]
     for start in range(0, buf.size, CHUNK):
@@ -62,7 +58,12 @@ def write_segments(
         path, size, direct=direct, exclusive=exclusive, preallocate=direct, overwrite=overwrite
     )
     try:
-        if out.direct and padded is not None and _aligned(padded) and padded.size % ALIGN == 0:
+        if (
+            out.direct
+            and padded is not None
+            and padded.ctypes.data % ALIGN == 0
+            and padded.size % ALIGN == 0
+        ):
             _write_chunks(out, padded, 0)
         elif out.direct:
             _stream(out, segments)

@@ -68,33 +68,28 @@ def _pairs(
     return out
 
 
-class _Scatter:
+def _scatter(
+    pairs: List[Tuple[torch.Tensor, torch.Tensor, int]],
+    row0: int,
+    nrows: int,
+    row_bytes: int,
+    skip: int,
+) -> Callable[[int], None]:
     """Copies each read's rows out as soon as they are read and verified (still in the CPU
-    caches); called with the ready leading bytes of a region starting `skip` bytes before
-    row `row0`."""
+    caches), when called with the ready leading bytes of a region starting `skip` bytes
+    before row `row0`."""
+    done = 0  # rows (from row0) already copied
 
-    def __init__(
-        self,
-        pairs: List[Tuple[torch.Tensor, torch.Tensor, int]],
-        row0: int,
-        nrows: int,
-        row_bytes: int,
-        skip: int,
-    ) -> None:
-        self.pairs, self.row0, self.nrows = pairs, row0, nrows
-        self.row_bytes, self.skip = row_bytes, skip
-        self.done = 0  # rows (from row0) already copied
-
-    def __call__(self, ready: int) -> None:
-        rows = min(self.nrows, max(0, ready - self.skip) // self.row_bytes)
-        if rows <= self.done:
-            return
-        lo, hi = self.row0 + self.done, self.row0 + rows
-        for src, dest, first in self.pairs:
-            a, b = max(lo, first), min(hi, first + src.shape[0])
+    def copy_ready(ready: int) -> None:
+        nonlocal done
+        rows = min(nrows, max(0, ready - skip) // row_bytes)
+        for src, dest, first in pairs:
+            a, b = max(row0 + done, first), min(row0 + rows, first + src.shape[0])
             if a < b:
                 dest.narrow(0, a - first, b - a).copy_(src.narrow(0, a - first, b - a))
-        self.done = rows
+        done = max(done, rows)
+
+    return copy_ready
 
 
 def read_stored(
@@ -224,7 +219,7 @@ def _read_data(
         stored = region.view(layout.dtype).view(())
     pairs = _pairs(stored, row0, group, resolve, what)
     streamed = len(shape) >= 1 and row_bytes > 0 and (expected is None or expected.blocked)
-    scatter = _Scatter(pairs, row0, row1 - row0, row_bytes, skip) if streamed else None
+    scatter = _scatter(pairs, row0, row1 - row0, row_bytes, skip) if streamed else None
     verifier = ChunkVerifier(raw, layout, region, start, group.info, expected, what, scatter)
     verifier.read(path, data_file_off + start, request)
     if scatter is None:  # one digest for the whole item: copy once it is verified
