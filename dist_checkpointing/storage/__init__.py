@@ -7,14 +7,14 @@ never imports `mapping`, `serialization` or `strategies`). Its interface:
         directories), `read_region` and `read_file` (through the page cache).
     segments: files written from byte segments (`write_segments`, `StreamedFile`).
     buffers: aligned, pooled host buffers, page-locked for CUDA sources.
-    fileio: atomic replace and fsync helpers.
+    fileio: atomic replace, capped reads and fsync helpers (`atomic_write`, `read_capped`).
     faults: the fault-injection seam every read and write consults (tests).
 """
 
 from . import faults, objstore
 from .buffers import ALIGN, ChunkBuffers, ImagePool
-from .direct import FileWriter, pwrite_all, read_file, read_region, reset_direct_fallbacks
-from .fileio import atomic_write, fsync_dir, read_capped
+from .direct import FileWriter, read_file, read_region, reset_direct_fallbacks
+from .fileio import fsync_dir
 from .segments import StreamedFile, write_segments
 
 __all__ = [
@@ -23,12 +23,9 @@ __all__ = [
     "FileWriter",
     "ImagePool",
     "StreamedFile",
-    "atomic_write",
     "faults",
     "objstore",
     "fsync_dir",
-    "pwrite_all",
-    "read_capped",
     "read_file",
     "read_region",
     "reset_direct_fallbacks",

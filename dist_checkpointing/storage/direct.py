@@ -24,14 +24,7 @@ from ..errors import CheckpointCorruptedError
 from . import faults, objstore
 from .buffers import ALIGN
 
-__all__ = [
-    "ALIGN",
-    "FileWriter",
-    "pwrite_all",
-    "read_file",
-    "read_region",
-    "reset_direct_fallbacks",
-]
+__all__ = ["FileWriter", "pwrite_all", "read_file", "read_region", "reset_direct_fallbacks"]
 
 logger = logging.getLogger(__name__)
 
