@@ -141,9 +141,7 @@ def read_stored(
     return nread
 
 
-def parse_chunk(
-    raw: Any, group: Optional[ChunkGroup], expected: Optional[ItemSum], what: str
-) -> Any:
+def parse_chunk(raw: Any, group: ChunkGroup, expected: Optional[ItemSum], what: str) -> Any:
     """The layout of a stored chunk's zip (`zipformat.ChunkLayout`), or None where it is not
     the plain layout (then `torch.load` reads it); from the records before the data alone
     when the item has per-block checksums.
@@ -160,7 +158,7 @@ def parse_chunk(
     if layout is None:
         layout = chunk_layout(raw)
     if layout is not None:
-        check_layout(layout, group.stored if group is not None else None, what)
+        check_layout(layout, group.stored, what)
     return layout
 
 
