@@ -6,23 +6,15 @@ never imports `mapping`, `serialization` or `strategies`). Its interface:
     direct: `FileWriter` (O_DIRECT, buffered where refused: one registry of refusing
         directories), `read_region` and `read_file` (through the page cache).
     segments: files written from byte segments (`write_segments`, `StreamedFile`).
-    buffers, pinned: aligned, pooled host buffers, page-locked for CUDA sources.
-    fileio: atomic replace and fsync helpers.
+    buffers: aligned, pooled host buffers, page-locked for CUDA sources.
+    fileio: atomic replace, capped reads and fsync helpers (`atomic_write`, `read_capped`).
     faults: the fault-injection seam every read and write consults (tests).
 """
 
 from . import faults, objstore
-from .buffers import ALIGN, ChunkBuffers, ImagePool, host_buffer
-from .direct import (
-    FileWriter,
-    direct_allowed,
-    pwrite_all,
-    read_file,
-    read_region,
-    refuse_direct,
-    reset_direct_fallbacks,
-)
-from .fileio import atomic_write, fsync_dir, read_capped
+from .buffers import ALIGN, ChunkBuffers, ImagePool
+from .direct import FileWriter, read_file, read_region, reset_direct_fallbacks
+from .fileio import fsync_dir
 from .segments import StreamedFile, write_segments
 
 __all__ = [
@@ -31,17 +23,11 @@ __all__ = [
     "FileWriter",
     "ImagePool",
     "StreamedFile",
-    "atomic_write",
-    "direct_allowed",
     "faults",
     "objstore",
     "fsync_dir",
-    "host_buffer",
-    "pwrite_all",
-    "read_capped",
     "read_file",
     "read_region",
-    "refuse_direct",
     "reset_direct_fallbacks",
     "write_segments",
 ]

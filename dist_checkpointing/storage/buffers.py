@@ -1,12 +1,17 @@
-"""Aligned host buffers, pooled: chunk pairs for streamed writes, whole-file images for async
-saves (pinned for CUDA sources), pinned local images.
+"""Aligned host buffers, pooled and page-locked in place for CUDA sources: chunk pairs for
+streamed writes, whole-file images for async saves and local images.
 
 Pools bound the memory they keep (a few free buffers each); buffers come from `mmap` or
-shared memory, so they are page-aligned, as O_DIRECT needs.
+shared memory, so they are page-aligned, as O_DIRECT needs. `pin` registers a buffer with
+the CUDA driver (it stays ours: shared memory stays shared), so device-to-host copies into
+it run asynchronously; `unpin` must run before its memory is freed. Without CUDA both are
+no-ops returning False, so CPU runs take the same code path.
 """
 
 from __future__ import annotations
 
+import ctypes
+import logging
 import mmap
 import threading
 import weakref
@@ -16,21 +21,92 @@ from typing import Any, Dict, List, Protocol, Sequence, Tuple
 import numpy as np
 import torch
 
-from . import pinned as _pinned
+__all__ = ["ALIGN", "CHUNK", "ChunkBuffers", "ImagePool", "pin", "private", "unpin"]
 
-__all__ = [
-    "ALIGN",
-    "CHUNK",
-    "ChunkBuffers",
-    "ImagePool",
-    "host_buffer",
-    "private",
-]
+logger = logging.getLogger(__name__)
 
 #: alignment of O_DIRECT requests (file offsets, lengths and memory)
 ALIGN = 4096
 #: size of each of a streamed write's two chunk buffers
 CHUNK = 64 << 20
+
+
+def pin(buf: torch.Tensor) -> bool:
+    """Page-locks the host memory of `buf` (contiguous, on the CPU).
+
+    Returns:
+        Whether the buffer is now pinned. False without CUDA, or where the driver refuses
+        (logged; copies into the buffer are then synchronous, still correct).
+    """
+    if not torch.cuda.is_available():
+        return False
+    nbytes = buf.numel() * buf.element_size()
+    try:
+        err = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, 0)
+    except Exception as e:  # a build without cudart bindings
+        logger.warning("could not pin a %d-byte staging buffer (%s)", nbytes, e)
+        return False
+    ok = int(err[0] if isinstance(err, tuple) else err) == 0
+    if not ok:
+        # the failed call left CUDA's per-thread "last error" set: the next kernel launch of
+        # the training step would raise it as its own failure
+        _clear_last_cuda_error()
+        logger.warning("could not pin a %d-byte staging buffer; copies will be synchronous", nbytes)
+    return ok
+
+
+def _clear_last_cuda_error() -> None:
+    """Resets CUDA's last error through the runtime library torch loaded (best effort):
+    torch has no binding for `cudaGetLastError`, and the library found among the process's
+    mappings is the runtime instance torch itself uses."""
+    try:
+        with open("/proc/self/maps") as maps:
+            libs = {line.split()[-1] for line in maps if "libcudart" in line}
+        for lib in libs:
+            ctypes.CDLL(lib).cudaGetLastError()
+    except Exception as e:  # no /proc, or a static runtime: nothing we can reset
+        logger.debug("could not reset CUDA's last error: %s", e)
+
+
+def unpin(buf: torch.Tensor) -> None:
+    """Undoes `pin` (call while `buf`'s memory is still alive)."""
+    try:
+        torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
+    except Exception as e:
+        logger.debug("cudaHostUnregister failed: %s", e)
+
+
+class _Pins:
+    """The page-locked buffers of a pool, by address: each pinned once, unpinned when
+    dropped."""
+
+    def __init__(self) -> None:
+        self._bufs: Dict[int, torch.Tensor] = {}
+        self._lock = threading.Lock()
+        self.count = 0  # buffers pinned so far
+
+    def pin(self, buf: torch.Tensor) -> None:
+        with self._lock:
+            if buf.data_ptr() in self._bufs:
+                return
+        if pin(buf):
+            with self._lock:
+                self._bufs[buf.data_ptr()] = buf
+                self.count += 1
+
+    def is_pinned(self, buf: torch.Tensor) -> bool:
+        with self._lock:
+            return buf.data_ptr() in self._bufs
+
+    def unpin(self, bufs: Sequence[torch.Tensor]) -> None:
+        with self._lock:
+            held = [self._bufs.pop(b.data_ptr(), None) for b in bufs]
+        for b in held:
+            if b is not None:
+                unpin(b)
+
+    def unpin_all(self) -> None:
+        self.unpin(list(self._bufs.values()))
 
 
 def private(nbytes: int) -> np.ndarray:
@@ -47,34 +123,25 @@ class ChunkBuffers:
     flight); pinned once by `acquire(pin=True)`, unpinned when dropped from the pool."""
 
     _free: List[List[np.ndarray]] = []
-    _pinned: Dict[int, np.ndarray] = {}  # address -> buffer
+    _pins = _Pins()
     _lock = threading.Lock()
 
     @classmethod
     def acquire(cls, pin: bool = False) -> List[np.ndarray]:
         """Two `CHUNK`-byte aligned buffers (page-locked when `pin` and CUDA is available)."""
-        bufs = None
         with cls._lock:
-            if cls._free:
-                bufs = cls._free.pop()
+            bufs = cls._free.pop() if cls._free else None
         if bufs is None:
             bufs = [private(CHUNK) for _ in range(2)]
         if pin:
             for b in bufs:
-                addr = b.ctypes.data
-                with cls._lock:
-                    if addr in cls._pinned:
-                        continue
-                if _pinned.pin(torch.from_numpy(b)):
-                    with cls._lock:
-                        cls._pinned[addr] = b
+                cls._pins.pin(torch.from_numpy(b))
         return bufs
 
     @classmethod
     def is_pinned(cls, buf: np.ndarray) -> bool:
         """Whether `buf` (from `acquire`) is page-locked."""
-        with cls._lock:
-            return buf.ctypes.data in cls._pinned
+        return cls._pins.is_pinned(torch.from_numpy(buf))
 
     @classmethod
     def release(cls, bufs: List[np.ndarray]) -> None:
@@ -83,18 +150,7 @@ class ChunkBuffers:
             if len(cls._free) < 4:
                 cls._free.append(bufs)
                 return
-            unpin = [b for b in bufs if cls._pinned.pop(b.ctypes.data, None) is not None]
-        for b in unpin:
-            _pinned.unpin(torch.from_numpy(b))
-
-
-def host_buffer(nbytes: int, pin: bool) -> torch.Tensor:
-    """A new uint8 host tensor of `nbytes`, page-locked when `pin` and CUDA is available
-    (freed with the tensor)."""
-    buffer = torch.empty(nbytes, dtype=torch.uint8)
-    if pin and torch.cuda.is_available():
-        return buffer.pin_memory()
-    return buffer
+        cls._pins.unpin([torch.from_numpy(b) for b in bufs])
 
 
 class Layout(Protocol):
@@ -105,14 +161,6 @@ class Layout(Protocol):
 
     @property
     def signature(self) -> Tuple[Any, ...]: ...
-
-
-def _unpin_all(pinned: Dict[int, torch.Tensor], lock: threading.Lock) -> None:
-    with lock:
-        bufs = list(pinned.values())
-        pinned.clear()
-    for b in bufs:
-        _pinned.unpin(b)
 
 
 class ImagePool:
@@ -134,23 +182,21 @@ class ImagePool:
     """
 
     def __init__(self, max_free: int = 2, max_signatures: int = 4) -> None:
-        self._free: OrderedDict[Tuple[Any, ...], List[Any]] = OrderedDict()
-        self._pinned: Dict[int, torch.Tensor] = {}  # data_ptr -> buffer
+        self._free: OrderedDict[Tuple[Any, ...], List[List[torch.Tensor]]] = OrderedDict()
+        self._pins = _Pins()
         self._lock = threading.Lock()
         # a pool that goes away (a strategy made per save) must unregister its buffers
         # before their memory is unmapped: the driver keeps a registration of a freed range,
         # and pinning whatever is mapped there next fails
-        weakref.finalize(self, _unpin_all, self._pinned, self._lock)
+        weakref.finalize(self, self._pins.unpin_all)
         self.max_free = max_free
         self.max_signatures = max_signatures
         self.allocated_bytes = 0
         self.allocations = 0
-        self.pins = 0
 
-    def _take(self, key: Tuple[Any, ...]) -> Any:
-        with self._lock:
-            free = self._free.get(key)
-            return free.pop() if free else None
+    @property
+    def pins(self) -> int:
+        return self._pins.count
 
     def _new(self, size: int) -> torch.Tensor:
         n = max(ALIGN, -(-size // ALIGN) * ALIGN)
@@ -166,74 +212,51 @@ class ImagePool:
             self.allocations += 1
         return buf
 
-    def _pin(self, buf: torch.Tensor) -> None:
-        with self._lock:
-            if buf.data_ptr() in self._pinned:
-                return
-        if _pinned.pin(buf):
-            with self._lock:
-                self._pinned[buf.data_ptr()] = buf
-                self.pins += 1
-
     def acquire(self, plan: Layout, pin: bool) -> torch.Tensor:
-        """A buffer of at least `plan.size` bytes (rounded up to `ALIGN`), pinned if `pin`.
-
-        A free buffer of the same signature is reused; otherwise a new one is allocated.
-        """
-        buf = self._take(plan.signature)
-        if buf is None:
-            buf = self._new(plan.size)
-        if pin:
-            self._pin(buf)
-        return buf
+        """A buffer of at least `plan.size` bytes (rounded up to `ALIGN`), pinned if `pin`:
+        a free one of the same signature, else a new one."""
+        return self.acquire_group([plan], pin)[0]
 
     def acquire_group(self, plans: Sequence[Layout], pin: bool) -> List[torch.Tensor]:
         """Buffers for `plans` (one each, in order), reusing a set released for equal plans.
 
         Give them back with `release_group(plans, buffers)`.
         """
-        bufs = self._take(self._group_key(plans))
+        with self._lock:
+            free = self._free.get(tuple(p.signature for p in plans))
+            bufs = free.pop() if free else None
         if bufs is None:
             bufs = [self._new(p.size) for p in plans]
         if pin:
             for b in bufs:
-                self._pin(b)
+                self._pins.pin(b)
         return list(bufs)
-
-    @staticmethod
-    def _group_key(plans: Sequence[Layout]) -> Tuple[Any, ...]:
-        return ("group",) + tuple(p.signature for p in plans)
 
     def is_pinned(self, buf: torch.Tensor) -> bool:
         """Whether `buf` (from `acquire`) is page-locked."""
-        with self._lock:
-            return buf.data_ptr() in self._pinned
+        return self._pins.is_pinned(buf)
 
     def release(self, plan: Layout, buf: torch.Tensor) -> None:
         """Returns `buf` for reuse by saves of the same signature, or frees it."""
-        self._keep(plan.signature, buf, [buf])
+        self.release_group([plan], [buf])
 
     def release_group(self, plans: Sequence[Layout], bufs: Sequence[torch.Tensor]) -> None:
-        """Returns the buffers of `acquire_group(plans, ...)` together, or frees them."""
-        if bufs:
-            self._keep(self._group_key(plans), list(bufs), list(bufs))
-
-    def _keep(self, key: Tuple[Any, ...], entry: Any, bufs: List[torch.Tensor]) -> None:
-        """Keeps `entry` (a buffer or a list of them) free under `key`, within the bounds."""
+        """Returns the buffers of `acquire_group(plans, ...)` together, or frees them (within
+        the bounds)."""
+        if not bufs:
+            return
+        key = tuple(p.signature for p in plans)
         dropped: List[torch.Tensor] = []
         with self._lock:
             free = self._free.setdefault(key, [])
             self._free.move_to_end(key)
             if len(free) < self.max_free:
-                free.append(entry)
+                free.append(list(bufs))
             else:
                 dropped += bufs
             while len(self._free) > self.max_signatures:
                 for old in self._free.popitem(last=False)[1]:
-                    dropped += old if isinstance(old, list) else [old]
+                    dropped += old
             for b in dropped:
                 self.allocated_bytes -= b.numel()
-            was_pinned = [self._pinned.pop(b.data_ptr(), None) for b in dropped]
-            unpin = [b for b in was_pinned if b is not None]
-        for b in unpin:
-            _pinned.unpin(b)
+        self._pins.unpin(dropped)

@@ -2,11 +2,11 @@
 through the page cache.
 
 `FileWriter` writes a file in large aligned requests with O_DIRECT, preallocated, fsync'd
-once; a directory whose file system refused O_DIRECT (EINVAL) is remembered
-(`refuse_direct`) and written buffered from then on. `read_region` fills a destination from
-a file region in one sequential stream of requests (the kernel reads ahead, and the ranks
-of a node share what it caches); `read_file` reads a whole file. Every request goes through
-`faults.check` (the test seam).
+once; a directory whose file system refused O_DIRECT (EINVAL) is remembered and written
+buffered from then on. `read_region` fills a destination from a file region in one
+sequential stream of requests (the kernel reads ahead, and the ranks of a node share what it
+caches); `read_file` reads a whole file. Every request goes through `faults.check` (the test
+seam).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import errno
 import logging
 import os
 import threading
-from typing import Callable, Dict, Optional, Set, Tuple, Union
+from typing import Callable, Optional, Set, Union
 
 import numpy as np
 import torch
@@ -24,64 +24,65 @@ from ..errors import CheckpointCorruptedError
 from . import faults, objstore
 from .buffers import ALIGN
 
-__all__ = [
-    "ALIGN",
-    "CHUNK_READ",
-    "read_region",
-    "read_file",
-    "direct_allowed",
-    "refuse_direct",
-    "reset_direct_fallbacks",
-    "pwrite_all",
-    "FileWriter",
-]
+__all__ = ["FileWriter", "pwrite_all", "read_file", "read_region", "reset_direct_fallbacks"]
 
 logger = logging.getLogger(__name__)
 
 #: largest single read request
 CHUNK_READ = 32 << 20
 PathLike = Union[str, "os.PathLike[str]"]
-#: called with the number of leading bytes of the destination filled so far
-Progress = Optional[Callable[[int], None]]
 
-# ---- the O_DIRECT fallback registry ----------------------------------------------------
-
-_refused: Dict[str, str] = {}  # directory -> why O_DIRECT is not used there
-_logged: Set[Tuple[str, str]] = set()  # (directory, "reads"/"writes") already logged
+_refused: Set[str] = set()  # directories whose file system refused O_DIRECT
 _lock = threading.Lock()
 
 
-def direct_allowed(directory: str) -> bool:
-    """Whether O_DIRECT should be tried in `directory` (not refused there before)."""
-    return hasattr(os, "O_DIRECT") and directory not in _refused
-
-
-def refuse_direct(directory: str, e: BaseException, what: str) -> None:
-    """Records that O_DIRECT failed (`e`) in `directory`; later I/O there is buffered
-    (logged once per `what`: "reads" or "writes")."""
+def _refuse_direct(directory: str, e: BaseException) -> None:
+    """Records that O_DIRECT failed (`e`) in `directory`: later writes there are buffered
+    (logged once)."""
     with _lock:
-        _refused.setdefault(directory, str(e))
-        if (directory, what) in _logged:
+        if directory in _refused:
             return
-        _logged.add((directory, what))
-    if what == "reads":
-        logger.info("O_DIRECT reads are not usable in %s (%s): using buffered reads", directory, e)
-    else:
-        logger.info("O_DIRECT is not usable in %s (%s): using buffered writes", directory, e)
+        _refused.add(directory)
+    logger.info("O_DIRECT is not usable in %s (%s): using buffered writes", directory, e)
 
 
 def reset_direct_fallbacks() -> None:
     """Forgets every refusal (tests; a remounted file system)."""
     with _lock:
         _refused.clear()
-        _logged.clear()
 
 
 # ---- reads -------------------------------------------------------------------------------
 
 
+def _pread_into(
+    fd: int,
+    path: str,
+    offset: int,
+    view: memoryview,
+    progress: Optional[Callable[[int], None]],
+    request: int,
+) -> None:
+    """Fills `view` from `offset` of `fd` in requests of `request` bytes, calling `progress`
+    with the bytes filled after each."""
+    done = 0
+    while done < len(view):
+        end = min(len(view), done + request)
+        while done < end:
+            got = os.preadv(fd, [view[done:end]], offset + done)
+            if got <= 0:
+                raise CheckpointCorruptedError(f"{path}: short read at offset {offset + done}")
+            done += got
+        if progress is not None:
+            progress(done)
+
+
 def read_region(
-    path: str, offset: int, out: np.ndarray, progress: Progress = None, request: int = CHUNK_READ
+    path: str,
+    offset: int,
+    out: np.ndarray,
+    progress: Optional[Callable[[int], None]] = None,
+    request: int = CHUNK_READ,
 ) -> None:
     """Reads `out.size` bytes of `path` from `offset` into `out` (flat uint8, C-contiguous).
 
@@ -98,23 +99,12 @@ def read_region(
     if objstore.split(path) is not None:
         objstore.read_range(path, offset, out, progress)
         return
-    view = memoryview(out)  # type: ignore[arg-type]
     try:
         faults.check("read", path, offset, out.size, False)
         fd = os.open(path, os.O_RDONLY)
         try:
-            done = 0
-            while done < out.size:
-                end = min(out.size, done + request)
-                while done < end:
-                    got = os.preadv(fd, [view[done:end]], offset + done)
-                    if got <= 0:
-                        raise CheckpointCorruptedError(
-                            f"{path}: short read at offset {offset + done}"
-                        )
-                    done += got
-                if progress is not None:
-                    progress(done)
+            view = memoryview(out)  # type: ignore[arg-type]
+            _pread_into(fd, path, offset, view, progress, request)
         finally:
             os.close(fd)
     except OSError as e:
@@ -135,12 +125,7 @@ def read_file(path: PathLike) -> torch.Tensor:
         faults.check("read", path, 0, size, False)
         buffer = torch.empty(size, dtype=torch.uint8)
         view = memoryview(buffer.numpy())  # type: ignore[arg-type]
-        got = 0
-        while got < size:
-            n = os.preadv(fd, [view[got : min(size, got + CHUNK_READ)]], got)
-            if not n:
-                raise CheckpointCorruptedError(f"{path}: file shrank while reading")
-            got += n
+        _pread_into(fd, path, 0, view, None, CHUNK_READ)
     finally:
         os.close(fd)
     return buffer
@@ -161,14 +146,6 @@ def pwrite_all(
         view, offset = view[n:], offset + n
     if limit is not None:
         faults.die()
-
-
-def _preallocate(fd: int, size: int) -> None:
-    if size and hasattr(os, "posix_fallocate"):
-        try:
-            os.posix_fallocate(fd, 0, -(-size // ALIGN) * ALIGN)
-        except OSError:  # not supported here; the writes allocate as they go
-            pass
 
 
 class FileWriter:
@@ -201,19 +178,21 @@ class FileWriter:
             flags = os.O_WRONLY | os.O_CREAT | (os.O_EXCL if exclusive else os.O_TRUNC)
         self.direct = False
         self.fd = -1
-        if direct and direct_allowed(self._directory):
+        if direct and hasattr(os, "O_DIRECT") and self._directory not in _refused:
             try:
                 self.fd = os.open(self.path, flags | os.O_DIRECT, 0o644)
                 self.direct = True
             except OSError as e:
                 if isinstance(e, (FileExistsError, FileNotFoundError)):
                     raise
-                refuse_direct(self._directory, e, "writes")
+                _refuse_direct(self._directory, e)
         if self.fd < 0:
             self.fd = os.open(self.path, flags, 0o644)
-        if preallocate:
+        if preallocate and size and hasattr(os, "posix_fallocate"):
             try:
-                _preallocate(self.fd, size)
+                os.posix_fallocate(self.fd, 0, -(-size // ALIGN) * ALIGN)
+            except OSError:  # not supported here; the writes allocate as they go
+                pass
             except BaseException:
                 os.close(self.fd)
                 raise
@@ -227,17 +206,19 @@ class FileWriter:
             except OSError as e:
                 if e.errno != errno.EINVAL:
                     raise
-                refuse_direct(self._directory, e, "writes")
+                _refuse_direct(self._directory, e)
                 os.close(self.fd)
                 self.fd = os.open(self.path, os.O_WRONLY, 0o644)
                 self.direct = False
         pwrite_all(self.fd, view, offset, self.path, False)
 
-    def finish(self) -> None:
-        """Truncates the padding of the last aligned request, fsyncs and closes the file."""
+    def finish(self, fsync: bool = True) -> None:
+        """Truncates the padding of the last aligned request, fsyncs (unless told not to) and
+        closes the file."""
         try:
             os.ftruncate(self.fd, self.size)
-            os.fsync(self.fd)
+            if fsync:
+                os.fsync(self.fd)
         finally:
             self._close()
 

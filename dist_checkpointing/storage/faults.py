@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterator, List, Optional, Tuple
 
-__all__ = ["Fault", "IOCall", "inject", "remove", "clear", "injected", "check"]
+__all__ = ["Fault", "IOCall", "inject", "remove", "injected", "check", "die"]
 
 
 @dataclass(frozen=True)
@@ -82,12 +82,6 @@ def remove(fault: Fault) -> None:
     with _lock:
         if fault in _active:
             _active.remove(fault)
-
-
-def clear() -> None:
-    """Uninstalls every fault."""
-    with _lock:
-        _active.clear()
 
 
 @contextlib.contextmanager

@@ -10,7 +10,6 @@ from chunks as they arrive (a replica received over the network).
 from __future__ import annotations
 
 import mmap
-import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Optional, Sequence
 
@@ -23,8 +22,10 @@ from .direct import FileWriter, PathLike
 __all__ = ["ChunkStream", "StreamedFile", "write_segments"]
 
 
-def _aligned(buf: np.ndarray) -> bool:
-    return buf.ctypes.data % ALIGN == 0
+def _write_chunks(out: FileWriter, buf: np.ndarray, pos: int) -> None:
+    view = memoryview(buf)  # type: ignore[arg-type]
+    for start in range(0, buf.size, CHUNK):
+        out.write(view[start : start + CHUNK], pos + start)
 
 
 def write_segments(
@@ -36,7 +37,6 @@ def write_segments(
     exclusive: bool = True,
     overwrite: bool = False,
     padded: Optional[np.ndarray] = None,
-    prepare: Optional[Callable[[int], Optional[Callable[[np.ndarray], None]]]] = None,
 ) -> int:
     """Writes the concatenation of `segments` (flat uint8 arrays) to a new file.
 
@@ -45,9 +45,7 @@ def write_segments(
         fsync: make the file durable before returning.
         exclusive, overwrite: as in `FileWriter`.
         padded: for a single segment, the same page-aligned buffer zero-padded to a multiple
-            of `ALIGN`: written directly with O_DIRECT (not with `prepare`).
-        prepare: called with a segment's index just before it is written; may return a
-            callback that sees each piece of it as it is written (to checksum it).
+            of `ALIGN`: written directly with O_DIRECT.
 
     Returns:
         The number of bytes written.
@@ -62,31 +60,19 @@ def write_segments(
     try:
         if (
             out.direct
-            and prepare is None
             and padded is not None
-            and _aligned(padded)
+            and padded.ctypes.data % ALIGN == 0
             and padded.size % ALIGN == 0
         ):
-            view = memoryview(padded)  # type: ignore[arg-type]
-            for start in range(0, padded.size, CHUNK):
-                out.write(view[start : start + CHUNK], start)
+            _write_chunks(out, padded, 0)
         elif out.direct:
-            _stream(out, segments, prepare=prepare)
+            _stream(out, segments)
         else:
             pos = 0
-            for i, seg in enumerate(segments):
-                seen = prepare(i) if prepare is not None else None
-                view = memoryview(seg)  # type: ignore[arg-type]
-                for start in range(0, seg.size, CHUNK):
-                    out.write(view[start : start + CHUNK], pos + start)
-                    if seen is not None:
-                        seen(seg[start : start + CHUNK])
+            for seg in segments:
+                _write_chunks(out, seg, pos)
                 pos += seg.size
-        if fsync:
-            out.finish()
-        else:
-            os.ftruncate(out.fd, size)
-            out.abort()  # closes without fsync
+        out.finish(fsync)
     except BaseException:
         out.abort(remove=True)
         raise
@@ -127,14 +113,12 @@ class ChunkStream:
             buf[fill:n] = 0
         if self._pending is not None:
             self._pending.result()  # the write that used the buffer we switch to next
-        self._pending = self._pool.submit(self._write, memoryview(buf[:n]), self._pos)  # type: ignore[arg-type]
+        view = memoryview(buf[:n])  # type: ignore[arg-type]
+        self._pending = self._pool.submit(self._out.write, view, self._pos)
         if self._progress is not None:
             self._progress(fill)
         self._pos += fill
         self._which, self._fill = 1 - self._which, 0
-
-    def _write(self, view: memoryview, pos: int) -> None:
-        self._out.write(view, pos)
 
     def put(self, data: Any, on_copied: Optional[Callable[[np.ndarray], None]] = None) -> None:
         """Appends `data` (a uint8 array, or a device tensor's uint8 bytes); `on_copied`
@@ -170,17 +154,12 @@ class ChunkStream:
         ChunkBuffers.release(self._bufs)
 
 
-def _stream(
-    out: FileWriter,
-    segments: Sequence[np.ndarray],
-    file_pos: int = 0,
-    prepare: Optional[Callable[[int], Optional[Callable[[np.ndarray], None]]]] = None,
-) -> None:
+def _stream(out: FileWriter, segments: Sequence[np.ndarray], file_pos: int = 0) -> None:
     """Streams segments through `ChunkStream` from `file_pos` (aligned)."""
     stream = ChunkStream(out, file_pos)
     try:
-        for i, seg in enumerate(segments):
-            stream.put(seg, prepare(i) if prepare is not None else None)
+        for seg in segments:
+            stream.put(seg)
         stream.finish()
     finally:
         stream.close()
@@ -190,7 +169,7 @@ class StreamedFile:
     """A new file of known size, written front to back in chunks of any size as they arrive.
 
     With `direct`, the page-aligned middle of each chunk is written straight from the
-    caller's memory when placed per `placement`; partial pages at chunk borders are
+    caller's memory when placed at `offset % ALIGN` in an aligned buffer; partial pages at chunk borders are
     assembled in one aligned page. Nothing enters the page cache (a replica is rarely read
     back here). Otherwise writes are buffered.
 
@@ -221,11 +200,6 @@ class StreamedFile:
         self._pos = 0  # bytes written so far (the next chunk's offset)
         self._held = 0  # bytes of the partial page at the end of the file held in `_page`
         self._page = np.frombuffer(mmap.mmap(-1, ALIGN), dtype=np.uint8) if direct else None
-
-    @staticmethod
-    def placement(offset: int) -> int:
-        """Where in an aligned buffer to place a chunk for `offset` (zero-copy with O_DIRECT)."""
-        return offset % ALIGN
 
     def write(self, data: np.ndarray, offset: int) -> None:
         """Writes `data` (flat uint8) at `offset`, which must follow the previous chunk.
@@ -286,14 +260,10 @@ class StreamedFile:
                     view = self._page[: self._held]
                 self._out.write(memoryview(view), self._pos - self._held)  # type: ignore[arg-type]
                 self._held = 0
-            if self.fsync:
-                self._out.finish()
-                return
-            os.ftruncate(self._out.fd, self.size)
+            self._out.finish(self.fsync)
         except BaseException:
             self._out.abort()
             raise
-        self._out.abort()  # closes without fsync
 
     def abort(self) -> None:
         """Closes and removes the file (after a failure)."""

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dist_checkpointing.storage import pinned as _pinned
+from dist_checkpointing.storage import buffers
 from dist_checkpointing.storage.buffers import ALIGN, ImagePool
 from tests._devices import CPU_AND_CUDA
 
@@ -38,8 +38,8 @@ def test_buffers_are_reused_per_signature_aligned_and_bounded():
 
 def test_pinning_is_done_once_and_undone_when_a_buffer_is_dropped(monkeypatch):
     pinned, unpinned = [], []
-    monkeypatch.setattr(_pinned, "pin", lambda b: pinned.append(b.data_ptr()) or True)
-    monkeypatch.setattr(_pinned, "unpin", lambda b: unpinned.append(b.data_ptr()))
+    monkeypatch.setattr(buffers, "pin", lambda b: pinned.append(b.data_ptr()) or True)
+    monkeypatch.setattr(buffers, "unpin", lambda b: unpinned.append(b.data_ptr()))
     pool = ImagePool(max_free=1, max_signatures=1)
     a = _plan("a")
     cpu = pool.acquire(a, pin=False)
@@ -60,7 +60,7 @@ def test_pinning_is_done_once_and_undone_when_a_buffer_is_dropped(monkeypatch):
 def test_pin_is_a_no_op_without_cuda():
     if torch.cuda.is_available():
         pytest.skip("CUDA present")
-    assert _pinned.pin(torch.empty(ALIGN, dtype=torch.uint8)) is False
+    assert buffers.pin(torch.empty(ALIGN, dtype=torch.uint8)) is False
 
 
 @pytest.mark.parametrize(
@@ -188,11 +188,9 @@ def test_a_pool_that_goes_away_unpins_its_buffers(monkeypatch):
     registration of that range fails, and its error surfaces in the next CUDA call)."""
     import gc
 
-    from dist_checkpointing.storage import buffers
-
     pinned, unpinned = set(), []
-    monkeypatch.setattr(buffers._pinned, "pin", lambda b: pinned.add(b.data_ptr()) or True)
-    monkeypatch.setattr(buffers._pinned, "unpin", lambda b: unpinned.append(b.data_ptr()))
+    monkeypatch.setattr(buffers, "pin", lambda b: pinned.add(b.data_ptr()) or True)
+    monkeypatch.setattr(buffers, "unpin", lambda b: unpinned.append(b.data_ptr()))
 
     class _Plan:
         size = 8192

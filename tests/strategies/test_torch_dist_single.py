@@ -282,3 +282,37 @@ def test_our_chunks_take_the_direct_read_path(tmp_path):
         with open_range(tmp_path / "c" / info.relative_path, info) as stream:
             layout = chunk_layout(stream.raw)
         assert layout is not None and layout.shape == (7, 5), index.fqn
+
+
+@pytest.mark.parametrize("offset,shape", [((0, 0), (4, 6)), ((1, 1), (2, 4)), ((3, 0), (1, 6))])
+def test_megatron_013_flat_layout_loads_any_region_of_the_original_shape(tmp_path, offset, shape):
+    """megatron-core <= 0.13's reformulated layout (here written by hand, without megatron):
+    a (4, 6) tensor in (2, 2) pieces stored as (2, 3, 4), each cell's flat run in two chunks."""
+    full = torch.arange(24.0).reshape(4, 6)
+    cells = full.reshape(2, 2, 3, 2).permute(0, 2, 1, 3).reshape(2, 3, 4)
+    sd = {
+        f"{i}{j}{a}": ShardedTensor(
+            "k",
+            cells[i, j, a:b].reshape(1, 1, -1).clone(),
+            torch.float32,
+            (1, 1, b - a),
+            (2, 3, 4),
+            (i, j, a),
+            None,
+        )
+        for i in range(2)
+        for j in range(3)
+        for a, b in [(0, 1), (1, 4)]
+    }
+    dc.save(sd, tmp_path, validate_access_integrity=False)
+    md = pickle.loads((tmp_path / ".metadata").read_bytes())
+    md.mcore_data = {"k": {"nd_reformulated_orig_global_shape": (4, 6)}}
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(md))
+    (tmp_path / ".metadata.index").unlink()  # megatron writes none
+    strategy = TorchDistLoadShardedStrategy(verify_checksums=False)  # .metadata was rewritten
+    assert dc.load_tensors_metadata(tmp_path, strategy)["k"].global_shape == (4, 6)
+    req = {"x": ShardedTensor("k", torch.zeros(shape), torch.float32, shape, (4, 6), offset, None)}
+    got = dc.load(req, tmp_path, strategy, validate_access_integrity=False)["x"]
+    assert torch.equal(
+        got, full[offset[0] : offset[0] + shape[0], offset[1] : offset[1] + shape[1]]
+    )

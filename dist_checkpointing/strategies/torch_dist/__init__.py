@@ -3,13 +3,13 @@
 Who does what:
     plan: what to write and read, names.
     zipformat: the torch.save-compatible zip layout of a tensor item (only here).
-    metadata_file: DCP's `.metadata` and its load index, written atomically, read safely.
+    metadata_file: DCP's `.metadata` and its load index, written atomically, read safely;
+        `remove_sharded_tensors`.
     writer: data files laid out and written (streamed or from staged images).
     reader, chunk_reader: stored chunks read once each, straight into destinations, verified.
     save: the save strategy (sync writes, async staging).
     finalize: each rank's compact report; rank 0 builds and writes `.metadata` from them.
     load: the load strategy (resharding reads).
-    maintenance: `remove_sharded_tensors`.
 File I/O goes through the shared I/O layer, `dist_checkpointing.storage`.
 """
 

@@ -1,9 +1,9 @@
 """Reading one stored tensor chunk into the destinations of its reads, verified as it lands.
 
-A plain chunk's zip is parsed directly and only the rows the reads need are read. Whole
-rows into a contiguous host destination of the stored dtype land in place (O_DIRECT by
-default); other reads land in a per-thread scratch buffer through the page cache (shared
-by a node's ranks) and are copied out as they are verified.
+A plain chunk's zip is parsed directly and only the rows the reads need are read (through
+the page cache, shared by a node's ranks). Whole rows into a contiguous host destination of
+the stored dtype land in place; other reads land in a per-thread scratch buffer and are
+copied out as they are verified.
 """
 
 from __future__ import annotations
@@ -21,13 +21,9 @@ from torch.distributed.checkpoint.planner import ReadItem
 from ..._safe_load import torch_load
 from ...errors import CheckpointCorruptedError
 from ...integrity import ItemSum
-from ...storage import read_region
 from .verify import (
     ChunkVerifier,
-    RangeVerifier,
-    Verifier,
     check_layout,
-    flat_bytes,
     frame_matches,
     mismatch,
     read_exact,
@@ -72,33 +68,28 @@ def _pairs(
     return out
 
 
-class _Scatter:
+def _scatter(
+    pairs: List[Tuple[torch.Tensor, torch.Tensor, int]],
+    row0: int,
+    nrows: int,
+    row_bytes: int,
+    skip: int,
+) -> Callable[[int], None]:
     """Copies each read's rows out as soon as they are read and verified (still in the CPU
-    caches); called with the ready leading bytes of a region starting `skip` bytes before
-    row `row0`."""
+    caches), when called with the ready leading bytes of a region starting `skip` bytes
+    before row `row0`."""
+    done = 0  # rows (from row0) already copied
 
-    def __init__(
-        self,
-        pairs: List[Tuple[torch.Tensor, torch.Tensor, int]],
-        row0: int,
-        nrows: int,
-        row_bytes: int,
-        skip: int,
-    ) -> None:
-        self.pairs, self.row0, self.nrows = pairs, row0, nrows
-        self.row_bytes, self.skip = row_bytes, skip
-        self.done = 0  # rows (from row0) already copied
-
-    def __call__(self, ready: int) -> None:
-        rows = min(self.nrows, max(0, ready - self.skip) // self.row_bytes)
-        if rows <= self.done:
-            return
-        lo, hi = self.row0 + self.done, self.row0 + rows
-        for src, dest, first in self.pairs:
-            a, b = max(lo, first), min(hi, first + src.shape[0])
+    def copy_ready(ready: int) -> None:
+        nonlocal done
+        rows = min(nrows, max(0, ready - skip) // row_bytes)
+        for src, dest, first in pairs:
+            a, b = max(row0 + done, first), min(row0 + rows, first + src.shape[0])
             if a < b:
                 dest.narrow(0, a - first, b - a).copy_(src.narrow(0, a - first, b - a))
-        self.done = rows
+        done = max(done, rows)
+
+    return copy_ready
 
 
 def read_stored(
@@ -150,9 +141,7 @@ def read_stored(
     return nread
 
 
-def parse_chunk(
-    raw: Any, group: Optional[ChunkGroup], expected: Optional[ItemSum], what: str
-) -> Any:
+def parse_chunk(raw: Any, group: ChunkGroup, expected: Optional[ItemSum], what: str) -> Any:
     """The layout of a stored chunk's zip (`zipformat.ChunkLayout`), or None where it is not
     the plain layout (then `torch.load` reads it); from the records before the data alone
     when the item has per-block checksums.
@@ -169,7 +158,7 @@ def parse_chunk(
     if layout is None:
         layout = chunk_layout(raw)
     if layout is not None:
-        check_layout(layout, group.stored if group is not None else None, what)
+        check_layout(layout, group.stored, what)
     return layout
 
 
@@ -210,19 +199,8 @@ def _read_data(
         dest = resolve(group.reads[0])
         if _in_place(group.reads[0], dest, layout, row0, row1, whole):
             a, b = (0, layout.nbytes) if whole else (row0 * row_bytes, row1 * row_bytes)
-            verifier: Verifier
-            if whole or expected is None:
-                verifier = ChunkVerifier(raw, layout, dest, a, group.info, expected, what)
-            else:
-                verifier = RangeVerifier(
-                    lambda off, n: read_exact(raw, layout.data_offset + off, n),
-                    dest,
-                    a,
-                    group.info,
-                    expected,
-                    what,
-                )
-            _read_verified(path, data_file_off + a, dest, verifier, request)
+            verifier = ChunkVerifier(raw, layout, dest, a, group.info, expected, what)
+            verifier.read(path, data_file_off + a, request)
             return b - a + verifier.extra_bytes
     start, stop = row0 * row_bytes, row1 * row_bytes
     if expected is not None and not whole:  # widen to whole checksum blocks
@@ -239,22 +217,13 @@ def _read_data(
         stored = region.view(layout.dtype).view(())
     pairs = _pairs(stored, row0, group, resolve, what)
     streamed = len(shape) >= 1 and row_bytes > 0 and (expected is None or expected.blocked)
-    scatter = _Scatter(pairs, row0, row1 - row0, row_bytes, skip) if streamed else None
+    scatter = _scatter(pairs, row0, row1 - row0, row_bytes, skip) if streamed else None
     verifier = ChunkVerifier(raw, layout, region, start, group.info, expected, what, scatter)
-    _read_verified(path, data_file_off + start, region, verifier, request)
+    verifier.read(path, data_file_off + start, request)
     if scatter is None:  # one digest for the whole item: copy once it is verified
         for src, dest, _ in pairs:
             dest.copy_(src)
     return stop - start
-
-
-def _read_verified(
-    path: str, offset: int, data: torch.Tensor, verifier: Verifier, request: int
-) -> None:
-    """Reads `data`'s bytes from `offset`, verifying each request's bytes as they land."""
-    progress = verifier if verifier.needed else None
-    read_region(path, offset, flat_bytes(data), progress, request)
-    verifier.finish()
 
 
 _scratch_local = threading.local()

@@ -15,14 +15,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
 from ..._flat import flat_range_boxes
-from ...errors import CheckpointCorruptedError, CheckpointingException
+from ...errors import CheckpointCorruptedError
+from .plan import TensorRequest, overlap, require_covered
 
 __all__ = ["reformulated_shapes", "FlatCopy", "plan_reformulated_reads", "apply_copies"]
 
@@ -74,33 +75,19 @@ class FlatCopy:
     hi: Tuple[int, ...]
 
 
-def overlap(
-    a_off: Sequence[int], a_size: Sequence[int], b_off: Sequence[int], b_size: Sequence[int]
-) -> Optional[Tuple[Tuple[int, ...], Tuple[int, ...]]]:
-    """The `(lo, hi)` corners of two boxes' overlap, or None where they do not overlap."""
-    lo = tuple(max(x, y) for x, y in zip(a_off, b_off))
-    hi = tuple(min(x + sx, y + sy) for x, sx, y, sy in zip(a_off, a_size, b_off, b_size))
-    if any(h <= low for low, h in zip(lo, hi)):
-        return None
-    return lo, hi
-
-
 def plan_reformulated_reads(
-    key: str,
+    request: TensorRequest,
     stored: TensorStorageMetadata,
     orig_shape: Tuple[int, ...],
-    offsets: Tuple[int, ...],
-    sizes: Tuple[int, ...],
-    dest_slot: int,
-    first_temp_slot: int,
     dtype: torch.dtype,
     allow_partial: bool,
 ) -> Tuple[List[ReadItem], List[torch.Tensor], List[FlatCopy]]:
-    """Plans the reads of the region (`offsets`, `sizes`, slot `dest_slot`) of `key`, stored
-    as `stored` in megatron's flat layout, `orig_shape` its shape: `(reads, temporaries,
-    copies)`, read i filling temporary i (slot `first_temp_slot + i`), each copy moving an
-    overlap into the destination. Raises `CheckpointingException` where the checkpoint holds
-    only part of the region, unless `allow_partial`."""
+    """Plans the reads of `request`'s region of a tensor stored as `stored` in megatron's
+    flat layout, `orig_shape` its shape: `(reads, temporaries, copies)`, read i filling
+    temporary i (slot `request.slot + 1 + i`), each copy moving an overlap into the
+    destination. Raises `CheckpointingException` where the checkpoint holds only part of the
+    region, unless `allow_partial`."""
+    key, offsets, sizes = request.key, request.offsets, request.sizes
     grid = tuple(stored.size)[:-1]
     piece = tuple(o // g for o, g in zip(orig_shape, grid))
     reads: List[ReadItem] = []
@@ -122,7 +109,7 @@ def plan_reformulated_reads(
             covered += math.prod(h - low for low, h in zip(lo, hi))
             n = math.prod(box_shape)
             temp = torch.empty(box_shape, dtype=dtype)
-            slot = first_temp_slot + len(temps)
+            slot = request.slot + 1 + len(temps)
             lengths = (1,) * len(grid) + (n,)
             reads.append(
                 ReadItem(
@@ -135,13 +122,8 @@ def plan_reformulated_reads(
                 )
             )
             temps.append(temp)
-            copies.append(FlatCopy(temp, glob, dest_slot, tuple(offsets), lo, hi))
-    wanted = math.prod(sizes)
-    if covered != wanted and not allow_partial:
-        raise CheckpointingException(
-            f"Checkpoint holds {covered} of the {wanted} elements requested for {key!r} "
-            f"at offset {offsets} with shape {sizes}"
-        )
+            copies.append(FlatCopy(temp, glob, request.slot, tuple(offsets), lo, hi))
+    require_covered(key, covered, offsets, sizes, allow_partial)
     return reads, temps, copies
 
 

@@ -3,9 +3,6 @@
 Collective: every rank reads the metadata of the keys it asks for (`metadata_file`'s load
 index), plans reads for exactly the regions it asked for (`plan.plan_tensor_reads`), and
 reads each needed chunk once (`reader`).
-
-Over 400 lines: the strategy's metadata-only loads (`load_tensors_metadata`, ...) share its
-checks of stored keys, shapes and dtypes.
 """
 
 from __future__ import annotations
@@ -45,8 +42,7 @@ from ...quantized import stored_form_hint
 from ..base import CheckpointDir, LoadShardedStrategy, require_backend, require_version
 from .finalize import gbps
 from .legacy_flat import FlatCopy, apply_copies, plan_reformulated_reads, reformulated_shapes
-from .maintenance import remove_sharded_tensors
-from .metadata_file import open_for_load, read_metadata
+from .metadata_file import open_for_load, read_metadata, remove_sharded_tensors
 from .plan import BACKEND, SUPPORTED_VERSIONS, ChunkIndex, TensorRequest, plan_tensor_reads
 from .reader import read_byte_items, read_tensor_items
 
@@ -70,41 +66,21 @@ class _Plan:
     exact: List[Tuple[str, torch.Tensor, torch.Tensor, Tuple[int, ...]]]
 
 
-@dataclass
-class _LoadStats:
-    """What one rank read: tensor data and object bytes, seconds, and how many files (a count,
-    not names: the exchange that carries it stays small whatever the world)."""
-
-    nbytes: int
-    seconds: float
-    files: int
-
-
-def _item_file(metadata: Metadata, index: MetadataIndex) -> str:
-    info = metadata.storage_data.get(index)
-    return str(info.relative_path) if info is not None else "?"
+#: what one rank read: bytes (tensor data and objects), seconds, and how many files (a
+#: count, not names: the exchange that carries it stays small whatever the world)
+_LoadStats = Tuple[int, float, int]
 
 
 def _log_load(ckpt: Path, stats: List[_LoadStats]) -> None:
     """Rank 0: one INFO line for the whole load (bytes summed, time the slowest rank's)."""
     if not stats:
         return
-    total = sum(s.nbytes for s in stats)
-    slowest = max(s.seconds for s in stats)
-    files = max(s.files for s in stats)
-    logger.info(
-        "torch_dist load %s: %.3f GB (%d bytes) read by %d rank(s) from %d file(s) per rank at "
-        "most in %.2f s "
-        "(slowest rank), %.2f GB/s; most by one rank %.3f GB",
-        ckpt,
-        total / 1e9,
-        total,
-        len(stats),
-        files,
-        slowest,
-        gbps(total, slowest),
-        max(s.nbytes for s in stats) / 1e9,
-    )
+    total, slowest = sum(s[0] for s in stats), max(s[1] for s in stats)
+    msg = "torch_dist load %s: %.3f GB (%d bytes) read by %d rank(s) from %d file(s) per rank "
+    msg += "at most in %.2f s (slowest rank), %.2f GB/s; most by one rank %.3f GB"
+    files, most = max(s[2] for s in stats), max(s[0] for s in stats) / 1e9
+    rate = gbps(total, slowest)
+    logger.info(msg, ckpt, total / 1e9, total, len(stats), files, slowest, rate, most)
 
 
 class TorchDistLoadShardedStrategy(LoadShardedStrategy):
@@ -198,7 +174,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             if isinstance(sh, ShardedTensor) and sh.allow_shape_mismatch:
                 boxes.pop(sh.key, None)
         metadata = open_for_load(ckpt, keys, checksums, boxes)
-        sdm = metadata.state_dict_metadata
+        sdm: Dict[str, Any] = metadata.state_dict_metadata
         flat_layout = reformulated_shapes(metadata)  # megatron <= 0.13 flat tensors
         dests: List[torch.Tensor] = []
         indices: Dict[str, ChunkIndex] = {}
@@ -207,35 +183,32 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         copies: List[FlatCopy] = []
         exact: List[Tuple[str, torch.Tensor, torch.Tensor, Tuple[int, ...]]] = []
         for sh in shards:
-            if isinstance(sh, ShardedTensor) and sh.key in flat_layout:
-                if (stored := self._check_tensor(sh, sdm, flat_layout[sh.key])) is not None:
-                    raise LossyDtypeConversionError(
-                        f"{sh.key!r} is stored flat (megatron-core <= 0.13) as {stored}: "
-                        f"request that dtype, not {sh.dtype}, or allow_lossy_dtype_conversion"
+            if isinstance(sh, ShardedTensor):
+                flat_shape = flat_layout.get(sh.key)
+                stored = self._check_tensor(sh, sdm, flat_shape)
+                md, offset = sdm[sh.key], sh.global_offset
+                request = TensorRequest(sh.key, len(dests), offset, sh.prepended_local_shape)
+                if flat_shape is not None:
+                    if stored is not None:
+                        raise LossyDtypeConversionError(
+                            f"{sh.key!r} is stored flat (megatron-core <= 0.13) as {stored}: "
+                            f"request that dtype, not {sh.dtype}, or allow_lossy_dtype_conversion"
+                        )
+                    dests.append(self._destination(sh))
+                    flat_reads, temps, flat_copies = plan_reformulated_reads(
+                        request, md, flat_shape, sh.dtype, sh.allow_shape_mismatch
                     )
-                slot = len(dests)
-                dests.append(self._destination(sh))
-                flat_reads, temps, flat_copies = plan_reformulated_reads(
-                    sh.key,
-                    sdm[sh.key],  # type: ignore[arg-type]
-                    flat_layout[sh.key],
-                    sh.global_offset,
-                    sh.prepended_local_shape,
-                    slot,
-                    slot + 1,
-                    sh.dtype,
-                    sh.allow_shape_mismatch,
-                )
-                reads += flat_reads
-                dests += [t.view(r.lengths) for t, r in zip(temps, flat_reads)]
-                copies += flat_copies
-            elif isinstance(sh, ShardedTensor):
-                stored = self._check_tensor(sh, sdm)
-                reads += self._plan_tensor(sh, sdm, len(dests), indices)
+                    reads += flat_reads
+                    dests += [t.view(r.lengths) for t, r in zip(temps, flat_reads)]
+                    copies += flat_copies
+                    continue
+                if sh.key not in indices:
+                    indices[sh.key] = ChunkIndex(md)
+                reads += plan_tensor_reads(request, md, sh.allow_shape_mismatch, indices[sh.key])
                 dests.append(self._destination(sh))
                 if stored is not None:  # read as stored, converted value by value in `_read`
                     stage = torch.zeros(dests[-1].shape, dtype=stored)
-                    exact.append((sh.key, dests[-1], stage, tuple(sh.global_offset)))
+                    exact.append((sh.key, dests[-1], stage, tuple(offset)))
                     dests[-1] = stage
             elif isinstance(sh, ShardedObject):
                 if not isinstance(sdm.get(sh.unique_key), BytesStorageMetadata):
@@ -250,14 +223,10 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         return _Plan(start, metadata, checksums, dests, reads, objects, copies, exact)
 
     def _read(
-        self,
-        sharded_state_dict: ShardedStateDict,
-        ckpt: Path,
-        plan: _Plan,
+        self, sharded_state_dict: ShardedStateDict, ckpt: Path, plan: _Plan
     ) -> Tuple[StateDict, _LoadStats]:
         """Reads the planned data."""
-        start, metadata, checksums = plan.start, plan.metadata, plan.checksums
-        dests, reads, objects, copies = plan.dests, plan.reads, plan.objects, plan.copies
+        metadata, checksums, dests, reads = plan.metadata, plan.checksums, plan.dests, plan.reads
 
         def resolve(r: ReadItem) -> torch.Tensor:
             view = dests[r.dest_index.index]  # type: ignore[index]
@@ -271,24 +240,17 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             planned += int(math.prod(r.lengths)) * itemsize
         with byte_progress(f"load {ckpt.name}", planned) as progress:
             nbytes = read_tensor_items(
-                ckpt,
-                metadata,
-                reads,
-                resolve,
-                self.thread_count,
-                checksums,
-                progress,
-                first_file=get_rank(),
+                ckpt, metadata, reads, resolve, self.thread_count, checksums, progress, get_rank()
             )
-        apply_copies(copies, dests)
+        apply_copies(plan.copies, dests)
         for key, dest, stage, offset in plan.exact:
             copy_exact(key, dest, stage, offset)
-        files = {str(_item_file(metadata, r.storage_index)) for r in reads}
-        raw = read_byte_items(
-            ckpt, metadata, [MetadataIndex(o.unique_key) for o in objects], checksums
-        )
+        indices = [MetadataIndex(o.unique_key) for o in plan.objects]
+        raw = read_byte_items(ckpt, metadata, indices, checksums)
+        where = [*(r.storage_index for r in reads), *indices]  # every one was read from
+        files = {str(metadata.storage_data[i].relative_path) for i in where}
         loaded_objects: Dict[int, Any] = {}
-        for o, data in zip(objects, raw):
+        for o, data in zip(plan.objects, raw):
             value = torch_load(
                 io.BytesIO(data), f"ShardedObject {o.unique_key!r} in {ckpt}", self.weights_only
             )
@@ -298,8 +260,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                 )
             loaded_objects[id(o)] = value[0]
             nbytes += len(data)
-            files.add(str(_item_file(metadata, MetadataIndex(o.unique_key))))
-        seconds = time.perf_counter() - start
+        seconds = time.perf_counter() - plan.start
         logger.debug(
             "rank %d loaded %.3f GB from %s in %.2f s (%.2f GB/s)",
             get_rank(),
@@ -317,8 +278,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                 return loaded_objects[id(x)]
             return x
 
-        stats = _LoadStats(nbytes, seconds, len(files))
-        return dict_list_map_inplace(unwrap, sharded_state_dict), stats
+        return dict_list_map_inplace(unwrap, sharded_state_dict), (nbytes, seconds, len(files))
 
     @staticmethod
     def _destination(sh: ShardedTensor) -> torch.Tensor:
@@ -357,17 +317,6 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         )
         return dtype if by_value else None
 
-    def _plan_tensor(
-        self, sh: ShardedTensor, sdm: Dict[str, Any], slot: int, indices: Dict[str, ChunkIndex]
-    ) -> List[ReadItem]:
-        stored = sdm[sh.key]
-        if sh.key not in indices:
-            indices[sh.key] = ChunkIndex(stored)
-        request = TensorRequest(sh.key, slot, sh.global_offset, sh.prepended_local_shape)
-        return plan_tensor_reads(
-            request, stored, allow_partial=sh.allow_shape_mismatch, index=indices[sh.key]
-        )
-
     def load_tensors_metadata(
         self, checkpoint_dir: CheckpointDir, metadata: Optional[Metadata] = None
     ) -> ShardedStateDict:
@@ -381,15 +330,8 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             if isinstance(md, TensorStorageMetadata):
                 # megatron <= 0.13 flat tensors: their original (unflattened) shape
                 shape = flat_layout.get(key, tuple(md.size))
-                out[key] = ShardedTensor(
-                    key,
-                    None,
-                    md.properties.dtype,
-                    shape,
-                    shape,
-                    (0,) * len(shape),
-                    (1,) * len(shape),
-                )
+                zeros, ones = (0,) * len(shape), (1,) * len(shape)
+                out[key] = ShardedTensor(key, None, md.properties.dtype, shape, shape, zeros, ones)
         return out
 
     def load_sharded_metadata(self, checkpoint_dir: CheckpointDir) -> ShardedStateDict:
@@ -414,7 +356,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
 
     def remove_sharded_tensors(self, checkpoint_dir: CheckpointDir, key_prefix: str) -> None:
         """Drops every key starting with `key_prefix`, and the data files named with it (see
-        `maintenance.remove_sharded_tensors`; not collective).
+        `metadata_file.remove_sharded_tensors`; not collective).
 
         Raises:
             CheckpointingException: if no data file starts with the prefix, or kept keys live

@@ -4,7 +4,8 @@
 allowlisting unpickler (stock DCP uses `pickle.load`); its entries are checked (dtypes,
 chunk bounds, storage paths) so a damaged file is reported as corruption. The load index
 `.metadata.index` (JSON lines, see docs/formats.md) holds the same entries, so a loading
-rank decodes only the keys it asks for (`open_for_load`).
+rank decodes only the keys it asks for (`open_for_load`). `remove_sharded_tensors` rewrites
+both without a separated key group (not collective: one process, a checkpoint nobody writes).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import io
 import itertools
 import json
+import logging
 import pickle
 from pathlib import Path
 from typing import Any, Collection, Dict, List, Mapping, Optional, Sequence, Tuple
@@ -28,11 +30,12 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from ...errors import CheckpointCorruptedError, UnsafeCheckpointError
-from ...integrity import Checksums, checksum
+from ...errors import CheckpointCorruptedError, CheckpointingException, UnsafeCheckpointError
+from ...integrity import SUMS_SUFFIX, Checksums, checksum, read_checksums, write_checksums
 from ...storage import objstore
 from ...storage.fileio import read_capped
 from ..common import write_bytes_atomically
+from .plan import DATA_SUFFIX, overlapping
 
 __all__ = [
     "DCP_METADATA_FNAME",
@@ -41,7 +44,10 @@ __all__ = [
     "write_metadata_files",
     "read_metadata",
     "open_for_load",
+    "remove_sharded_tensors",
 ]
+
+logger = logging.getLogger(__name__)
 
 DCP_METADATA_FNAME = ".metadata"
 INDEX_FNAME = ".metadata.index"
@@ -233,19 +239,6 @@ def _check_metadata(metadata: Any, path: Path) -> None:
             )
 
 
-def _overlapping(
-    rows: List[List[int]], n: int, boxes: Sequence[Tuple[Sequence[int], Sequence[int]]]
-) -> List[List[int]]:
-    """The index rows (offsets, sizes, file, offset, length) whose chunk overlaps a box."""
-    table = np.asarray(rows, dtype=np.int64)
-    starts, ends = table[:, :n], table[:, :n] + table[:, n : 2 * n]
-    keep = np.zeros(len(rows), dtype=bool)
-    for offsets, sizes in boxes:
-        lo = np.asarray(offsets, dtype=np.int64)
-        keep |= np.all((starts < lo + np.asarray(sizes, dtype=np.int64)) & (ends > lo), axis=1)
-    return [rows[i] for i in np.nonzero(keep)[0]]
-
-
 def open_for_load(
     checkpoint_dir: Path,
     keys: Optional[Collection[str]],
@@ -286,7 +279,11 @@ def open_for_load(
             if any(len(row) != 2 * n + 3 for row in rows):
                 raise ValueError(f"malformed entry of {key!r}")
             if dtype is not None and boxes is not None and key in boxes and rows:
-                rows = _overlapping(rows, n, boxes[key])
+                table = np.asarray(rows, dtype=np.int64)  # offsets, sizes, file, offset, length
+                keep = np.zeros(len(rows), dtype=bool)
+                for box in boxes[key]:
+                    keep |= overlapping(table[:, :n], table[:, n : 2 * n], *box)
+                rows = [rows[i] for i in np.nonzero(keep)[0]]
             for row in rows:
                 info = _StorageInfo(files[row[-3]], row[-2], row[-1])
                 storage[MetadataIndex(key, row[:n] if dtype else None)] = info
@@ -304,3 +301,52 @@ def open_for_load(
             f"{path}: malformed load index ({type(e).__name__}: {e})"
         ) from e
     return metadata
+
+
+def remove_sharded_tensors(ckpt: Path, key_prefix: str) -> None:
+    """Drops every key starting with `key_prefix` (a checkpoint's `separation_hint`), and the
+    data files named with it (and their checksums); `.metadata` and its index (atomically)
+    and `checksums.json` first.
+
+    Raises:
+        CheckpointingException: if no data file starts with the prefix, or kept keys live
+            in those files (removing them would lose data).
+    """
+    ckpt = Path(ckpt)
+    if not key_prefix:
+        raise CheckpointingException("key_prefix must be non-empty")
+    names = objstore.listdir(ckpt)
+    doomed = sorted(n for n in names if n.endswith(DATA_SUFFIX) and n.startswith(key_prefix))
+    if not doomed:
+        raise CheckpointingException(
+            f"No data file in {ckpt} starts with {key_prefix!r}; was it saved with separation_hint?"
+        )
+    metadata = read_metadata(ckpt)
+    doomed_set = set(doomed)
+    for index, info in metadata.storage_data.items():
+        if not index.fqn.startswith(key_prefix) and str(info.relative_path) in doomed_set:
+            raise CheckpointingException(
+                f"Key {index.fqn!r} is stored in {info.relative_path}, which would be removed"
+            )
+    metadata.state_dict_metadata = {
+        k: v for k, v in metadata.state_dict_metadata.items() if not k.startswith(key_prefix)
+    }
+    metadata.storage_data = {
+        i: s for i, s in metadata.storage_data.items() if not i.fqn.startswith(key_prefix)
+    }
+    if isinstance(metadata.planner_data, dict):
+        metadata.planner_data = {
+            k: v for k, v in metadata.planner_data.items() if not str(k).startswith(key_prefix)
+        }
+    sums = read_checksums(ckpt)
+    digests = write_metadata_files(ckpt, serialize_metadata(metadata))
+    if sums is not None:
+        sums.files.pop(INDEX_FNAME, None)
+        sums.files.update(digests)
+        for name in doomed:
+            sums.ranges.pop(name, None)
+        write_checksums(ckpt, sums)
+    for name in doomed:
+        objstore.remove(ckpt / name)
+        objstore.remove(ckpt / (name + SUMS_SUFFIX))
+    logger.info("Removed keys with prefix %r and %d file(s) from %s", key_prefix, len(doomed), ckpt)

@@ -30,7 +30,6 @@ from torch.distributed.checkpoint.planner import (
 
 from ...errors import CheckpointingException
 from ...mapping import ShardedObject, ShardedTensor
-from .legacy_flat import overlap
 
 __all__ = [
     "BACKEND",
@@ -45,6 +44,9 @@ __all__ = [
     "is_empty_chunk",
     "TensorRequest",
     "ChunkIndex",
+    "overlapping",
+    "overlap",
+    "require_covered",
     "plan_tensor_reads",
 ]
 
@@ -151,6 +153,14 @@ class TensorRequest:
     sizes: Tuple[int, ...]
 
 
+def overlapping(
+    starts: np.ndarray, sizes: np.ndarray, offsets: Sequence[int], size: Sequence[int]
+) -> np.ndarray:
+    """Which of the boxes (rows of `starts` and `sizes`) share an element with one box."""
+    lo = np.asarray(offsets, np.int64)
+    return np.all((starts < lo + np.asarray(size, np.int64)) & (starts + sizes > lo), axis=1)
+
+
 class ChunkIndex:
     """A stored tensor's chunk boxes as arrays, so a request finds the chunks it overlaps
     without a Python loop over all of them (a layer-stacked key has hundreds)."""
@@ -160,14 +170,31 @@ class ChunkIndex:
         flat = itertools.chain.from_iterable
         starts = np.fromiter(flat(c.offsets for c in stored.chunks), np.int64, n * ndim)
         sizes = np.fromiter(flat(c.sizes for c in stored.chunks), np.int64, n * ndim)
-        self.starts = starts.reshape(n, ndim)
-        self.ends = self.starts + sizes.reshape(n, ndim)
+        self.starts, self.sizes = starts.reshape(n, ndim), sizes.reshape(n, ndim)
 
-    def overlapping(self, offsets: Sequence[int], sizes: Sequence[int]) -> List[int]:
-        """Indices of the chunks that share at least one element with the box."""
-        lo = np.asarray(offsets, np.int64)
-        hit = np.all((self.starts < lo + np.asarray(sizes, np.int64)) & (self.ends > lo), axis=1)
-        return [int(i) for i in np.nonzero(hit)[0]]
+
+def overlap(
+    a_off: Sequence[int], a_size: Sequence[int], b_off: Sequence[int], b_size: Sequence[int]
+) -> Optional[Tuple[Tuple[int, ...], Tuple[int, ...]]]:
+    """The `(lo, hi)` corners of two boxes' overlap, or None where they do not overlap."""
+    lo = tuple(max(x, y) for x, y in zip(a_off, b_off))
+    hi = tuple(min(x + sx, y + sy) for x, sx, y, sy in zip(a_off, a_size, b_off, b_size))
+    if any(h <= low for low, h in zip(lo, hi)):
+        return None
+    return lo, hi
+
+
+def require_covered(
+    key: str, covered: int, offsets: Sequence[int], sizes: Sequence[int], allow_partial: bool
+) -> None:
+    """Raises `CheckpointingException` unless the stored chunks cover all elements of the
+    requested region (`covered` of them), or `allow_partial`."""
+    wanted = math.prod(sizes)
+    if covered != wanted and not allow_partial:
+        raise CheckpointingException(
+            f"Checkpoint holds {covered} of the {wanted} elements requested for {key!r} "
+            f"at offset {offsets} with shape {sizes}"
+        )
 
 
 def plan_tensor_reads(
@@ -192,7 +219,8 @@ def plan_tensor_reads(
     items = []
     covered = 0
     index = ChunkIndex(stored) if index is None else index
-    for idx in index.overlapping(request.offsets, request.sizes):
+    hits = overlapping(index.starts, index.sizes, request.offsets, request.sizes)
+    for idx in np.nonzero(hits)[0].tolist():
         chunk = stored.chunks[idx]
         ov = overlap(request.offsets, request.sizes, tuple(chunk.offsets), tuple(chunk.sizes))
         if ov is None:
@@ -210,10 +238,5 @@ def plan_tensor_reads(
                 lengths=torch.Size(lengths),
             )
         )
-    wanted = math.prod(request.sizes)
-    if covered != wanted and not allow_partial:
-        raise CheckpointingException(
-            f"Checkpoint holds {covered} of the {wanted} elements requested for {request.key!r} "
-            f"at offset {request.offsets} with shape {request.sizes}"
-        )
+    require_covered(request.key, covered, request.offsets, request.sizes, allow_partial)
     return items

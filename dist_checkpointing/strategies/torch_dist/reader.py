@@ -23,18 +23,10 @@ from torch.distributed.checkpoint.planner import ReadItem
 from ...errors import CheckpointCorruptedError
 from ...integrity import Checksums
 from ...storage import objstore
-from .chunk_reader import ChunkGroup, parse_chunk, read_stored, release_scratch
+from .chunk_reader import ChunkGroup, read_stored, release_scratch
 from .verify import mismatch
 
-__all__ = [
-    "ChunkGroup",
-    "READ_REQUEST",
-    "group_reads",
-    "open_range",
-    "parse_chunk",
-    "read_byte_items",
-    "read_tensor_items",
-]
+__all__ = ["READ_REQUEST", "group_reads", "open_range", "read_byte_items", "read_tensor_items"]
 
 #: bytes per read request: two checksum blocks, so a request's bytes are verified while
 #: they are still in the CPU caches
@@ -84,7 +76,7 @@ class _FileRange(io.RawIOBase):
 @contextlib.contextmanager
 def open_range(path: Path, info: _StorageInfo) -> Iterator[io.BufferedReader]:
     """Opens the byte range of one stored item, checking the file is long enough."""
-    if objstore.split(path) is not None:  # an object: ranged GETs (see `read_tensors`)
+    if objstore.split(path) is not None:  # an object: ranged GETs
         raw = objstore.open_read(path, size=info.offset + info.length).raw
         yield io.BufferedReader(_FileRange(raw, info.offset, info.length), 1 << 16)
         return
@@ -154,14 +146,11 @@ def read_tensor_items(
     progress: Optional[Callable[[int], None]] = None,
     first_file: int = 0,
 ) -> int:
-    """Reads each needed stored chunk once and copies the requested regions out of it.
-
-    Each data file is read front to back by one thread; several files at once.
+    """Reads each needed stored chunk once and copies the requested regions out of it; each
+    data file front to back by one thread, `thread_count` files at once.
 
     Args:
-        reads: planned reads (see `plan_tensor_reads`).
-        resolve: returns the destination view for a read item.
-        thread_count: files read in parallel.
+        reads: planned reads (see `plan_tensor_reads`); `resolve` gives their destinations.
         checksums: when given, every item read is verified against it.
         progress: called with the bytes of each chunk read (from the reading threads).
         first_file: start with the file at this position (modulo their number) of the

@@ -1,8 +1,9 @@
 """Saving with the torch_dist backend: the save strategy, sync writes and async staging.
 
 Each rank writes its main-replica shards to its own `.distcp` files (`writer`), in
-parallel; then `finalize` has rank 0 write DCP's `.metadata` from every rank's compact report. No planning exchange is
-needed before the write: file names and chunk placement follow from each rank's own shards.
+parallel; then `finalize` has rank 0 write DCP's `.metadata` from every rank's compact
+report. No planning exchange is needed before the write: file names and chunk placement
+follow from each rank's own shards.
 An async save copies the shards into pooled host images (pinned for CUDA sources) and
 returns a request whose background function writes them.
 """
@@ -150,22 +151,12 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
                 (writer.plan_file(name, es), [e.data for e in es], None)
                 for name, es in self._plan_files(entries)
             ]
-            total = sum(plan.size for plan, _, _ in jobs)
+            with byte_progress(f"save {ckpt.name}", sum(job[0].size for job in jobs)) as progress:
+                written = writer.write_files(
+                    ckpt, jobs, self.thread_count, self.checksums, self.direct_io, progress
+                )
         except Exception as e:  # reported to rank 0 and re-raised on every rank
             error = e
-        if error is None:
-            try:
-                with byte_progress(f"save {ckpt.name}", total) as progress:
-                    written = writer.write_files(
-                        ckpt,
-                        jobs,
-                        self.thread_count,
-                        self.checksums,
-                        self.direct_io,
-                        progress,
-                    )
-            except Exception as e:
-                error = e
         self._finalize(ckpt, items, written, error, start)
 
     def async_save(
@@ -186,22 +177,19 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         devices = {
             e.data.device for e in entries if isinstance(e.data, torch.Tensor) and e.data.is_cuda
         }
-        pin = bool(devices)
         files = self._plan_files(entries)
         plans = [writer.plan_file(name, es) for name, es in files]
-        sources = [[e.data for e in es] for _, es in files]
         # the whole set at once: a save of several files finds all of its images again
-        bufs = self._images.acquire_group(plans, pin)
+        bufs = self._images.acquire_group(plans, pin=bool(devices))
         try:
-            for plan, srcs, buf in zip(plans, sources, bufs):
-                writer.stage_image(plan, srcs, buf)
+            for plan, (_, es), buf in zip(plans, files, bufs):
+                writer.stage_image(plan, [e.data for e in es], buf)
             for device in devices:  # the caller may change its tensors once we return
                 torch.cuda.synchronize(device)
         except BaseException:
             self._images.release_group(plans, bufs)
             raise
-        staged = list(zip(plans, bufs))
-        jobs = [(plan, [None] * len(plan.items), buf) for plan, buf in staged]
+        jobs = [(plan, [None] * len(plan.items), buf) for plan, buf in zip(plans, bufs)]
         items = [e.item for e in entries]
         request = AsyncRequest(
             writer.write_files,
@@ -214,7 +202,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         logger.debug(
             "rank %d staged %d bytes for %s in %.3f s",
             get_rank(),
-            sum(plan.size for plan, _ in staged),
+            sum(plan.size for plan in plans),
             ckpt,
             time.perf_counter() - start,
         )
@@ -229,12 +217,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         start: float,
     ) -> None:
         """Collective: see `SaveFinalizer.finalize`."""
+        dedup = not self.keep_only_main_replica
         self._finalizer.finalize(
-            ckpt,
-            items,
-            written,
-            error,
-            start,
-            dedup=not self.keep_only_main_replica,
-            checksums=self.checksums,
+            ckpt, items, written, error, start, dedup=dedup, checksums=self.checksums
         )

@@ -2,13 +2,12 @@
 
 An item's `ItemSum` (see `integrity`) is one digest of the whole item, or a digest of its
 frame (the zip records) plus one per `block` bytes of its data. `ChunkVerifier` checks a
-region starting on a block boundary; `RangeVerifier` one with arbitrary ends, reading the
-bytes of its partial edge blocks that lie outside it.
+range of the data with arbitrary ends, reading the bytes of its edge blocks outside it.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional, Tuple, Union
+from typing import Any, Callable, Optional, Tuple
 
 import numpy as np
 import torch
@@ -16,13 +15,12 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from ...errors import CheckpointCorruptedError
 from ...integrity import ItemSum, new_hasher
+from ...storage import read_region
 
 __all__ = [
     "ChunkVerifier",
     "check_layout",
     "block_mismatch",
-    "RangeVerifier",
-    "Verifier",
     "flat_bytes",
     "frame",
     "frame_matches",
@@ -99,17 +97,24 @@ def flat_bytes(t: torch.Tensor) -> Any:
 
 
 class ChunkVerifier:
-    """Verifies a chunk's data as `read_region` fills it.
+    """Reads the range `[start, start + len(data))` of a chunk's data region into `data`
+    (`read`) and verifies it as it lands.
 
-    Called with the leading bytes of `data` (from `start`, a block boundary) filled so far;
-    hashes each completed block while it is still in the CPU caches (whole-item digests are
-    fed incrementally). `finish` completes the check.
+    Called with the leading bytes filled so far, it checks each block completed while still
+    in the CPU caches (a whole-item digest is fed incrementally); `finish` completes the
+    check. The bytes of the range's first and last blocks outside it (rows of a resharded
+    load) are read from `raw`, the first before the range, the last after it, so the file
+    stays read in order.
 
     Args:
-        raw: the item's stream (the frame of whole-item digests is read from it).
+        raw: the item's stream (its frame and edge blocks are read from it).
+        layout: the item's parsed layout (`zipformat.ChunkLayout`).
         data: the bytes being filled, from `start` in the item's data region.
         expected: the item's digests; None: nothing to verify (progress still passed on).
         consume: called with the number of leading bytes verified so far.
+
+    Raises:
+        CheckpointCorruptedError: (when called) on a damaged block or item, naming its bytes.
     """
 
     def __init__(
@@ -124,145 +129,80 @@ class ChunkVerifier:
         consume: Optional[Callable[[int], None]] = None,
     ) -> None:
         self.view = flat_bytes(data)
-        self.consume = consume
-        self.start, self.info, self.expected, self.what = start, info, expected, what
-        self.done = 0
+        self.raw, self.layout, self.consume = raw, layout, consume
+        self.a, self.b = start, start + len(self.view)
+        self.info, self.expected, self.what = info, expected, what
+        self.done = 0  # leading bytes of `data` verified
         self.hasher: Any = None
-        self.tail = b""
+        self.frame_tail = self.head = self.tail = b""
+        self.next = self.end = self.tail_len = 0  # blocks [next, end) are still to verify
         if expected is not None and not expected.blocked:
-            head, self.tail = frame(raw, layout, info.length)
+            head, self.frame_tail = frame(raw, layout, info.length)
             self.hasher = new_hasher()
             self.hasher.update(head)
-
-    @property
-    def needed(self) -> bool:
-        """Whether the read must report its progress to this verifier."""
-        return self.expected is not None or self.consume is not None
-
-    #: bytes read beyond `data` to verify it (none: `data` starts on a block boundary)
-    extra_bytes = 0
-
-    def __call__(self, filled: int) -> None:
-        expected = self.expected
-        if filled <= self.done:
-            return  # (a restarted read refills bytes already verified)
-        if expected is None:
-            self.done = filled
-        elif self.hasher is not None:
-            self.hasher.update(self.view[self.done : filled])
-            self.done = filled
-        else:
-            self._blocks(expected, filled)
-        if self.consume is not None:
-            self.consume(self.done)
-
-    def _blocks(self, expected: ItemSum, filled: int) -> None:
-        upto = filled if filled >= len(self.view) else filled - filled % expected.block
-        if upto <= self.done:
-            return
-        bad = expected.bad_block(self.view[self.done : upto], self.start + self.done)
-        if bad is not None:
-            raise block_mismatch(self.what, self.info, expected, bad)
-        self.done = upto
-
-    def finish(self) -> None:
-        """Verifies (and consumes) what is left (all of it, if the read reported no progress)."""
-        self(len(self.view))
-        if self.expected is None:
-            return
-        if self.hasher is not None:
-            self.hasher.update(self.tail)
-            if self.hasher.intdigest() != self.expected.digest:
-                raise mismatch(self.what, self.info)
-
-
-class RangeVerifier:
-    """Verifies the blocks that a range `[a, b)` of a blocked item's data region touches, as
-    the range is read straight into its destination.
-
-    The bytes of its first and last blocks outside the range (rows of a resharded load) are
-    read here (the first before the range, the last after it).
-
-    Args:
-        read_edge: reads `n` data-region bytes from data offset `off`.
-        data: the destination being filled with the range's bytes.
-        expected: the item's digests (blocked).
-
-    Raises:
-        CheckpointCorruptedError: (when called) on a damaged block, naming its bytes.
-    """
-
-    #: the read always reports its progress here (every block is checked)
-    needed = True
-
-    def __init__(
-        self,
-        read_edge: Callable[[int, int], bytes],
-        data: torch.Tensor,
-        a: int,
-        info: _StorageInfo,
-        expected: ItemSum,
-        what: str,
-    ) -> None:
-        self.view = flat_bytes(data)
-        self.a, self.b = a, a + len(self.view)
-        self.info, self.expected, self.what = info, expected, what
-        block = expected.block
-        self.first = a // block
-        self.end = -(-self.b // block) if self.b > a else self.first  # blocks [first, end)
-        self.next = self.first
-        self.read_edge = read_edge
-        self.head, self.tail, self.tail_len = b"", b"", 0
-        if self.end == self.first:  # an empty range touches no block
-            return
-        if a % block:
-            self.head = self._edge(self.first * block, a - self.first * block)
-        self.tail_len = max(0, min(expected.data_len, self.end * block) - self.b)
-
-    def _edge(self, off: int, n: int) -> bytes:
-        got = self.read_edge(off, n)
-        if len(got) != n:
-            raise CheckpointCorruptedError(
-                f"{self.what}: {self.info.relative_path} ends inside the item's data region"
-            )
-        return got
+        elif expected is not None and self.b > start:
+            block = expected.block
+            self.next, self.end = start // block, -(-self.b // block)
+            if start % block:
+                self.head = self._edge(self.next * block, start % block)
+            self.tail_len = max(0, min(expected.data_len, self.end * block) - self.b)
 
     @property
     def extra_bytes(self) -> int:
         """Bytes read outside the range, to complete its first and last blocks."""
         return len(self.head) + len(self.tail)
 
-    def _pieces(self, k: int) -> List[Any]:
-        block = self.expected.block
-        lo, hi = k * block, min(self.expected.data_len, (k + 1) * block)
-        parts: List[Any] = []
-        if lo < self.a:
-            parts.append(self.head)
-        parts.append(self.view[max(lo, self.a) - self.a : min(hi, self.b) - self.a])
-        if hi > self.b:
-            if not self.tail and self.tail_len:  # after the range: files stay read in order
-                self.tail = self._edge(self.b, self.tail_len)
-            parts.append(self.tail)
-        return parts
+    def _edge(self, off: int, n: int) -> bytes:
+        got = read_exact(self.raw, self.layout.data_offset + off, n)
+        if len(got) != n:
+            raise CheckpointCorruptedError(
+                f"{self.what}: {self.info.relative_path} ends inside the item's data region"
+            )
+        return got
 
     def __call__(self, filled: int) -> None:
-        block = self.expected.block
+        if filled <= self.done:
+            return  # (a restarted read refills bytes already verified)
+        if self.expected is None:
+            self.done = filled
+        elif self.hasher is not None:
+            self.hasher.update(self.view[self.done : filled])
+            self.done = filled
+        else:
+            self._blocks(self.expected, filled)
+        if self.consume is not None:
+            self.consume(self.done)
+
+    def _blocks(self, expected: ItemSum, filled: int) -> None:
+        block = expected.block
         while self.next < self.end:
             k = self.next
-            hi = min(self.expected.data_len, (k + 1) * block)
+            lo, hi = k * block, min(expected.data_len, (k + 1) * block)
             if min(hi, self.b) - self.a > filled:
                 return
             h = new_hasher()
-            for part in self._pieces(k):
-                h.update(part)
-            if k >= len(self.expected.blocks) or h.intdigest() != self.expected.blocks[k]:
-                raise block_mismatch(self.what, self.info, self.expected, k)
-            self.next = k + 1
+            if lo < self.a:
+                h.update(self.head)
+            h.update(self.view[max(lo, self.a) - self.a : min(hi, self.b) - self.a])
+            if hi > self.b:
+                if not self.tail and self.tail_len:  # after the range: files stay read in order
+                    self.tail = self._edge(self.b, self.tail_len)
+                h.update(self.tail)
+            if k >= len(expected.blocks) or h.intdigest() != expected.blocks[k]:
+                raise block_mismatch(self.what, self.info, expected, k)
+            self.next, self.done = k + 1, min(hi, self.b) - self.a
+
+    def read(self, path: str, offset: int, request: int) -> None:
+        """Reads the range's bytes from `offset` of `path` into `data`, verifying them as they
+        land (`read_region` with `request` bytes per request), then `finish`es."""
+        needed = self.expected is not None or self.consume is not None
+        read_region(path, offset, self.view, self if needed else None, request)
+        self.finish()
 
     def finish(self) -> None:
-        """Verifies every block not verified yet (all of them, if no progress was reported)."""
+        """Verifies (and consumes) what is left (all of it, if the read reported no progress)."""
         self(len(self.view))
-
-
-#: what a read reports its progress to
-Verifier = Union[ChunkVerifier, RangeVerifier]
+        if self.hasher is not None:
+            self.hasher.update(self.frame_tail)
+            if self.hasher.intdigest() != self.expected.digest:  # type: ignore[union-attr]
+                raise mismatch(self.what, self.info)

@@ -25,8 +25,8 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
-from ...integrity import BlockSums, ItemSum, blocked_sum, checksum, new_hasher, write_item_sums
-from ...storage import ALIGN, FileWriter, ImagePool, fsync_dir, objstore
+from ...integrity import BlockSums, ItemSum, checksum, write_item_sums
+from ...storage import ALIGN, FileWriter, fsync_dir, objstore
 from ...storage.buffers import CHUNK
 from ...storage.segments import ChunkStream
 from .plan import WriteEntry
@@ -40,25 +40,13 @@ __all__ = [
     "write_streamed",
     "write_image",
     "write_files",
-    "ImagePool",
     "stage_image",
-    "ALIGN",
 ]
 
 logger = logging.getLogger(__name__)
 
 #: `(item offset, digests)` of one written item
 ItemChecksum = Tuple[int, ItemSum]
-
-
-def _item_sum(p: PlannedItem, head: Any, data: Any, tail: Any) -> ItemSum:
-    """Frame digest (head + tail) and per-block data digests of a tensor item."""
-    h = new_hasher()
-    h.update(head)
-    h.update(tail)
-    if len(memoryview(data).cast("B")) == 0:
-        return ItemSum(p.length, h.intdigest())
-    return blocked_sum(p.length, h.intdigest(), len(p.head), data)
 
 
 @dataclass
@@ -175,8 +163,8 @@ def write_streamed(
 ) -> List[WriteResult]:
     """Writes a file from the tensors themselves (sync save), one chunk at a time.
 
-    A chunk is filled while the previous one is written; CUDA tensors are copied straight
-    into the (pinned) chunk buffers and checksummed from there.
+    A chunk is filled while the previous one is written; tensors are copied into the chunk
+    buffers (CUDA ones straight, pinned) and checksummed from there.
 
     Args:
         sources: per item of `plan`, the tensor (tensor items laid out as zip) or None.
@@ -194,20 +182,15 @@ def write_streamed(
                 put(np.frombuffer(p.payload, dtype=np.uint8))
                 if checksums:
                     sums.append((p.offset, ItemSum(p.length, checksum(p.payload))))
-            elif _on_device(src) and p.data_nbytes and src.is_contiguous():
+            else:
+                device = _on_device(src) and src.is_contiguous()  # else through a host copy
+                data = _device_bytes(src) if device else _byte_view(src)
                 blocks = BlockSums() if checksums else None
                 put(np.frombuffer(p.head, dtype=np.uint8))
-                put(_device_bytes(src), blocks.update if blocks is not None else None)
+                put(data, blocks.update if blocks is not None else None)
                 put(np.frombuffer(p.tail, dtype=np.uint8))
                 if blocks is not None:
                     sums.append((p.offset, blocks.item_sum(p.length, p.head, p.tail)))
-            else:
-                data = _byte_view(src)
-                put(np.frombuffer(p.head, dtype=np.uint8))
-                put(data)
-                put(np.frombuffer(p.tail, dtype=np.uint8))
-                if checksums:
-                    sums.append((p.offset, _item_sum(p, p.head, data, p.tail)))
         stream.finish()
         out.finish()
     except BaseException:
@@ -249,14 +232,14 @@ def _image_sums(plan: FilePlan, flat: np.ndarray) -> List[ItemChecksum]:
     """The item checksums of a staged file image."""
     sums: List[ItemChecksum] = []
     for p in plan.items:
+        item = flat[p.offset : p.offset + p.length]
         if p.payload is not None:
-            sums.append(
-                (p.offset, ItemSum(p.length, checksum(flat[p.offset : p.offset + p.length])))
-            )
+            sums.append((p.offset, ItemSum(p.length, checksum(item))))
             continue
-        d0 = p.offset + len(p.head)
-        d1 = d0 + p.data_nbytes
-        framed = _item_sum(p, flat[p.offset : d0], flat[d0:d1], flat[d1 : p.offset + p.length])
+        d0, d1 = len(p.head), len(p.head) + p.data_nbytes
+        blocks = BlockSums()
+        blocks.update(item[d0:d1])
+        framed = blocks.item_sum(p.length, item[:d0].tobytes(), item[d1:].tobytes())
         sums.append((p.offset, framed))
     return sums
 

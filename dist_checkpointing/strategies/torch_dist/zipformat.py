@@ -25,7 +25,6 @@ __all__ = [
     "STORAGE_CLASS",
     "ZipItemLayout",
     "zip_item_layout",
-    "supports",
     "ChunkLayout",
     "chunk_layout",
     "head_layout",
@@ -42,8 +41,7 @@ _EOCD = struct.Struct("<4sHHHHIIH")
 _RECORD_ALIGN = 64
 _MAX_RECORD = (1 << 32) - (1 << 20)
 
-#: dtype -> the storage class name `torch.save` records for it (also used by the tools'
-#: streaming `torch` writer, so the table exists once)
+#: dtype -> the storage class name `torch.save` records for it (also the tools' table)
 STORAGE_CLASS = {
     torch.float32: "FloatStorage",
     torch.float64: "DoubleStorage",
@@ -58,11 +56,6 @@ STORAGE_CLASS = {
     torch.complex64: "ComplexFloatStorage",
     torch.complex128: "ComplexDoubleStorage",
 }
-
-
-def supports(dtype: torch.dtype, nbytes: int) -> bool:
-    """Whether `zip_item_layout` can describe a tensor of this dtype and size."""
-    return dtype in STORAGE_CLASS and nbytes <= _MAX_RECORD
 
 
 class _StorageRef:
@@ -165,11 +158,11 @@ def zip_item_layout(
     (C-contiguous) lands at a multiple of `data_align`.
 
     Returns:
-        The layout, or None when the tensor is not supported (see `supports`).
+        The layout, or None for a dtype without a storage class or a >4 GiB tensor.
     """
     shape = tuple(int(s) for s in shape)
     nbytes = math.prod(shape) * dtype.itemsize
-    if not supports(dtype, nbytes):
+    if dtype not in STORAGE_CLASS or nbytes > _MAX_RECORD:
         return None
     b = _Builder(file_offset)
     b.record("data.pkl", _data_pkl(dtype, shape))
