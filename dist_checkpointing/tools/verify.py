@@ -14,7 +14,7 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, Optional
 
 from .._safe_load import torch_load
 from ..core import CONFIG_FNAME, maybe_load_config
@@ -287,13 +287,3 @@ def _verify_local(ckpt: Path, parts: List[LocalPart], report: VerifyReport) -> N
         except (CheckpointingException, OSError) as e:
             report.problems.append(Problem(str(part.path.relative_to(ckpt)), str(e)))
 
-
-def summarize(report: VerifyReport) -> Tuple[str, List[str]]:
-    """A one-line verdict and one line per problem, for the command line."""
-    how = "checksums" if report.checksummed else "structure only (no checksums recorded)"
-    at = f" step {report.step}" if report.step is not None else ""
-    if report.ok:
-        head = f"{report.path}{at}: OK: {report.items} items, {report.bytes:,} bytes read, {how}"
-    else:
-        head = f"{report.path}{at}: DAMAGED: {len(report.problems)} problem(s); {report.items} items, {how}"
-    return head, [str(p) for p in report.problems]
