@@ -34,6 +34,7 @@ __all__ = [
     "local_tier",
     "tier_step",
     "fill_local",
+    "fill_dcp",
 ]
 
 PathArg = Union[str, "os.PathLike[str]"]
@@ -313,3 +314,42 @@ def fill_local(
             for key, value in (sd.get("common") or {}).items():
                 info.objects[str(key)] = short_repr(value)
     info.tensors = [tensors[k] for k in sorted(tensors)]
+
+
+def fill_dcp(
+    info: CheckpointInfo,
+    metadata: Any,
+    covered: Optional[Callable[[str, int], bool]],
+    files_covered: List[str],
+    read_object: Optional[Callable[[str, Any], str]],
+    common: Optional[Callable[[], Dict[Any, Any]]],
+) -> None:
+    """Fills `info` from DCP metadata (torch's, or `_light`'s stand-ins) for both readers.
+
+    `covered(file, offset)` tells whether the checksums cover an item (None: no checksums);
+    `read_object(key, storage)` gives a small object's short repr (None: objects not read);
+    `common()` reads the common state (None: not read).
+    """
+    coverage = ChecksumCoverage(covered is not None, files_covered=files_covered)
+    shards: Dict[str, int] = {}
+    where: Dict[str, Any] = {}
+    for index, storage in metadata.storage_data.items():
+        shards[index.fqn] = shards.get(index.fqn, 0) + 1
+        where[index.fqn] = storage
+        coverage.items += 1
+        coverage.bytes += int(storage.length)
+        if covered is not None and covered(str(storage.relative_path), int(storage.offset)):
+            coverage.items_covered += 1
+            coverage.bytes_covered += int(storage.length)
+    info.checksums = coverage
+    for key, md in sorted(metadata.state_dict_metadata.items()):
+        if type(md).__name__ == "BytesStorageMetadata":
+            storage = where.get(key)
+            small = (0 if storage is None else int(storage.length)) <= SMALL_OBJECT
+            info.objects[key] = read_object(key, storage) if read_object and small else ""
+            continue
+        shape, dtype = [int(s) for s in md.size], md.properties.dtype
+        nbytes = math.prod(shape) * dtype.itemsize
+        info.tensors.append(TensorInfo(key, shape, str(dtype), nbytes, shards.get(key, 0)))
+    for key, value in sorted((common() if common else {}).items(), key=lambda kv: str(kv[0])):
+        info.objects[str(key)] = short_repr(value)

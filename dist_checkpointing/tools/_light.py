@@ -7,23 +7,20 @@ from __future__ import annotations
 
 import io
 import json
-import math
 import pickle
 import re
 import zipfile
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import xxhash
 
 from ._info import (
-    SMALL_OBJECT,
     CheckpointInfo,
-    ChecksumCoverage,
     PathArg,
-    TensorInfo,
     date_of,
     disk_size,
+    fill_dcp,
     local_parts,
     local_tier,
     short_repr,
@@ -82,17 +79,27 @@ def _stub(name: str) -> type:
     return type(name, (_Stub,), {})
 
 
+class _TensorProperties(_Stub):
+    @property
+    def dtype(self) -> _DType:
+        dtype = self.state[0]  # pickled as (dtype, layout, requires_grad, memory_format, ...)
+        if not isinstance(dtype, _DType):
+            raise Unsupported(f"dtype {dtype!r}")
+        return dtype
+
+
 _DCP = "torch.distributed.checkpoint.metadata"
 _PLANNER = "torch.distributed.checkpoint.planner"
 _Classes = Dict[Tuple[str, str], Any]
 _DCP_NAMES = (
-    "Metadata TensorStorageMetadata BytesStorageMetadata ChunkStorageMetadata TensorProperties "
-    "MetadataIndex StorageMeta"
+    "Metadata TensorStorageMetadata BytesStorageMetadata ChunkStorageMetadata MetadataIndex "
+    "StorageMeta"
 )
 # megatron-core pickles its global save plan (plain dataclasses and enums) beside it
 _PLANNER_NAMES = "SavePlan WriteItem TensorWriteData BytesIOWriteData LoadPlan ReadItem"
 _METADATA_CLASSES: _Classes = {
     **{(_DCP, n): _stub(n) for n in _DCP_NAMES.split()},
+    (_DCP, "TensorProperties"): _TensorProperties,
     **{(_PLANNER, n): _stub(n) for n in _PLANNER_NAMES.split()},
     (_PLANNER, "WriteItemType"): lambda value: value,
     (_PLANNER, "LoadItemType"): lambda value: value,
@@ -277,68 +284,38 @@ def describe_light(path: PathArg, deep: bool = True, step: Optional[int] = None)
         if recorded is None or int(recorded, 16) != xxhash.xxh3_64_intdigest(raw):
             raise Unsupported(".metadata does not match its checksum")
     metadata = _unpickle(raw, tensors=False)
-    try:
-        _fill(ckpt, info, metadata, sums, deep)
-    except (AttributeError, TypeError, KeyError, ValueError) as e:
-        raise Unsupported(f"unexpected metadata ({type(e).__name__})") from e
-    return info
+    covered = None if sums is None else lambda f, o: str(o) in _ranges(ckpt, sums, f)
+    files = sorted(sums.get("files", {})) if sums is not None else []
 
+    def read(key: str, storage: Any) -> str:
+        if storage is None:
+            return ""
+        rel = str(storage.relative_path)
+        if "/" in rel or rel in ("", ".", ".."):
+            raise Unsupported("odd storage path")
+        try:
+            with open(ckpt / rel, "rb") as f:
+                f.seek(int(storage.offset))
+                data = f.read(int(storage.length))
+        except OSError as e:
+            raise Unsupported(str(e)) from e
+        if sums is not None:  # show only verified values
+            entry = _ranges(ckpt, sums, rel).get(str(storage.offset))
+            if not isinstance(entry, list) or len(entry) != 2:
+                raise Unsupported(f"no whole-item checksum for {key!r}")
+            if int(entry[1], 16) != xxhash.xxh3_64_intdigest(data):
+                raise Unsupported(f"{key!r} does not match its checksum")
+        return short_repr(unwrap_object(key, _torch_payload(data)))
 
-def _fill(ckpt: Path, info: CheckpointInfo, metadata: Any, sums: Any, deep: bool) -> None:
-    coverage = ChecksumCoverage(present=sums is not None)
-    shards: Dict[str, int] = {}
-    where: Dict[str, Any] = {}
-    for index, storage in metadata.storage_data.items():
-        shards[index.fqn] = shards.get(index.fqn, 0) + 1
-        where[index.fqn] = storage
-        coverage.items += 1
-        coverage.bytes += int(storage.length)
-        ranges = _ranges(ckpt, sums, str(storage.relative_path)) if sums else {}
-        if str(storage.offset) in ranges:
-            coverage.items_covered += 1
-            coverage.bytes_covered += int(storage.length)
-    if sums is not None:
-        coverage.files_covered = sorted(sums.get("files", {}))
-    info.checksums = coverage
-    objects: List[str] = []
-    for key, md in sorted(metadata.state_dict_metadata.items()):
-        if type(md).__name__ == "BytesStorageMetadata":
-            objects.append(key)
-            continue
-        dtype = md.properties.state[0]
-        if not isinstance(dtype, _DType):
-            raise Unsupported(f"dtype of {key!r}")
-        shape = [int(s) for s in md.size]
-        nbytes = math.prod(shape) * dtype.itemsize
-        info.tensors.append(TensorInfo(key, shape, str(dtype), nbytes, shards.get(key, 0)))
-    for key in objects:
-        value = ""
-        storage = where.get(key)
-        if deep and storage is not None and int(storage.length) <= SMALL_OBJECT:
-            value = short_repr(_object(ckpt, key, storage, sums))
-        info.objects[key] = value
-    if deep and (ckpt / "common.pt").is_file():
+    def common() -> Dict[Any, Any]:
         common = _torch_payload(_read(ckpt / "common.pt", 1 << 30))
         if not isinstance(common, dict):
             raise Unsupported("common.pt is not a dict")
-        for key, value in sorted(common.items(), key=lambda kv: str(kv[0])):
-            info.objects[str(key)] = short_repr(value)
+        return common
 
-
-def _object(ckpt: Path, key: str, storage: Any, sums: Any) -> Any:
-    rel = str(storage.relative_path)
-    if "/" in rel or rel in ("", ".", ".."):
-        raise Unsupported("odd storage path")
+    common_read = common if deep and (ckpt / "common.pt").is_file() else None
     try:
-        with open(ckpt / rel, "rb") as f:
-            f.seek(int(storage.offset))
-            data = f.read(int(storage.length))
-    except OSError as e:
-        raise Unsupported(str(e)) from e
-    if sums is not None:  # show only verified values
-        entry = _ranges(ckpt, sums, rel).get(str(storage.offset))
-        if not isinstance(entry, list) or len(entry) != 2:
-            raise Unsupported(f"no whole-item checksum for {key!r}")
-        if int(entry[1], 16) != xxhash.xxh3_64_intdigest(data):
-            raise Unsupported(f"{key!r} does not match its checksum")
-    return unwrap_object(key, _torch_payload(data))
+        fill_dcp(info, metadata, covered, files, read if deep else None, common_read)
+    except (AttributeError, TypeError, KeyError, ValueError) as e:
+        raise Unsupported(f"unexpected metadata ({type(e).__name__})") from e
+    return info

@@ -11,7 +11,6 @@ Recognised kinds:
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional
 
@@ -21,7 +20,6 @@ from ..integrity import CHECKSUMS_FNAME
 from ..manager.layout import parse_step
 from . import _storage
 from ._info import (
-    SMALL_OBJECT,
     CheckpointInfo,
     ChecksumCoverage,
     LocalPart,
@@ -31,6 +29,7 @@ from ._info import (
     date_of,
     disk_size,
     exists,
+    fill_dcp,
     fill_local,
     has_checkpoint_files,
     incomplete,
@@ -122,38 +121,22 @@ def _fill_or_explain(info: CheckpointInfo, fill: Callable[[], None]) -> None:
 def _describe_dcp(ckpt: Path, info: CheckpointInfo, deep: bool) -> None:
     checksums = _storage.maybe_checksums(ckpt)
     metadata = _storage.read_dcp_metadata(ckpt, checksums)
-    shards: Dict[str, int] = {}
-    sizes: Dict[str, int] = {}
-    coverage = ChecksumCoverage(present=checksums is not None)
-    for item in _storage.stored_items(metadata):
-        shards[item.key] = shards.get(item.key, 0) + 1
-        sizes[item.key] = item.length
-        coverage.items += 1
-        coverage.bytes += item.length
-        if checksums is not None and item.offset in (checksums.item_sums(item.file) or {}):
-            coverage.items_covered += 1
-            coverage.bytes_covered += item.length
-    if checksums is not None:
-        coverage.files_covered = sorted(checksums.files)
-    info.checksums = coverage
-    for key, md in sorted(_storage.tensor_entries(metadata).items()):
-        shape = [int(s) for s in md.size]
-        dtype = md.properties.dtype
-        nbytes = math.prod(shape) * dtype.itemsize
-        info.tensors.append(TensorInfo(key, shape, str(dtype), nbytes, shards.get(key, 0)))
-    for key in _storage.object_keys(metadata):
-        value = ""
-        if deep and sizes.get(key, 0) <= SMALL_OBJECT:
-            try:
-                value = short_repr(_storage.read_object(ckpt, metadata, key, checksums))
-            except CheckpointingException as e:
-                value = f"<unreadable: {e}>"
-        info.objects[key] = value
-    if deep and is_file(ckpt / _storage.COMMON_FNAME):
+
+    def read(key: str, storage: Any) -> str:
+        try:
+            return short_repr(_storage.read_object(ckpt, metadata, key, checksums))
+        except CheckpointingException as e:
+            return f"<unreadable: {e}>"
+
+    def common() -> Dict[Any, Any]:
         from ..serialization import load_common_state_dict
 
-        for key, value in sorted(load_common_state_dict(ckpt).items(), key=lambda kv: str(kv[0])):
-            info.objects[str(key)] = short_repr(value)
+        return load_common_state_dict(ckpt)
+
+    covered = None if checksums is None else lambda f, o: o in (checksums.item_sums(f) or {})
+    files = sorted(checksums.files) if checksums is not None else []
+    has_common = deep and is_file(ckpt / _storage.COMMON_FNAME)
+    fill_dcp(info, metadata, covered, files, read if deep else None, common if has_common else None)
 
 
 def _describe_local(ckpt: Path, info: CheckpointInfo, deep: bool) -> None:

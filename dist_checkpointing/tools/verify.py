@@ -286,4 +286,3 @@ def _verify_local(ckpt: Path, parts: List[LocalPart], report: VerifyReport) -> N
             _storage.read_local_part(part)
         except (CheckpointingException, OSError) as e:
             report.problems.append(Problem(str(part.path.relative_to(ckpt)), str(e)))
-
