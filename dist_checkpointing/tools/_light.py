@@ -15,18 +15,8 @@ from typing import Any, Dict, Optional, Tuple
 
 import xxhash
 
-from ._info import (
-    CheckpointInfo,
-    PathArg,
-    date_of,
-    disk_size,
-    fill_dcp,
-    local_parts,
-    local_tier,
-    short_repr,
-    tier_step,
-    unwrap_object,
-)
+from . import _info
+from ._info import CheckpointInfo, PathArg
 
 __all__ = ["Unsupported", "describe_light"]
 
@@ -254,19 +244,19 @@ def describe_light(path: PathArg, deep: bool = True, step: Optional[int] = None)
     ckpt = Path(path)
     config = _config(ckpt) if ckpt.is_dir() else None
     m = _STEP_DIR.fullmatch(ckpt.name)
-    if config is None and (tier := local_tier(ckpt)):  # a checkpoint manager's local tier
-        info = tier_step(ckpt, tier, step)
+    if config is None and (tier := _info.local_tier(ckpt)):  # a checkpoint manager's local tier
+        info = _info.tier_step(ckpt, tier, step)
         if info.complete:
-            describe_local_light(ckpt, info, deep, local_parts(ckpt, info.step))
+            describe_local_light(ckpt, info, deep, _info.local_parts(ckpt, info.step))
         return info
     if step is not None:
         raise Unsupported("a step outside a local tier")
     step = int(m.group(1)) if m else None
     if config is not None and config["sharded_backend"] == "local":
         backend = f"local v{config.get('sharded_backend_version', 1)}"
-        date = date_of(ckpt / "metadata.json")
-        info = CheckpointInfo(str(ckpt), "local", True, step, backend, disk_size(ckpt), date)
-        describe_local_light(ckpt, info, deep, local_parts(ckpt))
+        date = _info.date_of(ckpt / "metadata.json")
+        info = CheckpointInfo(str(ckpt), "local", True, step, backend, _info.disk_size(ckpt), date)
+        describe_local_light(ckpt, info, deep, _info.local_parts(ckpt))
         return info
     if not (ckpt / ".metadata").is_file():
         raise Unsupported("no .metadata")
@@ -276,8 +266,8 @@ def describe_light(path: PathArg, deep: bool = True, step: Optional[int] = None)
     sums = _checksums(ckpt / "checksums.json") if config is not None else None
     kind = "torch_dist" if config else "dcp"
     backend = f"torch_dist v{config['sharded_backend_version']}" if config else "dcp"
-    date = date_of(ckpt / ("metadata.json" if config else ".metadata"))
-    info = CheckpointInfo(str(ckpt), kind, True, step, backend, disk_size(ckpt), date)
+    date = _info.date_of(ckpt / ("metadata.json" if config else ".metadata"))
+    info = CheckpointInfo(str(ckpt), kind, True, step, backend, _info.disk_size(ckpt), date)
     raw = _read(ckpt / ".metadata", _MAX_METADATA)
     if sums is not None:
         recorded = sums.get("files", {}).get(".metadata")
@@ -305,7 +295,7 @@ def describe_light(path: PathArg, deep: bool = True, step: Optional[int] = None)
                 raise Unsupported(f"no whole-item checksum for {key!r}")
             if int(entry[1], 16) != xxhash.xxh3_64_intdigest(data):
                 raise Unsupported(f"{key!r} does not match its checksum")
-        return short_repr(unwrap_object(key, _torch_payload(data)))
+        return _info.short_repr(_info.unwrap_object(key, _torch_payload(data)))
 
     def common() -> Dict[Any, Any]:
         common = _torch_payload(_read(ckpt / "common.pt", 1 << 30))
@@ -315,7 +305,7 @@ def describe_light(path: PathArg, deep: bool = True, step: Optional[int] = None)
 
     common_read = common if deep and (ckpt / "common.pt").is_file() else None
     try:
-        fill_dcp(info, metadata, covered, files, read if deep else None, common_read)
+        _info.fill_dcp(info, metadata, covered, files, read if deep else None, common_read)
     except (AttributeError, TypeError, KeyError, ValueError) as e:
         raise Unsupported(f"unexpected metadata ({type(e).__name__})") from e
     return info

@@ -1,12 +1,5 @@
 """`describe` one checkpoint directory (no process group); `list_checkpoints` is in `listing`.
-
-Recognised kinds:
-- `torch_dist` (ours or megatron-core's): `metadata.json` + DCP's `.metadata` and data files;
-- `dcp`: a stock PyTorch DCP checkpoint (`.metadata`, no `metadata.json`);
-- `local`: a ('local', N) checkpoint (`<dir>/<rank>/iter_..._local.pt` parts), or one
-  iteration of a checkpoint manager's local tier (the same parts, no `metadata.json`);
-- `incomplete`: a directory with checkpoint files but no commit record (a crashed save);
-- `unusable`: a damaged commit record.
+The kinds it recognises: `CheckpointInfo.kind`.
 """
 
 from __future__ import annotations
@@ -18,27 +11,8 @@ from ..core import CONFIG_FNAME, maybe_load_config
 from ..errors import CheckpointingException, NotACheckpointError
 from ..integrity import CHECKSUMS_FNAME
 from ..manager.layout import parse_step
-from . import _storage
-from ._info import (
-    CheckpointInfo,
-    ChecksumCoverage,
-    LocalPart,
-    PathArg,
-    TensorInfo,
-    check_dir,
-    date_of,
-    disk_size,
-    exists,
-    fill_dcp,
-    fill_local,
-    has_checkpoint_files,
-    incomplete,
-    is_file,
-    local_parts,
-    local_tier,
-    short_repr,
-    tier_step,
-)
+from . import _info, _storage
+from ._info import CheckpointInfo, ChecksumCoverage, LocalPart, PathArg, TensorInfo
 from .listing import list_checkpoints
 
 __all__ = ["TensorInfo", "ChecksumCoverage", "CheckpointInfo", "describe", "list_checkpoints"]
@@ -63,27 +37,27 @@ def describe(path: PathArg, deep: bool = True, step: Optional[int] = None) -> Ch
             files, or `step` is given for anything but a local tier holding it.
     """
     ckpt = Path(path)
-    check_dir(ckpt)
-    has_dcp = is_file(ckpt / _storage.DCP_METADATA_FNAME)
-    ours = any(exists(ckpt / n) for n in (_storage.COMMON_FNAME, CHECKSUMS_FNAME))
+    _info.check_dir(ckpt)
+    has_dcp = _info.is_file(ckpt / _storage.DCP_METADATA_FNAME)
+    ours = any(_info.exists(ckpt / n) for n in (_storage.COMMON_FNAME, CHECKSUMS_FNAME))
     info = CheckpointInfo(str(ckpt), "unusable", False, parse_step(ckpt.name), None, 0, "")
     try:
         config = maybe_load_config(ckpt)
     except CheckpointingException as e:
-        info.size, info.date = disk_size(ckpt), date_of(ckpt)
+        info.size, info.date = _info.disk_size(ckpt), _info.date_of(ckpt)
         info.problem = f"damaged {CONFIG_FNAME}: {e}"
         return info
-    tier = local_tier(ckpt) if config is None else {}
+    tier = _info.local_tier(ckpt) if config is None else {}
     if tier:
-        info = tier_step(ckpt, tier, step)
+        info = _info.tier_step(ckpt, tier, step)
         if info.complete:
-            parts = local_parts(ckpt, info.step)
-            _fill_or_explain(info, lambda: fill_local(info, parts, _local_rank_state, deep))
+            parts = _info.local_parts(ckpt, info.step)
+            _fill_or_explain(info, lambda: _info.fill_local(info, parts, _local_rank_state, deep))
         return info
     if step is not None:
         raise NotACheckpointError(f"{ckpt}: step={step} selects an iteration of a local tier")
     if config is None and (not has_dcp or ours):  # stock DCP writes neither
-        if not has_checkpoint_files(ckpt) and info.step is None:
+        if not _info.has_checkpoint_files(ckpt) and info.step is None:
             found = [Path(i.path).relative_to(ckpt) for i in list_checkpoints(ckpt)]
             raise NotACheckpointError(
                 f"{ckpt}: not a checkpoint but a directory of {len(found)} checkpoint(s) (e.g. "
@@ -91,15 +65,15 @@ def describe(path: PathArg, deep: bool = True, step: Optional[int] = None) -> Ch
                 if found
                 else f"{ckpt}: not a checkpoint (no checkpoint files in it or below)"
             )
-        return incomplete(ckpt, info.step)
-    info.size = disk_size(ckpt)
+        return _info.incomplete(ckpt, info.step)
+    info.size = _info.disk_size(ckpt)
     if config is None:
         info.kind, info.backend = "dcp", "dcp"
-        info.date = date_of(ckpt / _storage.DCP_METADATA_FNAME)
+        info.date = _info.date_of(ckpt / _storage.DCP_METADATA_FNAME)
     else:
         info.kind = config.sharded_backend
         info.backend = f"{config.sharded_backend} v{config.sharded_backend_version}"
-        info.date = date_of(ckpt / CONFIG_FNAME)
+        info.date = _info.date_of(ckpt / CONFIG_FNAME)
     if info.kind == "local":
         _fill_or_explain(info, lambda: _describe_local(ckpt, info, deep))
     elif has_dcp:
@@ -124,7 +98,7 @@ def _describe_dcp(ckpt: Path, info: CheckpointInfo, deep: bool) -> None:
 
     def read(key: str, storage: Any) -> str:
         try:
-            return short_repr(_storage.read_object(ckpt, metadata, key, checksums))
+            return _info.short_repr(_storage.read_object(ckpt, metadata, key, checksums))
         except CheckpointingException as e:
             return f"<unreadable: {e}>"
 
@@ -135,15 +109,15 @@ def _describe_dcp(ckpt: Path, info: CheckpointInfo, deep: bool) -> None:
 
     covered = None if checksums is None else lambda f, o: o in (checksums.item_sums(f) or {})
     files = sorted(checksums.files) if checksums is not None else []
-    has_common = deep and is_file(ckpt / _storage.COMMON_FNAME)
-    fill_dcp(info, metadata, covered, files, read if deep else None, common if has_common else None)
+    common_read = common if deep and _info.is_file(ckpt / _storage.COMMON_FNAME) else None
+    _info.fill_dcp(info, metadata, covered, files, read if deep else None, common_read)
 
 
 def _describe_local(ckpt: Path, info: CheckpointInfo, deep: bool) -> None:
-    parts = local_parts(ckpt)
+    parts = _info.local_parts(ckpt)
     if not parts:
         raise NotACheckpointError(f"{ckpt}: a local checkpoint without any part")
-    fill_local(info, parts, _local_rank_state, deep)
+    _info.fill_local(info, parts, _local_rank_state, deep)
 
 
 def _local_rank_state(part: LocalPart) -> Dict[str, Any]:
