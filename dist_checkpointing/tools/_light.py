@@ -5,6 +5,7 @@ reader. Imports only the standard library, `xxhash` and `_info` (local parts: `_
 
 from __future__ import annotations
 
+import collections
 import io
 import json
 import pickle
@@ -95,6 +96,7 @@ _METADATA_CLASSES: _Classes = {
     (_PLANNER, "LoadItemType"): lambda value: value,
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _stub("_StorageInfo"),
     **{("pathlib", n): lambda *parts: "/".join(parts) for n in ("PurePosixPath", "PosixPath")},
+    ("pathlib", "WindowsPath"): lambda *parts: "/".join(parts),
     ("builtins", "set"): set,
     ("builtins", "frozenset"): frozenset,
     **{
@@ -104,14 +106,11 @@ _METADATA_CLASSES: _Classes = {
     (_DCP, "_MEM_FORMAT_ENCODING"): lambda value: value,
     ("torch.serialization", "_get_layout"): lambda name: name,
     ("torch", "Size"): lambda dims=(): tuple(dims),
-    ("pathlib", "WindowsPath"): lambda *parts: "/".join(parts),
     ("collections", "OrderedDict"): dict,
 }
 
 
-class _TensorStub:
-    def __init__(self, shape: Tuple[int, ...], dtype: _DType) -> None:
-        self.shape, self.dtype = shape, dtype
+_TensorStub = collections.namedtuple("_TensorStub", "shape dtype")
 
 
 def _rebuild_tensor(storage: Any, offset: int, size: Any, *rest: Any) -> _TensorStub:
