@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import datetime
 import math
 import os
 import re
 import reprlib
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Union
 
@@ -18,7 +18,6 @@ __all__ = [
     "TensorInfo",
     "ChecksumCoverage",
     "CheckpointInfo",
-    "SMALL_OBJECT",
     "check_dir",
     "exists",
     "is_file",
@@ -38,7 +37,7 @@ __all__ = [
 ]
 
 PathArg = Union[str, "os.PathLike[str]"]
-SMALL_OBJECT = 64 << 10  # stored objects up to this size are read to show their value
+_SMALL_OBJECT = 64 << 10  # stored objects up to this size are read to show their value
 _SHARDED_OBJECT = re.compile(r"/shard_\d+(_\d+)*$")
 _repr = reprlib.Repr()
 _repr.maxstring = 40
@@ -193,9 +192,7 @@ def date_of(path: Path) -> str:
         stamp = fs.stat(path)[1] if fs is not None else path.stat().st_mtime
     except OSError:
         return ""
-    return datetime.datetime.fromtimestamp(stamp, datetime.timezone.utc).isoformat(
-        timespec="seconds"
-    )
+    return datetime.fromtimestamp(stamp, timezone.utc).isoformat(timespec="seconds")
 
 
 _LOCAL_PART = re.compile(r"iter_(\d{7,})_(\d+)_local(\.dirty)?\.pt")
@@ -212,9 +209,8 @@ def incomplete(ckpt: Path, step: Optional[int]) -> CheckpointInfo:
     n = len(names(ckpt))
     info = CheckpointInfo(str(ckpt), "incomplete", False, step, None, disk_size(ckpt), "")
     info.date = date_of(ckpt / ".metadata") or date_of(ckpt)
-    info.problem = "no metadata.json (the commit record): a save that did not finish" + (
-        f" ({n} file(s) present)" if n else " (empty directory)"
-    )
+    present = f" ({n} file(s) present)" if n else " (empty directory)"
+    info.problem = f"no metadata.json (the commit record): a save that did not finish{present}"
     return info
 
 
@@ -345,7 +341,7 @@ def fill_dcp(
     for key, md in sorted(metadata.state_dict_metadata.items()):
         if type(md).__name__ == "BytesStorageMetadata":
             storage = where.get(key)
-            small = (0 if storage is None else int(storage.length)) <= SMALL_OBJECT
+            small = (0 if storage is None else int(storage.length)) <= _SMALL_OBJECT
             info.objects[key] = read_object(key, storage) if read_object and small else ""
             continue
         shape, dtype = [int(s) for s in md.size], md.properties.dtype
