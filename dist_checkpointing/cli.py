@@ -21,12 +21,12 @@ EXIT_OK, EXIT_PROBLEM, EXIT_ERROR = 0, 1, 2
 
 
 def _size(n: int) -> str:
-    value = float(n)
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if value < 1000 or unit == "TB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1000
-    return f"{n} B"
+    value, unit = float(n), "B"
+    for bigger in ("KB", "MB", "GB", "TB"):
+        if value < 1000:
+            break
+        value, unit = value / 1000, bigger
+    return f"{n} B" if unit == "B" else f"{value:.1f} {unit}"
 
 
 def _print_json(data: Any) -> None:
@@ -102,14 +102,19 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from .tools.verify import summarize, verify_checkpoint
+    from .tools.verify import verify_checkpoint
 
     report = verify_checkpoint(args.path, step=args.step)
     if args.json:
         _print_json({**asdict(report), "ok": report.ok})
+        return EXIT_OK if report.ok else EXIT_PROBLEM
+    at = f"{report.path}{'' if report.step is None else f' step {report.step}'}"
+    how = "checksums" if report.checksummed else "structure only (no checksums recorded)"
+    if report.ok:
+        verdict = f"OK: {report.items} items, {report.bytes:,} bytes read"
     else:
-        head, lines = summarize(report)
-        print("\n  ".join([head, *lines]))  # the verdict, then one indented line per problem
+        verdict = f"DAMAGED: {len(report.problems)} problem(s); {report.items} items"
+    print("\n  ".join([f"{at}: {verdict}, {how}", *map(str, report.problems)]))
     return EXIT_OK if report.ok else EXIT_PROBLEM
 
 
@@ -169,8 +174,7 @@ def _diff(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from .demo import DemoConfig, run_demo
 
-    cfg = DemoConfig(args.world_size, args.hidden, args.layers, args.vocab, args.dir, args.keep)
-    run_demo(cfg)
+    run_demo(DemoConfig(args.world_size, args.hidden, args.layers, args.vocab, args.dir, args.keep))
     return EXIT_OK
 
 

@@ -1,9 +1,8 @@
 """The demo behind `dist-ckpt demo`: save with one sharding, load with another, verify.
 
-It spawns a gloo world of N CPU processes, builds a small transformer-like sharded state
-(tensor-parallel weights split on rows or columns, replicated layer norms, a per-rank
-ShardedObject and common state), saves it, loads it back with every split axis swapped,
-checks every byte, and prints a table.
+A gloo world of N CPU processes saves a small transformer-like sharded state (tensor-parallel
+weights split on rows or columns, replicated layer norms, a per-rank ShardedObject, common
+state), loads it back with every split axis swapped, checks every byte and prints a table.
 """
 
 from __future__ import annotations
@@ -33,9 +32,7 @@ class DemoConfig:
 
     Attributes:
         world_size: number of processes.
-        hidden: model width.
-        layers: number of transformer layers.
-        vocab: embedding rows.
+        hidden, layers, vocab: model width, transformer layers, embedding rows.
         directory: parent of the checkpoint directory, kept (a temporary one when empty,
             removed at the end unless `keep`).
         keep: keep the temporary directory.
@@ -114,11 +111,8 @@ def _worker(rank: int, cfg: DemoConfig, rendezvous: str, ckpt: str, log_level: i
         serialization.get_default_save_sharded_strategy()
         step = int(os.path.basename(ckpt)[len("iter_") :])
         state = _state(cfg, swap_axes=False, with_data=True, step=step)
-        nbytes = sum(
-            math.prod(v.local_shape) * v.dtype.itemsize
-            for v in state.values()
-            if isinstance(v, ShardedTensor) and v.replica_id == 0
-        )
+        mine = [v for v in state.values() if isinstance(v, ShardedTensor) and v.replica_id == 0]
+        nbytes = sum(math.prod(v.local_shape) * v.dtype.itemsize for v in mine)
         dist.barrier()
         t0 = time.perf_counter()
         serialization.save(state, ckpt)
@@ -133,9 +127,8 @@ def _worker(rank: int, cfg: DemoConfig, rendezvous: str, ckpt: str, log_level: i
         for key, value in request.items():
             if isinstance(value, ShardedTensor):
                 want = _global_tensor(key, value.global_shape, value.dtype)[value.global_slice()]
-                if not torch.equal(
-                    loaded[key].view(torch.uint8), want.contiguous().view(torch.uint8)
-                ):
+                got = loaded[key].view(torch.uint8)
+                if not torch.equal(got, want.contiguous().view(torch.uint8)):
                     mismatches.append(key)
         if loaded["rng"] != {"rank": rank, "seed": 1234 + rank} or loaded["iteration"] != step:
             mismatches.append("rng/iteration")
@@ -166,12 +159,8 @@ def _print_report(
     print(
         f"  {n:>8} {nbytes:>12,} {save_s:>8.3f} {save_rate:>10.3f} {load_s:>8.3f} {load_rate:>10.3f}\n"
     )
-    if bad:
-        print(f"  FAILED: {bad} mismatches")
-    else:
-        print(
-            "  verified: every byte of every resharded tensor, the ShardedObjects and the common state"
-        )
+    verified = "every byte of every resharded tensor, the ShardedObjects and the common state"
+    print(f"  FAILED: {bad} mismatches" if bad else f"  verified: {verified}")
 
 
 def run_demo(cfg: DemoConfig) -> None:

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import datetime
 import math
 import os
 import re
 import reprlib
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Union
 
@@ -18,7 +18,6 @@ __all__ = [
     "TensorInfo",
     "ChecksumCoverage",
     "CheckpointInfo",
-    "SMALL_OBJECT",
     "check_dir",
     "exists",
     "is_file",
@@ -34,10 +33,11 @@ __all__ = [
     "local_tier",
     "tier_step",
     "fill_local",
+    "fill_dcp",
 ]
 
 PathArg = Union[str, "os.PathLike[str]"]
-SMALL_OBJECT = 64 << 10  # stored objects up to this size are read to show their value
+_SMALL_OBJECT = 64 << 10  # stored objects up to this size are read to show their value
 _SHARDED_OBJECT = re.compile(r"/shard_\d+(_\d+)*$")
 _repr = reprlib.Repr()
 _repr.maxstring = 40
@@ -192,9 +192,7 @@ def date_of(path: Path) -> str:
         stamp = fs.stat(path)[1] if fs is not None else path.stat().st_mtime
     except OSError:
         return ""
-    return datetime.datetime.fromtimestamp(stamp, datetime.timezone.utc).isoformat(
-        timespec="seconds"
-    )
+    return datetime.fromtimestamp(stamp, timezone.utc).isoformat(timespec="seconds")
 
 
 _LOCAL_PART = re.compile(r"iter_(\d{7,})_(\d+)_local(\.dirty)?\.pt")
@@ -211,9 +209,8 @@ def incomplete(ckpt: Path, step: Optional[int]) -> CheckpointInfo:
     n = len(names(ckpt))
     info = CheckpointInfo(str(ckpt), "incomplete", False, step, None, disk_size(ckpt), "")
     info.date = date_of(ckpt / ".metadata") or date_of(ckpt)
-    info.problem = "no metadata.json (the commit record): a save that did not finish" + (
-        f" ({n} file(s) present)" if n else " (empty directory)"
-    )
+    present = f" ({n} file(s) present)" if n else " (empty directory)"
+    info.problem = f"no metadata.json (the commit record): a save that did not finish{present}"
     return info
 
 
@@ -313,3 +310,42 @@ def fill_local(
             for key, value in (sd.get("common") or {}).items():
                 info.objects[str(key)] = short_repr(value)
     info.tensors = [tensors[k] for k in sorted(tensors)]
+
+
+def fill_dcp(
+    info: CheckpointInfo,
+    metadata: Any,
+    covered: Optional[Callable[[str, int], bool]],
+    files_covered: List[str],
+    read_object: Optional[Callable[[str, Any], str]],
+    common: Optional[Callable[[], Dict[Any, Any]]],
+) -> None:
+    """Fills `info` from DCP metadata (torch's, or `_light`'s stand-ins) for both readers.
+
+    `covered(file, offset)` tells whether the checksums cover an item (None: no checksums);
+    `read_object(key, storage)` gives a small object's short repr (None: objects not read);
+    `common()` reads the common state (None: not read).
+    """
+    coverage = ChecksumCoverage(covered is not None, files_covered=files_covered)
+    shards: Dict[str, int] = {}
+    where: Dict[str, Any] = {}
+    for index, storage in metadata.storage_data.items():
+        shards[index.fqn] = shards.get(index.fqn, 0) + 1
+        where[index.fqn] = storage
+        coverage.items += 1
+        coverage.bytes += int(storage.length)
+        if covered is not None and covered(str(storage.relative_path), int(storage.offset)):
+            coverage.items_covered += 1
+            coverage.bytes_covered += int(storage.length)
+    info.checksums = coverage
+    for key, md in sorted(metadata.state_dict_metadata.items()):
+        if type(md).__name__ == "BytesStorageMetadata":
+            storage = where.get(key)
+            small = (0 if storage is None else int(storage.length)) <= _SMALL_OBJECT
+            info.objects[key] = read_object(key, storage) if read_object and small else ""
+            continue
+        shape, dtype = [int(s) for s in md.size], md.properties.dtype
+        nbytes = math.prod(shape) * dtype.itemsize
+        info.tensors.append(TensorInfo(key, shape, str(dtype), nbytes, shards.get(key, 0)))
+    for key, value in sorted((common() if common else {}).items(), key=lambda kv: str(kv[0])):
+        info.objects[str(key)] = short_repr(value)

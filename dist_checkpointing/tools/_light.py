@@ -5,31 +5,19 @@ reader. Imports only the standard library, `xxhash` and `_info` (local parts: `_
 
 from __future__ import annotations
 
+import collections
 import io
 import json
-import math
 import pickle
 import re
 import zipfile
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import xxhash
 
-from ._info import (
-    SMALL_OBJECT,
-    CheckpointInfo,
-    ChecksumCoverage,
-    PathArg,
-    TensorInfo,
-    date_of,
-    disk_size,
-    local_parts,
-    local_tier,
-    short_repr,
-    tier_step,
-    unwrap_object,
-)
+from . import _info
+from ._info import CheckpointInfo, PathArg
 
 __all__ = ["Unsupported", "describe_light"]
 
@@ -82,22 +70,33 @@ def _stub(name: str) -> type:
     return type(name, (_Stub,), {})
 
 
+class _TensorProperties(_Stub):
+    @property
+    def dtype(self) -> _DType:
+        dtype = self.state[0]  # pickled as (dtype, layout, requires_grad, memory_format, ...)
+        if not isinstance(dtype, _DType):
+            raise Unsupported(f"dtype {dtype!r}")
+        return dtype
+
+
 _DCP = "torch.distributed.checkpoint.metadata"
 _PLANNER = "torch.distributed.checkpoint.planner"
 _Classes = Dict[Tuple[str, str], Any]
 _DCP_NAMES = (
-    "Metadata TensorStorageMetadata BytesStorageMetadata ChunkStorageMetadata TensorProperties "
-    "MetadataIndex StorageMeta"
+    "Metadata TensorStorageMetadata BytesStorageMetadata ChunkStorageMetadata MetadataIndex "
+    "StorageMeta"
 )
 # megatron-core pickles its global save plan (plain dataclasses and enums) beside it
 _PLANNER_NAMES = "SavePlan WriteItem TensorWriteData BytesIOWriteData LoadPlan ReadItem"
 _METADATA_CLASSES: _Classes = {
     **{(_DCP, n): _stub(n) for n in _DCP_NAMES.split()},
+    (_DCP, "TensorProperties"): _TensorProperties,
     **{(_PLANNER, n): _stub(n) for n in _PLANNER_NAMES.split()},
     (_PLANNER, "WriteItemType"): lambda value: value,
     (_PLANNER, "LoadItemType"): lambda value: value,
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _stub("_StorageInfo"),
     **{("pathlib", n): lambda *parts: "/".join(parts) for n in ("PurePosixPath", "PosixPath")},
+    ("pathlib", "WindowsPath"): lambda *parts: "/".join(parts),
     ("builtins", "set"): set,
     ("builtins", "frozenset"): frozenset,
     **{
@@ -107,14 +106,11 @@ _METADATA_CLASSES: _Classes = {
     (_DCP, "_MEM_FORMAT_ENCODING"): lambda value: value,
     ("torch.serialization", "_get_layout"): lambda name: name,
     ("torch", "Size"): lambda dims=(): tuple(dims),
-    ("pathlib", "WindowsPath"): lambda *parts: "/".join(parts),
     ("collections", "OrderedDict"): dict,
 }
 
 
-class _TensorStub:
-    def __init__(self, shape: Tuple[int, ...], dtype: _DType) -> None:
-        self.shape, self.dtype = shape, dtype
+_TensorStub = collections.namedtuple("_TensorStub", "shape dtype")
 
 
 def _rebuild_tensor(storage: Any, offset: int, size: Any, *rest: Any) -> _TensorStub:
@@ -247,19 +243,19 @@ def describe_light(path: PathArg, deep: bool = True, step: Optional[int] = None)
     ckpt = Path(path)
     config = _config(ckpt) if ckpt.is_dir() else None
     m = _STEP_DIR.fullmatch(ckpt.name)
-    if config is None and (tier := local_tier(ckpt)):  # a checkpoint manager's local tier
-        info = tier_step(ckpt, tier, step)
+    if config is None and (tier := _info.local_tier(ckpt)):  # a checkpoint manager's local tier
+        info = _info.tier_step(ckpt, tier, step)
         if info.complete:
-            describe_local_light(ckpt, info, deep, local_parts(ckpt, info.step))
+            describe_local_light(ckpt, info, deep, _info.local_parts(ckpt, info.step))
         return info
     if step is not None:
         raise Unsupported("a step outside a local tier")
     step = int(m.group(1)) if m else None
     if config is not None and config["sharded_backend"] == "local":
         backend = f"local v{config.get('sharded_backend_version', 1)}"
-        date = date_of(ckpt / "metadata.json")
-        info = CheckpointInfo(str(ckpt), "local", True, step, backend, disk_size(ckpt), date)
-        describe_local_light(ckpt, info, deep, local_parts(ckpt))
+        date = _info.date_of(ckpt / "metadata.json")
+        info = CheckpointInfo(str(ckpt), "local", True, step, backend, _info.disk_size(ckpt), date)
+        describe_local_light(ckpt, info, deep, _info.local_parts(ckpt))
         return info
     if not (ckpt / ".metadata").is_file():
         raise Unsupported("no .metadata")
@@ -269,76 +265,46 @@ def describe_light(path: PathArg, deep: bool = True, step: Optional[int] = None)
     sums = _checksums(ckpt / "checksums.json") if config is not None else None
     kind = "torch_dist" if config else "dcp"
     backend = f"torch_dist v{config['sharded_backend_version']}" if config else "dcp"
-    date = date_of(ckpt / ("metadata.json" if config else ".metadata"))
-    info = CheckpointInfo(str(ckpt), kind, True, step, backend, disk_size(ckpt), date)
+    date = _info.date_of(ckpt / ("metadata.json" if config else ".metadata"))
+    info = CheckpointInfo(str(ckpt), kind, True, step, backend, _info.disk_size(ckpt), date)
     raw = _read(ckpt / ".metadata", _MAX_METADATA)
     if sums is not None:
         recorded = sums.get("files", {}).get(".metadata")
         if recorded is None or int(recorded, 16) != xxhash.xxh3_64_intdigest(raw):
             raise Unsupported(".metadata does not match its checksum")
     metadata = _unpickle(raw, tensors=False)
-    try:
-        _fill(ckpt, info, metadata, sums, deep)
-    except (AttributeError, TypeError, KeyError, ValueError) as e:
-        raise Unsupported(f"unexpected metadata ({type(e).__name__})") from e
-    return info
+    covered = None if sums is None else lambda f, o: str(o) in _ranges(ckpt, sums, f)
+    files = sorted(sums.get("files", {})) if sums is not None else []
 
+    def read(key: str, storage: Any) -> str:
+        if storage is None:
+            return ""
+        rel = str(storage.relative_path)
+        if "/" in rel or rel in ("", ".", ".."):
+            raise Unsupported("odd storage path")
+        try:
+            with open(ckpt / rel, "rb") as f:
+                f.seek(int(storage.offset))
+                data = f.read(int(storage.length))
+        except OSError as e:
+            raise Unsupported(str(e)) from e
+        if sums is not None:  # show only verified values
+            entry = _ranges(ckpt, sums, rel).get(str(storage.offset))
+            if not isinstance(entry, list) or len(entry) != 2:
+                raise Unsupported(f"no whole-item checksum for {key!r}")
+            if int(entry[1], 16) != xxhash.xxh3_64_intdigest(data):
+                raise Unsupported(f"{key!r} does not match its checksum")
+        return _info.short_repr(_info.unwrap_object(key, _torch_payload(data)))
 
-def _fill(ckpt: Path, info: CheckpointInfo, metadata: Any, sums: Any, deep: bool) -> None:
-    coverage = ChecksumCoverage(present=sums is not None)
-    shards: Dict[str, int] = {}
-    where: Dict[str, Any] = {}
-    for index, storage in metadata.storage_data.items():
-        shards[index.fqn] = shards.get(index.fqn, 0) + 1
-        where[index.fqn] = storage
-        coverage.items += 1
-        coverage.bytes += int(storage.length)
-        ranges = _ranges(ckpt, sums, str(storage.relative_path)) if sums else {}
-        if str(storage.offset) in ranges:
-            coverage.items_covered += 1
-            coverage.bytes_covered += int(storage.length)
-    if sums is not None:
-        coverage.files_covered = sorted(sums.get("files", {}))
-    info.checksums = coverage
-    objects: List[str] = []
-    for key, md in sorted(metadata.state_dict_metadata.items()):
-        if type(md).__name__ == "BytesStorageMetadata":
-            objects.append(key)
-            continue
-        dtype = md.properties.state[0]
-        if not isinstance(dtype, _DType):
-            raise Unsupported(f"dtype of {key!r}")
-        shape = [int(s) for s in md.size]
-        nbytes = math.prod(shape) * dtype.itemsize
-        info.tensors.append(TensorInfo(key, shape, str(dtype), nbytes, shards.get(key, 0)))
-    for key in objects:
-        value = ""
-        storage = where.get(key)
-        if deep and storage is not None and int(storage.length) <= SMALL_OBJECT:
-            value = short_repr(_object(ckpt, key, storage, sums))
-        info.objects[key] = value
-    if deep and (ckpt / "common.pt").is_file():
+    def common() -> Dict[Any, Any]:
         common = _torch_payload(_read(ckpt / "common.pt", 1 << 30))
         if not isinstance(common, dict):
             raise Unsupported("common.pt is not a dict")
-        for key, value in sorted(common.items(), key=lambda kv: str(kv[0])):
-            info.objects[str(key)] = short_repr(value)
+        return common
 
-
-def _object(ckpt: Path, key: str, storage: Any, sums: Any) -> Any:
-    rel = str(storage.relative_path)
-    if "/" in rel or rel in ("", ".", ".."):
-        raise Unsupported("odd storage path")
+    common_read = common if deep and (ckpt / "common.pt").is_file() else None
     try:
-        with open(ckpt / rel, "rb") as f:
-            f.seek(int(storage.offset))
-            data = f.read(int(storage.length))
-    except OSError as e:
-        raise Unsupported(str(e)) from e
-    if sums is not None:  # show only verified values
-        entry = _ranges(ckpt, sums, rel).get(str(storage.offset))
-        if not isinstance(entry, list) or len(entry) != 2:
-            raise Unsupported(f"no whole-item checksum for {key!r}")
-        if int(entry[1], 16) != xxhash.xxh3_64_intdigest(data):
-            raise Unsupported(f"{key!r} does not match its checksum")
-    return unwrap_object(key, _torch_payload(data))
+        _info.fill_dcp(info, metadata, covered, files, read if deep else None, common_read)
+    except (AttributeError, TypeError, KeyError, ValueError) as e:
+        raise Unsupported(f"unexpected metadata ({type(e).__name__})") from e
+    return info

@@ -56,8 +56,7 @@ def _leaves(x: Any) -> Iterator[Any]:
 def _read_part(path: Path) -> Any:
     """The verified hollow state of one part (the header's `state`)."""
     try:
-        size = path.stat().st_size
-        if size > _MAX_PART:
+        if path.stat().st_size > _MAX_PART:
             raise Unsupported(f"{path} is large")
         raw = memoryview(path.read_bytes())
     except OSError as e:

@@ -20,9 +20,11 @@ from torch.distributed.checkpoint.metadata import (
 from .._safe_load import torch_load
 from ..core import CONFIG_FNAME
 from ..errors import CheckpointCorruptedError, CheckpointingException
-from ..integrity import CHECKSUMS_FNAME, Checksums, read_checksums
+from ..integrity import CHECKSUMS_FNAME, Checksums
+from ..integrity import read_checksums as maybe_checksums
 from ..storage import objstore
-from ..strategies.torch_dist.metadata_file import DCP_METADATA_FNAME, read_metadata
+from ..strategies.torch_dist.metadata_file import DCP_METADATA_FNAME
+from ..strategies.torch_dist.metadata_file import read_metadata as read_dcp_metadata
 from ..strategies.torch_dist.plan import TensorRequest, plan_tensor_reads
 from ..strategies.torch_dist.reader import read_byte_items, read_tensor_items
 from ._info import LocalPart, unwrap_object
@@ -43,11 +45,6 @@ __all__ = [
 ]
 
 COMMON_FNAME = "common.pt"
-
-#: DCP's `.metadata` of a checkpoint, read safely (verified when the checksums list it)
-read_dcp_metadata = read_metadata
-#: `checksums.json` of a checkpoint, or None (megatron-core and stock DCP write none)
-maybe_checksums = read_checksums
 
 
 @dataclass(frozen=True)

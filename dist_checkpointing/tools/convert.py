@@ -80,26 +80,19 @@ def safetensors_header(entries: List[_Entry]) -> bytes:
         code = SAFETENSORS_DTYPES.get(dtype)
         if code is None:
             raise CheckpointingException(f"{key!r}: safetensors cannot store dtype {dtype}")
-        nbytes = math.prod(shape) * dtype.itemsize
-        header[key] = {
-            "dtype": code,
-            "shape": list(shape),
-            "data_offsets": [offset, offset + nbytes],
-        }
-        offset += nbytes
+        end = offset + _nbytes((key, dtype, shape))
+        header[key] = {"dtype": code, "shape": list(shape), "data_offsets": [offset, end]}
+        offset = end
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
     return struct.pack("<Q", len(raw)) + raw
 
 
-class _StorageRef:
-    def __init__(self, cls: Any, key: str, numel: int) -> None:
-        self.cls, self.key, self.numel = cls, key, numel
+_StorageRef = collections.namedtuple("_StorageRef", "cls key numel")
 
 
-class _Rebuild:
-    def __init__(self, ref: _StorageRef, shape: Tuple[int, ...]) -> None:
-        self.ref, self.shape = ref, shape
+class _Rebuild(collections.namedtuple("_Rebuild", "ref shape")):
+    """Pickles as `torch.save` pickles a contiguous tensor over the storage `ref`."""
 
     def __reduce__(self):  # type: ignore[no-untyped-def]
         stride = torch.empty(self.shape, device="meta").stride()  # contiguous, no allocation

@@ -19,16 +19,8 @@ from typing import Any, Dict, List, Tuple, Union
 import torch
 
 from ..errors import CheckpointExistsError, CheckpointingException
-from . import _storage, hf_map
+from . import _storage, convert, hf_map
 from ._info import PathArg
-from .convert import (
-    SAFETENSORS_DTYPES,
-    SAFETENSORS_INDEX,
-    ConvertResult,
-    _source,
-    _write_safetensors,
-    parse_size,
-)
 
 __all__ = ["export_hf", "import_hf", "DESCRIPTION_KEY"]
 
@@ -115,7 +107,7 @@ def export_hf(
     *,
     config: Union[None, str, Dict[str, Any]] = None,
     max_shard_size: Union[int, str] = "5GB",
-) -> ConvertResult:
+) -> convert.ConvertResult:
     """Writes a megatron-core GPTModel checkpoint as a HuggingFace Llama / Mixtral model.
 
     Steps: map every stored name (refusing any without an HF name); derive `config.json`
@@ -138,8 +130,8 @@ def export_hf(
             listed), no description, or `out` already holding a model (CheckpointExistsError).
     """
     ckpt, dest = Path(ckpt), Path(out)
-    limit = parse_size(max_shard_size)
-    metadata, checksums = _source(ckpt)
+    limit = convert.parse_size(max_shard_size)
+    metadata, checksums = convert._source(ckpt)
     units, num_layers = _plan_export(_storage.tensor_entries(metadata))
     shapes = {u.name: u.shape for u in units}
     missing = {"embedding.word_embeddings.weight", "self_attention.linear_qkv.weight"} - set(shapes)
@@ -172,24 +164,24 @@ def export_hf(
 
     if (dest / "config.json").exists():
         raise CheckpointExistsError(f"{dest} already holds a model; choose another directory")
-    files = _write_safetensors(entries, dest, limit, read)
+    files = convert._write_safetensors(entries, dest, limit, read)
     (dest / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     nbytes = sum(torch.Size(shape).numel() * dtype.itemsize for _, dtype, shape in entries)
-    result = ConvertResult([*files, str(dest / "config.json")], len(entries), nbytes)
+    result = convert.ConvertResult([*files, str(dest / "config.json")], len(entries), nbytes)
     logger.info("exported %d tensors (%d bytes) to %s", result.tensors, result.bytes, dest)
     return result
 
 
 def _open_safetensors(hf_dir: Path) -> Dict[str, torch.Tensor]:
     """Every tensor of an HF model directory, mapped from its files (not read into memory)."""
-    index = hf_dir / SAFETENSORS_INDEX
+    index = hf_dir / convert.SAFETENSORS_INDEX
     if index.is_file():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
     elif (hf_dir / "model.safetensors").is_file():
         files = ["model.safetensors"]
     else:
-        raise CheckpointingException(f"{hf_dir}: no {SAFETENSORS_INDEX} or model.safetensors")
-    codes = {code: dtype for dtype, code in SAFETENSORS_DTYPES.items()}
+        raise CheckpointingException(f"{hf_dir}: no {index.name} or model.safetensors")
+    codes = {code: dtype for dtype, code in convert.SAFETENSORS_DTYPES.items()}
     tensors: Dict[str, torch.Tensor] = {}
     for name in files:
         path = hf_dir / name
@@ -198,13 +190,10 @@ def _open_safetensors(hf_dir: Path) -> Dict[str, torch.Tensor]:
         try:
             (n,) = struct.unpack("<Q", mm[:8])
             header = json.loads(mm[8 : 8 + n])
+            header.pop("__metadata__", None)
             for key, info in header.items():
-                if key == "__metadata__":
-                    continue
-                start, end = info["data_offsets"]
-                raw = torch.frombuffer(
-                    mm, dtype=torch.uint8, count=end - start, offset=8 + n + start
-                )
+                start, end = (8 + n + offset for offset in info["data_offsets"])
+                raw = torch.frombuffer(mm, dtype=torch.uint8, count=end - start, offset=start)
                 tensors[key] = raw.view(codes[info["dtype"]]).view(info["shape"])
         except (KeyError, ValueError, struct.error, RuntimeError) as e:
             raise CheckpointingException(f"{path}: not a readable safetensors file: {e!r}") from e
@@ -213,7 +202,7 @@ def _open_safetensors(hf_dir: Path) -> Dict[str, torch.Tensor]:
 
 def import_hf(
     hf_dir: PathArg, ckpt: PathArg, *, tp: int = 1, pp: int = 1, ep: int = 1
-) -> ConvertResult:
+) -> convert.ConvertResult:
     """Writes a HuggingFace Llama / Mixtral model as a `torch_dist` checkpoint that
     megatron-core's GPTModel loads at tensor / pipeline / expert parallel sizes `tp`/`pp`/`ep`.
 
@@ -271,12 +260,8 @@ def import_hf(
     mlp = ("mlp.router.weight",) if n_experts else hf_map.DENSE_ONLY
     for i in range(n_layers):
         for name in [*list(hf_map.LAYER)[:4], *mlp]:  # megatron 0.16's spellings
-            add(
-                f"decoder.layers.{name}",
-                name,
-                [f"model.layers.{i}.{n}" for n in hf_map.LAYER[name]],
-                (0, i, n_layers),
-            )
+            in_layer = [f"model.layers.{i}.{n}" for n in hf_map.LAYER[name]]
+            add(f"decoder.layers.{name}", name, in_layer, (0, i, n_layers))
         for x, (name, hf_names) in itertools.product(range(n_experts), hf_map.EXPERT.items()):
             names = [f"model.layers.{i}.block_sparse_moe.experts.{x}.{n}" for n in hf_names]
             key = f"decoder.layers.mlp.experts.experts.{name}"
@@ -289,10 +274,8 @@ def import_hf(
     # megatron's linear layers save an `_extra_state` object per layer (and expert) and its
     # load asks for them: written as a newly built model (local layer spec) holds them
     mlp_prefix = "mlp.experts.experts." if n_experts else "mlp."
-    for name in ["self_attention.linear_qkv", "self_attention.linear_proj"] + [
-        mlp_prefix + "linear_fc1",
-        mlp_prefix + "linear_fc2",
-    ]:
+    linears = ["self_attention.linear_qkv", "self_attention.linear_proj"]
+    for name in linears + [f"{mlp_prefix}linear_fc{i}" for i in (1, 2)]:
         grid = (n_layers, n_experts) if "experts" in name else (n_layers,)
         for pos in itertools.product(*(range(n) for n in grid)):
             key = f"decoder.layers.{name}._extra_state"
@@ -301,4 +284,4 @@ def import_hf(
     serialization.save(sd, str(ckpt))
     tensors = [v.data for v in sd.values() if isinstance(v, ShardedTensor)]
     nbytes = sum(int(t.nbytes) for t in tensors if t is not None)
-    return ConvertResult([str(ckpt)], len(tensors), nbytes)
+    return convert.ConvertResult([str(ckpt)], len(tensors), nbytes)

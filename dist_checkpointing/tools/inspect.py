@@ -1,17 +1,9 @@
 """`describe` one checkpoint directory (no process group); `list_checkpoints` is in `listing`.
-
-Recognised kinds:
-- `torch_dist` (ours or megatron-core's): `metadata.json` + DCP's `.metadata` and data files;
-- `dcp`: a stock PyTorch DCP checkpoint (`.metadata`, no `metadata.json`);
-- `local`: a ('local', N) checkpoint (`<dir>/<rank>/iter_..._local.pt` parts), or one
-  iteration of a checkpoint manager's local tier (the same parts, no `metadata.json`);
-- `incomplete`: a directory with checkpoint files but no commit record (a crashed save);
-- `unusable`: a damaged commit record.
+The kinds it recognises: `CheckpointInfo.kind`.
 """
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional
 
@@ -19,27 +11,8 @@ from ..core import CONFIG_FNAME, maybe_load_config
 from ..errors import CheckpointingException, NotACheckpointError
 from ..integrity import CHECKSUMS_FNAME
 from ..manager.layout import parse_step
-from . import _storage
-from ._info import (
-    SMALL_OBJECT,
-    CheckpointInfo,
-    ChecksumCoverage,
-    LocalPart,
-    PathArg,
-    TensorInfo,
-    check_dir,
-    date_of,
-    disk_size,
-    exists,
-    fill_local,
-    has_checkpoint_files,
-    incomplete,
-    is_file,
-    local_parts,
-    local_tier,
-    short_repr,
-    tier_step,
-)
+from . import _info, _storage
+from ._info import CheckpointInfo, ChecksumCoverage, LocalPart, PathArg, TensorInfo
 from .listing import list_checkpoints
 
 __all__ = ["TensorInfo", "ChecksumCoverage", "CheckpointInfo", "describe", "list_checkpoints"]
@@ -64,27 +37,27 @@ def describe(path: PathArg, deep: bool = True, step: Optional[int] = None) -> Ch
             files, or `step` is given for anything but a local tier holding it.
     """
     ckpt = Path(path)
-    check_dir(ckpt)
-    has_dcp = is_file(ckpt / _storage.DCP_METADATA_FNAME)
-    ours = any(exists(ckpt / n) for n in (_storage.COMMON_FNAME, CHECKSUMS_FNAME))
+    _info.check_dir(ckpt)
+    has_dcp = _info.is_file(ckpt / _storage.DCP_METADATA_FNAME)
+    ours = any(_info.exists(ckpt / n) for n in (_storage.COMMON_FNAME, CHECKSUMS_FNAME))
     info = CheckpointInfo(str(ckpt), "unusable", False, parse_step(ckpt.name), None, 0, "")
     try:
         config = maybe_load_config(ckpt)
     except CheckpointingException as e:
-        info.size, info.date = disk_size(ckpt), date_of(ckpt)
+        info.size, info.date = _info.disk_size(ckpt), _info.date_of(ckpt)
         info.problem = f"damaged {CONFIG_FNAME}: {e}"
         return info
-    tier = local_tier(ckpt) if config is None else {}
+    tier = _info.local_tier(ckpt) if config is None else {}
     if tier:
-        info = tier_step(ckpt, tier, step)
+        info = _info.tier_step(ckpt, tier, step)
         if info.complete:
-            parts = local_parts(ckpt, info.step)
-            _fill_or_explain(info, lambda: fill_local(info, parts, _local_rank_state, deep))
+            parts = _info.local_parts(ckpt, info.step)
+            _fill_or_explain(info, lambda: _info.fill_local(info, parts, _local_rank_state, deep))
         return info
     if step is not None:
         raise NotACheckpointError(f"{ckpt}: step={step} selects an iteration of a local tier")
     if config is None and (not has_dcp or ours):  # stock DCP writes neither
-        if not has_checkpoint_files(ckpt) and info.step is None:
+        if not _info.has_checkpoint_files(ckpt) and info.step is None:
             found = [Path(i.path).relative_to(ckpt) for i in list_checkpoints(ckpt)]
             raise NotACheckpointError(
                 f"{ckpt}: not a checkpoint but a directory of {len(found)} checkpoint(s) (e.g. "
@@ -92,15 +65,15 @@ def describe(path: PathArg, deep: bool = True, step: Optional[int] = None) -> Ch
                 if found
                 else f"{ckpt}: not a checkpoint (no checkpoint files in it or below)"
             )
-        return incomplete(ckpt, info.step)
-    info.size = disk_size(ckpt)
+        return _info.incomplete(ckpt, info.step)
+    info.size = _info.disk_size(ckpt)
     if config is None:
         info.kind, info.backend = "dcp", "dcp"
-        info.date = date_of(ckpt / _storage.DCP_METADATA_FNAME)
+        info.date = _info.date_of(ckpt / _storage.DCP_METADATA_FNAME)
     else:
         info.kind = config.sharded_backend
         info.backend = f"{config.sharded_backend} v{config.sharded_backend_version}"
-        info.date = date_of(ckpt / CONFIG_FNAME)
+        info.date = _info.date_of(ckpt / CONFIG_FNAME)
     if info.kind == "local":
         _fill_or_explain(info, lambda: _describe_local(ckpt, info, deep))
     elif has_dcp:
@@ -122,45 +95,29 @@ def _fill_or_explain(info: CheckpointInfo, fill: Callable[[], None]) -> None:
 def _describe_dcp(ckpt: Path, info: CheckpointInfo, deep: bool) -> None:
     checksums = _storage.maybe_checksums(ckpt)
     metadata = _storage.read_dcp_metadata(ckpt, checksums)
-    shards: Dict[str, int] = {}
-    sizes: Dict[str, int] = {}
-    coverage = ChecksumCoverage(present=checksums is not None)
-    for item in _storage.stored_items(metadata):
-        shards[item.key] = shards.get(item.key, 0) + 1
-        sizes[item.key] = item.length
-        coverage.items += 1
-        coverage.bytes += item.length
-        if checksums is not None and item.offset in (checksums.item_sums(item.file) or {}):
-            coverage.items_covered += 1
-            coverage.bytes_covered += item.length
-    if checksums is not None:
-        coverage.files_covered = sorted(checksums.files)
-    info.checksums = coverage
-    for key, md in sorted(_storage.tensor_entries(metadata).items()):
-        shape = [int(s) for s in md.size]
-        dtype = md.properties.dtype
-        nbytes = math.prod(shape) * dtype.itemsize
-        info.tensors.append(TensorInfo(key, shape, str(dtype), nbytes, shards.get(key, 0)))
-    for key in _storage.object_keys(metadata):
-        value = ""
-        if deep and sizes.get(key, 0) <= SMALL_OBJECT:
-            try:
-                value = short_repr(_storage.read_object(ckpt, metadata, key, checksums))
-            except CheckpointingException as e:
-                value = f"<unreadable: {e}>"
-        info.objects[key] = value
-    if deep and is_file(ckpt / _storage.COMMON_FNAME):
+
+    def read(key: str, storage: Any) -> str:
+        try:
+            return _info.short_repr(_storage.read_object(ckpt, metadata, key, checksums))
+        except CheckpointingException as e:
+            return f"<unreadable: {e}>"
+
+    def common() -> Dict[Any, Any]:
         from ..serialization import load_common_state_dict
 
-        for key, value in sorted(load_common_state_dict(ckpt).items(), key=lambda kv: str(kv[0])):
-            info.objects[str(key)] = short_repr(value)
+        return load_common_state_dict(ckpt)
+
+    covered = None if checksums is None else lambda f, o: o in (checksums.item_sums(f) or {})
+    files = sorted(checksums.files) if checksums is not None else []
+    common_read = common if deep and _info.is_file(ckpt / _storage.COMMON_FNAME) else None
+    _info.fill_dcp(info, metadata, covered, files, read if deep else None, common_read)
 
 
 def _describe_local(ckpt: Path, info: CheckpointInfo, deep: bool) -> None:
-    parts = local_parts(ckpt)
+    parts = _info.local_parts(ckpt)
     if not parts:
         raise NotACheckpointError(f"{ckpt}: a local checkpoint without any part")
-    fill_local(info, parts, _local_rank_state, deep)
+    _info.fill_local(info, parts, _local_rank_state, deep)
 
 
 def _local_rank_state(part: LocalPart) -> Dict[str, Any]:

@@ -9,18 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import List, Optional
 
-from ._info import (
-    CheckpointInfo,
-    PathArg,
-    _remote,
-    check_dir,
-    exists,
-    has_checkpoint_files,
-    incomplete,
-    is_file,
-    local_tier,
-    names,
-)
+from . import _info
+from ._info import CheckpointInfo, PathArg
 from ._light import _STEP_DIR, Unsupported, describe_light
 
 __all__ = ["list_checkpoints"]
@@ -42,7 +32,7 @@ def list_checkpoints(root: PathArg) -> List[CheckpointInfo]:
         NotACheckpointError: `root` does not exist or is not a directory.
     """
     base = Path(root)
-    check_dir(base)
+    _info.check_dir(base)
     found: List[CheckpointInfo] = []
     _visit(base, 0, found)
     found.sort(key=lambda i: (i.step if i.step is not None else -1, i.date), reverse=True)
@@ -50,16 +40,16 @@ def list_checkpoints(root: PathArg) -> List[CheckpointInfo]:
 
 
 def _visit(path: Path, depth: int, found: List[CheckpointInfo]) -> None:
-    tier = local_tier(path) if not exists(path / "metadata.json") else {}
+    tier = _info.local_tier(path) if not _info.exists(path / "metadata.json") else {}
     if tier:
         found.extend(tier.values())
-    elif has_checkpoint_files(path) or _STEP_DIR.fullmatch(path.name):
+    elif _info.has_checkpoint_files(path) or _STEP_DIR.fullmatch(path.name):
         info = _describe(path)
         latest = _latest(path.parent)
         info.latest = latest is not None and info.step == latest
         found.append(info)
     elif depth < _MAX_DEPTH:
-        for sub in (path / n for n in names(path)):
+        for sub in (path / n for n in _info.names(path)):
             if _is_dir(sub):
                 _visit(sub, depth + 1, found)
 
@@ -69,22 +59,22 @@ def _describe(ckpt: Path) -> CheckpointInfo:
         return describe_light(ckpt, deep=False)
     except Unsupported:
         pass
-    ours = any(exists(ckpt / n) for n in ("common.pt", "checksums.json"))
-    if not exists(ckpt / "metadata.json") and (ours or not is_file(ckpt / ".metadata")):
+    ours = any(_info.exists(ckpt / n) for n in ("common.pt", "checksums.json"))
+    if not _info.exists(ckpt / "metadata.json") and (ours or not _info.is_file(ckpt / ".metadata")):
         m = _STEP_DIR.fullmatch(ckpt.name)
-        return incomplete(ckpt, int(m.group(1)) if m else None)
+        return _info.incomplete(ckpt, int(m.group(1)) if m else None)
     from .inspect import describe  # torch: damaged, or a backend the light reader does not know
 
     return describe(ckpt, deep=False)
 
 
 def _is_dir(path: Path) -> bool:
-    fs = _remote(path)
+    fs = _info._remote(path)
     return bool(fs.is_dir(path)) if fs is not None else path.is_dir() and not path.is_symlink()
 
 
 def _latest(root: Path) -> Optional[int]:
-    fs = _remote(root)
+    fs = _info._remote(root)
     try:
         if fs is not None:
             return int((fs.read_object(root / _LATEST, 64) or b"").decode("ascii").strip())

@@ -14,7 +14,7 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, Optional
 
 from .._safe_load import torch_load
 from ..core import CONFIG_FNAME, maybe_load_config
@@ -40,12 +40,9 @@ class Problem:
     end: Optional[int] = None
 
     def __str__(self) -> str:
-        where = self.file
-        if self.key:
-            where += f" [{self.key}]"
-        if self.start is not None:
-            where += f" bytes {self.start}-{self.end}"
-        return f"{where}: {self.message}"
+        key = f" [{self.key}]" if self.key else ""
+        span = "" if self.start is None else f" bytes {self.start}-{self.end}"
+        return f"{self.file}{key}{span}: {self.message}"
 
 
 @dataclass
@@ -144,25 +141,22 @@ def _verify(ckpt: Path, step: Optional[int], report: VerifyReport) -> None:
 
 def _verify_dcp(ckpt: Path, report: VerifyReport) -> None:
     checksums: Optional[Checksums] = None
-    if objstore.exists(ckpt / CHECKSUMS_FNAME):
-        try:
-            checksums = _storage.maybe_checksums(ckpt)
-        except CheckpointingException as e:
-            report.problems.append(Problem(CHECKSUMS_FNAME, str(e)))
+    try:
+        checksums = _storage.maybe_checksums(ckpt)
+    except CheckpointingException as e:
+        report.problems.append(Problem(CHECKSUMS_FNAME, str(e)))
     report.checksummed = checksums is not None
-    if checksums is not None:
-        for name, digest in sorted(checksums.files.items()):
-            _verify_whole_file(ckpt / name, name, digest, report)
+    for name, digest in sorted(checksums.files.items()) if checksums is not None else []:
+        _verify_whole_file(ckpt / name, name, digest, report)
+    reported = {p.file for p in report.problems}  # a damaged file is reported once
     try:
         metadata = _storage.read_dcp_metadata(ckpt)
     except CheckpointingException as e:
-        if not any(p.file == _storage.DCP_METADATA_FNAME for p in report.problems):
+        if _storage.DCP_METADATA_FNAME not in reported:
             report.problems.append(Problem(_storage.DCP_METADATA_FNAME, str(e)))
         return
     common = ckpt / _storage.COMMON_FNAME
-    if objstore.exists(common) and not any(
-        p.file == _storage.COMMON_FNAME for p in report.problems
-    ):
+    if objstore.exists(common) and _storage.COMMON_FNAME not in reported:
         try:
             with objstore.open_read(common) as f:
                 torch_load(io.BytesIO(f.read()), str(common))
@@ -274,10 +268,9 @@ def _decode_tensor(payload: bytes, item: _storage.StoredItem, report: VerifyRepo
 
 
 def _verify_local(ckpt: Path, parts: List[LocalPart], report: VerifyReport) -> None:
-    if not parts:  # (an incomplete tier's iteration is already reported)
-        report.problems[:] = report.problems or [
-            Problem(".", "a local checkpoint without any part")
-        ]
+    if not parts:
+        if not report.problems:  # (an incomplete tier's iteration is already reported)
+            report.problems.append(Problem(".", "a local checkpoint without any part"))
         return
     for part in parts:
         report.items += 1
@@ -286,14 +279,3 @@ def _verify_local(ckpt: Path, parts: List[LocalPart], report: VerifyReport) -> N
             _storage.read_local_part(part)
         except (CheckpointingException, OSError) as e:
             report.problems.append(Problem(str(part.path.relative_to(ckpt)), str(e)))
-
-
-def summarize(report: VerifyReport) -> Tuple[str, List[str]]:
-    """A one-line verdict and one line per problem, for the command line."""
-    how = "checksums" if report.checksummed else "structure only (no checksums recorded)"
-    at = f" step {report.step}" if report.step is not None else ""
-    if report.ok:
-        head = f"{report.path}{at}: OK: {report.items} items, {report.bytes:,} bytes read, {how}"
-    else:
-        head = f"{report.path}{at}: DAMAGED: {len(report.problems)} problem(s); {report.items} items, {how}"
-    return head, [str(p) for p in report.problems]
