@@ -23,7 +23,7 @@ import contextvars
 import logging
 import math
 from dataclasses import replace
-from typing import Any, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import torch
 
@@ -39,6 +39,7 @@ __all__ = [
     "dequantizing",
     "expand_quantized",
     "stored_form_hint",
+    "block_hint",
 ]
 
 logger = logging.getLogger(__name__)
@@ -207,8 +208,8 @@ def expand_quantized(tree: Any, stored: Optional[Dict[str, Any]] = None) -> Any:
 
 
 def stored_form_hint(key: str, stored_keys: Sequence[str]) -> str:
-    """Why `key` is not in a checkpoint holding `stored_keys` (or, without them, why its
-    stored shape differs) when it is quantized (or its scales swizzled) on one side; else ''."""
+    """Why `key` is not in a checkpoint holding `stored_keys` when it is quantized (or its
+    scales swizzled) on one side; else ''."""
     base, _, name = key.partition(SEP)
     if not name and any(k.startswith(key + SEP) for k in stored_keys):
         return (
@@ -218,11 +219,6 @@ def stored_form_hint(key: str, stored_keys: Sequence[str]) -> str:
         )
     if name and base in stored_keys:
         return f"; {base!r} is stored unquantized and is never quantized on load"
-    if name and not stored_keys:
-        return (
-            f" ({name!r} of quantized {base!r}: the checkpoint's scaling blocks differ from the "
-            "destination's; a per-tensor or per-block scale cannot be resharded across a block)"
-        )
     inner = name.partition("[")[0]
     tiled = sorted(k for k in stored_keys if k.startswith(f"{base}{SEP}{inner}["))
     if name and tiled:
@@ -234,3 +230,30 @@ def stored_form_hint(key: str, stored_keys: Sequence[str]) -> str:
     if inner != name and f"{base}{SEP}{inner}" in stored_keys:
         return f"; {inner!r} of quantized {base!r} is stored by position (not swizzled)"
     return ""
+
+
+def block_hint(
+    key: str, stored: Sequence[int], requested: Sequence[int], metadata: Callable[[], Any]
+) -> str:
+    """Why inner tensor `key` of a quantized tensor is stored with another global shape than
+    `requested`: both sides' scaling blocks, in elements of the tensor's largest positional
+    inner tensor (its data), found in `metadata()` (DCP's Metadata); else ''."""
+    base, _, name = key.partition(SEP)
+    try:  # a hint never hides the error it explains
+        entries = metadata().state_dict_metadata.items() if name else ()
+    except Exception:
+        entries = ()
+    sizes = {  # the other inner tensors of base, by position (not swizzled)
+        k: tuple(md.size)
+        for k, md in entries
+        if k.startswith(base + SEP) and "[" not in k and len(getattr(md, "size", ())) == len(stored)
+    }
+    data = max(sizes, key=lambda k: math.prod(sizes[k]), default=None)
+    if data is None or sizes[data] == tuple(stored):
+        return ""
+    got, want = ([-(-f // max(n, 1)) for f, n in zip(sizes[data], s)] for s in (stored, requested))
+    return (
+        f" ({name!r} of quantized {base!r} has one value per scaling block: blocks of "
+        f"{tuple(got)} in the checkpoint, {tuple(want)} in the destination, in elements of "
+        f"{data!r}; a per-tensor or per-block scale loads only into blocks of its saved size)"
+    )

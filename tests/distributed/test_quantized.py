@@ -7,6 +7,7 @@ torchao's own tensors run in tests/interop/test_torchao.py (a side venv)."""
 
 from __future__ import annotations
 
+import re
 from typing import Any, Dict
 
 import pytest
@@ -55,9 +56,36 @@ def test_quantized_round_trip_bitwise_or_refuse_cut_blocks(world_factory, tmp_pa
             if not reshard or not (_cuts(kind, save_axis) or _cuts(kind, load_axis)):
                 assert got == "same", (kind, dtype, backend, save_axis, load_axis, got)
             else:  # a per-tensor or per-block scale cannot be split across its block
-                assert "block" in got and "'w" in got, (kind, backend, save_axis, load_axis, got)
+                assert re.search(r"'w\b.*block(s)? of \(?\d", got), (
+                    kind,
+                    backend,
+                    save_axis,
+                    load_axis,
+                    got,
+                )
 
     run()
+
+
+#: (kind, save axis, load axis: None is the full tensor) and what the refusal must say
+REFUSALS = [
+    ("tensor", 0, None, "'w::scale'", "blocks of (4, 64) in the checkpoint, (8, 64) in the dest"),
+    ("tensor", 0, 1, "'w::scale'", "blocks of (4, 64) in the checkpoint, (8, 32) in the dest"),
+    ("tensor", 1, 0, "'w::scale'", "blocks of (8, 32) in the checkpoint, (4, 64) in the dest"),
+    ("row", 0, 1, "'w::scale'", "blocks of (1, 64) in the checkpoint, (1, 32) in the dest"),
+    ("row", 0, None, "'w::scale'", None),  # per-row scales reshard: loads, bit for bit
+]
+
+
+@pytest.mark.parametrize("backend", ["torch_dist", "fully_parallel"])
+def test_refused_reshard_names_the_key_and_both_block_sizes(world_factory, tmp_path, backend):
+    cases = [(k, torch.float8_e4m3fn, backend, s, ld) for k, s, ld, _, _ in REFUSALS]
+    results = world_factory(WORLD).run_ok(_quant.run_cases, cases, str(tmp_path), timeout=120)
+    for got, (kind, _, load_axis, key, blocks) in zip(results[0], REFUSALS):
+        if blocks is None:
+            assert got == "same", (kind, load_axis, got)
+        else:
+            assert key in got and blocks in got, (kind, load_axis, got)
 
 
 def _plain_requests(ckpt: str) -> Dict[str, Any]:
