@@ -7,8 +7,10 @@ One process saves `--total-mib` of Float8Tensor weights (float8_e4m3fn `qdata`, 
 float32 `scale`, built with `__tensor_unflatten__` so no high-precision copy exists). A
 fresh process allocates the destinations (zeros, touched), loads one weight (imports and
 the reader's threads), notes its peak RSS (`ru_maxrss`, which only grows), loads all, and
-notes the peak again: the growth is what the load needed beyond the destinations. It is compared with one read request
-(`reader.READ_REQUEST`), the reader's two staging buffers (`storage.buffers.CHUNK`) and with a bfloat16 scratch copy of the weights (2x).
+notes the peak again: the growth is what the load needed beyond the destinations. The bound
+checked (exit status 1 when exceeded): the destinations plus one read chunk, the reader's
+request size (`reader.READ_REQUEST`): stored bytes are read in place into the destinations'
+inner tensors, a request at a time. A bfloat16 scratch copy of the weights would add 2x.
 """
 
 from __future__ import annotations
@@ -77,7 +79,6 @@ def main() -> None:
     parser.add_argument("--total-mib", type=int, default=1024)
     args = parser.parse_args()
     n = max(1, args.total_mib // 16)
-    from dist_checkpointing.storage.buffers import CHUNK
     from dist_checkpointing.strategies.torch_dist.reader import READ_REQUEST
 
     spawn = mp.get_context("spawn")
@@ -92,15 +93,19 @@ def main() -> None:
         proc.join()
     mib = 1 << 20
     weights = n * ROWS * (COLS + 4)
+    bound = before + READ_REQUEST
     print(f"| float8 weights | {weights / mib:.0f} MiB ({n} x {ROWS}x{COLS} + per-row scales) |")
     print(f"| peak RSS with destinations allocated | {before / mib:.0f} MiB |")
     print(f"| peak RSS after the load | {after / mib:.0f} MiB |")
     print(f"| growth during the load | {(after - before) / mib:.1f} MiB |")
     print(
-        f"| one read request; the staging buffers | {READ_REQUEST / mib:.0f} MiB; 2 x {CHUNK / mib:.0f} MiB |"
+        f"| bound: destinations + one read chunk (READ_REQUEST) | {before / mib:.0f} + "
+        f"{READ_REQUEST / mib:.0f} = {bound / mib:.0f} MiB: {'met' if after <= bound else 'EXCEEDED'} |"
     )
     print(f"| a bfloat16 scratch copy would add | {2 * n * ROWS * COLS / mib:.0f} MiB |")
     print(f"| load time | {seconds:.2f} s; results are the destinations: {same} |")
+    if after > bound or not same:
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

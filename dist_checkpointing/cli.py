@@ -80,10 +80,10 @@ def _inspect(args: argparse.Namespace) -> int:
         f"{info.path}{at}: {info.backend}{where}, {_size(info.size)} on disk, written {info.date}"
     )
     if info.tensors:
-        print(f"  {'tensor':<40} {'shape':<20} {'dtype':<15} {'bytes':>14} {'shards':>6}")
+        print(f"  {'tensor':<40} {'shape':<20} {'dtype':<22} {'bytes':>14} {'shards':>6}")
     for t in info.tensors:
         print(
-            f"  {t.key:<40} {str(tuple(t.shape)):<20} {t.dtype:<15} {t.nbytes:>14,} {t.shards:>6}"
+            f"  {t.key:<40} {str(tuple(t.shape)):<20} {t.dtype:<22} {t.nbytes:>14,} {t.shards:>6}"
         )
     for key, value in info.objects.items():
         print(f"  value   {key:<40} {value}")

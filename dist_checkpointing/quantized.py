@@ -6,10 +6,14 @@ Such a tensor is saved as its inner tensors (data, scales), each an ordinary ten
 `<key>::<inner name>`, sharded like the outer tensor divided by its block: an inner tensor
 whose local shape is the outer's divided by `b` along an axis covers blocks of `b` there
 (per-row scale: the row length; 1x32 MX: 32; packed fp4: 2). A split that cuts through a
-block is refused. Loads fill the destination's own inner tensors in place (no high-precision
-copy); the destination's flatten metadata (ctx) is what rebuilds it. No component lives under
-the plain `<key>`, so a reader that does not know this layout fails instead of reading data
-without its scales; loading into a plain tensor is opt-in (`dequantize_on_load`).
+block is refused. A swizzled tensor (a truthy flatten-metadata entry whose name contains
+"swizzl", as torchao's `is_swizzled_scales`) lays its scales out in tiles, not by position:
+each inner tensor not shaped like the tensor is stored whole under `<key>::<name>[<slices>]`
+(the piece it belongs to), so only the same piece loads it. Loads fill the destination's own
+inner tensors in place (no high-precision copy); its flatten metadata (ctx) is what rebuilds
+it. No component lives under the plain `<key>`, so a reader that does not know this layout
+fails instead of reading data without its scales; loading into a plain tensor is opt-in
+(`dequantize_on_load`).
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ import contextlib
 import contextvars
 import logging
 import math
-from typing import Any, Dict, Iterator, List, Optional, Sequence
+from dataclasses import replace
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import torch
 
@@ -34,6 +39,7 @@ __all__ = [
     "dequantizing",
     "expand_quantized",
     "stored_form_hint",
+    "block_hint",
 ]
 
 logger = logging.getLogger(__name__)
@@ -86,18 +92,43 @@ def _piece(sh: ShardedTensor, name: str, inner: Any, dtype: Any, blocks: List[in
                 f"through a scaling block of {b} (inner tensor {name!r}, blocks "
                 f"{tuple(blocks)}); split at multiples of the block size"
             )
-    local = tuple(math.ceil(n / b) for n, b in zip(sh.local_shape, blocks))
-    return ShardedTensor(
-        f"{sh.key}{SEP}{name}",
-        inner,
-        dtype,
-        local,
-        (*sh.global_shape[:p], *(math.ceil(g / b) for g, b in zip(ends, blocks))),
-        (*sh.global_offset[:p], *(o // b for o, b in zip(offsets, blocks))),
-        None,
-        sh.replica_id,
-        p,
-        sh.allow_shape_mismatch,
+    return replace(
+        sh,
+        key=f"{sh.key}{SEP}{name}",
+        data=inner,
+        dtype=dtype,
+        local_shape=tuple(math.ceil(n / b) for n, b in zip(sh.local_shape, blocks)),
+        global_shape=(*sh.global_shape[:p], *(math.ceil(g / b) for g, b in zip(ends, blocks))),
+        global_offset=(*sh.global_offset[:p], *(o // b for o, b in zip(offsets, blocks))),
+        axis_fragmentations=None,
+    )
+
+
+def _swizzled(ctx: Any) -> bool:
+    """Whether flatten metadata `ctx` (a dict or an object) has a truthy entry whose name
+    contains "swizzl": its scales are laid out in tiles, not by position."""
+    entries = ctx if isinstance(ctx, dict) else getattr(ctx, "__dict__", {})
+    return any(
+        "swizzl" in str(k).lower() and not isinstance(v, torch.Tensor) and bool(v)
+        for k, v in entries.items()
+    )
+
+
+def _tiled_piece(sh: ShardedTensor, name: str, inner: torch.Tensor) -> ShardedTensor:
+    """The ShardedTensor of a swizzled inner tensor of `sh`: stored whole under a key naming
+    the piece of the tensor it belongs to (`w::scale[0:64,0:256]`), so another split asks for
+    a key the checkpoint lacks instead of reading tiles as positions."""
+    p = sh.prepend_axis_num
+    where = ",".join(f"{o}:{o + n}" for o, n in zip(sh.global_offset[p:], sh.local_shape))
+    return replace(
+        sh,
+        key=f"{sh.key}{SEP}{name}[{where}]",
+        data=inner,
+        dtype=inner.dtype,
+        local_shape=tuple(inner.shape),
+        global_shape=(*sh.global_shape[:p], *inner.shape),
+        global_offset=(*sh.global_offset[:p], *(0,) * inner.dim()),
+        axis_fragmentations=None,
     )
 
 
@@ -105,12 +136,15 @@ def _as_factory(sh: ShardedTensor) -> ShardedTensorFactory:
     """A factory saving `sh`'s inner tensors and loading into them in place."""
     outer = sh.data
     assert outer is not None
-    names, _ = outer.__tensor_flatten__()  # type: ignore[attr-defined]
+    names, ctx = outer.__tensor_flatten__()  # type: ignore[attr-defined]
     pieces: Dict[str, ShardedTensor] = {}
     for name in names:
         inner = getattr(outer, name)
         if is_quantized(inner):
             raise CheckpointingException(f"{sh.key!r}: nested tensor subclass {name!r}")
+        if _swizzled(ctx) and tuple(inner.shape) != tuple(sh.local_shape):
+            pieces[name] = _tiled_piece(sh, name, inner)
+            continue
         if inner.dim() != len(sh.local_shape) and inner.numel() == 1:  # a per-tensor scale
             inner = inner.view((1,) * len(sh.local_shape))
         blocks = _blocks(sh.key, name, sh.local_shape, inner.shape)
@@ -123,6 +157,11 @@ def _dequantizing_factory(sh: ShardedTensor, stored: Dict[str, Any]) -> ShardedT
     """A factory loading a quantized key's stored pieces into a plain destination."""
     p = sh.prepend_axis_num
     found = {k[len(sh.key) + len(SEP) :]: md for k, md in stored.items()}
+    if any("[" in n for n in found):
+        raise CheckpointingException(
+            f"{sh.key!r} is stored with swizzled scales ({', '.join(found)}): tiles cannot be "
+            "dequantized without their library; load it into a quantized tensor of its type"
+        )
     blocks = {
         n: _blocks(sh.key, n, sh.global_shape[p:], md.global_shape[p:]) for n, md in found.items()
     }
@@ -169,8 +208,8 @@ def expand_quantized(tree: Any, stored: Optional[Dict[str, Any]] = None) -> Any:
 
 
 def stored_form_hint(key: str, stored_keys: Sequence[str]) -> str:
-    """Why `key` is not in a checkpoint holding `stored_keys` (or, without them, why its
-    stored shape differs) when it is quantized on one side; else ''."""
+    """Why `key` is not in a checkpoint holding `stored_keys` when it is quantized (or its
+    scales swizzled) on one side; else ''."""
     base, _, name = key.partition(SEP)
     if not name and any(k.startswith(key + SEP) for k in stored_keys):
         return (
@@ -180,9 +219,41 @@ def stored_form_hint(key: str, stored_keys: Sequence[str]) -> str:
         )
     if name and base in stored_keys:
         return f"; {base!r} is stored unquantized and is never quantized on load"
-    if name and not stored_keys:
+    inner = name.partition("[")[0]
+    tiled = sorted(k for k in stored_keys if k.startswith(f"{base}{SEP}{inner}["))
+    if name and tiled:
         return (
-            f" ({name!r} of quantized {base!r}: the checkpoint's scaling blocks differ from the "
-            "destination's; a per-tensor or per-block scale cannot be resharded across a block)"
+            f"; {inner!r} of quantized {base!r} is stored swizzled (in tiles, not by position)"
+            f" as {', '.join(map(repr, tiled[:4]))}{' ...' * bool(tiled[4:])}: only the piece "
+            f"of {base!r} it was saved with loads it, into a swizzled destination"
         )
+    if inner != name and f"{base}{SEP}{inner}" in stored_keys:
+        return f"; {inner!r} of quantized {base!r} is stored by position (not swizzled)"
     return ""
+
+
+def block_hint(
+    key: str, stored: Sequence[int], requested: Sequence[int], metadata: Callable[[], Any]
+) -> str:
+    """Why inner tensor `key` of a quantized tensor is stored with another global shape than
+    `requested`: both sides' scaling blocks, in elements of the tensor's largest positional
+    inner tensor (its data), found in `metadata()` (DCP's Metadata); else ''."""
+    base, _, name = key.partition(SEP)
+    try:  # a hint never hides the error it explains
+        entries = metadata().state_dict_metadata.items() if name else ()
+    except Exception:
+        entries = ()
+    sizes = {  # the other inner tensors of base, by position (not swizzled)
+        k: tuple(md.size)
+        for k, md in entries
+        if k.startswith(base + SEP) and "[" not in k and len(getattr(md, "size", ())) == len(stored)
+    }
+    data = max(sizes, key=lambda k: math.prod(sizes[k]), default=None)
+    if data is None or sizes[data] == tuple(stored):
+        return ""
+    got, want = ([-(-f // max(n, 1)) for f, n in zip(sizes[data], s)] for s in (stored, requested))
+    return (
+        f" ({name!r} of quantized {base!r} has one value per scaling block: blocks of "
+        f"{tuple(got)} in the checkpoint, {tuple(want)} in the destination, in elements of "
+        f"{data!r}; a per-tensor or per-block scale loads only into blocks of its saved size)"
+    )

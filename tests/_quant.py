@@ -1,9 +1,12 @@
 """A minimal quantized wrapper subclass (the `__tensor_flatten__` protocol that torchao's and
 Transformer Engine's Float8Tensor follow) and rank functions for the quantized tests.
 
-`make(kind, ...)` quantizes one deterministic global tensor with per-row, per-tensor,
-1x32 MX-like (float8_e8m0fnu scales) or blockwise scales, then takes a rank's piece: the
-piece's inner tensors are slices of the global ones, as a sharded quantized weight holds.
+`quantize(kind, ...)` quantizes one deterministic global tensor with per-row, per-tensor,
+1x32 MX-like (float8_e8m0fnu scales) or blockwise scales, then `piece` takes a rank's piece:
+the piece's inner tensors are slices of the global ones, as a sharded quantized weight holds.
+`swizzle` lays a tensor's scales out in tiles (flatten metadata `is_swizzled_scales=True`, as
+torchao's MX tensors for cuBLAS), keeping their shape: only the piece it was made for can
+read its scales back, which shapes alone do not show.
 """
 
 from __future__ import annotations
@@ -35,18 +38,22 @@ class QTensor(torch.Tensor):
     """Quantized data and a scale; holds nothing else and computes nothing."""
 
     @staticmethod
-    def __new__(cls, qdata: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> Any:
+    def __new__(
+        cls, qdata: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, swizzled: bool = False
+    ) -> Any:
         return torch.Tensor._make_wrapper_subclass(cls, qdata.shape, dtype=dtype)
 
-    def __init__(self, qdata: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> None:
-        self.qdata, self.scale = qdata, scale
+    def __init__(
+        self, qdata: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, swizzled: bool = False
+    ) -> None:
+        self.qdata, self.scale, self.swizzled = qdata, scale, swizzled
 
     def __tensor_flatten__(self) -> Tuple[List[str], Dict[str, Any]]:
-        return ["qdata", "scale"], {"dtype": self.dtype}
+        return ["qdata", "scale"], {"dtype": self.dtype, "is_swizzled_scales": self.swizzled}
 
     @classmethod
     def __tensor_unflatten__(cls, inner: Dict[str, Any], ctx: Dict[str, Any], *_: Any) -> Any:
-        return cls(inner["qdata"], inner["scale"], ctx["dtype"])
+        return cls(inner["qdata"], inner["scale"], ctx["dtype"], ctx["is_swizzled_scales"])
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -55,7 +62,9 @@ class QTensor(torch.Tensor):
 
 def quantize(kind: str, dtype: torch.dtype) -> QTensor:
     """The global tensor of `kind`, quantized to `dtype` (deterministic)."""
-    hp = torch.randn(SHAPE, generator=torch.Generator().manual_seed(7))
+    g = torch.Generator().manual_seed(7)
+    # magnitudes spread over 2^-8..2^8, so that blocks get distinct scales (MX: powers of two)
+    hp = torch.randn(SHAPE, generator=g) * torch.exp2(torch.randint(-8, 9, SHAPE, generator=g))
     br, bc = BLOCKS[kind]
     amax = hp.reshape(SHAPE[0] // br, br, SHAPE[1] // bc, bc).abs().amax((1, 3))
     scale = amax / torch.finfo(dtype).max
@@ -78,9 +87,18 @@ def piece(q: QTensor, kind: str, axis: int, rank: int, world: int) -> QTensor:
     )
 
 
+def swizzle(p: QTensor) -> QTensor:
+    """`p` with its scales in tiles of 4 rows, each tile stored column by column (same shape)."""
+    rows, cols = p.scale.shape
+    tiles = p.scale.view(torch.uint8).reshape(rows // 4, 4, cols).transpose(1, 2)
+    scale = tiles.reshape(rows, cols).view(p.scale.dtype)
+    return QTensor(p.qdata, scale, torch.bfloat16, swizzled=True)
+
+
 def empty_like_piece(p: QTensor) -> QTensor:
     """A destination of `p`'s type and shapes, filled with zeros."""
-    return QTensor(torch.zeros_like(p.qdata), torch.zeros_like(p.scale), torch.bfloat16)
+    zeros = torch.zeros_like
+    return QTensor(zeros(p.qdata), zeros(p.scale), torch.bfloat16, p.swizzled)
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -94,7 +112,8 @@ def same(a: QTensor, b: QTensor) -> bool:
     )
 
 
-def _strategies(backend: str) -> Tuple[Any, Any]:
+def strategies(backend: str) -> Tuple[Any, Any]:
+    """The (save, load) strategies of `backend` as `dc.save` / `dc.load` take them."""
     if backend == "fully_parallel":
         return (
             FullyParallelSaveStrategyWrapper(TorchDistSaveShardedStrategy("torch_dist", 1)),
@@ -112,7 +131,7 @@ def save_and_load(
     rank, world = dist.get_rank(), dist.get_world_size()
     q = quantize(kind, dtype)
     ckpt = os.path.join(root, f"node{rank}" if backend == "local" else "", "ckpt")
-    save_strategy, load_strategy = _strategies(backend)
+    save_strategy, load_strategy = strategies(backend)
 
     def state(p: QTensor, axis: Optional[int], dest: bool) -> Dict[str, Any]:
         offsets = () if axis is None else ((axis, rank, world),)

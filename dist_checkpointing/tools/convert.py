@@ -91,14 +91,17 @@ def safetensors_header(entries: List[_Entry]) -> bytes:
 _StorageRef = collections.namedtuple("_StorageRef", "cls key numel")
 
 
-class _Rebuild(collections.namedtuple("_Rebuild", "ref shape")):
-    """Pickles as `torch.save` pickles a contiguous tensor over the storage `ref`."""
+class _Rebuild(collections.namedtuple("_Rebuild", "ref shape dtype", defaults=(None,))):
+    """Pickles as `torch.save` pickles a contiguous tensor over the storage `ref` (`dtype`:
+    set for an untyped storage, as torch writes dtypes without a typed storage class)."""
 
     def __reduce__(self):  # type: ignore[no-untyped-def]
         stride = torch.empty(self.shape, device="meta").stride()  # contiguous, no allocation
         hooks: collections.OrderedDict[str, Any] = collections.OrderedDict()  # a plain one: pickled
         args = (self.ref, 0, self.shape, stride, False, hooks)
-        return (torch._utils._rebuild_tensor_v2, args)
+        if self.dtype is None:
+            return (torch._utils._rebuild_tensor_v2, args)
+        return (torch._utils._rebuild_tensor_v3, (*args, self.dtype))  # bytes and a dtype
 
 
 class _Pickler(pickle.Pickler):
@@ -229,10 +232,12 @@ def _write_torch(entries: List[_Entry], dest: Path, read: _Read) -> None:
         raise CheckpointExistsError(f"{dest} already exists; choose another output path")
     refs = {}
     for i, (key, dtype, shape) in enumerate(entries):
-        name = STORAGE_CLASS.get(dtype)
-        if name is None:
-            raise CheckpointingException(f"{key!r}: cannot write dtype {dtype} as torch")
-        refs[key] = _Rebuild(_StorageRef(getattr(torch, name), str(i), math.prod(shape)), shape)
+        name, n = STORAGE_CLASS.get(dtype), math.prod(shape)
+        if name is None:  # no typed storage class (float8, ...): torch.save stores raw bytes
+            untyped = _StorageRef(torch.UntypedStorage, str(i), n * dtype.itemsize)
+            refs[key] = _Rebuild(untyped, shape, dtype)
+        else:
+            refs[key] = _Rebuild(_StorageRef(getattr(torch, name), str(i), n), shape)
     payload = io.BytesIO()
     _Pickler(payload, protocol=2).dump(refs)
     tmp = dest.with_name(dest.name + ".partial")

@@ -7,6 +7,7 @@ torchao's own tensors run in tests/interop/test_torchao.py (a side venv)."""
 
 from __future__ import annotations
 
+import re
 from typing import Any, Dict
 
 import pytest
@@ -55,9 +56,36 @@ def test_quantized_round_trip_bitwise_or_refuse_cut_blocks(world_factory, tmp_pa
             if not reshard or not (_cuts(kind, save_axis) or _cuts(kind, load_axis)):
                 assert got == "same", (kind, dtype, backend, save_axis, load_axis, got)
             else:  # a per-tensor or per-block scale cannot be split across its block
-                assert "block" in got and "'w" in got, (kind, backend, save_axis, load_axis, got)
+                assert re.search(r"'w\b.*block(s)? of \(?\d", got), (
+                    kind,
+                    backend,
+                    save_axis,
+                    load_axis,
+                    got,
+                )
 
     run()
+
+
+#: (kind, save axis, load axis: None is the full tensor) and what the refusal must say
+REFUSALS = [
+    ("tensor", 0, None, "'w::scale'", "blocks of (4, 64) in the checkpoint, (8, 64) in the dest"),
+    ("tensor", 0, 1, "'w::scale'", "blocks of (4, 64) in the checkpoint, (8, 32) in the dest"),
+    ("tensor", 1, 0, "'w::scale'", "blocks of (8, 32) in the checkpoint, (4, 64) in the dest"),
+    ("row", 0, 1, "'w::scale'", "blocks of (1, 64) in the checkpoint, (1, 32) in the dest"),
+    ("row", 0, None, "'w::scale'", None),  # per-row scales reshard: loads, bit for bit
+]
+
+
+@pytest.mark.parametrize("backend", ["torch_dist", "fully_parallel"])
+def test_refused_reshard_names_the_key_and_both_block_sizes(world_factory, tmp_path, backend):
+    cases = [(k, torch.float8_e4m3fn, backend, s, ld) for k, s, ld, _, _ in REFUSALS]
+    results = world_factory(WORLD).run_ok(_quant.run_cases, cases, str(tmp_path), timeout=120)
+    for got, (kind, _, load_axis, key, blocks) in zip(results[0], REFUSALS):
+        if blocks is None:
+            assert got == "same", (kind, load_axis, got)
+        else:
+            assert key in got and blocks in got, (kind, load_axis, got)
 
 
 def _plain_requests(ckpt: str) -> Dict[str, Any]:
@@ -142,3 +170,53 @@ def test_block_cut_on_one_rank_raises_on_every_rank(world_factory, tmp_path):
     assert (
         "'w': the split at offset 5 (length 3) of axis 0 cuts through a scaling block" in results[0]
     )
+
+
+def _swizzled_loads(ckpt: str, backend: str) -> Dict[str, Any]:
+    rank = dist.get_rank()
+    q = _quant.quantize("mx", torch.float8_e4m3fn)
+    save_strategy, load_strategy = _quant.strategies(backend)
+    mine = _quant.swizzle(_quant.piece(q, "mx", 0, rank, 2))
+    dc.save({"w": ShardedTensor.from_rank_offsets("w", mine, (0, rank, 2))}, ckpt, save_strategy)
+
+    def load(want: Any, *offsets: Any) -> str:
+        data = _quant.empty_like_piece(want)
+        sh = ShardedTensor.from_rank_offsets("w", data, *offsets, replica_id=0 if offsets else rank)
+        try:
+            out = dc.load({"w": sh}, ckpt, load_strategy)["w"]
+        except dc.CheckpointingException as e:
+            return str(e)
+        return "same" if _quant.same(out, want) else "differs"
+
+    out = {
+        "keys": sorted(dc.load_tensors_metadata(ckpt)),
+        "same split": load(mine, (0, rank, 2)),
+        "full tensor": load(_quant.swizzle(q)),
+        "columns": load(_quant.swizzle(_quant.piece(q, "mx", 1, rank, 2)), (1, rank, 2)),
+        "unswizzled": load(_quant.piece(q, "mx", 0, rank, 2), (0, rank, 2)),
+    }
+    with dequantize_on_load():
+        plain = torch.zeros(4, 64, dtype=torch.bfloat16)
+        try:
+            dc.load({"w": ShardedTensor.from_rank_offsets("w", plain, (0, rank, 2))}, ckpt)
+            out["dequantized"] = "loaded"
+        except dc.CheckpointingException as e:
+            out["dequantized"] = str(e)
+    return out
+
+
+@pytest.mark.parametrize("backend", ["torch_dist", "fully_parallel"])
+def test_swizzled_scales_load_only_into_the_split_that_saved_them(world_factory, tmp_path, backend):
+    results = world_factory(WORLD).run_ok(
+        _swizzled_loads, str(tmp_path / "c"), backend, timeout=120
+    )
+    for r in results:
+        assert r["keys"] == ["w::qdata", "w::scale[0:4,0:64]", "w::scale[4:8,0:64]"], r["keys"]
+        assert r["same split"] == "same"
+        for other in ("full tensor", "columns"):
+            assert "'w::scale[" in r[other] and "is not in the checkpoint" in r[other], r[other]
+            assert "'scale' of quantized 'w' is stored swizzled" in r[other], r[other]
+            assert "'w::scale[0:4,0:64]', 'w::scale[4:8,0:64]'" in r[other], r[other]
+        assert "'w::scale' is not in the checkpoint" in r["unswizzled"], r["unswizzled"]
+        assert "stored swizzled" in r["unswizzled"], r["unswizzled"]
+        assert "'w' is stored with swizzled scales" in r["dequantized"], r["dequantized"]

@@ -1,10 +1,12 @@
 """Runs megatron-core's dist_checkpointing in a 2-rank gloo world (interop tests only).
 
-Usage: python mcore_side.py save|load CKPT_DIR RESULT_JSON
+Usage: python mcore_side.py save|load|save-f8|load-f8 CKPT_DIR RESULT_JSON
 
 Run with an interpreter that has megatron-core 0.16.1 installed. Never imported by our
-package or by the test process itself. `save` writes a checkpoint with megatron-core;
-`load` loads one (written by us) with a different sharding and records what it found.
+package; the test process imports only `expected` and `float8_tensors`. `save` writes a
+checkpoint with megatron-core; `load` loads one (written by us) with a different sharding and
+records what it found. `save-f8` / `load-f8`: the same with `float8_tensors`, row-split on
+save, column-split on load, compared bit for bit.
 """
 
 from __future__ import annotations
@@ -29,6 +31,54 @@ def expected():
     return full, stack
 
 
+def float8_tensors():
+    """8x32 tensors of float8_e4m3fn, float8_e5m2 and float8_e8m0fnu, each holding every byte
+    value once (NaN and infinity bit patterns included), in a different order per dtype."""
+    import torch
+
+    bits = torch.arange(256, dtype=torch.uint8)
+    return {
+        "e4m3": bits.reshape(8, 32).view(torch.float8_e4m3fn),
+        "e5m2": bits.flip(0).reshape(8, 32).view(torch.float8_e5m2),
+        "e8m0": bits.roll(101).reshape(8, 32).view(torch.float8_e8m0fnu),
+    }
+
+
+def _float8(mode: str, rank: int, world: int, ckpt: str) -> dict:
+    import torch
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing as mdc
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    tensors = float8_tensors()
+    if mode == "save-f8":
+        rows = 8 // world
+        sd = {
+            k: ShardedTensor.from_rank_offsets(
+                k, t[rank * rows : (rank + 1) * rows].clone(), (0, rank, world)
+            )
+            for k, t in tensors.items()
+        }
+        if rank == 0:
+            os.makedirs(ckpt, exist_ok=True)
+        dist.barrier()
+        mdc.save(sd, ckpt)
+        dist.barrier()
+        return {"saved": True}
+    cols = 32 // world
+    sd = {
+        k: ShardedTensor.from_rank_offsets(k, torch.empty(8, cols, dtype=t.dtype), (1, rank, world))
+        for k, t in tensors.items()
+    }
+    out = mdc.load(sd, ckpt)
+    want = {k: t[:, rank * cols : (rank + 1) * cols].contiguous() for k, t in tensors.items()}
+    return {
+        k: out[k].dtype == want[k].dtype
+        and bool(torch.equal(out[k].view(torch.uint8), want[k].view(torch.uint8)))
+        for k in want
+    }
+
+
 def worker(rank: int, world: int, port: int, mode: str, ckpt: str, result: str) -> None:
     import torch
     import torch.distributed as dist
@@ -43,7 +93,9 @@ def worker(rank: int, world: int, port: int, mode: str, ckpt: str, result: str) 
     from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
 
     full, stack = expected()
-    if mode == "save":
+    if mode.endswith("-f8"):
+        ok = _float8(mode, rank, world, ckpt)
+    elif mode == "save":
         sd = {
             "w": ShardedTensor.from_rank_offsets(
                 "w", full[rank * 4 : (rank + 1) * 4].clone(), (0, rank, world)

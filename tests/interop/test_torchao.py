@@ -21,6 +21,7 @@ PYTHON = os.environ.get("DIST_CKPT_TORCHAO_PYTHON")
     reason="torchao is not installed: set DIST_CKPT_TORCHAO_PYTHON to a python with torchao==0.18 (.ci/run does)",
 )
 def test_torchao_weights_round_trip_bitwise_and_survive_a_lost_node_and_a_damaged_replica(tmp_path):
+    """Also: swizzled MX scales load only into the split that saved them, else are refused."""
     assert PYTHON is not None
     result = str(tmp_path / "res.json")
     env = {"PYTHONPATH": _launch.pythonpath(_launch.REPO)}
@@ -36,5 +37,10 @@ def test_torchao_weights_round_trip_bitwise_and_survive_a_lost_node_and_a_damage
         for w in ("f8", "mx")
         for c in ("same_split", "full_tensor", "node_lost", "replica_damaged")
     ]
-    want = dict.fromkeys([*names, "node_lost_tier", "replica_damaged_tier"], True)
+    swizzled = [
+        f"mxsw_{b}_{c}"
+        for b in ("torch_dist", "fully_parallel")
+        for c in ("same_split", "full_tensor_refused", "columns_refused")
+    ]
+    want = dict.fromkeys([*names, *swizzled, "node_lost_tier", "replica_damaged_tier"], True)
     assert checks == {"0": want, "1": want}, checks

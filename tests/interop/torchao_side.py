@@ -9,6 +9,11 @@ scales) are saved row-split and loaded: same split, into the full tensor, throug
 manager's replicated local tier after one node's files are lost, and with the replica of
 the lost node's part damaged (nvidia-resiliency-ext#349: never loaded, the persistent tier
 is used). Every check records True when type, `qdata` and `scale` match bit for bit.
+
+An MX weight with `is_swizzled_scales=True` (scales in cuBLAS tiles, not by position) is saved
+row-split with torch_dist and the fully parallel wrappers: it loads bit for bit into the same
+split, and into the full tensor or a column split it is refused with an error naming the key
+and the swizzled layout (a check records the message when that does not hold).
 """
 
 from __future__ import annotations
@@ -71,6 +76,61 @@ def _zeros(w):
     return type(w).__tensor_unflatten__(inner, ctx, w.shape, None)
 
 
+def _swizzled(rank: int, world: int, workdir: str) -> dict:
+    """Swizzled MX scales: the same split loads bit for bit, other splits are refused."""
+    import torch
+    from torchao.prototype.mx_formats.mx_tensor import MXTensor
+
+    import dist_checkpointing as dc
+    from dist_checkpointing import ShardedTensor
+    from dist_checkpointing.strategies.fully_parallel import (
+        FullyParallelLoadStrategyWrapper,
+        FullyParallelSaveStrategyWrapper,
+    )
+    from dist_checkpointing.strategies.torch import (
+        TorchDistLoadShardedStrategy,
+        TorchDistSaveShardedStrategy,
+    )
+
+    g = torch.Generator().manual_seed(1)
+    hp = torch.randn(256, 256, generator=g) * torch.exp2(
+        torch.randint(-8, 9, (256, 256), generator=g)
+    )
+
+    def mx(rows: slice, cols: slice):
+        part = hp[rows, cols].to(torch.bfloat16).contiguous()
+        return MXTensor.to_mx(part, torch.float8_e4m3fn, 32, is_swizzled_scales=True)
+
+    def load(ckpt, strategy, want, *offsets):
+        rid = 0 if offsets else rank
+        sh = ShardedTensor.from_rank_offsets("w", _zeros(want), *offsets, replica_id=rid)
+        try:
+            return _same(dc.load({"w": sh}, ckpt, strategy)["w"], want)
+        except dc.CheckpointingException as e:
+            return str(e)
+
+    def refused(got):  # True for the refusal, else what happened
+        if isinstance(got, str):
+            return "'scale' of quantized 'w' is stored swizzled" in got or got
+        return "loaded, " + ("bit for bit" if got else "with other values")
+
+    n, every = 256 // world, slice(None)
+    mine = slice(rank * n, (rank + 1) * n)
+    ok = {}
+    fp_save = FullyParallelSaveStrategyWrapper(TorchDistSaveShardedStrategy("torch_dist", 1))
+    fp_load = FullyParallelLoadStrategyWrapper(TorchDistLoadShardedStrategy())
+    for name, save, strategy in (("torch_dist", None, None), ("fully_parallel", fp_save, fp_load)):
+        ckpt = os.path.join(workdir, f"swizzled_{name}")
+        w = mx(mine, every)
+        dc.save({"w": ShardedTensor.from_rank_offsets("w", w, (0, rank, world))}, ckpt, save)
+        ok[f"mxsw_{name}_same_split"] = load(ckpt, strategy, w, (0, rank, world))
+        full = load(ckpt, strategy, mx(every, every))
+        ok[f"mxsw_{name}_full_tensor_refused"] = refused(full)
+        cols = load(ckpt, strategy, mx(every, mine), (1, rank, world))
+        ok[f"mxsw_{name}_columns_refused"] = refused(cols)
+    return ok
+
+
 def worker(rank: int, world: int, port: int, workdir: str, result: str) -> None:
     warnings.filterwarnings("ignore")
     import torch.distributed as dist
@@ -131,6 +191,7 @@ def worker(rank: int, world: int, port: int, workdir: str, result: str) -> None:
         ok[f"{case}_tier"] = (step, tier) == want
         ok.update({f"{k}_{case}": _same(loaded[k], mine[k]) for k in mine})
 
+    ok.update(_swizzled(rank, world, workdir))
     with open(f"{result}.{rank}", "w") as f:
         json.dump(ok, f)
     dist.barrier()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Dict
+from typing import Any, Dict
 
 import torch
 import torch.distributed as dist
@@ -81,3 +81,36 @@ def save_with_manager(base: str) -> None:
             step, {"rows": ShardedTensor.from_rank_offsets("rows", rows, (0, rank, world))}
         )
     manager.close()
+
+
+def quantized_weights() -> Dict[str, Any]:
+    """The global quantized weights of `save_quantized`: per-row float8_e4m3fn 'w', MX-like
+    'mx' (float8_e8m0fnu scales per 1x32) and 'sw', MX-like with swizzled scales."""
+    from tests import _quant
+
+    return {
+        "w": _quant.quantize("row", torch.float8_e4m3fn),
+        "mx": _quant.quantize("mx", torch.float8_e5m2),
+        "sw": _quant.quantize("mx", torch.float8_e4m3fn),
+    }
+
+
+def save_quantized(ckpt: str, changed_scale: bool = False) -> None:
+    """2 ranks, row-split quantized weights (`quantized_weights`) and a plain float8 tensor;
+    with `changed_scale`, rank 1's first scale of 'w' is doubled (one value differs)."""
+    from tests import _quant
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    sd: Dict[str, Any] = {}
+    for key, q in quantized_weights().items():
+        kind = "row" if key == "w" else "mx"
+        mine = _quant.piece(q, kind, 0, rank, world)
+        if key == "sw":
+            mine = _quant.swizzle(mine)
+        if key == "w" and changed_scale and rank == 1:
+            mine.scale = mine.scale.clone()
+            mine.scale[0] *= 2
+        sd[key] = ShardedTensor.from_rank_offsets(key, mine, (0, rank, world))
+    plain = torch.arange(16, dtype=torch.float32).reshape(4, 4).to(torch.float8_e5m2)
+    sd["plain"] = ShardedTensor.from_rank_offsets("plain", plain, replica_id=rank)
+    dc.save(sd, ckpt)

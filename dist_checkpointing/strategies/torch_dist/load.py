@@ -38,7 +38,7 @@ from ...errors import (
 )
 from ...integrity import Checksums, read_checksums
 from ...mapping import ShardedBase, ShardedObject, ShardedTensor
-from ...quantized import stored_form_hint
+from ...quantized import block_hint, stored_form_hint
 from ..base import CheckpointDir, LoadShardedStrategy, require_backend, require_version
 from .finalize import gbps
 from .legacy_flat import FlatCopy, apply_copies, plan_reformulated_reads, reformulated_shapes
@@ -185,7 +185,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         for sh in shards:
             if isinstance(sh, ShardedTensor):
                 flat_shape = flat_layout.get(sh.key)
-                stored = self._check_tensor(sh, sdm, flat_shape)
+                stored = self._check_tensor(sh, sdm, ckpt, flat_shape)
                 md, offset = sdm[sh.key], sh.global_offset
                 request = TensorRequest(sh.key, len(dests), offset, sh.prepended_local_shape)
                 if flat_shape is not None:
@@ -294,7 +294,11 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         return view
 
     def _check_tensor(
-        self, sh: ShardedTensor, sdm: Dict[str, Any], shape: Optional[Tuple[int, ...]] = None
+        self,
+        sh: ShardedTensor,
+        sdm: Dict[str, Any],
+        ckpt: Path,
+        shape: Optional[Tuple[int, ...]] = None,
     ) -> Optional[torch.dtype]:
         """Raises unless `sh.key` is a stored tensor of `shape` (default: its stored size);
         its stored dtype when that converts to `sh.dtype` only value by value (`copy_exact`)."""
@@ -309,7 +313,8 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         if shape != sh.global_shape and not sh.allow_shape_mismatch:
             raise CheckpointingException(
                 f"Global shape mismatch for {sh.key!r}: checkpoint has {shape}, "
-                f"requested {sh.global_shape}{stored_form_hint(sh.key, ())}"
+                f"requested {sh.global_shape}"
+                + block_hint(sh.key, shape, sh.global_shape, lambda: read_metadata(ckpt))
             )
         dtype = stored.properties.dtype
         by_value = check_dtype_conversion(

@@ -182,8 +182,10 @@ def zip_item_layout(
 
 # ---- reading: locating a chunk's bytes inside an item -------------------------------
 
-#: storage class name -> dtype (the inverse of `STORAGE_CLASS`)
+#: storage class name -> dtype (the inverse of `STORAGE_CLASS`); an untyped storage (what
+#: `torch.save` records for float8 and other dtypes without a class) counts bytes
 _STORAGE_DTYPES = {name: dtype for dtype, name in STORAGE_CLASS.items()}
+_STORAGE_DTYPES["UntypedStorage"] = torch.uint8
 #: what a damaged or unexpected item raises while it is parsed (then: not the plain layout)
 _PARSE_ERRORS = (
     pickle.UnpicklingError,
@@ -224,18 +226,25 @@ class _Recipe:
     stride: Tuple[int, ...]
 
 
-def _recipe(storage: Any, offset: int, size: Any, stride: Any, *_: Any) -> _Recipe:
+def _recipe(storage: Any, offset: int, size: Any, stride: Any, *rest: Any) -> _Recipe:
+    dtype = rest[2] if len(rest) > 2 else None  # `_rebuild_tensor_v3`: bytes and a dtype
+    if isinstance(dtype, torch.dtype) and storage.dtype == torch.uint8:
+        storage = _Storage(storage.key, dtype, storage.numel // dtype.itemsize)
     return _Recipe(storage, int(offset), tuple(size), tuple(stride))
 
 
 class _RecipeUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
-        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+        if module == "torch._utils" and name in ("_rebuild_tensor_v2", "_rebuild_tensor_v3"):
             return _recipe
         if (module, name) == ("collections", "OrderedDict"):
             return collections.OrderedDict
+        if (module, name) == ("torch.storage", "UntypedStorage"):
+            return torch.UntypedStorage
         storage = getattr(torch, name, None) if module == "torch" else None
-        if name.endswith("Storage") and isinstance(storage, type):
+        if isinstance(storage, torch.dtype) or (
+            name.endswith("Storage") and isinstance(storage, type)
+        ):
             return storage
         raise pickle.UnpicklingError(f"unexpected global {module}.{name}")
 
