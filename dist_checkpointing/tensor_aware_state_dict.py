@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from . import _dist
-from ._prepare import prepare_load_request, save_preprocess
+from ._save_pipeline import prepare_load_request, save_preprocess
 from ._types import ShardedStateDict, StateDict
 from .dict_utils import dict_list_map_inplace, dict_list_map_outplace, merge, nested_values
 from .errors import CheckpointingException
