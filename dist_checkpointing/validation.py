@@ -260,13 +260,14 @@ def validate_integrity_and_strict_load(
                 for sh in nested_values(sharded_state_dict)
                 if isinstance(sh, ShardedBase)
             ]
-        local_keys = {_sharded_key(sh) for sh in local_metadata}
-        unexpected = local_keys - ckpt_sharded_metadata.keys()
-        if StrictHandling.requires_global_app_metadata(strict):
-            if global_metadata is not None:
-                requested = {_sharded_key(sh) for local in global_metadata for sh in local}
-            else:
-                requested = keys_requested_anywhere(ckpt_sharded_metadata, local_keys)
+        missing, unexpected = determine_missing_and_unexpected_keys(
+            ckpt_sharded_metadata, local_metadata, global_metadata
+        )
+        if not StrictHandling.requires_global_app_metadata(strict):
+            missing = set()
+        elif global_metadata is None:
+            local_keys = {_sharded_key(sh) for sh in local_metadata}
+            requested = keys_requested_anywhere(ckpt_sharded_metadata, local_keys)
             missing = set(ckpt_sharded_metadata) - requested
         sharded_state_dict = adjust_non_strict_load(sharded_state_dict, unexpected)
         if global_metadata is not None:
