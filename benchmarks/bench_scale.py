@@ -103,8 +103,11 @@ def _ours(layout: Any) -> Dict[str, Any]:
 
 
 def _ours_sharding(layout: Any) -> Dict[str, Any]:
-    from dist_checkpointing._sharding_agreement import AgreementCache, agreement_protocol
-    from dist_checkpointing._sharding_records import ShardRecord
+    from dist_checkpointing._sharding_agreement import (
+        AgreementCache,
+        ShardRecord,
+        agreement_protocol,
+    )
     from dist_checkpointing.coordination import simulate
 
     world = layout.world

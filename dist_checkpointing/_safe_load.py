@@ -1,19 +1,115 @@
-"""`torch.load` with the package's safety rule: no arbitrary unpickling unless opted in."""
+"""`torch.load` with the package's safety rule: no arbitrary unpickling unless opted in.
+
+Training state holds more than tensors (megatron's `args` Namespace, `io.BytesIO` extra
+state, numpy RNG state), which `torch.load(weights_only=True)` refuses, so safe loads also
+accept a reviewed allowlist. Each entry was reviewed for what the weights-only unpickler
+does with it (GLOBAL, REDUCE, NEWOBJ, BUILD): none runs code of the pickle's choosing, since
+every argument comes from the same restricted unpickler. Types unsafe with some arguments
+(numpy object arrays, ndarray subclasses) are registered as checking functions under their
+pickled names.
+"""
 
 from __future__ import annotations
 
+import argparse
 import io
 import os
+import pathlib
 import pickle
+import signal
 import struct
-from typing import Any, BinaryIO, Union
+import types
+from typing import Any, BinaryIO, Callable, List, Tuple, Union
 
 import torch
 
-from ._safe_globals import ensure_registered
 from .errors import CheckpointCorruptedError, UnsafeCheckpointError
 
-__all__ = ["torch_load", "UNSAFE_LOAD_HINT"]
+__all__ = ["torch_load", "UNSAFE_LOAD_HINT", "default_safe_globals", "ensure_registered"]
+
+SafeGlobal = Union[Callable[..., Any], Tuple[Callable[..., Any], str]]
+
+# never accepted: 'O' holds Python object pointers, 'V' (structured) can embed 'O' fields
+_REFUSED_KINDS = frozenset("OV")
+# bool, ints, floats, complex, bytes, str, datetime, timedelta
+_ACCEPTED_DTYPE_CHARS = "?bBhHiIlLqQefdgFDGSUMm"
+
+
+def _refuse(what: str) -> pickle.UnpicklingError:
+    # raised inside torch's unpickler, which reports it as a refused weights-only load
+    return pickle.UnpicklingError(f"refused {what} (not in dist_checkpointing's safe allowlist)")
+
+
+def _numpy_entries() -> List[SafeGlobal]:
+    import numpy as np
+
+    core = getattr(np, "_core", None) or np.core  # numpy 2 moved numpy.core to numpy._core
+    multiarray = core.multiarray
+
+    def checked_dtype(obj: Any, align: bool = False, copy: bool = False) -> Any:
+        # a dtype pickles as numpy.dtype('<char><size>', align, copy): only accepted kinds
+        # pass, so no object dtype can be made
+        if not isinstance(obj, str):
+            raise _refuse(f"numpy.dtype({type(obj).__name__})")
+        dtype = np.dtype(obj, bool(align), bool(copy))
+        if dtype.kind in _REFUSED_KINDS or dtype.hasobject:
+            raise _refuse(f"numpy dtype {obj!r} (object or structured)")
+        return dtype
+
+    def checked_reconstruct(subtype: Any, shape: Any, dtype: Any) -> Any:
+        # only ndarray itself: a subclass would run its Python __array_finalize__
+        if subtype is not np.ndarray:
+            raise _refuse(f"numpy array of type {getattr(subtype, '__name__', subtype)!r}")
+        return multiarray._reconstruct(subtype, shape, dtype)
+
+    def checked_scalar(dtype: Any, obj: Any = b"") -> Any:
+        # raw bytes only (an object argument is for object dtypes, never made here)
+        if not isinstance(dtype, np.dtype) or dtype.hasobject or not isinstance(obj, bytes):
+            raise _refuse("numpy scalar that is not raw bytes of a plain dtype")
+        return multiarray.scalar(dtype, obj)
+
+    entries: List[SafeGlobal] = []
+    for module in ("numpy.core.multiarray", "numpy._core.multiarray"):  # numpy 1 and 2 names
+        entries.append((checked_reconstruct, f"{module}._reconstruct"))
+        entries.append((checked_scalar, f"{module}.scalar"))
+    entries.append((checked_dtype, "numpy.dtype"))
+    # ndarray's __new__ and __setstate__ are C code copying bytes
+    entries.append(np.ndarray)
+    # dtype classes: BUILD calls the C dtype.__setstate__ (fields only for 'V', refused)
+    entries += [type(np.dtype(c)) for c in _ACCEPTED_DTYPE_CHARS]
+    return entries
+
+
+def default_safe_globals() -> List[SafeGlobal]:
+    """The reviewed entries, in `torch.serialization.add_safe_globals` form."""
+    return [
+        # __new__ and __setstate__ are C, with already-unpickled values: no Python code runs
+        io.BytesIO,
+        # object.__new__ and __dict__.update (megatron keeps `args` in the common state)
+        argparse.Namespace,
+        # REDUCE: SimpleNamespace() (C); BUILD: __dict__.update, as above
+        types.SimpleNamespace,
+        # REDUCE: PosixPath(*parts), pure string handling; nothing touches the file system
+        pathlib.PosixPath,
+        # REDUCE: Signals(number), an enum value lookup (megatron's args.exit_signal)
+        signal.Signals,
+        *_numpy_entries(),
+    ]
+
+
+_entries: List[SafeGlobal] = []
+
+
+def ensure_registered() -> None:
+    """Adds the reviewed entries missing from torch's allowlist (before every safe load, in
+    case user code called `torch.serialization.clear_safe_globals()`)."""
+    if not _entries:
+        _entries.extend(default_safe_globals())
+    present = set(torch.serialization.get_safe_globals())
+    missing = [e for e in _entries if e not in present]
+    if missing:
+        torch.serialization.add_safe_globals(missing)
+
 
 UNSAFE_LOAD_HINT = (
     "Only tensors, plain Python values and the reviewed types of dist_checkpointing's safe "

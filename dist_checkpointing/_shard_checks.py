@@ -1,14 +1,16 @@
 """Invariant checks run when a `ShardedTensor` or `ShardedObject` is built; each raises
-`CheckpointingException` naming the key and the broken invariant."""
+`CheckpointingException` naming the key and the broken invariant. Keys become paths only
+through `safe_join`, which refuses anything outside the checkpoint."""
 
 from __future__ import annotations
 
 import math
+import os
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence, Tuple
 
 import torch
 
-from ._paths import check_key_is_safe_relative_path
 from ._types import ReplicaId
 from .errors import CheckpointingException
 
@@ -18,10 +20,12 @@ if TYPE_CHECKING:
 __all__ = [
     "as_int_tuple",
     "check_flat_data",
+    "check_key_is_safe_relative_path",
     "check_replica_id",
     "check_sharded_object",
     "check_sharded_tensor",
     "grid_of_rank_offsets",
+    "safe_join",
 ]
 
 
@@ -189,3 +193,32 @@ def check_flat_data(key: str, data: Any, flattened_range: slice) -> None:
             f"Flat ShardedTensor {key!r}: data length {data.numel()} differs from the "
             f"flattened_range length {flattened_range}"
         )
+
+
+def check_key_is_safe_relative_path(key: str, what: str = "key") -> None:
+    """Raises `CheckpointingException` unless `key` (named `what` in messages) is a safe
+    relative path: non-empty, not absolute, no NUL or backslash, no empty/`.`/`..` part."""
+    if not isinstance(key, str) or not key:
+        raise CheckpointingException(f"Invalid {what} {key!r}: must be a non-empty string")
+    if "\x00" in key or "\\" in key:
+        raise CheckpointingException(f"Invalid {what} {key!r}: NUL and backslash are not allowed")
+    if key.startswith("/") or os.path.isabs(key):
+        raise CheckpointingException(f"Invalid {what} {key!r}: absolute paths are not allowed")
+    for part in key.split("/"):
+        if part in ("", ".", ".."):
+            raise CheckpointingException(
+                f"Invalid {what} {key!r}: path components may not be empty, '.' or '..'"
+            )
+
+
+def safe_join(root: str | os.PathLike[str], key: str, suffix: str = "") -> Path:
+    """Joins `key + suffix` under `root`; raises `CheckpointingException` if unsafe."""
+    check_key_is_safe_relative_path(key)
+    root_path = Path(root)
+    path = root_path.joinpath(*key.split("/"))
+    if suffix:
+        path = path.with_name(path.name + suffix)
+    resolved_root = root_path.resolve()
+    if resolved_root not in path.resolve().parents:
+        raise CheckpointingException(f"Key {key!r} resolves outside checkpoint dir {root}")
+    return path

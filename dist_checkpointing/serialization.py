@@ -2,7 +2,7 @@
 
 Collective entry points are called on every rank, in the same order; a failure on any rank
 raises a `CheckpointingException` on every rank. Node-local backends take the flow in
-`_node_local_flow`; shared steps live in `_prepare`, `_save_pipeline`, `_strategy_selection`.
+`_node_local_flow`; shared steps live in `_save_pipeline` and `_strategy_selection`.
 """
 
 from __future__ import annotations
@@ -16,8 +16,16 @@ from pathlib import Path
 from typing import Callable, Dict, Optional, Set, Tuple, Union
 
 from . import _dist, _node_local_flow
-from ._prepare import CONTENT_METADATA_KEY, finish_load, prepare_load_request
-from ._save_pipeline import SavePlan, agree_on_preparation, make_commit, prepare_save, save_common
+from ._save_pipeline import (
+    CONTENT_METADATA_KEY,
+    SavePlan,
+    agree_on_preparation,
+    finish_load,
+    make_commit,
+    prepare_load_request,
+    prepare_save,
+    save_common,
+)
 from ._strategy_selection import select_load_strategies, verify_checkpoint_and_load_strategy
 from ._types import CommonStateDict, ShardedStateDict, StateDict
 from .async_save import AsyncRequest

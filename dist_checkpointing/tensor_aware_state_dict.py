@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from . import _dist
-from ._prepare import prepare_load_request, save_preprocess
+from ._save_pipeline import prepare_load_request, save_preprocess
 from ._types import ShardedStateDict, StateDict
 from .dict_utils import dict_list_map_inplace, dict_list_map_outplace, merge, nested_values
 from .errors import CheckpointingException
@@ -71,24 +71,24 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
         parallelization_group: Optional[dist.ProcessGroup] = None,
         cached_metadata: Optional[ShardDistribution] = None,
     ) -> Tuple[MCoreTensorAwareStateDict, Optional[ShardDistribution]]:
-        """Wraps a sharded state dict for `LocalCheckpointManager.save`.
+        """Wraps a sharded state dict (not modified) for `LocalCheckpointManager.save`.
 
         Collective with `algo="fully_parallel"` and no `cached_metadata`.
 
         Args:
-            sharded_state_dict: the state, as for `dist_checkpointing.save` (not modified).
+            sharded_state_dict: the state, as for `dist_checkpointing.save`.
             algo: "atomic" (every rank stores all it holds) or "fully_parallel" (replicas
-                within `parallelization_group` stored once).
-            parallelization_group: the group whose replicas are deduplicated (default: all).
-            cached_metadata: the distribution returned by an earlier call with the same
-                structure; skips the exchange.
+                within `parallelization_group`, default all ranks, stored once).
+            parallelization_group: the group whose replicas are deduplicated.
+            cached_metadata: the distribution an earlier call with the same structure
+                returned; skips the exchange.
 
         Returns:
-            `(state, distribution)`: distribution is None for "atomic".
+            `(state, distribution)`; distribution is None for "atomic".
 
         Raises:
-            CheckpointingException: unknown `algo`; `cached_metadata` that does not cover
-                this rank's shards or was made for another group.
+            CheckpointingException: unknown `algo`, or `cached_metadata` made for another
+                group or not covering this rank's shards.
         """
         _check_algo(algo)
         sharded, common = save_preprocess(sharded_state_dict, None)
@@ -128,6 +128,13 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
     def _with_data(self) -> List[ShardedTensor]:
         return [x for x in self._all_sharded_tensors() if x.data is not None]
 
+    def _stored_shards(self) -> List[ShardedTensor]:
+        """The shards whose tensors this state stores, in `tensors` order (popped or not)."""
+        if not self._is_hollow:
+            return self._with_data()
+        every = self._all_sharded_tensors()
+        return [every[i] for i in self._stored or []]
+
     @property
     def is_hollow(self) -> bool:
         return self._is_hollow
@@ -144,10 +151,7 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
 
     def tensor_names(self) -> List[str]:
         """`key@offset` of each stored tensor, in `tensors` order (for error messages)."""
-        if self._is_hollow:
-            every = self._all_sharded_tensors()
-            return [f"{every[i].key}@{every[i].global_offset}" for i in self._stored or []]
-        return [f"{sh.key}@{sh.global_offset}" for sh in self._with_data()]
+        return [f"{sh.key}@{sh.global_offset}" for sh in self._stored_shards()]
 
     def pop_tensors(self) -> List[torch.Tensor]:
         self._require(False, "pop tensors")
@@ -164,30 +168,28 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
     def insert_tensors(self, tensor_data: Iterable[torch.Tensor]) -> None:
         self._require(True, "insert tensors")
         data = list(tensor_data)
-        every = self._all_sharded_tensors()
-        stored = self._stored or []
-        if len(data) != len(stored):
+        shards = self._stored_shards()
+        if len(data) != len(shards):
             raise CheckpointingException(
-                f"insert_tensors got {len(data)} tensors for {len(stored)} stored shards"
+                f"insert_tensors got {len(data)} tensors for {len(shards)} stored shards"
             )
-        for i, t in zip(stored, data):
-            sh = every[i]
+        for sh, t in zip(shards, data):
             if tuple(t.shape) != tuple(sh.local_shape) or t.dtype != sh.dtype:
                 raise CheckpointingException(
                     f"insert_tensors: shard {sh.key!r} at {sh.global_offset} has shape "
                     f"{tuple(sh.local_shape)} and dtype {sh.dtype}; got {tuple(t.shape)}, {t.dtype}"
                 )
-        for i, t in zip(stored, data):
-            every[i].data = t
+        for sh, t in zip(shards, data):
+            sh.data = t
         self._stored, self._is_hollow = None, False
 
     def init_tensors(self) -> None:
         self._require(True, "init tensors")
-        every = self._all_sharded_tensors()
-        devices = self._devices or ["cpu"] * len(self._stored or [])
+        shards = self._stored_shards()
+        devices = self._devices or ["cpu"] * len(shards)
         self.insert_tensors(
-            torch.empty(every[i].local_shape, dtype=every[i].dtype, device=_usable_device(d))
-            for i, d in zip(self._stored or [], devices)
+            torch.empty(sh.local_shape, dtype=sh.dtype, device=_usable_device(d))
+            for sh, d in zip(shards, devices)
         )
 
     def copy_tensors_to_cpu(self, non_blocking: bool = False) -> None:
@@ -197,6 +199,7 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
             self._devices = [str(sh.data.device) for sh in shards]  # type: ignore[union-attr]
         for sh in shards:
             assert sh.data is not None
+            # a CPU tensor is cloned too: the caller's training keeps changing the original
             sh.data = (
                 sh.data.detach().to("cpu", non_blocking=non_blocking)
                 if sh.data.device.type != "cpu"
@@ -205,9 +208,7 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
 
     def restore_tensor_device(self, non_blocking: bool = True) -> None:
         self._require(False, "restore tensor devices")
-        if self._devices is None:
-            return
-        for sh, device in zip(self._with_data(), self._devices):
+        for sh, device in zip(self._with_data(), self._devices or []):
             assert sh.data is not None
             target = _usable_device(device)
             if sh.data.device != target:
@@ -223,27 +224,27 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
         strict: Union[str, StrictHandling] = StrictHandling.ASSUME_OK_UNEXPECTED,
         return_mismatch_keys: bool = False,
     ) -> Any:
-        """Builds the state dict that `sharded_state_dict` asks for from this loaded state.
+        """Builds the state dict `sharded_state_dict` asks for (in the saved layout).
 
         Collective when `validate_access_integrity`, a global `strict` mode or
-        `algo="fully_parallel"` asks for an exchange. The layout must be the saved one.
+        `algo="fully_parallel"` asks for an exchange.
 
         Args:
             sharded_state_dict: the request, as for `dist_checkpointing.load`.
             algo: "fully_parallel" fetches shards this rank did not store from a rank that
                 did; "atomic" expects every rank to hold all it asks for.
-            exchange_algo: accepted for compatibility; shards always move point to point.
+            exchange_algo, parallelization_group: accepted for compatibility (shards always
+                move point to point).
             validate_access_integrity: check the request's sharding across ranks.
-            parallelization_group: accepted for compatibility.
             strict: key mismatch handling, as for `dist_checkpointing.load`.
-            return_mismatch_keys: also return `(missing_keys, unexpected_keys)`.
+            return_mismatch_keys: return `(state_dict, missing, unexpected)`.
 
         Returns:
-            The state dict; with `return_mismatch_keys`, `(state_dict, missing, unexpected)`.
+            The state dict, or `(state_dict, missing, unexpected)`.
 
         Raises:
             CheckpointingException: the state is hollow, `algo` is unknown, or a requested
-                shard was stored by no rank or with another shape or dtype (naming it).
+                shard was stored by no rank or with another shape or dtype.
         """
         self._require(False, "build a state dict")
         _check_algo(algo)

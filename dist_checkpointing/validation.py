@@ -1,6 +1,6 @@
 """Sharding integrity checks and strict-load handling: pure functions of metadata, except
-the collective `determine_global_metadata`. The per-key checks live in `_sharding_records`;
-the distributed check a save runs is `_sharding_agreement`."""
+the collective `determine_global_metadata`. The per-key checks and the distributed check a
+save runs live in `_sharding_agreement`."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from ._dist import (
     is_distributed,
     raise_on_reported_errors,
 )
-from ._sharding_records import ShardRecord, key_problems, record_of
+from ._sharding_agreement import MAX_REPORTED, ShardRecord, format_problems, key_problems, record_of
 from ._types import ShardedStateDict
 from .dict_utils import dict_list_map_outplace, extract_matching_values, nested_values
 from .errors import KeyMismatchError, ShardingIntegrityError, close_matches
@@ -41,8 +41,6 @@ logger = logging.getLogger(__name__)
 LocalMetadata = List[ShardedBase]
 GlobalMetadata = List[LocalMetadata]
 CkptShardedMetadata = Dict[str, ShardedBase]
-
-_MAX_REPORTED = 20
 
 
 class StrictHandling(Enum):
@@ -135,15 +133,6 @@ def find_sharding_problems(global_metadata: GlobalMetadata) -> List[str]:
     return [p for key, shards in by_key.items() for p in key_problems(key, shards)]
 
 
-def format_problems(problems: Sequence[str], count: Optional[int] = None) -> str:
-    """The message of a `ShardingIntegrityError` for `problems` (`count`: how many there are
-    in all, where only some are given)."""
-    count = len(problems) if count is None else count
-    shown = "\n  ".join(problems[:_MAX_REPORTED])
-    more = f"\n  ... and {count - _MAX_REPORTED} more" if count > _MAX_REPORTED else ""
-    return f"Invalid sharding ({count} problem(s)):\n  {shown}{more}"
-
-
 def validate_sharding_integrity(
     global_metadata: GlobalMetadata, common_state_dict: Optional[dict] = None
 ) -> None:
@@ -205,8 +194,8 @@ def adjust_non_strict_load(
 
 
 def _listing(keys: Set[str]) -> str:
-    shown = sorted(keys)[:_MAX_REPORTED]
-    more = f" and {len(keys) - _MAX_REPORTED} more" if len(keys) > _MAX_REPORTED else ""
+    shown = sorted(keys)[:MAX_REPORTED]
+    more = f" and {len(keys) - MAX_REPORTED} more" if len(keys) > MAX_REPORTED else ""
     return f"{shown}{more}"
 
 
@@ -271,13 +260,14 @@ def validate_integrity_and_strict_load(
                 for sh in nested_values(sharded_state_dict)
                 if isinstance(sh, ShardedBase)
             ]
-        local_keys = {_sharded_key(sh) for sh in local_metadata}
-        unexpected = local_keys - ckpt_sharded_metadata.keys()
-        if StrictHandling.requires_global_app_metadata(strict):
-            if global_metadata is not None:
-                requested = {_sharded_key(sh) for local in global_metadata for sh in local}
-            else:
-                requested = keys_requested_anywhere(ckpt_sharded_metadata, local_keys)
+        missing, unexpected = determine_missing_and_unexpected_keys(
+            ckpt_sharded_metadata, local_metadata, global_metadata
+        )
+        if not StrictHandling.requires_global_app_metadata(strict):
+            missing = set()
+        elif global_metadata is None:
+            local_keys = {_sharded_key(sh) for sh in local_metadata}
+            requested = keys_requested_anywhere(ckpt_sharded_metadata, local_keys)
             missing = set(ckpt_sharded_metadata) - requested
         sharded_state_dict = adjust_non_strict_load(sharded_state_dict, unexpected)
         if global_metadata is not None:

@@ -10,8 +10,8 @@ from typing import Any, Callable, List, Optional, Tuple
 import torch
 
 from .._dist import get_rank
-from .._paths import safe_join
 from .._safe_load import torch_load
+from .._shard_checks import safe_join
 from .._types import ShardedStateDict, StateDict
 from ..dict_utils import dict_list_map_inplace, nested_values
 from ..errors import CheckpointCorruptedError, CheckpointingException

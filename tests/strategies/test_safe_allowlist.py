@@ -1,6 +1,6 @@
 """Safe loading accepts the types real training state holds, and nothing that runs code.
 
-Each accepted type (`dist_checkpointing._safe_globals`) round-trips in the common state and
+Each accepted type (`dist_checkpointing._safe_load`) round-trips in the common state and
 in ShardedObjects, on `torch_dist` and on local checkpoints; a malicious payload wrapped in
 each of them is refused (`UnsafeCheckpointError` with the allowlisting hint) and never runs.
 """

@@ -7,8 +7,7 @@ from typing import List
 
 import pytest
 
-from dist_checkpointing._sharding_agreement import AgreementCache, agreement_protocol
-from dist_checkpointing._sharding_records import ShardRecord
+from dist_checkpointing._sharding_agreement import AgreementCache, ShardRecord, agreement_protocol
 from dist_checkpointing.coordination import dumps, simulate
 from dist_checkpointing.errors import CheckpointingException, ShardingIntegrityError
 
