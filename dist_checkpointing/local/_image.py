@@ -18,7 +18,8 @@ import torch
 from .._safe_load import torch_load
 from ..errors import CheckpointCorruptedError, CheckpointingException
 from ..integrity import checksum
-from ..storage import ALIGN, ImagePool, read_file, write_segments
+from ..storage import ALIGN, ImagePool, write_segments
+from ..storage import read_file as read_image  # the name tools/_storage.py reads parts by
 from .base_state_dict import TensorAwareStateDict, hollow_state_classes
 from .basic_state_dict import BasicTensorAwareStateDict  # noqa: F401  (registers its classes)
 
@@ -281,8 +282,3 @@ def write_image(image: LocalImage, path: str, fsync: bool = True, overwrite: boo
         overwrite=overwrite,
         padded=image.padded(),
     )
-
-
-def read_image(path: str) -> torch.Tensor:
-    """Reads a whole file into a new uint8 tensor (OSError when it cannot be read)."""
-    return read_file(path)
