@@ -8,22 +8,54 @@ shared memory). Each reports a call's outcome once, as a `CallStatus`.
 from __future__ import annotations
 
 import ast
+import enum
 import logging
 import multiprocessing as mp
 import os
 import sys
 import time
+import traceback
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from types import FrameType
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 from ..errors import CheckpointingException
-from .request import AsyncRequest, CallState, CallStatus, _run_and_report
 
-__all__ = ["AsyncCaller", "TemporalAsyncCaller", "PersistentAsyncCaller", "check_main_guard"]
+if TYPE_CHECKING:
+    from .queue import AsyncRequest
+
+__all__ = [
+    "AsyncCaller",
+    "TemporalAsyncCaller",
+    "PersistentAsyncCaller",
+    "CallState",
+    "CallStatus",
+    "check_main_guard",
+]
 
 logger = logging.getLogger(__name__)
+
+
+class CallState(enum.Enum):
+    """Where a scheduled call stands on one rank: still RUNNING, finished OK (payload: the
+    result), or FAILED (raised, crashed or killed; payload: a message)."""
+
+    RUNNING = "running"
+    OK = "ok"
+    FAILED = "failed"
+
+
+#: (state, payload): the payload is the result (OK), a message (FAILED) or None (RUNNING)
+CallStatus = Tuple[CallState, Any]
+
+
+def _run_and_report(fn: Callable[..., Any], args: Tuple[Any, ...]) -> CallStatus:
+    """Runs `fn(*args)`; a failure becomes a FAILED status (reported on every rank)."""
+    try:
+        return (CallState.OK, fn(*args))
+    except BaseException as e:  # reported to every rank by the queue
+        return (CallState.FAILED, f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=8)}")
 
 
 def _is_main_test(test: ast.expr) -> bool:
