@@ -6,7 +6,7 @@ from a replica holder (no resharding). ('local', 1) checkpoints are still read.
 from __future__ import annotations
 
 import ast
-from typing import Any, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch.distributed as dist
 
@@ -163,8 +163,9 @@ class LocalLoadShardedStrategy(NodeLocalLoadShardedStrategy):
     @staticmethod
     def _checked(state: Any, where: Any) -> MCoreTensorAwareStateDict:
         """`state` as a version-2 rank state (a version-1 one converted)."""
-        if _is_v1_state(state):
-            return _v1_as_v2(state)
+        v1 = getattr(state, "state_dict", None)
+        if isinstance(v1, dict) and v1.get("format") == 1:
+            return _v1_as_v2(v1)
         if not isinstance(state, MCoreTensorAwareStateDict):
             raise CheckpointingException(
                 f"{where}: not a ('local', 1) or ('local', 2) rank state ({type(state).__name__})"
@@ -233,29 +234,18 @@ def _into_given_tensors(request: Any, loaded: Any) -> Any:
     return loaded
 
 
-def _is_v1_state(state: Any) -> bool:
-    sd = getattr(state, "state_dict", None)
-    return isinstance(sd, dict) and sd.get("format") == 1
-
-
-def _v1_as_v2(state: Any) -> MCoreTensorAwareStateDict:
-    """A version-1 rank state (shards under `"<key> (<global offset>)"`, objects by unique
-    key) as the version-2 state holding the same shards and objects."""
-    sd = state.state_dict
+def _v1_as_v2(sd: Dict[str, Any]) -> MCoreTensorAwareStateDict:
+    """A version-1 rank state's dict (shards under `"<key> (<global offset>)"`, objects by
+    unique key) as the version-2 state holding the same shards and objects."""
     sharded: ShardedStateDict = {}
     for name, entry in sd["sharded"].items():
         key, offset = name.rsplit(" (", 1)
         local, shape = tuple(entry["local_shape"]), tuple(entry["global_shape"])
         data = entry["data"].view(local)
+        offsets = ast.literal_eval(f"({offset}")
+        prepend = len(shape) - len(local)
         sharded[name] = ShardedTensor(
-            key,
-            data,
-            data.dtype,
-            local,
-            shape,
-            ast.literal_eval(f"({offset}"),
-            None,
-            prepend_axis_num=len(shape) - len(local),
+            key, data, data.dtype, local, shape, offsets, None, prepend_axis_num=prepend
         )
     for unique_key, value in sd["objects"].items():
         sharded[unique_key] = ShardedObject.empty_from_unique_key(unique_key)
