@@ -38,8 +38,7 @@ logger = logging.getLogger(__name__)
 
 
 class CallState(enum.Enum):
-    """Where a scheduled call stands on one rank: still RUNNING, finished OK (payload: the
-    result), or FAILED (raised, crashed or killed; payload: a message)."""
+    """Where a scheduled call stands on one rank (FAILED: raised, crashed or killed)."""
 
     RUNNING = "running"
     OK = "ok"
@@ -59,7 +58,7 @@ def _run_and_report(fn: Callable[..., Any], args: Tuple[Any, ...]) -> CallStatus
 
 
 def _is_main_test(test: ast.expr) -> bool:
-    """Whether `test` is `__name__ == "__main__"` (either way round)."""
+    """Whether `test` is `__name__ == "__main__"`, either way round."""
     return ast.unparse(test) in ("__name__ == '__main__'", "'__main__' == __name__")
 
 
@@ -123,7 +122,7 @@ def _lower_priority(niceness: int) -> None:
 
 
 def _died(proc: Any, what: str = "background writer") -> CallStatus:
-    """The status of a call whose writer process `proc` ended without reporting it."""
+    """The status of a call whose writer `proc` ended without reporting it."""
     proc.join()
     return (CallState.FAILED, f"{what} (pid {proc.pid}) died with exit code {proc.exitcode}")
 
