@@ -1,5 +1,5 @@
-"""The node-local flow of `serialization.save`/`load` (backends such as `('local', 2)`):
-every rank writes its own `metadata.json`, and its common state travels in its part."""
+"""`serialization.save`/`load` for node-local backends (`('local', 2)`): every rank writes its
+own `metadata.json`, and its common state travels in its part."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from .dict_utils import merge
 from .strategies.base import NodeLocalLoadShardedStrategy, NodeLocalSaveShardedStrategy
 from .validation import StrictHandling
 
-__all__ = ["save", "load", "load_common_state_dict"]
+__all__ = ["save", "load"]
 
 logger = logging.getLogger(__name__)
 
@@ -62,8 +62,3 @@ def load(
     common_state_dict, loaded = sharded.load_rank_state(prepared.sharded, ckpt)
     merge(common_state_dict, prepared.nonpersistent)
     return finish_load(prepared, common_state_dict, loaded, strict, logger, ckpt, start)
-
-
-def load_common_state_dict(sharded: NodeLocalLoadShardedStrategy, ckpt: Path) -> StateDict:
-    """This rank's common state, from its own directory (not collective)."""
-    return sharded.load_common_rank_state(ckpt)

@@ -298,7 +298,7 @@ def load_common_state_dict(checkpoint_dir: PathArg) -> StateDict:
     """Loads only the common state of a checkpoint (node-local: this rank's). Not collective."""
     sharded, common = verify_checkpoint_and_load_strategy(checkpoint_dir)
     if isinstance(sharded, NodeLocalLoadShardedStrategy):
-        return _node_local_flow.load_common_state_dict(sharded, Path(checkpoint_dir))
+        return sharded.load_common_rank_state(Path(checkpoint_dir))
     return common.load_common(Path(checkpoint_dir))
 
 

@@ -8,26 +8,57 @@ shared memory). Each reports a call's outcome once, as a `CallStatus`.
 from __future__ import annotations
 
 import ast
+import enum
 import logging
 import multiprocessing as mp
 import os
 import sys
 import time
+import traceback
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from types import FrameType
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 from ..errors import CheckpointingException
-from .request import AsyncRequest, CallState, CallStatus, _run_and_report
 
-__all__ = ["AsyncCaller", "TemporalAsyncCaller", "PersistentAsyncCaller", "check_main_guard"]
+if TYPE_CHECKING:
+    from .queue import AsyncRequest
+
+__all__ = [
+    "AsyncCaller",
+    "TemporalAsyncCaller",
+    "PersistentAsyncCaller",
+    "CallState",
+    "CallStatus",
+    "check_main_guard",
+]
 
 logger = logging.getLogger(__name__)
 
 
+class CallState(enum.Enum):
+    """Where a scheduled call stands on one rank (FAILED: raised, crashed or killed)."""
+
+    RUNNING = "running"
+    OK = "ok"
+    FAILED = "failed"
+
+
+#: (state, payload): the payload is the result (OK), a message (FAILED) or None (RUNNING)
+CallStatus = Tuple[CallState, Any]
+
+
+def _run_and_report(fn: Callable[..., Any], args: Tuple[Any, ...]) -> CallStatus:
+    """Runs `fn(*args)`; a failure becomes a FAILED status (reported on every rank)."""
+    try:
+        return (CallState.OK, fn(*args))
+    except BaseException as e:  # reported to every rank by the queue
+        return (CallState.FAILED, f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=8)}")
+
+
 def _is_main_test(test: ast.expr) -> bool:
-    """Whether `test` is `__name__ == "__main__"` (either way round)."""
+    """Whether `test` is `__name__ == "__main__"`, either way round."""
     return ast.unparse(test) in ("__name__ == '__main__'", "'__main__' == __name__")
 
 
@@ -91,7 +122,7 @@ def _lower_priority(niceness: int) -> None:
 
 
 def _died(proc: Any, what: str = "background writer") -> CallStatus:
-    """The status of a call whose writer process `proc` ended without reporting it."""
+    """The status of a call whose writer `proc` ended without reporting it."""
     proc.join()
     return (CallState.FAILED, f"{what} (pid {proc.pid}) died with exit code {proc.exitcode}")
 

@@ -1,23 +1,155 @@
-"""`AsyncCallsQueue`: schedules async requests and finalizes them once every rank is done."""
+"""`AsyncRequest`, one save's background work and collective finalization, and
+`AsyncCallsQueue`, which schedules requests and finalizes them once every rank is done."""
 
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
 import logging
 import time
 import weakref
 from collections import deque
-from dataclasses import dataclass
-from typing import Deque, List, Optional
+from dataclasses import dataclass, field
+from typing import Any, Callable, Deque, List, Optional, Tuple
 
 from .. import _dist
-from ..errors import AsyncSaveError
-from .callers import AsyncCaller, PersistentAsyncCaller, TemporalAsyncCaller, check_main_guard
-from .request import AsyncRequest, CallState, CallStatus, _run_and_report
+from ..errors import AsyncSaveError, CheckpointingException
+from .callers import (
+    AsyncCaller,
+    CallState,
+    CallStatus,
+    PersistentAsyncCaller,
+    TemporalAsyncCaller,
+    _run_and_report,
+    check_main_guard,
+)
 
-__all__ = ["AsyncCallsQueue"]
+__all__ = ["AsyncRequest", "AsyncCallsQueue", "call_in_sequence"]
 
 logger = logging.getLogger(__name__)
+
+
+def call_in_sequence(calls: List[Tuple[Callable[..., Any], Tuple[Any, ...]]]) -> Any:
+    """Runs `(fn, args)` calls in order; returns the last one's result (module-level, so
+    picklable: a prepended request still runs in a spawned worker)."""
+    result = None
+    for fn, args in calls:
+        result = fn(*args)
+    return result
+
+
+@dataclass
+class AsyncRequest:
+    """A save whose writes run in the background and whose finalization is collective.
+
+    Attributes:
+        async_fn: run in the background with `async_fn_args` (picklable for the persistent
+            caller); its return value becomes `result`.
+        async_fn_args: arguments of `async_fn`.
+        finalize_fns: run in order on every rank once every rank's work finished; they may
+            be collective.
+        preload_fn: run in the caller before scheduling (e.g. to finish host copies).
+        cleanup_fns: run on this rank after finalization or failure.
+        is_frozen: set when scheduled; no change afterwards.
+        result: the background work's return value, set before the finalize functions run.
+        description: names the request in logs and errors.
+        future: work already running in this process (`from_future`); excludes `async_fn`.
+    """
+
+    async_fn: Optional[Callable[..., Any]]
+    async_fn_args: Tuple[Any, ...]
+    finalize_fns: List[Callable[[], Any]]
+    preload_fn: Optional[Callable[[], Any]] = None
+    cleanup_fns: List[Callable[[], Any]] = field(default_factory=list)
+    is_frozen: bool = False
+    result: Any = None
+    description: str = ""
+    future: Optional[concurrent.futures.Future] = None
+
+    def __post_init__(self) -> None:
+        if self.future is not None and self.async_fn is not None:
+            raise CheckpointingException(
+                f"AsyncRequest {self.description!r} has both a future and an async_fn"
+            )
+
+    @classmethod
+    def from_future(
+        cls,
+        future: concurrent.futures.Future,
+        finalize_fns: List[Callable[[], Any]],
+        *,
+        cleanup_fns: Optional[List[Callable[[], Any]]] = None,
+        description: str = "",
+    ) -> AsyncRequest:
+        """A request for work already running in this process's threads: the queue polls
+        `future`; its result becomes `result`, its exception fails the call on every rank
+        (the other arguments are as the attributes)."""
+        cleanup = list(cleanup_fns or [])
+        return cls(None, (), finalize_fns, None, cleanup, description=description, future=future)
+
+    def _check_not_frozen(self, what: str) -> None:
+        if self.is_frozen:
+            raise CheckpointingException(
+                f"Cannot {what} a scheduled (frozen) AsyncRequest {self.description!r}"
+            )
+
+    def add_finalize_fn(self, fn: Callable[[], Any]) -> None:
+        """Appends a finalize function.
+
+        Raises:
+            CheckpointingException: if the request was already scheduled (frozen).
+        """
+        self._check_not_frozen("add a finalize function to")
+        self.finalize_fns.append(fn)
+
+    def prepend_async_fn(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Makes the background work run `fn(*args)` (picklable) first, then the current
+        `async_fn`; `result` stays the latter's return value (`fn`'s when there was none).
+
+        Raises:
+            CheckpointingException: the request is frozen, or wraps a future.
+        """
+        self._check_not_frozen("prepend work to")
+        if self.future is not None:
+            raise CheckpointingException(
+                f"Cannot prepend work to AsyncRequest {self.description!r}: it wraps a future"
+            )
+        calls: List[Tuple[Callable[..., Any], Tuple[Any, ...]]] = [(fn, tuple(args))]
+        if self.async_fn is call_in_sequence:
+            calls.extend(self.async_fn_args[0])
+        elif self.async_fn is not None:
+            calls.append((self.async_fn, tuple(self.async_fn_args)))
+        self.async_fn, self.async_fn_args = call_in_sequence, (calls,)
+
+    def freeze(self) -> AsyncRequest:
+        """Marks the request as scheduled: no more changes; returns itself."""
+        self.is_frozen = True
+        return self
+
+    def execute_sync(self) -> Any:
+        """Runs preload, the background work and the finalize functions here; returns the
+        background work's result."""
+        try:
+            if self.preload_fn is not None:
+                self.preload_fn()
+            if self.future is not None:
+                self.result = self.future.result()
+            elif self.async_fn is not None:
+                self.result = self.async_fn(*self.async_fn_args)
+            for fn in self.finalize_fns:
+                fn()
+            return self.result
+        finally:
+            self.run_cleanup()
+
+    def run_cleanup(self) -> None:
+        """Runs (once) the cleanup functions."""
+        fns, self.cleanup_fns = self.cleanup_fns, []
+        for fn in fns:
+            try:
+                fn()
+            except Exception:  # cleanup must not hide the primary outcome
+                logger.exception("AsyncRequest cleanup failed")
 
 
 @dataclass

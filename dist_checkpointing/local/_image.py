@@ -1,7 +1,5 @@
-"""The byte image of one local checkpoint part: raw tensor bytes, a safe header, checksums.
-
-Replicas are byte-identical to the owner's file; the layout is in docs/formats.md.
-"""
+"""The byte image of one local checkpoint part (docs/formats.md): raw tensor bytes, a safe
+header, checksums. Replicas are byte-identical to the owner's file."""
 
 from __future__ import annotations
 
@@ -18,7 +16,8 @@ import torch
 from .._safe_load import torch_load
 from ..errors import CheckpointCorruptedError, CheckpointingException
 from ..integrity import checksum
-from ..storage import ALIGN, ImagePool, read_file, write_segments
+from ..storage import ALIGN, ImagePool, write_segments
+from ..storage import read_file as read_image  # the name tools/_storage.py reads parts by
 from .base_state_dict import TensorAwareStateDict, hollow_state_classes
 from .basic_state_dict import BasicTensorAwareStateDict  # noqa: F401  (registers its classes)
 
@@ -51,7 +50,7 @@ def _aligned(n: int) -> int:
 
 
 def _layout(size: int) -> Any:
-    """What `ImagePool` keys a buffer of `size` bytes by."""
+    """The `ImagePool` layout of a buffer of `size` bytes."""
     return SimpleNamespace(size=size, signature=("local", size))
 
 
@@ -63,9 +62,8 @@ def load_header(data: bytes, what: str, weights_only: bool = True) -> Any:
 
 @dataclass
 class LocalImage:
-    """A local checkpoint part: the bytes of its tensors (`sources`) and its header, checksum
-    table and footer (`tail`), all staged in one host `buffer` or (unstaged) `sources` being
-    the tensors' own memory."""
+    """A local checkpoint part: its tensors' bytes (`sources`) and header, checksum table and
+    footer (`tail`), staged in one host `buffer` or (unstaged) in the tensors' own memory."""
 
     ckpt_id: Tuple[Any, ...]
     buffer: Optional[torch.Tensor]  # uint8, 1-D, the whole image; None when unstaged
@@ -269,9 +267,8 @@ def decode_image(
 
 
 def write_image(image: LocalImage, path: str, fsync: bool = True, overwrite: bool = False) -> None:
-    """Writes a (finished) image to the new file `path` (over it with `overwrite`); with
-    `fsync`, O_DIRECT where possible, then fsync'd. FileExistsError, or OSError (partial
-    file removed)."""
+    """Writes an image to the new file `path` (over it with `overwrite`); with `fsync`,
+    O_DIRECT where possible, then fsync'd. FileExistsError, or OSError (no partial file)."""
     finish_image(image)
     write_segments(
         path,
@@ -281,8 +278,3 @@ def write_image(image: LocalImage, path: str, fsync: bool = True, overwrite: boo
         overwrite=overwrite,
         padded=image.padded(),
     )
-
-
-def read_image(path: str) -> torch.Tensor:
-    """Reads a whole file into a new uint8 tensor (OSError when it cannot be read)."""
-    return read_file(path)

@@ -1,8 +1,8 @@
 """`TensorAwareStateDict`: the interface between a user's state and the local checkpoint manager.
 
-The manager stores the tensors as raw bytes and the "hollow" rest with `torch.save`; it is
-read with `torch.load(weights_only=True)`, so implementation classes (and the non-tensor
-objects they hold) must be allowlisted with `torch.serialization.add_safe_globals`.
+The manager stores the tensors as raw bytes and the "hollow" rest with `torch.save`, read back
+with `torch.load(weights_only=True)`: implementation classes (and the non-tensor objects they
+hold) must be allowlisted (`allow_in_hollow_state` or `torch.serialization.add_safe_globals`).
 """
 
 from __future__ import annotations
@@ -41,10 +41,10 @@ class TensorAwareStateDict(ABC):
         """Takes the tensors out, leaving placeholders that remember shape, dtype and device.
 
         Returns:
-            The tensors, in a fixed order that `insert_tensors` accepts back.
+            The tensors, in the order `insert_tensors` takes them back.
 
         Raises:
-            CheckpointingException: if the state is already hollow.
+            CheckpointingException: the state is already hollow.
         """
 
     @property
@@ -75,7 +75,7 @@ class TensorAwareStateDict(ABC):
         """Replaces each tensor with a host copy, remembering its device for `restore_tensor_device`.
 
         Args:
-            non_blocking: allow asynchronous device-to-host copies (the caller synchronizes).
+            non_blocking: asynchronous device-to-host copies (the caller synchronizes).
         """
 
     @abstractmethod
@@ -87,7 +87,6 @@ class TensorAwareStateDict(ABC):
         return None
 
     def _require(self, hollow: bool, what: str) -> None:
-        """Raises `CheckpointingException` unless `is_hollow == hollow` (`what`: the action)."""
         if self.is_hollow != hollow:
             state = "hollow" if self.is_hollow else "not hollow"
             raise CheckpointingException(f"Cannot {what}: the state dict is {state}")

@@ -1,7 +1,4 @@
-"""The checkpoint manager: when to save, how many to keep, which checkpoint to load.
-
-See `CheckpointManager`; `layout` names the files under its root.
-"""
+"""The checkpoint manager: when to save, how many to keep, which checkpoint to load."""
 
 from .checkpoint_manager import CheckpointManager, CheckpointManagerOptions, RestoreInfo
 

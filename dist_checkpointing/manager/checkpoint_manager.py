@@ -1,12 +1,9 @@
 """`CheckpointManager`: when to save, how many to keep, which checkpoint to load.
 
-One manager per training job, on every rank (as Orbax's): the loop calls `save(step, state)`
-every step and `load(state)` once at start. Two tiers: persistent `torch_dist` checkpoints
-under `<root>/iter_<step, 7 digits>` every `save_interval` steps (reshardable), and optional
+One manager per training job, on every rank (as Orbax's). Two tiers: persistent `torch_dist`
+checkpoints under `<root>/iter_<step>` every `save_interval` steps (reshardable), and
 node-local ones every `local_save_interval` steps through `LocalCheckpointManager` (fast
-recovery, same layout). `options.py` and `layout.py` hold the policy and the names on disk.
-Every public method is collective (on every rank, in the same order) except `latest_step`,
-`all_steps` and `should_save`.
+recovery). Public methods are collective except `latest_step`, `all_steps`, `should_save`.
 """
 
 from __future__ import annotations
@@ -26,8 +23,17 @@ from ..dict_utils import dict_list_map_outplace
 from ..errors import CheckpointingException, NoUsableCheckpointError
 from ..mapping import ShardedBase
 from ..storage import objstore
-from .layout import LATEST_FNAME, parse_step, read_latest, step_dir_name, write_latest
-from .options import CheckpointManagerOptions, PathArg, RestoreInfo, steps_to_delete
+from .layout import (
+    LATEST_FNAME,
+    CheckpointManagerOptions,
+    PathArg,
+    RestoreInfo,
+    parse_step,
+    read_latest,
+    step_dir_name,
+    steps_to_delete,
+    write_latest,
+)
 
 __all__ = ["CheckpointManagerOptions", "CheckpointManager", "RestoreInfo"]
 
@@ -355,7 +361,6 @@ class CheckpointManager:
             self._local_latest = step if tier == "local" else -1
         self._last_saved = step
 
-    # ---- helpers ------------------------------------------------------------------------
     def _scan(self) -> Tuple[List[int], List[int]]:
         """`(complete, incomplete)` steps of the `iter_*` directories under the root."""
         try:

@@ -1,13 +1,12 @@
-"""The ('local', 2) backend: each rank's whole state on node-local storage, replicated.
-
-Each rank's sharded leaves and common state go to `LocalCheckpointManager` as one
-`MCoreTensorAwareStateDict` (layout in docs/formats.md); `dc.load` gives every rank back its
-own part, from a replica holder when its node lost it (no resharding). Version 1 is read only.
+"""The ('local', 2) backend: each rank's whole state, as one `MCoreTensorAwareStateDict`,
+in a `LocalCheckpointManager` part (docs/formats.md); a rank whose node lost its part loads it
+from a replica holder (no resharding). ('local', 1) checkpoints are still read.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple
+import ast
+from typing import Any, Dict, Optional, Tuple
 
 import torch.distributed as dist
 
@@ -19,8 +18,7 @@ from ..errors import CheckpointingException, IncompatibleCheckpointError
 from ..local.ckpt_managers.local_manager import LocalCheckpointManager
 from ..local.replication.strategies import ReplicationStrategy
 from ..mapping import ShardedObject, ShardedTensor
-from ..tensor_aware_state_dict import MCoreTensorAwareStateDict
-from ._local_v1 import is_v1_state, v1_as_v2
+from ..tensor_aware_state_dict import MCoreTensorAwareStateDict, _check_algo
 from .base import (
     CheckpointDir,
     NodeLocalLoadShardedStrategy,
@@ -48,7 +46,7 @@ _RESHARD_HINT = (
 
 
 def register_default_local_strategies() -> None:
-    """Registers ('local', 2) for SAVE_SHARDED and ('local', 1) and ('local', 2) for LOAD_SHARDED."""
+    """Registers ('local', 2) for saving and ('local', 1) and ('local', 2) for loading."""
     for version in SUPPORTED_VERSIONS:
         register_default_strategy(
             StrategyAction.LOAD_SHARDED, BACKEND, version, LocalLoadShardedStrategy()
@@ -62,13 +60,12 @@ class LocalSaveShardedStrategy(NodeLocalSaveShardedStrategy):
     """Saves each rank's whole state as a local checkpoint part.
 
     Args:
-        backend: recorded in `metadata.json` ('local').
-        version: recorded in `metadata.json`; only 2 is written (version 1 is read only).
-        repl_strategy: where copies go (e.g. a `CliqueReplicationStrategy`); None keeps
-            each part on its own node only.
+        backend: must be 'local'.
+        version: must be 2 (version 1 is read only).
+        repl_strategy: where copies go (e.g. `CliqueReplicationStrategy`); None: none.
         algo: "atomic" (every rank stores every shard it holds) or "fully_parallel"
-            (replicas within `parallelization_group` stored once).
-        parallelization_group: the group deduplicated by "fully_parallel" (default: all).
+            (replicas within `parallelization_group`, default all ranks, stored once).
+        parallelization_group: see `algo`.
 
     Raises:
         CheckpointingException: another backend or version, or an unknown `algo`.
@@ -88,10 +85,7 @@ class LocalSaveShardedStrategy(NodeLocalSaveShardedStrategy):
                 f"LocalSaveShardedStrategy writes ({BACKEND!r}, {VERSION}), not "
                 f"({backend!r}, {version}); version 1 checkpoints are still loaded"
             )
-        if algo not in ("atomic", "fully_parallel"):
-            raise CheckpointingException(
-                f"Unknown algo {algo!r} for the local backend; expected 'atomic' or 'fully_parallel'"
-            )
+        _check_algo(algo)
         super().__init__(backend, version)
         self.repl_strategy = repl_strategy
         self.algo = algo
@@ -131,12 +125,10 @@ class LocalSaveShardedStrategy(NodeLocalSaveShardedStrategy):
 
 
 class LocalLoadShardedStrategy(NodeLocalLoadShardedStrategy):
-    """Loads ('local', 1) and ('local', 2) checkpoints; a rank whose node lost its part gets
-    it from a holder.
+    """Loads ('local', 1) and ('local', 2) checkpoints.
 
     Args:
-        weights_only: keep True to refuse arbitrary pickled objects in the non-tensor state;
-            False only for trusted checkpoints.
+        weights_only: False allows arbitrary pickled objects (trusted checkpoints only).
     """
 
     def __init__(self, weights_only: bool = True) -> None:
@@ -171,8 +163,9 @@ class LocalLoadShardedStrategy(NodeLocalLoadShardedStrategy):
     @staticmethod
     def _checked(state: Any, where: Any) -> MCoreTensorAwareStateDict:
         """`state` as a version-2 rank state (a version-1 one converted)."""
-        if is_v1_state(state):
-            return v1_as_v2(state)
+        v1 = getattr(state, "state_dict", None)
+        if isinstance(v1, dict) and v1.get("format") == 1:
+            return _v1_as_v2(v1)
         if not isinstance(state, MCoreTensorAwareStateDict):
             raise CheckpointingException(
                 f"{where}: not a ('local', 1) or ('local', 2) rank state ({type(state).__name__})"
@@ -196,7 +189,7 @@ class LocalLoadShardedStrategy(NodeLocalLoadShardedStrategy):
         return common, _into_given_tensors(sharded_state_dict, loaded)
 
     def _own_state(self, checkpoint_dir: CheckpointDir) -> MCoreTensorAwareStateDict:
-        """This rank's own stored state, read from its own directory (not collective)."""
+        """This rank's own stored state (not collective)."""
         manager = self._manager(checkpoint_dir)
         return self._checked(manager._load((_ITERATION, _dist.get_rank(), "")), checkpoint_dir)
 
@@ -239,3 +232,23 @@ def _into_given_tensors(request: Any, loaded: Any) -> Any:
             request.data.copy_(loaded)
         return request.data
     return loaded
+
+
+def _v1_as_v2(sd: Dict[str, Any]) -> MCoreTensorAwareStateDict:
+    """A version-1 rank state's dict (shards under `"<key> (<global offset>)"`, objects by
+    unique key) as the version-2 state holding the same shards and objects."""
+    sharded: ShardedStateDict = {}
+    for name, entry in sd["sharded"].items():
+        key, offset = name.rsplit(" (", 1)
+        local, shape = tuple(entry["local_shape"]), tuple(entry["global_shape"])
+        data = entry["data"].view(local)
+        offsets = ast.literal_eval(f"({offset}")
+        prepend = len(shape) - len(local)
+        sharded[name] = ShardedTensor(
+            key, data, data.dtype, local, shape, offsets, None, prepend_axis_num=prepend
+        )
+    for unique_key, value in sd["objects"].items():
+        sharded[unique_key] = ShardedObject.empty_from_unique_key(unique_key)
+        sharded[unique_key].data = value
+    common = sd["common"] if isinstance(sd["common"], dict) else {}
+    return MCoreTensorAwareStateDict(common=common, sharded_state_dict=sharded)

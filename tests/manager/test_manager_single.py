@@ -11,8 +11,7 @@ import torch
 
 from dist_checkpointing import CheckpointManager, CheckpointManagerOptions, ShardedTensor
 from dist_checkpointing.errors import CheckpointingException, NoUsableCheckpointError
-from dist_checkpointing.manager.layout import LATEST_FNAME, read_latest
-from dist_checkpointing.manager.options import steps_to_delete
+from dist_checkpointing.manager.layout import LATEST_FNAME, read_latest, steps_to_delete
 from dist_checkpointing.tools._storage import read_dcp_metadata, stored_items
 
 pytestmark = pytest.mark.timeout(240)

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from dist_checkpointing.local._image import decode_image, finish_image, read_image, start_image
+from dist_checkpointing.local._image import decode_image, finish_image, start_image
 from dist_checkpointing.local._image import write_image as write_local_image
 from dist_checkpointing.local.basic_state_dict import BasicTensorAwareStateDict
-from dist_checkpointing.storage import ALIGN, FileWriter, faults
+from dist_checkpointing.storage import ALIGN, FileWriter, faults, read_file
 
 
 def _image():
@@ -26,7 +26,7 @@ def test_local_images_are_written_and_read_through_the_io_layer_byte_for_byte(tm
     spy = faults.Fault("part", ops=("write", "read"))
     with faults.injected(spy):
         write_local_image(image, path)
-        back = read_image(path)
+        back = read_file(path)
     assert {c.op for c in spy.calls} == {"write", "read"}
     with open(path, "rb") as f:
         assert f.read() == image.buffer.numpy().tobytes()  # the format is the buffer, unchanged
@@ -47,7 +47,7 @@ def test_faults_apply_only_to_matching_paths_and_operations(tmp_path):
         w = FileWriter(tmp_path / "x.other", 4, direct=False)
         w.write(memoryview(b"abcd"), 0)  # another file: untouched
         w.finish()
-        assert read_image(str(tmp_path / "x.other")).numpy().tobytes() == b"abcd"  # a read
+        assert read_file(str(tmp_path / "x.other")).numpy().tobytes() == b"abcd"  # a read
         w = FileWriter(tmp_path / "y.distcp", 4, direct=False)
         with pytest.raises(OSError, match="boom"):
             w.write(memoryview(b"abcd"), 0)

@@ -1,13 +1,11 @@
 """`BaseCheckpointManager`: save, find and load local checkpoints, with replication.
 
-A checkpoint of iteration I is the set of parts `(I, r, session)`, one per rank r; subclasses
-store parts (`LocalCheckpointManager`: files). Save copies the tensors into a host image; one
-background thread per process removes older parts of I held here, then writes this rank's
-part while the replication exchange writes the peers'. Finalize commits (renames) the parts
-and removes older iterations; if any rank failed, every rank removes I's files. `find_latest`
-and `load` agree on the newest iteration whose every part some rank holds; `load` moves
-missing parts from holders, and a part with no usable copy raises `NoReplicasAvailableError`
-on every rank.
+A checkpoint of iteration I is one part `(I, r, session)` per rank r, stored by subclasses
+(`LocalCheckpointManager`: files). Save copies the tensors into a host image; one background
+thread per process removes older parts of I held here, then writes this rank's part while the
+replication exchange writes the peers'. Finalize commits the parts and removes older
+iterations; if any rank failed, every rank removes I's files. `load` takes the newest
+iteration whose every part some rank holds, moving missing parts from holders.
 """
 
 from __future__ import annotations
@@ -56,7 +54,7 @@ _executor: Optional[concurrent.futures.ThreadPoolExecutor] = None
 
 
 def _background_thread() -> concurrent.futures.ThreadPoolExecutor:
-    """The process's one background thread: saves never interleave their collectives."""
+    """The process's one background thread, so that saves never interleave their collectives."""
     global _executor
     if _executor is None:
         _executor = concurrent.futures.ThreadPoolExecutor(1, "dc-local-ckpt")
@@ -65,7 +63,7 @@ def _background_thread() -> concurrent.futures.ThreadPoolExecutor:
 
 
 def _stop_background_thread() -> None:
-    """At exit: waits for the background thread, before the groups it uses are destroyed."""
+    """At teardown: waits for the thread before the groups it uses are destroyed."""
     global _executor
     if _executor is not None:
         _executor.shutdown(wait=True)

@@ -17,8 +17,8 @@ from typing import Callable, Iterable, List, Optional, Tuple, TypeVar, Union
 import torch
 
 from ...errors import CheckpointCorruptedError, CheckpointingException
-from ...storage import StreamedFile, fsync_dir
-from .._image import LocalImage, read_image, write_image
+from ...storage import StreamedFile, fsync_dir, read_file
+from .._image import LocalImage, write_image
 from ..replication.strategies import CkptID, ReplicationStrategy
 from .base_manager import BaseCheckpointManager, SameMachineReplicationException
 
@@ -92,7 +92,7 @@ class LocalCheckpointManager(BaseCheckpointManager):
     def _load_image(self, ckpt_id: CkptID) -> Tuple[torch.Tensor, str]:
         path = self._path(ckpt_id)
         try:
-            return read_image(str(path)), str(path)
+            return read_file(str(path)), str(path)
         except FileNotFoundError as e:
             raise CheckpointCorruptedError(f"{path}: local checkpoint file is missing") from e
         except OSError as e:

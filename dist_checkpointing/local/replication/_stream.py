@@ -20,7 +20,6 @@ from ...storage import ALIGN
 
 __all__ = ["ImageSink", "pack_messages", "stream_exchange", "wait_all"]
 
-#: bytes per message at most
 CHUNK = 64 << 20
 #: pieces smaller than this are packed with their neighbours into one message
 SMALL = 1 << 20

@@ -1,8 +1,7 @@
 """Replication strategies: where copies of each rank's local checkpoint part are kept.
 
-Parts travel as byte images over gloo (host buffers even with NCCL training), never as
-pickled tensors. Retrieval at load is planned from what every rank holds, and any holder
-may send a part, so a part stays reachable after the replication parameters change.
+Parts travel as byte images over gloo (host buffers even with NCCL training), never pickled.
+At load any holder may send a part, so parts stay reachable when the replication changes.
 """
 
 from __future__ import annotations
@@ -37,7 +36,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: bytes per message of a transfer at load
 TRANSFER_CHUNK = 16 << 20
 #: tags of one transfer's messages: transfer index * _TAG_SPAN + message index
 _TAG_SPAN = 1 << 20
@@ -71,7 +69,7 @@ def clique_ranks(
 
 
 def _post(op: Any, buf: torch.Tensor, peer: int, group: Any, chunk: int, tag: int = 0) -> List:
-    """Posts `op` (`dist.isend`/`dist.irecv`) of `buf` with `peer` in messages of `chunk` bytes."""
+    """Posts `op` (`dist.isend`/`dist.irecv`) of `buf` in messages of `chunk` bytes."""
     size = int(buf.numel())
     return [
         op(buf[lo : lo + chunk], peer, group=group, tag=tag + k)
@@ -89,9 +87,8 @@ class ExchangePlan:
 def plan_retrieval(
     available: Mapping[int, Iterable[CkptID]], wanted: Mapping[int, Sequence[CkptID]]
 ) -> ExchangePlan:
-    """Plans who provides each part a receiver wants (pure: the same on every rank): itself
-    if it holds it, else the holder with the fewest sends so far (lowest rank on ties).
-    NoReplicasAvailableError when no rank holds a wanted part (naming it and the receiver)."""
+    """Plans who provides each wanted part (pure): the receiver if it holds it, else the
+    holder with the fewest sends so far, lowest rank first. NoReplicasAvailableError if none."""
     holders: Dict[CkptID, List[int]] = {}
     for rank in sorted(available):
         for id_ in available[rank]:
@@ -134,11 +131,9 @@ def host_group() -> Any:
 def transfer_parts(
     plan: ExchangePlan, load: Callable[[CkptID], torch.Tensor], group: Any = None
 ) -> Tuple[Dict[CkptID, Tuple[int, torch.Tensor]], List[CkptID]]:
-    """Collective over `group` (gloo, all ranks): runs the plan's transfers between ranks.
-
-    A part the sender cannot `load` is announced with size -1 and not sent. Returns the
-    parts received here, `id -> (sender, bytes)` (unverified), and those this rank could
-    not read for sending."""
+    """Collective over `group` (gloo, all ranks): runs the plan's transfers. Returns the parts
+    received here, `id -> (sender, bytes)` (unverified), and those this rank could not `load`
+    to send (announced with size -1)."""
     me = _dist.get_rank()
     mine: Dict[int, torch.Tensor] = {}
     sizes: Dict[int, int] = {}
@@ -190,11 +185,11 @@ class ReplicationStrategy(ABC):
         """Collective over this rank's exchange group: sends this rank's part, receives copies.
 
         Args:
-            image: this rank's finished part (a 1-D uint8 tensor in host memory).
+            image: this rank's finished part (1-D uint8, host memory).
             id_: its id, `(iteration, owner rank, session id)`.
 
         Returns:
-            The `(id, image)` pairs this rank keeps a copy of, its own part excluded.
+            The `(id, image)` copies kept here, its own part excluded.
         """
 
     def replicate_stream(
@@ -276,7 +271,6 @@ class CliqueReplicationStrategy(ReplicationStrategy):
         return cls(mine)
 
     def _clique(self) -> List[int]:
-        """The ranks of this rank's clique."""
         return self.ranks
 
     def replicate_images(
@@ -304,8 +298,8 @@ class CliqueReplicationStrategy(ReplicationStrategy):
     def replicate_stream(
         self, image: LocalImage, id_: CkptID, open_sink: OpenSink
     ) -> List[Tuple[CkptID, int]]:
-        """Collective over the clique: streams this rank's part to every other member and
-        writes theirs chunk by chunk as they arrive (see `._stream`)."""
+        """Collective over the clique: streams this rank's part to every other member, writing
+        theirs chunk by chunk as they arrive."""
         if len(self._clique()) == 1:
             return []
         if self.target_device != "cpu":  # exchange buffers on a device: whole images
