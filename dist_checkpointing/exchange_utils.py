@@ -11,7 +11,7 @@ import heapq
 import logging
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -302,6 +302,7 @@ def exchange_shards(
         host.clear()
 
     for sid, src, dst, (shape, dtype) in plan:
+        post: Callable[..., Any]
         if me == src:
             if sid not in host:
                 t = tensors[sid]

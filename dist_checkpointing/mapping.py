@@ -177,8 +177,15 @@ class ShardedTensor(ShardedBase):
         data = self.data.narrow(dim, start, length)
         shape, offset = list(self.global_shape), list(self.global_offset)
         shape[gdim], offset[gdim] = glob // local * length, off // local * length
-        geometry = {"global_shape": tuple(shape), "global_offset": tuple(offset)}
-        return [replace(self, data=data, local_shape=tuple(data.shape), **geometry)]
+        return [
+            replace(
+                self,
+                data=data,
+                local_shape=tuple(data.shape),
+                global_shape=tuple(shape),
+                global_offset=tuple(offset),
+            )
+        ]
 
     @classmethod
     def from_rank_offsets(
@@ -244,8 +251,17 @@ class ShardedTensor(ShardedBase):
         check_flat_data(key, data, flattened_range)
         local = tuple(non_flat_local_shape)
         grid = grid_of_rank_offsets(key, local, prepend_axis_num, rank_offsets)
-        meta = (replica_id, prepend_axis_num, allow_shape_mismatch, flattened_range)
-        return cls(key, data, data.dtype, local, *grid, *meta)
+        return cls(
+            key,
+            data,
+            data.dtype,
+            local,
+            *grid,
+            replica_id,
+            prepend_axis_num,
+            allow_shape_mismatch,
+            flattened_range,
+        )
 
     def __str__(self) -> str:
         flat = "" if self.flattened_range is None else f", flattened_range={self.flattened_range}"
