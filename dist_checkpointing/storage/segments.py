@@ -1,10 +1,8 @@
-"""Writing a file given as a sequence of byte segments (its concatenation), at disk speed.
+"""Files written from byte segments (local checkpoint images) or from chunks as they arrive.
 
-Used by local checkpoint images (one staged buffer, or CPU tensors' own memory between
-small header segments). With O_DIRECT one page-aligned buffer is written as it is and
-anything else streams through a pooled pair of aligned chunk buffers (`ChunkStream`);
-buffered, each segment is written from its own memory. `StreamedFile` writes a new file
-from chunks as they arrive (a replica received over the network).
+With O_DIRECT a page-aligned buffer is written as it is and anything else streams through
+a pooled pair of aligned chunk buffers (`ChunkStream`); buffered, each segment is written
+from its own memory. `StreamedFile` writes a replica received over the network.
 """
 
 from __future__ import annotations
@@ -41,7 +39,7 @@ def write_segments(
     """Writes the concatenation of `segments` (flat uint8 arrays) to a new file.
 
     Args:
-        direct: try O_DIRECT (falls back to buffered writes where refused).
+        direct: try O_DIRECT (buffered where refused).
         fsync: make the file durable before returning.
         exclusive, overwrite: as in `FileWriter`.
         padded: for a single segment, the same page-aligned buffer zero-padded to a multiple
@@ -86,7 +84,7 @@ class ChunkStream:
     Args:
         out: the file being written.
         file_pos: where the first byte goes (aligned).
-        pin: page-lock the buffers (device tensors are copied into them).
+        pin: page-lock the buffers (for copies from device tensors).
         progress: called with the bytes of each chunk handed to the disk.
     """
 
@@ -155,7 +153,7 @@ class ChunkStream:
 
 
 def _stream(out: FileWriter, segments: Sequence[np.ndarray], file_pos: int = 0) -> None:
-    """Streams segments through `ChunkStream` from `file_pos` (aligned)."""
+    """Streams `segments` through a `ChunkStream` from `file_pos` (aligned)."""
     stream = ChunkStream(out, file_pos)
     try:
         for seg in segments:
@@ -168,10 +166,10 @@ def _stream(out: FileWriter, segments: Sequence[np.ndarray], file_pos: int = 0) 
 class StreamedFile:
     """A new file of known size, written front to back in chunks of any size as they arrive.
 
-    With `direct`, the page-aligned middle of each chunk is written straight from the
-    caller's memory when placed at `offset % ALIGN` in an aligned buffer; partial pages at chunk borders are
-    assembled in one aligned page. Nothing enters the page cache (a replica is rarely read
-    back here). Otherwise writes are buffered.
+    With `direct`, the page-aligned middle of each chunk is written from the caller's
+    memory (through aligned chunks where it is not aligned there), partial pages at chunk
+    borders are assembled in one aligned page, and nothing enters the page cache (a replica
+    is rarely read back here). Otherwise writes are buffered.
 
     Args:
         size: the final size (every byte of `[0, size)` is written, in order, before `close`).
@@ -245,7 +243,7 @@ class StreamedFile:
             self._out.write(memoryview(data), offset)  # type: ignore[arg-type]
 
     def close(self) -> None:
-        """Writes the last partial page, sets the final size, fsyncs when asked, closes.
+        """Writes the last partial page, truncates to `size`, fsyncs when asked, closes.
 
         Raises:
             OSError: a write, truncation or fsync failed (the caller removes the file).
