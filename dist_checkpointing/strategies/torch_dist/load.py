@@ -1,8 +1,7 @@
 """Loading with the torch_dist backend: any requested sharding from DCP-format checkpoints.
 
-Collective: every rank reads the metadata of the keys it asks for (`metadata_file`'s load
-index), plans reads for exactly the regions it asked for (`plan.plan_tensor_reads`), and
-reads each needed chunk once (`reader`).
+Each rank reads the metadata of the keys it asks for (the load index), plans reads for
+exactly its regions (`plan`) and reads each needed chunk once (`reader`).
 """
 
 from __future__ import annotations
@@ -225,7 +224,6 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
     def _read(
         self, sharded_state_dict: ShardedStateDict, ckpt: Path, plan: _Plan
     ) -> Tuple[StateDict, _LoadStats]:
-        """Reads the planned data."""
         metadata, checksums, dests, reads = plan.metadata, plan.checksums, plan.dests, plan.reads
 
         def resolve(r: ReadItem) -> torch.Tensor:
@@ -261,14 +259,9 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             loaded_objects[id(o)] = value[0]
             nbytes += len(data)
         seconds = time.perf_counter() - plan.start
-        logger.debug(
-            "rank %d loaded %.3f GB from %s in %.2f s (%.2f GB/s)",
-            get_rank(),
-            nbytes / 1e9,
-            ckpt,
-            seconds,
-            gbps(nbytes, seconds),
-        )
+        msg = "rank %d loaded %.3f GB from %s in %.2f s (%.2f GB/s)"
+        rate = gbps(nbytes, seconds)
+        logger.debug(msg, get_rank(), nbytes / 1e9, ckpt, seconds, rate)
 
         def unwrap(x: Any) -> Any:
             if isinstance(x, ShardedTensor):
@@ -344,22 +337,14 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                 try:
                     sh_obj = ShardedObject.empty_from_unique_key(key)
                 except CheckpointingException:
-                    logger.warning(
-                        "Bytes entry %r of %s is not a ShardedObject; not listed",
-                        key,
-                        checkpoint_dir,
-                    )
+                    msg = "Bytes entry %r of %s is not a ShardedObject; not listed"
+                    logger.warning(msg, key, checkpoint_dir)
                     continue
                 out[sh_obj.unique_key] = sh_obj
         out.update(self.load_tensors_metadata(checkpoint_dir, metadata))
         return out
 
     def remove_sharded_tensors(self, checkpoint_dir: CheckpointDir, key_prefix: str) -> None:
-        """Drops every key starting with `key_prefix`, and the data files named with it (see
-        `metadata_file.remove_sharded_tensors`; not collective).
-
-        Raises:
-            CheckpointingException: if no data file starts with the prefix, or kept keys live
-                in those files (removing them would lose data).
-        """
+        """Drops the keys starting with `key_prefix` and their data files; not collective (see
+        `metadata_file.remove_sharded_tensors`, which says what it raises)."""
         remove_sharded_tensors(Path(checkpoint_dir), key_prefix)

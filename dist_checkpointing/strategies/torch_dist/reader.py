@@ -1,9 +1,8 @@
 """Reading torch_dist data files: each needed stored chunk once, straight into its destination.
 
-Data files `[<hint>]__<rank>_<n>.distcp` hold, back to back, a `torch.save` zip per tensor
-chunk (see `zipformat`) and raw bytes per object; `.metadata` (see `metadata_file`) says
-where each item lies. Here the reads are grouped by stored chunk and the files iterated,
-each front to back by one thread; `chunk_reader` reads one chunk.
+Data files `[<hint>]__<rank>_<n>.distcp` hold a `torch.save` zip per tensor chunk
+(`zipformat`) and raw bytes per object. Reads are grouped by stored chunk, and each file is
+read front to back by one thread; `chunk_reader` reads one chunk.
 """
 
 from __future__ import annotations
@@ -52,11 +51,7 @@ class _FileRange(io.RawIOBase):
     def readable(self) -> bool:
         return True
 
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
+    seekable = readable
 
     def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
         base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._len}[whence]
@@ -146,8 +141,8 @@ def read_tensor_items(
     progress: Optional[Callable[[int], None]] = None,
     first_file: int = 0,
 ) -> int:
-    """Reads each needed stored chunk once and copies the requested regions out of it; each
-    data file front to back by one thread, `thread_count` files at once.
+    """Reads each needed stored chunk once into the requested regions, each file front to
+    back by one thread, `thread_count` files at once.
 
     Args:
         reads: planned reads (see `plan_tensor_reads`); `resolve` gives their destinations.

@@ -1,11 +1,9 @@
 """Saving with the torch_dist backend: the save strategy, sync writes and async staging.
 
-Each rank writes its main-replica shards to its own `.distcp` files (`writer`), in
-parallel; then `finalize` has rank 0 write DCP's `.metadata` from every rank's compact
-report. No planning exchange is needed before the write: file names and chunk placement
-follow from each rank's own shards.
-An async save copies the shards into pooled host images (pinned for CUDA sources) and
-returns a request whose background function writes them.
+Each rank writes its main-replica shards to its own `.distcp` files (`writer`) with no
+planning exchange (names and placement follow from its own shards); then `finalize` has
+rank 0 write `.metadata` from every rank's report. An async save copies the shards into
+pooled host images and returns a request whose background function writes them.
 """
 
 from __future__ import annotations
@@ -66,8 +64,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         background_thread_count: threads of an async save's background writer (one keeps
             its competition with training lowest).
         direct_io: write with O_DIRECT where the file system supports it (else buffered,
-            logged once per directory); False: through the page cache. Either way each
-            file is fsync'd before the save commits.
+            logged once per directory). Either way each file is fsync'd before the commit.
         checksums: record an xxh3-64 of every stored item (beside its data file), and of
             `.metadata`, its index and `common.pt` in `checksums.json` (verified on load).
     """
@@ -199,13 +196,9 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         )
         request.add_finalize_fn(lambda: self._finalize(ckpt, items, request.result, None, start))
         request.cleanup_fns.append(functools.partial(self._images.release_group, plans, bufs))
-        logger.debug(
-            "rank %d staged %d bytes for %s in %.3f s",
-            get_rank(),
-            sum(plan.size for plan in plans),
-            ckpt,
-            time.perf_counter() - start,
-        )
+        nbytes = sum(plan.size for plan in plans)
+        secs = time.perf_counter() - start
+        logger.debug("rank %d staged %d bytes for %s in %.3f s", get_rank(), nbytes, ckpt, secs)
         return request
 
     def _finalize(
