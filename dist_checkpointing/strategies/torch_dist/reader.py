@@ -114,10 +114,10 @@ def group_reads(metadata: Metadata, reads: Sequence[ReadItem]) -> Dict[ItemKey, 
     groups: Dict[ItemKey, ChunkGroup] = {}
     for r in reads:
         info = _storage_info(metadata, r.storage_index)
-        groups.setdefault(
-            (str(info.relative_path), info.offset, info.length),
-            ChunkGroup(info, [], _stored_chunk(metadata, r.storage_index)),
-        ).reads.append(r)
+        key = (str(info.relative_path), info.offset, info.length)
+        if key not in groups:
+            groups[key] = ChunkGroup(info, [], _stored_chunk(metadata, r.storage_index))
+        groups[key].reads.append(r)
     return groups
 
 
