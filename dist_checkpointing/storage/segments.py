@@ -32,7 +32,6 @@ def write_segments(
     *,
     direct: bool,
     fsync: bool,
-    exclusive: bool = True,
     overwrite: bool = False,
     padded: Optional[np.ndarray] = None,
 ) -> int:
@@ -41,7 +40,7 @@ def write_segments(
     Args:
         direct: try O_DIRECT (buffered where refused).
         fsync: make the file durable before returning.
-        exclusive, overwrite: as in `FileWriter`.
+        overwrite: write over an existing file in place (else it must not exist).
         padded: for a single segment, the same page-aligned buffer zero-padded to a multiple
             of `ALIGN`: written directly with O_DIRECT.
 
@@ -52,16 +51,13 @@ def write_segments(
         OSError: the write failed (the partial file is removed).
     """
     size = int(sum(s.size for s in segments))
+    aligned = padded is not None and padded.ctypes.data % ALIGN == 0 and padded.size % ALIGN == 0
     out = FileWriter(
-        path, size, direct=direct, exclusive=exclusive, preallocate=direct, overwrite=overwrite
+        path, size, direct=direct, exclusive=True, preallocate=direct, overwrite=overwrite
     )
     try:
-        if (
-            out.direct
-            and padded is not None
-            and padded.ctypes.data % ALIGN == 0
-            and padded.size % ALIGN == 0
-        ):
+        if out.direct and aligned:
+            assert padded is not None
             _write_chunks(out, padded, 0)
         elif out.direct:
             _stream(out, segments)
@@ -174,11 +170,10 @@ class StreamedFile:
     Args:
         size: the final size (every byte of `[0, size)` is written, in order, before `close`).
         fsync: fsync the file in `close`.
-        exclusive, overwrite: as in `FileWriter`.
+        overwrite: write over an existing file in place (else it must not exist).
 
     Raises:
-        FileExistsError: `path` exists and `exclusive`.
-        OSError: the file cannot be created.
+        OSError: the file cannot be created (FileExistsError: it exists, not `overwrite`).
     """
 
     def __init__(
@@ -188,12 +183,11 @@ class StreamedFile:
         *,
         fsync: bool,
         direct: bool = False,
-        exclusive: bool = True,
         overwrite: bool = False,
     ) -> None:
         self.size, self.fsync = size, fsync
         self._out = FileWriter(
-            path, size, direct=direct, exclusive=exclusive, preallocate=direct, overwrite=overwrite
+            path, size, direct=direct, exclusive=True, preallocate=direct, overwrite=overwrite
         )
         self._pos = 0  # bytes written so far (the next chunk's offset)
         self._held = 0  # bytes of the partial page at the end of the file held in `_page`
