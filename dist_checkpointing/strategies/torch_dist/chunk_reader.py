@@ -1,9 +1,8 @@
 """Reading one stored tensor chunk into the destinations of its reads, verified as it lands.
 
-A plain chunk's zip is parsed directly and only the rows the reads need are read (through
-the page cache, shared by a node's ranks). Whole rows into a contiguous host destination of
-the stored dtype land in place; other reads land in a per-thread scratch buffer and are
-copied out as they are verified.
+Only the rows the reads need are read. Whole rows into a contiguous host destination of the
+stored dtype land in place; others land in a per-thread scratch buffer and are copied out
+as they are verified.
 """
 
 from __future__ import annotations

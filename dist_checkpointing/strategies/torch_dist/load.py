@@ -88,9 +88,9 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
     Args:
         weights_only: keep True (the default) to refuse arbitrary pickled ShardedObjects;
             set False only for trusted checkpoints.
-        thread_count: data files read in parallel (each front to back, by one thread,
-            through the page cache; to read each byte once per job when resharding, wrap
-            the strategy in `FullyParallelLoadStrategyWrapper`).
+        thread_count: data files read in parallel (each front to back by one thread; to
+            read each byte once per job when resharding, wrap the strategy in
+            `FullyParallelLoadStrategyWrapper`).
         verify_checksums: verify everything read against the checkpoint's checksums when
             it has them (a mismatch raises `CheckpointCorruptedError`).
         allow_lossy_dtype_conversion: load into a dtype that does not hold some stored
@@ -131,9 +131,9 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
     def load(
         self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir
     ) -> StateDict:
-        """Collective: fills every requested shard from the checkpoint (ShardedTensors
-        without data are allocated on the CPU; a different global shape is an error unless
-        the tensor allows shape mismatch).
+        """Collective: fills every requested shard from the checkpoint (ShardedTensors without
+        data are allocated on the CPU; a global shape other than the stored one must be
+        allowed by the tensor).
 
         Returns:
             `sharded_state_dict` with every ShardedTensor/ShardedObject replaced by its data.

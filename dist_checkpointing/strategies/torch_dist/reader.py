@@ -25,7 +25,7 @@ from ...storage import objstore
 from .chunk_reader import ChunkGroup, read_stored, release_scratch
 from .verify import mismatch
 
-__all__ = ["READ_REQUEST", "group_reads", "open_range", "read_byte_items", "read_tensor_items"]
+__all__ = ["READ_REQUEST", "open_range", "read_byte_items", "read_tensor_items"]
 
 #: bytes per read request: two checksum blocks, so a request's bytes are verified while
 #: they are still in the CPU caches
@@ -105,12 +105,8 @@ def _stored_chunk(
 ItemKey = Tuple[str, int, int]
 
 
-def group_reads(metadata: Metadata, reads: Sequence[ReadItem]) -> Dict[ItemKey, ChunkGroup]:
-    """The reads grouped by the stored item they read from.
-
-    Raises:
-        CheckpointCorruptedError: a read's item has no storage location.
-    """
+def _group_reads(metadata: Metadata, reads: Sequence[ReadItem]) -> Dict[ItemKey, ChunkGroup]:
+    """The reads grouped by the stored item they read from (which must have a location)."""
     groups: Dict[ItemKey, ChunkGroup] = {}
     for r in reads:
         info = _storage_info(metadata, r.storage_index)
@@ -145,23 +141,21 @@ def read_tensor_items(
     back by one thread, `thread_count` files at once.
 
     Args:
-        reads: planned reads (see `plan_tensor_reads`); `resolve` gives their destinations.
+        reads: planned reads (`plan_tensor_reads`); `resolve` gives their destinations.
         checksums: when given, every item read is verified against it.
         progress: called with the bytes of each chunk read (from the reading threads).
-        first_file: start with the file at this position (modulo their number) of the
-            sorted files this rank reads, then go round: ranks that all read the same files
-            pass their rank, so each file is first read by one rank and comes to the others
-            from the page cache.
+        first_file: start at this file (modulo their number) of the sorted files this rank
+            reads, then go round: ranks reading the same files pass their rank, so each file
+            is read from storage by one and comes to the others from the page cache.
 
     Returns:
-        Tensor data bytes read from storage: only the rows a resharded load needs (widened
+        Tensor data bytes read from storage (only the rows a resharded load needs, widened
         to whole checksum blocks when verifying).
 
     Raises:
-        CheckpointCorruptedError: on a missing, truncated, malformed or (with `checksums`)
-            damaged chunk, naming the file, key and byte range.
+        CheckpointCorruptedError: a missing, truncated, malformed or damaged chunk (named).
     """
-    groups = group_reads(metadata, reads)
+    groups = _group_reads(metadata, reads)
     request = READ_REQUEST  # read at call time: tests make it small
 
     def load_group(group: ChunkGroup) -> int:

@@ -55,8 +55,8 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
     Args:
         backend: recorded in metadata.json ('torch_dist').
         version: recorded in metadata.json (1).
-        keep_only_main_replica: write only main replicas (True), or every replica and keep
-            one copy of each chunk in the metadata (False).
+        keep_only_main_replica: write only main replicas, else every replica (the metadata
+            keeps one copy of each chunk).
         thread_count: files per rank, written in parallel (one thread each).
         cached_metadata: accepted for API compatibility (plans are always cached).
         separation_hint: keys starting with this prefix go to separate files named with it,
@@ -159,14 +159,13 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
     def async_save(
         self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir
     ) -> AsyncRequest:
-        """Copies this rank's shards to pooled host staging buffers; returns the write request.
-
-        The request's `async_fn` writes the staged bytes; its finalize function (collective)
-        writes DCP's `.metadata`. The buffers return to the pool when it is finalized or fails.
+        """Copies this rank's shards to pooled host images; returns the request that writes
+        them (its finalize function, collective, writes `.metadata`; the images return to the
+        pool when it is finalized or fails).
 
         Raises:
-            CheckpointingException: on invalid input (e.g. a ShardedTensor without data);
-                raised locally, before anything is scheduled.
+            CheckpointingException: invalid input (e.g. a ShardedTensor without data), before
+                anything is scheduled.
         """
         ckpt = Path(checkpoint_dir)
         start = time.perf_counter()

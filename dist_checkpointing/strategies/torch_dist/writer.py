@@ -133,11 +133,7 @@ def _device_bytes(t: torch.Tensor) -> torch.Tensor:
 
 def _results(plan: FilePlan) -> List[WriteResult]:
     return [
-        WriteResult(
-            index=p.item.index,
-            size_in_bytes=p.length,
-            storage_data=_StorageInfo(plan.name, p.offset, p.length),
-        )
+        WriteResult(p.item.index, p.length, _StorageInfo(plan.name, p.offset, p.length))
         for p in plan.items
     ]
 

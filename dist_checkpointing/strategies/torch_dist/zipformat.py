@@ -1,11 +1,9 @@
-"""The torch.save-compatible zip layout of one tensor item (stored, uncompressed), written
-and parsed here only.
+"""The torch.save-compatible zip layout of one tensor item (uncompressed), only here.
 
-Writing (`zip_item_layout`): the records around a tensor's raw bytes are built ahead of
-time, the data record placed at a chosen file alignment (4096 bytes for O_DIRECT). Reading
-(`chunk_layout`, `head_layout`): `data.pkl` is read with an unpickler that knows only the
-tensor-rebuild recipe (nothing is executed) to locate a C-contiguous chunk's bytes;
-anything unexpected returns None and the reader falls back to `torch.load`.
+`zip_item_layout` builds the records around a tensor's raw bytes ahead of time, the data
+at a chosen file alignment. `chunk_layout` and `head_layout` locate a C-contiguous chunk's
+bytes by reading `data.pkl` with an unpickler that knows only the tensor-rebuild recipe
+(nothing is executed); anything unexpected gives None, and the reader uses `torch.load`.
 """
 
 from __future__ import annotations
@@ -154,12 +152,9 @@ class _Builder:
 def zip_item_layout(
     dtype: torch.dtype, shape: Tuple[int, ...], file_offset: int, data_align: int = 4096
 ) -> Optional[ZipItemLayout]:
-    """The bytes around a tensor's data for an item starting at `file_offset`; the data
-    (C-contiguous) lands at a multiple of `data_align`.
-
-    Returns:
-        The layout, or None for a dtype without a storage class or a >4 GiB tensor.
-    """
+    """The bytes around a tensor's (C-contiguous) data for an item starting at `file_offset`,
+    the data at a multiple of `data_align`; None for a dtype without a storage class or a
+    >4 GiB tensor."""
     shape = tuple(int(s) for s in shape)
     nbytes = math.prod(shape) * dtype.itemsize
     if dtype not in STORAGE_CLASS or nbytes > _MAX_RECORD:
@@ -276,8 +271,8 @@ def head_layout(head: bytes, data_off: int, data_len: int) -> Optional[ChunkLayo
     """Locates a chunk's data from `head`, the item's bytes before its data, alone, or None.
 
     For items whose storage record is known (from the checksums, whose frame digest is
-    checked later) to span `[data_off, data_off + data_len)`: the first record must be
-    `data.pkl`, so nothing after the data is read first (`chunk_layout` starts from the
+    checked later) to span `[data_off, data_off + data_len)` and whose first record is
+    `data.pkl`: nothing after the data is read first (`chunk_layout` starts from the
     directory at the item's end: one more random read per chunk).
     """
     try:
@@ -300,8 +295,7 @@ def head_layout(head: bytes, data_off: int, data_len: int) -> Optional[ChunkLayo
 
 
 def chunk_layout(item: io.RawIOBase) -> Optional[ChunkLayout]:
-    """Locates the contiguous data of a `torch.save`d tensor item (a seekable binary view of
-    exactly one item), or None if it cannot."""
+    """Locates the data of a `torch.save`d tensor item (a seekable view of it alone), or None."""
     try:
         # the directory only: zipfile would check CRCs, which our writer leaves out
         zf = zipfile.ZipFile(item)  # type: ignore[arg-type]
