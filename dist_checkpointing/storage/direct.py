@@ -28,6 +28,8 @@ logger = logging.getLogger(__name__)
 #: largest single read request
 CHUNK_READ = 32 << 20
 PathLike = Union[str, "os.PathLike[str]"]
+#: called with how many leading bytes of a destination are filled so far
+Progress = Optional[Callable[[int], None]]
 
 _refused: Set[str] = set()  # directories whose file system refused O_DIRECT
 _lock = threading.Lock()
@@ -49,12 +51,7 @@ def reset_direct_fallbacks() -> None:
 
 
 def _pread_into(
-    fd: int,
-    path: str,
-    offset: int,
-    view: memoryview,
-    progress: Optional[Callable[[int], None]],
-    request: int,
+    fd: int, path: str, offset: int, view: memoryview, progress: Progress, request: int
 ) -> None:
     """Fills `view` from `offset` of `fd`, `request` bytes at a time, `progress` after each."""
     done = 0
@@ -70,11 +67,7 @@ def _pread_into(
 
 
 def read_region(
-    path: str,
-    offset: int,
-    out: np.ndarray,
-    progress: Optional[Callable[[int], None]] = None,
-    request: int = CHUNK_READ,
+    path: str, offset: int, out: np.ndarray, progress: Progress = None, request: int = CHUNK_READ
 ) -> None:
     """Reads `out.size` bytes of `path` from `offset` into `out` (flat uint8, C-contiguous).
 

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from .buffers import ALIGN, CHUNK, ChunkBuffers
-from .direct import FileWriter, PathLike
+from .direct import FileWriter, PathLike, Progress
 
 __all__ = ["ChunkStream", "StreamedFile", "write_segments"]
 
@@ -35,7 +35,7 @@ def write_segments(
     overwrite: bool = False,
     padded: Optional[np.ndarray] = None,
 ) -> int:
-    """Writes the concatenation of `segments` (flat uint8 arrays) to a new file.
+    """Writes `segments` (flat uint8 arrays), concatenated, to a new file; returns its size.
 
     Args:
         direct: try O_DIRECT (buffered where refused).
@@ -43,9 +43,6 @@ def write_segments(
         overwrite: write over an existing file in place (else it must not exist).
         padded: for a single segment, the same page-aligned buffer zero-padded to a multiple
             of `ALIGN`: written directly with O_DIRECT.
-
-    Returns:
-        The number of bytes written.
 
     Raises:
         OSError: the write failed (the partial file is removed).
@@ -85,11 +82,7 @@ class ChunkStream:
     """
 
     def __init__(
-        self,
-        out: FileWriter,
-        file_pos: int = 0,
-        pin: bool = False,
-        progress: Optional[Callable[[int], None]] = None,
+        self, out: FileWriter, file_pos: int = 0, pin: bool = False, progress: Progress = None
     ) -> None:
         self._out, self._pos, self._progress = out, file_pos, progress
         self._bufs = ChunkBuffers.acquire(pin=pin)
@@ -140,8 +133,7 @@ class ChunkStream:
             self._pending.result()
 
     def close(self) -> None:
-        """Waits for a write in flight (its error was or will be raised elsewhere) and frees
-        the buffers."""
+        """Waits for any write in flight (its error is raised elsewhere); frees the buffers."""
         if self._pending is not None:
             self._pending.exception()
         self._pool.shutdown(wait=True)
