@@ -95,11 +95,7 @@ def read_stored(
 ) -> int:
     """Reads the rows of one stored chunk that `group`'s reads touch into their destinations
     (widened to whole checksum blocks; whole items for whole-item digests and for non-plain
-    chunks, which go through `torch.load`).
-
-    Returns:
-        Tensor data bytes read from storage (the whole item for `torch.load` chunks).
-    """
+    chunks, which go through `torch.load`); returns the bytes read from storage."""
     raw = stream.raw
     layout = _parse_chunk(raw, group, expected, what)
     if layout is None:
@@ -133,9 +129,8 @@ def read_stored(
 
 
 def _parse_chunk(raw: Any, group: ChunkGroup, expected: Optional[ItemSum], what: str) -> Any:
-    """The chunk's `zipformat.ChunkLayout` (None: not plain, `torch.load` reads it), checked
-    against the metadata before any data is read; from the records before the data alone
-    when the item has per-block checksums."""
+    """The chunk's `ChunkLayout` (None: not plain; `torch.load` reads it), checked against the
+    metadata first; from the records before the data alone with per-block checksums."""
     layout = None
     if expected is not None and expected.blocked:
         layout = head_layout(

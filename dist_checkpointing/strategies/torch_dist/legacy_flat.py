@@ -95,10 +95,9 @@ def plan_reformulated_reads(
     for idx, chunk in enumerate(stored.chunks):
         cell = tuple(chunk.offsets)[:-1]
         start = int(chunk.offsets[-1])
+        end = start + int(chunk.sizes[-1])
         origin = tuple(c * p for c, p in zip(cell, piece))
-        for box_off, box_shape, flat_start in flat_range_boxes(
-            piece, start, start + int(chunk.sizes[-1])
-        ):
+        for box_off, box_shape, flat_start in flat_range_boxes(piece, start, end):
             glob = tuple(o + b for o, b in zip(origin, box_off))
             ov = overlap(glob, box_shape, offsets, sizes)
             if ov is None:

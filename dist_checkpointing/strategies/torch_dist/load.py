@@ -146,9 +146,8 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         stats: Optional[_LoadStats] = None
         error: Optional[BaseException] = None
         try:
-            result, stats = self._read(
-                sharded_state_dict, ckpt, self._plan(sharded_state_dict, ckpt)
-            )
+            plan = self._plan(sharded_state_dict, ckpt)
+            result, stats = self._read(sharded_state_dict, ckpt, plan)
         except Exception as e:  # agreed on below, with the other ranks' statistics
             error = e
         agree_on_errors(error, f"torch_dist load from {ckpt}")

@@ -89,11 +89,8 @@ def serialize_metadata(metadata: Metadata) -> Dict[str, bytes]:
 
 
 def write_metadata_files(checkpoint_dir: Path, files: Dict[str, bytes]) -> Dict[str, int]:
-    """Writes `serialize_metadata`'s files atomically (a stale index is removed).
-
-    Returns:
-        `{file name: xxh3-64}` of the written files.
-    """
+    """Writes `serialize_metadata`'s files atomically (a stale index is removed); returns
+    `{file name: xxh3-64}` of them."""
     for name, payload in files.items():
         write_bytes_atomically(payload, str(Path(checkpoint_dir) / name))
     if INDEX_FNAME not in files:

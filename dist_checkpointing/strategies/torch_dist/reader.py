@@ -45,7 +45,6 @@ class _FileRange(io.RawIOBase):
     """A read-only, seekable view of `length` bytes of an open file from `offset`."""
 
     def __init__(self, f: Any, offset: int, length: int) -> None:
-        super().__init__()
         self._f, self._start, self._len, self._pos = f, offset, length, 0
 
     def readable(self) -> bool:

@@ -53,8 +53,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
     """Saves ShardedTensors and ShardedObjects in PyTorch DCP's format.
 
     Args:
-        backend: recorded in metadata.json ('torch_dist').
-        version: recorded in metadata.json (1).
+        backend, version: recorded in metadata.json ('torch_dist', 1).
         keep_only_main_replica: write only main replicas, else every replica (the metadata
             keeps one copy of each chunk).
         thread_count: files per rank, written in parallel (one thread each).

@@ -1,8 +1,7 @@
 """Verifying stored chunks against `checksums.json` as their bytes are read (no second pass).
 
 An item's `ItemSum` (see `integrity`) is one digest of the whole item, or a digest of its
-frame (the zip records) plus one per `block` bytes of its data. `ChunkVerifier` checks a
-range of the data with arbitrary ends, reading the bytes of its edge blocks outside it.
+frame (the zip records) plus one per `block` bytes of its data (`ChunkVerifier`).
 """
 
 from __future__ import annotations
@@ -88,12 +87,10 @@ def flat_bytes(t: torch.Tensor) -> Any:
 
 class ChunkVerifier:
     """Reads bytes `[start, start + len(data))` of a chunk's data region into `data` (`read`),
-    verifying them as they land.
-
-    Called with the leading bytes filled so far, it checks each completed block while still
-    in the CPU caches (a whole-item digest is fed incrementally). The range's edge blocks'
-    bytes outside it (a resharded load's rows) are read from `raw`, the first before the
-    range and the last after it, so the file stays read in order.
+    verifying them as they land: called with the leading bytes filled so far, it checks each
+    completed block (or feeds a whole-item digest) while still in the CPU caches. The edge
+    blocks' bytes outside the range are read from `raw`, the first before it and the last
+    after it (the file stays read in order).
 
     Args:
         raw: the item's stream (frame and edge blocks are read from it).

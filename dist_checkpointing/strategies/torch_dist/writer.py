@@ -209,9 +209,7 @@ def stage_image(plan: FilePlan, sources: Sequence[Any], buf: torch.Tensor) -> No
             dst.copy_(src, non_blocking=src.is_cuda)
         tail_start = head_end + p.data_nbytes
         flat[tail_start : tail_start + len(p.tail)] = np.frombuffer(p.tail, dtype=np.uint8)
-    n = -(-plan.size // ALIGN) * ALIGN
-    if n > plan.size:
-        flat[plan.size : n] = 0
+    flat[plan.size : -(-plan.size // ALIGN) * ALIGN] = 0  # the padding of the last request
 
 
 def _image_sums(plan: FilePlan, flat: np.ndarray) -> List[ItemChecksum]:

@@ -253,11 +253,9 @@ def _record_start(item: io.RawIOBase, info: zipfile.ZipInfo) -> Optional[int]:
     return info.header_offset + _LOCAL.size + header[9] + header[10]
 
 
-def _layout_from(recipe: Any, data_start: int, storage_nbytes: int) -> Optional[ChunkLayout]:
+def _layout_from(recipe: _Recipe, data_start: int, storage_nbytes: int) -> Optional[ChunkLayout]:
     """The layout of a C-contiguous chunk whose storage record holds `storage_nbytes` bytes
     from `data_start`, or None when the recipe describes anything else."""
-    if not isinstance(recipe, _Recipe):
-        return None
     if recipe.stride != _strides(recipe.shape) and math.prod(recipe.shape) > 1:
         return None
     itemsize = recipe.storage.dtype.itemsize
@@ -268,12 +266,10 @@ def _layout_from(recipe: Any, data_start: int, storage_nbytes: int) -> Optional[
 
 
 def head_layout(head: bytes, data_off: int, data_len: int) -> Optional[ChunkLayout]:
-    """Locates a chunk's data from `head`, the item's bytes before its data, alone, or None.
-
-    For items whose storage record is known (from the checksums, whose frame digest is
-    checked later) to span `[data_off, data_off + data_len)` and whose first record is
-    `data.pkl`: nothing after the data is read first (`chunk_layout` starts from the
-    directory at the item's end: one more random read per chunk).
+    """Locates a chunk's data from `head`, the item's bytes before its data, alone, or None,
+    for items whose first record is `data.pkl` and whose storage record is known (from the
+    checksums, whose frame digest is checked later) to span `[data_off, data_off + data_len)`:
+    unlike `chunk_layout` (the directory at the item's end), no extra random read per chunk.
     """
     try:
         if len(head) != data_off or len(head) < _LOCAL.size:
@@ -290,7 +286,7 @@ def head_layout(head: bytes, data_off: int, data_len: int) -> Optional[ChunkLayo
         if s is None or s.numel * s.dtype.itemsize != data_len:
             return None
         return _layout_from(recipe, data_off, data_len)
-    except (*_PARSE_ERRORS, UnicodeDecodeError, IndexError):
+    except (*_PARSE_ERRORS, IndexError):  # a UnicodeDecodeError is a ValueError
         return None
 
 
