@@ -1,14 +1,9 @@
-"""The I/O layer shared by the torch_dist backend and local checkpoints (private).
+"""The private I/O layer of the torch_dist backend and local checkpoints.
 
-It knows files, bytes and host buffers, nothing of sharded state dicts or strategies (it
-never imports `mapping`, `serialization` or `strategies`). Its interface:
-
-    direct: `FileWriter` (O_DIRECT, buffered where refused: one registry of refusing
-        directories), `read_region` and `read_file` (through the page cache).
-    segments: files written from byte segments (`write_segments`, `StreamedFile`).
-    buffers: aligned, pooled host buffers, page-locked for CUDA sources.
-    fileio: atomic replace, capped reads and fsync helpers (`atomic_write`, `read_capped`).
-    faults: the fault-injection seam every read and write consults (tests).
+Files, bytes and host buffers only (it never imports `mapping`, `serialization` or
+`strategies`): `direct` (file writes and reads), `segments` (files written from segments),
+`buffers` (pooled host buffers), `fileio` (atomic and capped files), `objstore` and `msc`
+(object stores), `faults` (the fault-injection seam every read and write consults).
 """
 
 from . import faults, objstore

@@ -1,11 +1,9 @@
-"""Aligned host buffers, pooled and page-locked in place for CUDA sources: chunk pairs for
-streamed writes, whole-file images for async saves and local images.
+"""Pooled host buffers: chunk pairs for streamed writes, whole-file images for async saves.
 
-Pools bound the memory they keep (a few free buffers each); buffers come from `mmap` or
-shared memory, so they are page-aligned, as O_DIRECT needs. `pin` registers a buffer with
-the CUDA driver (it stays ours: shared memory stays shared), so device-to-host copies into
-it run asynchronously; `unpin` must run before its memory is freed. Without CUDA both are
-no-ops returning False, so CPU runs take the same code path.
+Buffers come from `mmap` or shared memory, so they are page-aligned, as O_DIRECT needs;
+pools keep a few free ones each. `pin` page-locks a buffer in place (shared memory stays
+shared) so device-to-host copies into it run asynchronously; `unpin` must run before its
+memory is freed. Without CUDA both are no-ops, so CPU runs take the same code path.
 """
 
 from __future__ import annotations
@@ -56,9 +54,8 @@ def pin(buf: torch.Tensor) -> bool:
 
 
 def _clear_last_cuda_error() -> None:
-    """Resets CUDA's last error through the runtime library torch loaded (best effort):
-    torch has no binding for `cudaGetLastError`, and the library found among the process's
-    mappings is the runtime instance torch itself uses."""
+    """Resets CUDA's last error (best effort): torch has no binding for `cudaGetLastError`,
+    and the libcudart mapped into the process is the runtime instance torch uses."""
     try:
         with open("/proc/self/maps") as maps:
             libs = {line.split()[-1] for line in maps if "libcudart" in line}
@@ -77,8 +74,7 @@ def unpin(buf: torch.Tensor) -> None:
 
 
 class _Pins:
-    """The page-locked buffers of a pool, by address: each pinned once, unpinned when
-    dropped."""
+    """A pool's page-locked buffers by address: each pinned once, unpinned when dropped."""
 
     def __init__(self) -> None:
         self._bufs: Dict[int, torch.Tensor] = {}
@@ -164,18 +160,16 @@ class Layout(Protocol):
 
 
 class ImagePool:
-    """Shared, page-aligned host buffers holding whole file images, reused across saves.
+    """Shared host buffers holding whole file images, reused across saves.
 
-    Buffers are keyed by a layout's `signature` (equal: reusable as is) and sized by its
-    `size`. A save of several files takes and returns their buffers as a set
-    (`acquire_group` / `release_group`), so it finds all of them again. Buffers for GPU
-    copies are pinned (unpinned when dropped); free ones are kept for the `max_signatures`
-    layouts released most recently.
+    Buffers are keyed by a layout's `signature` (equal: reusable as is). A save of several
+    files takes and returns them as a set (`acquire_group` / `release_group`), so it finds
+    all of them again. Buffers for GPU copies are pinned (unpinned when dropped).
 
     Args:
         max_free: free buffers (or sets) kept per signature (2: a save reuses the images of
             the one before while a third is still written).
-        max_signatures: signatures whose free buffers are kept.
+        max_signatures: signatures whose free buffers are kept (the last released).
 
     Attributes:
         allocated_bytes, allocations, pins: bytes alive, buffers allocated, buffers pinned.
@@ -200,8 +194,8 @@ class ImagePool:
 
     def _new(self, size: int) -> torch.Tensor:
         n = max(ALIGN, -(-size // ALIGN) * ALIGN)
-        # allocated in shared memory directly (page-aligned, shareable with the writer
-        # process); `share_memory_()` on a new tensor would copy it once more
+        # straight into shared memory (shareable with the writer process):
+        # `share_memory_()` on a new tensor would copy it once more
         new_shared = getattr(torch.UntypedStorage, "_new_shared", None)
         if new_shared is not None:
             buf = torch.empty(0, dtype=torch.uint8).set_(new_shared(n))
@@ -218,10 +212,7 @@ class ImagePool:
         return self.acquire_group([plan], pin)[0]
 
     def acquire_group(self, plans: Sequence[Layout], pin: bool) -> List[torch.Tensor]:
-        """Buffers for `plans` (one each, in order), reusing a set released for equal plans.
-
-        Give them back with `release_group(plans, buffers)`.
-        """
+        """Buffers for `plans` (one each, in order), reusing a set released for equal plans."""
         with self._lock:
             free = self._free.get(tuple(p.signature for p in plans))
             bufs = free.pop() if free else None
@@ -241,8 +232,7 @@ class ImagePool:
         self.release_group([plan], [buf])
 
     def release_group(self, plans: Sequence[Layout], bufs: Sequence[torch.Tensor]) -> None:
-        """Returns the buffers of `acquire_group(plans, ...)` together, or frees them (within
-        the bounds)."""
+        """Returns the buffers of `acquire_group(plans, ...)` together, or frees them."""
         if not bufs:
             return
         key = tuple(p.signature for p in plans)

@@ -1,12 +1,9 @@
-"""Positional reads and writes of files: O_DIRECT writes with a buffered fallback, reads
-through the page cache.
+"""Positional file I/O: O_DIRECT writes with a buffered fallback, reads through the page cache.
 
-`FileWriter` writes a file in large aligned requests with O_DIRECT, preallocated, fsync'd
-once; a directory whose file system refused O_DIRECT (EINVAL) is remembered and written
-buffered from then on. `read_region` fills a destination from a file region in one
-sequential stream of requests (the kernel reads ahead, and the ranks of a node share what it
-caches); `read_file` reads a whole file. Every request goes through `faults.check` (the test
-seam).
+`FileWriter` writes a file in large aligned requests, preallocated, fsync'd once; a
+directory whose file system refused O_DIRECT (EINVAL) is written buffered from then on.
+Reads are one sequential stream of requests (the kernel reads ahead, and a node's ranks
+share what it caches). Every request goes through `faults.check` (the test seam).
 """
 
 from __future__ import annotations
@@ -31,14 +28,15 @@ logger = logging.getLogger(__name__)
 #: largest single read request
 CHUNK_READ = 32 << 20
 PathLike = Union[str, "os.PathLike[str]"]
+#: called with how many leading bytes of a destination are filled so far
+Progress = Optional[Callable[[int], None]]
 
 _refused: Set[str] = set()  # directories whose file system refused O_DIRECT
 _lock = threading.Lock()
 
 
 def _refuse_direct(directory: str, e: BaseException) -> None:
-    """Records that O_DIRECT failed (`e`) in `directory`: later writes there are buffered
-    (logged once)."""
+    """Records that O_DIRECT failed (`e`) in `directory` (logged once)."""
     with _lock:
         if directory in _refused:
             return
@@ -52,19 +50,10 @@ def reset_direct_fallbacks() -> None:
         _refused.clear()
 
 
-# ---- reads -------------------------------------------------------------------------------
-
-
 def _pread_into(
-    fd: int,
-    path: str,
-    offset: int,
-    view: memoryview,
-    progress: Optional[Callable[[int], None]],
-    request: int,
+    fd: int, path: str, offset: int, view: memoryview, progress: Progress, request: int
 ) -> None:
-    """Fills `view` from `offset` of `fd` in requests of `request` bytes, calling `progress`
-    with the bytes filled after each."""
+    """Fills `view` from `offset` of `fd`, `request` bytes at a time, `progress` after each."""
     done = 0
     while done < len(view):
         end = min(len(view), done + request)
@@ -78,11 +67,7 @@ def _pread_into(
 
 
 def read_region(
-    path: str,
-    offset: int,
-    out: np.ndarray,
-    progress: Optional[Callable[[int], None]] = None,
-    request: int = CHUNK_READ,
+    path: str, offset: int, out: np.ndarray, progress: Progress = None, request: int = CHUNK_READ
 ) -> None:
     """Reads `out.size` bytes of `path` from `offset` into `out` (flat uint8, C-contiguous).
 
@@ -112,7 +97,7 @@ def read_region(
 
 
 def read_file(path: PathLike) -> torch.Tensor:
-    """Reads a whole file into a new uint8 tensor (buffered).
+    """Reads a whole file into a new uint8 tensor.
 
     Raises:
         OSError: the file cannot be opened (FileNotFoundError when missing) or read.
@@ -129,9 +114,6 @@ def read_file(path: PathLike) -> torch.Tensor:
     finally:
         os.close(fd)
     return buffer
-
-
-# ---- writes ------------------------------------------------------------------------------
 
 
 def pwrite_all(

@@ -55,9 +55,8 @@ def read_capped(path: PathLike, limit: int) -> Optional[bytes]:
 def atomic_write(
     path: PathLike, write_fn: Callable[[io.BufferedWriter], Any], sync: bool = True
 ) -> None:
-    """Writes a file so that readers see either the old content or the complete new one
-    (temp file, fsync, rename, directory fsync; on failure `path` is untouched). An object
-    is written in one PUT, which stores all of it or nothing.
+    """Writes a file so that readers see either the old content or all of the new one (temp
+    file, fsync, rename, directory fsync; an object: one PUT); on failure `path` is untouched.
 
     Args:
         path: destination file.

@@ -378,9 +378,8 @@ def makedirs(path: Any) -> None:
     """Creates a directory; for a prefix, raises unless its bucket can be reached."""
     loc = split(path)
     if loc is None:
-        os.makedirs(path, exist_ok=True)
-    else:
-        _call("access to", loc, "head_bucket")
+        return os.makedirs(path, exist_ok=True)
+    _call("access to", loc, "head_bucket")
 
 
 def remove(path: Any) -> None:

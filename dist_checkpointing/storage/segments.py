@@ -1,10 +1,8 @@
-"""Writing a file given as a sequence of byte segments (its concatenation), at disk speed.
+"""Files written from byte segments (local checkpoint images) or from chunks as they arrive.
 
-Used by local checkpoint images (one staged buffer, or CPU tensors' own memory between
-small header segments). With O_DIRECT one page-aligned buffer is written as it is and
-anything else streams through a pooled pair of aligned chunk buffers (`ChunkStream`);
-buffered, each segment is written from its own memory. `StreamedFile` writes a new file
-from chunks as they arrive (a replica received over the network).
+With O_DIRECT a page-aligned buffer is written as it is and anything else streams through
+a pooled pair of aligned chunk buffers (`ChunkStream`); buffered, each segment is written
+from its own memory. `StreamedFile` writes a replica received over the network.
 """
 
 from __future__ import annotations
@@ -17,7 +15,7 @@ import numpy as np
 import torch
 
 from .buffers import ALIGN, CHUNK, ChunkBuffers
-from .direct import FileWriter, PathLike
+from .direct import FileWriter, PathLike, Progress
 
 __all__ = ["ChunkStream", "StreamedFile", "write_segments"]
 
@@ -34,36 +32,29 @@ def write_segments(
     *,
     direct: bool,
     fsync: bool,
-    exclusive: bool = True,
     overwrite: bool = False,
     padded: Optional[np.ndarray] = None,
 ) -> int:
-    """Writes the concatenation of `segments` (flat uint8 arrays) to a new file.
+    """Writes `segments` (flat uint8 arrays), concatenated, to a new file; returns its size.
 
     Args:
-        direct: try O_DIRECT (falls back to buffered writes where refused).
+        direct: try O_DIRECT (buffered where refused).
         fsync: make the file durable before returning.
-        exclusive, overwrite: as in `FileWriter`.
+        overwrite: write over an existing file in place (else it must not exist).
         padded: for a single segment, the same page-aligned buffer zero-padded to a multiple
             of `ALIGN`: written directly with O_DIRECT.
-
-    Returns:
-        The number of bytes written.
 
     Raises:
         OSError: the write failed (the partial file is removed).
     """
     size = int(sum(s.size for s in segments))
+    aligned = padded is not None and padded.ctypes.data % ALIGN == 0 and padded.size % ALIGN == 0
     out = FileWriter(
-        path, size, direct=direct, exclusive=exclusive, preallocate=direct, overwrite=overwrite
+        path, size, direct=direct, exclusive=True, preallocate=direct, overwrite=overwrite
     )
     try:
-        if (
-            out.direct
-            and padded is not None
-            and padded.ctypes.data % ALIGN == 0
-            and padded.size % ALIGN == 0
-        ):
+        if out.direct and aligned:
+            assert padded is not None
             _write_chunks(out, padded, 0)
         elif out.direct:
             _stream(out, segments)
@@ -86,16 +77,12 @@ class ChunkStream:
     Args:
         out: the file being written.
         file_pos: where the first byte goes (aligned).
-        pin: page-lock the buffers (device tensors are copied into them).
+        pin: page-lock the buffers (for copies from device tensors).
         progress: called with the bytes of each chunk handed to the disk.
     """
 
     def __init__(
-        self,
-        out: FileWriter,
-        file_pos: int = 0,
-        pin: bool = False,
-        progress: Optional[Callable[[int], None]] = None,
+        self, out: FileWriter, file_pos: int = 0, pin: bool = False, progress: Progress = None
     ) -> None:
         self._out, self._pos, self._progress = out, file_pos, progress
         self._bufs = ChunkBuffers.acquire(pin=pin)
@@ -146,8 +133,7 @@ class ChunkStream:
             self._pending.result()
 
     def close(self) -> None:
-        """Waits for a write in flight (its error was or will be raised elsewhere) and frees
-        the buffers."""
+        """Waits for any write in flight (its error is raised elsewhere); frees the buffers."""
         if self._pending is not None:
             self._pending.exception()
         self._pool.shutdown(wait=True)
@@ -155,7 +141,7 @@ class ChunkStream:
 
 
 def _stream(out: FileWriter, segments: Sequence[np.ndarray], file_pos: int = 0) -> None:
-    """Streams segments through `ChunkStream` from `file_pos` (aligned)."""
+    """Streams `segments` through a `ChunkStream` from `file_pos` (aligned)."""
     stream = ChunkStream(out, file_pos)
     try:
         for seg in segments:
@@ -168,19 +154,18 @@ def _stream(out: FileWriter, segments: Sequence[np.ndarray], file_pos: int = 0) 
 class StreamedFile:
     """A new file of known size, written front to back in chunks of any size as they arrive.
 
-    With `direct`, the page-aligned middle of each chunk is written straight from the
-    caller's memory when placed at `offset % ALIGN` in an aligned buffer; partial pages at chunk borders are
-    assembled in one aligned page. Nothing enters the page cache (a replica is rarely read
-    back here). Otherwise writes are buffered.
+    With `direct`, the page-aligned middle of each chunk is written from the caller's
+    memory (through aligned chunks where it is not aligned there), partial pages at chunk
+    borders are assembled in one aligned page, and nothing enters the page cache (a replica
+    is rarely read back here). Otherwise writes are buffered.
 
     Args:
         size: the final size (every byte of `[0, size)` is written, in order, before `close`).
         fsync: fsync the file in `close`.
-        exclusive, overwrite: as in `FileWriter`.
+        overwrite: write over an existing file in place (else it must not exist).
 
     Raises:
-        FileExistsError: `path` exists and `exclusive`.
-        OSError: the file cannot be created.
+        OSError: the file cannot be created (FileExistsError: it exists, not `overwrite`).
     """
 
     def __init__(
@@ -190,12 +175,11 @@ class StreamedFile:
         *,
         fsync: bool,
         direct: bool = False,
-        exclusive: bool = True,
         overwrite: bool = False,
     ) -> None:
         self.size, self.fsync = size, fsync
         self._out = FileWriter(
-            path, size, direct=direct, exclusive=exclusive, preallocate=direct, overwrite=overwrite
+            path, size, direct=direct, exclusive=True, preallocate=direct, overwrite=overwrite
         )
         self._pos = 0  # bytes written so far (the next chunk's offset)
         self._held = 0  # bytes of the partial page at the end of the file held in `_page`
@@ -245,7 +229,7 @@ class StreamedFile:
             self._out.write(memoryview(data), offset)  # type: ignore[arg-type]
 
     def close(self) -> None:
-        """Writes the last partial page, sets the final size, fsyncs when asked, closes.
+        """Writes the last partial page, truncates to `size`, fsyncs when asked, closes.
 
         Raises:
             OSError: a write, truncation or fsync failed (the caller removes the file).

@@ -1,16 +1,9 @@
 """The 'torch_dist' backend, version 1: sharded tensors in PyTorch DCP's on-disk format.
 
-Who does what:
-    plan: what to write and read, names.
-    zipformat: the torch.save-compatible zip layout of a tensor item (only here).
-    metadata_file: DCP's `.metadata` and its load index, written atomically, read safely;
-        `remove_sharded_tensors`.
-    writer: data files laid out and written (streamed or from staged images).
-    reader, chunk_reader: stored chunks read once each, straight into destinations, verified.
-    save: the save strategy (sync writes, async staging).
-    finalize: each rank's compact report; rank 0 builds and writes `.metadata` from them.
-    load: the load strategy (resharding reads).
-File I/O goes through the shared I/O layer, `dist_checkpointing.storage`.
+`plan` decides what to write and read; `zipformat` is a tensor item's zip layout;
+`metadata_file` reads and writes `.metadata` and its load index; `writer`, `reader` and
+`chunk_reader` move the bytes (through `dist_checkpointing.storage`), `verify` checks them;
+`save`, `finalize` and `load` are the strategies; `legacy_flat` reads megatron's flat layout.
 """
 
 from ..base import StrategyAction, register_default_strategy

@@ -1,9 +1,8 @@
 """Reading one stored tensor chunk into the destinations of its reads, verified as it lands.
 
-A plain chunk's zip is parsed directly and only the rows the reads need are read (through
-the page cache, shared by a node's ranks). Whole rows into a contiguous host destination of
-the stored dtype land in place; other reads land in a per-thread scratch buffer and are
-copied out as they are verified.
+Only the rows the reads need are read. Whole rows into a contiguous host destination of the
+stored dtype land in place; others land in a per-thread scratch buffer and are copied out
+as they are verified.
 """
 
 from __future__ import annotations
@@ -21,16 +20,10 @@ from torch.distributed.checkpoint.planner import ReadItem
 from ..._safe_load import torch_load
 from ...errors import CheckpointCorruptedError
 from ...integrity import ItemSum
-from .verify import (
-    ChunkVerifier,
-    check_layout,
-    frame_matches,
-    mismatch,
-    read_exact,
-)
+from .verify import ChunkVerifier, check_layout, frame_matches, mismatch, read_exact
 from .zipformat import chunk_layout, head_layout
 
-__all__ = ["ChunkGroup", "parse_chunk", "read_stored", "release_scratch"]
+__all__ = ["ChunkGroup", "read_stored", "release_scratch"]
 
 Resolve = Callable[[ReadItem], torch.Tensor]
 
@@ -75,9 +68,8 @@ def _scatter(
     row_bytes: int,
     skip: int,
 ) -> Callable[[int], None]:
-    """Copies each read's rows out as soon as they are read and verified (still in the CPU
-    caches), when called with the ready leading bytes of a region starting `skip` bytes
-    before row `row0`."""
+    """A `consume` callback: copies each read's rows out as soon as they are verified (still
+    in the CPU caches); the region starts `skip` bytes before row `row0`."""
     done = 0  # rows (from row0) already copied
 
     def copy_ready(ready: int) -> None:
@@ -101,16 +93,11 @@ def read_stored(
     path: str,
     request: int,
 ) -> int:
-    """Reads what `group` needs of one stored chunk into its reads' destinations.
-
-    Only the rows the reads touch are read (widened to whole checksum blocks; whole items
-    for whole-item digests); non-plain chunks go through `torch.load`.
-
-    Returns:
-        Tensor data bytes read from storage (the whole item for `torch.load` chunks).
-    """
+    """Reads the rows of one stored chunk that `group`'s reads touch into their destinations
+    (widened to whole checksum blocks; whole items for whole-item digests and for non-plain
+    chunks, which go through `torch.load`); returns the bytes read from storage."""
     raw = stream.raw
-    layout = parse_chunk(raw, group, expected, what)
+    layout = _parse_chunk(raw, group, expected, what)
     if layout is None:
         stream.seek(0)
         payload = stream.read()
@@ -141,15 +128,9 @@ def read_stored(
     return nread
 
 
-def parse_chunk(raw: Any, group: ChunkGroup, expected: Optional[ItemSum], what: str) -> Any:
-    """The layout of a stored chunk's zip (`zipformat.ChunkLayout`), or None where it is not
-    the plain layout (then `torch.load` reads it); from the records before the data alone
-    when the item has per-block checksums.
-
-    Raises:
-        CheckpointCorruptedError: the records say another shape or dtype than the metadata
-            does for `group` (checked before any data is read into a destination).
-    """
+def _parse_chunk(raw: Any, group: ChunkGroup, expected: Optional[ItemSum], what: str) -> Any:
+    """The chunk's `ChunkLayout` (None: not plain; `torch.load` reads it), checked against the
+    metadata first; from the records before the data alone with per-block checksums."""
     layout = None
     if expected is not None and expected.blocked:
         layout = head_layout(

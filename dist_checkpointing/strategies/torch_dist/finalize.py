@@ -1,9 +1,8 @@
 """Finalizing a torch_dist save: rank 0 builds `.metadata` from every rank's compact report.
 
-Collective. Each rank sends rank 0 its report (`encode_report`), or only its digest while
-unchanged; rank 0 builds DCP's metadata (`build_global_metadata`: work proportional to the
-stored chunks, or none while no report changed), writes `.metadata`, its load index and
-`checksums.json`, and broadcasts the outcome: a failure anywhere raises on every rank.
+Each rank sends rank 0 its report (`encode_report`), or only its digest while unchanged;
+rank 0 builds and writes the metadata files (no work while no report changed) and
+broadcasts the outcome: a failure anywhere raises on every rank.
 """
 
 from __future__ import annotations
@@ -183,8 +182,8 @@ def _register(
 
 
 def write_global_metadata(ckpt: Path, reports: Sequence[bytes], dedup: bool) -> Dict[str, int]:
-    """Builds DCP's metadata from every rank's report, writes `.metadata` and its index (no
-    process group); returns `{file name: xxh3-64}` of the written files."""
+    """Writes `.metadata` and its index from every rank's report (no process group);
+    returns `{file name: xxh3-64}` of the written files."""
     return write_metadata_files(ckpt, serialize_metadata(build_global_metadata(reports, dedup)))
 
 

@@ -1,14 +1,12 @@
 """Reading flattened-range checkpoints written by megatron-core <= 0.13.
 
 megatron-core 0.13 stores a flat ShardedTensor (`flattened_range`, its distributed
-optimizer's layout) "reformulated": a global tensor of N-D shape `(X, Y, Z)` split on a grid
-of pieces `(x, y, z)` is stored as a DCP tensor of shape `(X // x, Y // y, Z // z, x*y*z)`
-whose chunks are `(grid index..., flat start)` with sizes `(1, ..., 1, flat length)`, and
-`Metadata.mcore_data[key]['nd_reformulated_orig_global_shape']` records `(X, Y, Z)`.
-
-We read it by translation: each stored flat chunk is a union of boxes of the original
-tensor (`flat_range_boxes`), each a contiguous run; a request reads the runs it overlaps
-into temporaries and copies the overlaps out. Planning only; `load` does the I/O.
+optimizer's layout) "reformulated": a global tensor of shape `(X, Y, Z)` split on a grid of
+pieces `(x, y, z)` is a DCP tensor of shape `(X // x, Y // y, Z // z, x*y*z)` whose chunks
+are `(grid index..., flat start)` with sizes `(1, ..., 1, flat length)`;
+`Metadata.mcore_data[key]['nd_reformulated_orig_global_shape']` records `(X, Y, Z)`. Each
+stored chunk is a union of contiguous boxes of the original tensor (`flat_range_boxes`): a
+request reads the ones it overlaps into temporaries and copies the overlaps out (no I/O here).
 """
 
 from __future__ import annotations
@@ -97,10 +95,9 @@ def plan_reformulated_reads(
     for idx, chunk in enumerate(stored.chunks):
         cell = tuple(chunk.offsets)[:-1]
         start = int(chunk.offsets[-1])
+        end = start + int(chunk.sizes[-1])
         origin = tuple(c * p for c, p in zip(cell, piece))
-        for box_off, box_shape, flat_start in flat_range_boxes(
-            piece, start, start + int(chunk.sizes[-1])
-        ):
+        for box_off, box_shape, flat_start in flat_range_boxes(piece, start, end):
             glob = tuple(o + b for o, b in zip(origin, box_off))
             ov = overlap(glob, box_shape, offsets, sizes)
             if ov is None:

@@ -1,8 +1,7 @@
 """Loading with the torch_dist backend: any requested sharding from DCP-format checkpoints.
 
-Collective: every rank reads the metadata of the keys it asks for (`metadata_file`'s load
-index), plans reads for exactly the regions it asked for (`plan.plan_tensor_reads`), and
-reads each needed chunk once (`reader`).
+Each rank reads the metadata of the keys it asks for (the load index), plans reads for
+exactly its regions (`plan`) and reads each needed chunk once (`reader`).
 """
 
 from __future__ import annotations
@@ -89,9 +88,9 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
     Args:
         weights_only: keep True (the default) to refuse arbitrary pickled ShardedObjects;
             set False only for trusted checkpoints.
-        thread_count: data files read in parallel (each front to back, by one thread,
-            through the page cache; to read each byte once per job when resharding, wrap
-            the strategy in `FullyParallelLoadStrategyWrapper`).
+        thread_count: data files read in parallel (each front to back by one thread; to
+            read each byte once per job when resharding, wrap the strategy in
+            `FullyParallelLoadStrategyWrapper`).
         verify_checksums: verify everything read against the checkpoint's checksums when
             it has them (a mismatch raises `CheckpointCorruptedError`).
         allow_lossy_dtype_conversion: load into a dtype that does not hold some stored
@@ -132,9 +131,9 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
     def load(
         self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir
     ) -> StateDict:
-        """Collective: fills every requested shard from the checkpoint (ShardedTensors
-        without data are allocated on the CPU; a different global shape is an error unless
-        the tensor allows shape mismatch).
+        """Collective: fills every requested shard from the checkpoint (ShardedTensors without
+        data are allocated on the CPU; a global shape other than the stored one must be
+        allowed by the tensor).
 
         Returns:
             `sharded_state_dict` with every ShardedTensor/ShardedObject replaced by its data.
@@ -147,9 +146,8 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         stats: Optional[_LoadStats] = None
         error: Optional[BaseException] = None
         try:
-            result, stats = self._read(
-                sharded_state_dict, ckpt, self._plan(sharded_state_dict, ckpt)
-            )
+            plan = self._plan(sharded_state_dict, ckpt)
+            result, stats = self._read(sharded_state_dict, ckpt, plan)
         except Exception as e:  # agreed on below, with the other ranks' statistics
             error = e
         agree_on_errors(error, f"torch_dist load from {ckpt}")
@@ -225,7 +223,6 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
     def _read(
         self, sharded_state_dict: ShardedStateDict, ckpt: Path, plan: _Plan
     ) -> Tuple[StateDict, _LoadStats]:
-        """Reads the planned data."""
         metadata, checksums, dests, reads = plan.metadata, plan.checksums, plan.dests, plan.reads
 
         def resolve(r: ReadItem) -> torch.Tensor:
@@ -261,14 +258,9 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             loaded_objects[id(o)] = value[0]
             nbytes += len(data)
         seconds = time.perf_counter() - plan.start
-        logger.debug(
-            "rank %d loaded %.3f GB from %s in %.2f s (%.2f GB/s)",
-            get_rank(),
-            nbytes / 1e9,
-            ckpt,
-            seconds,
-            gbps(nbytes, seconds),
-        )
+        msg = "rank %d loaded %.3f GB from %s in %.2f s (%.2f GB/s)"
+        rate = gbps(nbytes, seconds)
+        logger.debug(msg, get_rank(), nbytes / 1e9, ckpt, seconds, rate)
 
         def unwrap(x: Any) -> Any:
             if isinstance(x, ShardedTensor):
@@ -349,22 +341,14 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                 try:
                     sh_obj = ShardedObject.empty_from_unique_key(key)
                 except CheckpointingException:
-                    logger.warning(
-                        "Bytes entry %r of %s is not a ShardedObject; not listed",
-                        key,
-                        checkpoint_dir,
-                    )
+                    msg = "Bytes entry %r of %s is not a ShardedObject; not listed"
+                    logger.warning(msg, key, checkpoint_dir)
                     continue
                 out[sh_obj.unique_key] = sh_obj
         out.update(self.load_tensors_metadata(checkpoint_dir, metadata))
         return out
 
     def remove_sharded_tensors(self, checkpoint_dir: CheckpointDir, key_prefix: str) -> None:
-        """Drops every key starting with `key_prefix`, and the data files named with it (see
-        `metadata_file.remove_sharded_tensors`; not collective).
-
-        Raises:
-            CheckpointingException: if no data file starts with the prefix, or kept keys live
-                in those files (removing them would lose data).
-        """
+        """Drops the keys starting with `key_prefix` and their data files; not collective (see
+        `metadata_file.remove_sharded_tensors`, which says what it raises)."""
         remove_sharded_tensors(Path(checkpoint_dir), key_prefix)

@@ -1,11 +1,9 @@
 """DCP's `.metadata` and its load index: written atomically, read safely and checked.
 
-`.metadata` is a pickled DCP `Metadata` (what DCP and megatron-core read), read with an
-allowlisting unpickler (stock DCP uses `pickle.load`); its entries are checked (dtypes,
-chunk bounds, storage paths) so a damaged file is reported as corruption. The load index
-`.metadata.index` (JSON lines, see docs/formats.md) holds the same entries, so a loading
-rank decodes only the keys it asks for (`open_for_load`). `remove_sharded_tensors` rewrites
-both without a separated key group (not collective: one process, a checkpoint nobody writes).
+`.metadata` is DCP's pickled `Metadata`, read with an allowlisting unpickler (stock DCP uses
+`pickle.load`) and checked (dtypes, chunk bounds, storage paths), so damage reads as
+corruption. The load index `.metadata.index` (JSON lines, docs/formats.md) holds the same
+entries, so a loading rank decodes only the keys it asks for (`open_for_load`).
 """
 
 from __future__ import annotations
@@ -16,7 +14,7 @@ import json
 import logging
 import pickle
 from pathlib import Path
-from typing import Any, Collection, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Collection, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -91,11 +89,8 @@ def serialize_metadata(metadata: Metadata) -> Dict[str, bytes]:
 
 
 def write_metadata_files(checkpoint_dir: Path, files: Dict[str, bytes]) -> Dict[str, int]:
-    """Writes `serialize_metadata`'s files atomically (a stale index is removed).
-
-    Returns:
-        `{file name: xxh3-64}` of the written files.
-    """
+    """Writes `serialize_metadata`'s files atomically (a stale index is removed); returns
+    `{file name: xxh3-64}` of them."""
     for name, payload in files.items():
         write_bytes_atomically(payload, str(Path(checkpoint_dir) / name))
     if INDEX_FNAME not in files:
@@ -247,9 +242,9 @@ def open_for_load(
 ) -> Metadata:
     """The metadata a load of `keys` needs: only those keys, from the load index; all of
     `.metadata` when `keys` is None or the index is missing (DCP, megatron-core, older
-    checkpoints) or lacks a key. `checksums`: verify what is read (`read_checksums`).
-    `boxes`: per tensor key, the `(offsets, sizes)` requested: only the stored chunks they
-    overlap are kept (a rank reads a few of a layer-stacked key's hundreds of chunks).
+    checkpoints) or lacks a key. `checksums`: verify what is read. `boxes`: per tensor key,
+    the `(offsets, sizes)` requested: only the stored chunks they overlap are kept (a rank
+    reads a few of a layer-stacked key's hundreds of chunks).
 
     Raises:
         CheckpointCorruptedError: the file read is damaged or malformed (named).
@@ -304,9 +299,9 @@ def open_for_load(
 
 
 def remove_sharded_tensors(ckpt: Path, key_prefix: str) -> None:
-    """Drops every key starting with `key_prefix` (a checkpoint's `separation_hint`), and the
-    data files named with it (and their checksums); `.metadata` and its index (atomically)
-    and `checksums.json` first.
+    """Drops every key starting with `key_prefix` (a save's `separation_hint`) and the data
+    files named with it, rewriting `.metadata`, its index and `checksums.json` first (not
+    collective: one process, a checkpoint nobody writes).
 
     Raises:
         CheckpointingException: if no data file starts with the prefix, or kept keys live
@@ -328,16 +323,14 @@ def remove_sharded_tensors(ckpt: Path, key_prefix: str) -> None:
             raise CheckpointingException(
                 f"Key {index.fqn!r} is stored in {info.relative_path}, which would be removed"
             )
-    metadata.state_dict_metadata = {
-        k: v for k, v in metadata.state_dict_metadata.items() if not k.startswith(key_prefix)
-    }
-    metadata.storage_data = {
-        i: s for i, s in metadata.storage_data.items() if not i.fqn.startswith(key_prefix)
-    }
+
+    def kept(entries: Dict[Any, Any], key: Callable[[Any], str] = str) -> Dict[Any, Any]:
+        return {k: v for k, v in entries.items() if not key(k).startswith(key_prefix)}
+
+    metadata.state_dict_metadata = kept(metadata.state_dict_metadata)
+    metadata.storage_data = kept(metadata.storage_data, lambda index: index.fqn)
     if isinstance(metadata.planner_data, dict):
-        metadata.planner_data = {
-            k: v for k, v in metadata.planner_data.items() if not str(k).startswith(key_prefix)
-        }
+        metadata.planner_data = kept(metadata.planner_data)
     sums = read_checksums(ckpt)
     digests = write_metadata_files(ckpt, serialize_metadata(metadata))
     if sums is not None:

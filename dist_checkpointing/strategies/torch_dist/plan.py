@@ -1,8 +1,5 @@
-"""Pure planning for the torch_dist backend: what to write and what to read.
-
-No files or process groups here; the vocabulary is PyTorch DCP's, so the format stays
-readable by `torch.distributed.checkpoint` and megatron-core.
-"""
+"""Pure planning for the torch_dist backend (no files, no process groups): what to write
+and what to read, in DCP's vocabulary, so DCP and megatron-core read the format."""
 
 from __future__ import annotations
 
@@ -69,7 +66,7 @@ class WriteEntry:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of payload (tensor data or serialized object)."""
+        """Bytes of payload."""
         if isinstance(self.data, torch.Tensor):
             return self.data.numel() * self.data.element_size()
         assert isinstance(self.data, (bytes, bytearray, memoryview))
@@ -106,24 +103,18 @@ def serialize_object(obj: object) -> bytes:
 def split_into_files(
     entries: Sequence[WriteEntry], files_per_rank: int, separation_hint: Optional[str] = None
 ) -> List[Tuple[str, List[WriteEntry]]]:
-    """Groups a rank's entries into files of roughly equal byte size.
+    """Groups a rank's entries into files of roughly equal byte size (largest first, each
+    into the lightest file): `[(group, entries)]`, the group '' or the hint, none empty.
 
     Args:
         files_per_rank: files for each group (one writer thread each).
         separation_hint: entries whose key starts with it go to files named with it, so
             `remove_sharded_tensors(prefix)` can drop them whole.
-
-    Returns:
-        `[(group, entries)]`, the group '' or the hint, no empty bucket (largest entries
-        first, each into the lightest file).
     """
+    hint = separation_hint or ""
     groups: Dict[str, List[WriteEntry]] = {}
     for e in entries:
-        group = (
-            separation_hint
-            if separation_hint and e.item.index.fqn.startswith(separation_hint)
-            else ""
-        )
+        group = hint if hint and e.item.index.fqn.startswith(hint) else ""
         groups.setdefault(group, []).append(e)
     out: List[Tuple[str, List[WriteEntry]]] = []
     for group, items in groups.items():
@@ -188,7 +179,7 @@ def require_covered(
     key: str, covered: int, offsets: Sequence[int], sizes: Sequence[int], allow_partial: bool
 ) -> None:
     """Raises `CheckpointingException` unless the stored chunks cover all elements of the
-    requested region (`covered` of them), or `allow_partial`."""
+    region (`covered` of them) or `allow_partial`."""
     wanted = math.prod(sizes)
     if covered != wanted and not allow_partial:
         raise CheckpointingException(
@@ -203,18 +194,15 @@ def plan_tensor_reads(
     allow_partial: bool = False,
     index: Optional[ChunkIndex] = None,
 ) -> List[ReadItem]:
-    """Plans the reads that fill one requested region from the stored chunks.
+    """The reads, one per overlapping stored chunk, that fill one requested region.
 
     Args:
         stored: the checkpoint's metadata of the requested tensor.
         allow_partial: accept a region the checkpoint covers only in part.
         index: `ChunkIndex(stored)`, built once per key when it serves several requests.
 
-    Returns:
-        One ReadItem per overlapping stored chunk, with offsets into both sides.
-
     Raises:
-        CheckpointingException: if part of the region is not in the checkpoint.
+        CheckpointingException: part of the region is not in the checkpoint.
     """
     items = []
     covered = 0

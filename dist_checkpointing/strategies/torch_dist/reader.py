@@ -1,9 +1,8 @@
 """Reading torch_dist data files: each needed stored chunk once, straight into its destination.
 
-Data files `[<hint>]__<rank>_<n>.distcp` hold, back to back, a `torch.save` zip per tensor
-chunk (see `zipformat`) and raw bytes per object; `.metadata` (see `metadata_file`) says
-where each item lies. Here the reads are grouped by stored chunk and the files iterated,
-each front to back by one thread; `chunk_reader` reads one chunk.
+Data files `[<hint>]__<rank>_<n>.distcp` hold a `torch.save` zip per tensor chunk
+(`zipformat`) and raw bytes per object. Reads are grouped by stored chunk, and each file is
+read front to back by one thread; `chunk_reader` reads one chunk.
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ from ...storage import objstore
 from .chunk_reader import ChunkGroup, read_stored, release_scratch
 from .verify import mismatch
 
-__all__ = ["READ_REQUEST", "group_reads", "open_range", "read_byte_items", "read_tensor_items"]
+__all__ = ["READ_REQUEST", "open_range", "read_byte_items", "read_tensor_items"]
 
 #: bytes per read request: two checksum blocks, so a request's bytes are verified while
 #: they are still in the CPU caches
@@ -46,17 +45,12 @@ class _FileRange(io.RawIOBase):
     """A read-only, seekable view of `length` bytes of an open file from `offset`."""
 
     def __init__(self, f: Any, offset: int, length: int) -> None:
-        super().__init__()
         self._f, self._start, self._len, self._pos = f, offset, length, 0
 
     def readable(self) -> bool:
         return True
 
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
+    seekable = readable
 
     def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
         base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._len}[whence]
@@ -110,19 +104,15 @@ def _stored_chunk(
 ItemKey = Tuple[str, int, int]
 
 
-def group_reads(metadata: Metadata, reads: Sequence[ReadItem]) -> Dict[ItemKey, ChunkGroup]:
-    """The reads grouped by the stored item they read from.
-
-    Raises:
-        CheckpointCorruptedError: a read's item has no storage location.
-    """
+def _group_reads(metadata: Metadata, reads: Sequence[ReadItem]) -> Dict[ItemKey, ChunkGroup]:
+    """The reads grouped by the stored item they read from (which must have a location)."""
     groups: Dict[ItemKey, ChunkGroup] = {}
     for r in reads:
         info = _storage_info(metadata, r.storage_index)
-        groups.setdefault(
-            (str(info.relative_path), info.offset, info.length),
-            ChunkGroup(info, [], _stored_chunk(metadata, r.storage_index)),
-        ).reads.append(r)
+        key = (str(info.relative_path), info.offset, info.length)
+        if key not in groups:
+            groups[key] = ChunkGroup(info, [], _stored_chunk(metadata, r.storage_index))
+        groups[key].reads.append(r)
     return groups
 
 
@@ -146,27 +136,25 @@ def read_tensor_items(
     progress: Optional[Callable[[int], None]] = None,
     first_file: int = 0,
 ) -> int:
-    """Reads each needed stored chunk once and copies the requested regions out of it; each
-    data file front to back by one thread, `thread_count` files at once.
+    """Reads each needed stored chunk once into the requested regions, each file front to
+    back by one thread, `thread_count` files at once.
 
     Args:
-        reads: planned reads (see `plan_tensor_reads`); `resolve` gives their destinations.
+        reads: planned reads (`plan_tensor_reads`); `resolve` gives their destinations.
         checksums: when given, every item read is verified against it.
         progress: called with the bytes of each chunk read (from the reading threads).
-        first_file: start with the file at this position (modulo their number) of the
-            sorted files this rank reads, then go round: ranks that all read the same files
-            pass their rank, so each file is first read by one rank and comes to the others
-            from the page cache.
+        first_file: start at this file (modulo their number) of the sorted files this rank
+            reads, then go round: ranks reading the same files pass their rank, so each file
+            is read from storage by one and comes to the others from the page cache.
 
     Returns:
-        Tensor data bytes read from storage: only the rows a resharded load needs (widened
+        Tensor data bytes read from storage (only the rows a resharded load needs, widened
         to whole checksum blocks when verifying).
 
     Raises:
-        CheckpointCorruptedError: on a missing, truncated, malformed or (with `checksums`)
-            damaged chunk, naming the file, key and byte range.
+        CheckpointCorruptedError: a missing, truncated, malformed or damaged chunk (named).
     """
-    groups = group_reads(metadata, reads)
+    groups = _group_reads(metadata, reads)
     request = READ_REQUEST  # read at call time: tests make it small
 
     def load_group(group: ChunkGroup) -> int:

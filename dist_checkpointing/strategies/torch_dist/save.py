@@ -1,11 +1,9 @@
 """Saving with the torch_dist backend: the save strategy, sync writes and async staging.
 
-Each rank writes its main-replica shards to its own `.distcp` files (`writer`), in
-parallel; then `finalize` has rank 0 write DCP's `.metadata` from every rank's compact
-report. No planning exchange is needed before the write: file names and chunk placement
-follow from each rank's own shards.
-An async save copies the shards into pooled host images (pinned for CUDA sources) and
-returns a request whose background function writes them.
+Each rank writes its main-replica shards to its own `.distcp` files (`writer`) with no
+planning exchange (names and placement follow from its own shards); then `finalize` has
+rank 0 write `.metadata` from every rank's report. An async save copies the shards into
+pooled host images and returns a request whose background function writes them.
 """
 
 from __future__ import annotations
@@ -55,10 +53,9 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
     """Saves ShardedTensors and ShardedObjects in PyTorch DCP's format.
 
     Args:
-        backend: recorded in metadata.json ('torch_dist').
-        version: recorded in metadata.json (1).
-        keep_only_main_replica: write only main replicas (True), or every replica and keep
-            one copy of each chunk in the metadata (False).
+        backend, version: recorded in metadata.json ('torch_dist', 1).
+        keep_only_main_replica: write only main replicas, else every replica (the metadata
+            keeps one copy of each chunk).
         thread_count: files per rank, written in parallel (one thread each).
         cached_metadata: accepted for API compatibility (plans are always cached).
         separation_hint: keys starting with this prefix go to separate files named with it,
@@ -66,8 +63,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         background_thread_count: threads of an async save's background writer (one keeps
             its competition with training lowest).
         direct_io: write with O_DIRECT where the file system supports it (else buffered,
-            logged once per directory); False: through the page cache. Either way each
-            file is fsync'd before the save commits.
+            logged once per directory). Either way each file is fsync'd before the commit.
         checksums: record an xxh3-64 of every stored item (beside its data file), and of
             `.metadata`, its index and `common.pt` in `checksums.json` (verified on load).
     """
@@ -162,14 +158,13 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
     def async_save(
         self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir
     ) -> AsyncRequest:
-        """Copies this rank's shards to pooled host staging buffers; returns the write request.
-
-        The request's `async_fn` writes the staged bytes; its finalize function (collective)
-        writes DCP's `.metadata`. The buffers return to the pool when it is finalized or fails.
+        """Copies this rank's shards to pooled host images; returns the request that writes
+        them (its finalize function, collective, writes `.metadata`; the images return to the
+        pool when it is finalized or fails).
 
         Raises:
-            CheckpointingException: on invalid input (e.g. a ShardedTensor without data);
-                raised locally, before anything is scheduled.
+            CheckpointingException: invalid input (e.g. a ShardedTensor without data), before
+                anything is scheduled.
         """
         ckpt = Path(checkpoint_dir)
         start = time.perf_counter()
@@ -199,13 +194,9 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         )
         request.add_finalize_fn(lambda: self._finalize(ckpt, items, request.result, None, start))
         request.cleanup_fns.append(functools.partial(self._images.release_group, plans, bufs))
-        logger.debug(
-            "rank %d staged %d bytes for %s in %.3f s",
-            get_rank(),
-            sum(plan.size for plan in plans),
-            ckpt,
-            time.perf_counter() - start,
-        )
+        nbytes = sum(plan.size for plan in plans)
+        secs = time.perf_counter() - start
+        logger.debug("rank %d staged %d bytes for %s in %.3f s", get_rank(), nbytes, ckpt, secs)
         return request
 
     def _finalize(

@@ -1,8 +1,7 @@
 """Verifying stored chunks against `checksums.json` as their bytes are read (no second pass).
 
 An item's `ItemSum` (see `integrity`) is one digest of the whole item, or a digest of its
-frame (the zip records) plus one per `block` bytes of its data. `ChunkVerifier` checks a
-range of the data with arbitrary ends, reading the bytes of its edge blocks outside it.
+frame (the zip records) plus one per `block` bytes of its data (`ChunkVerifier`).
 """
 
 from __future__ import annotations
@@ -17,16 +16,7 @@ from ...errors import CheckpointCorruptedError
 from ...integrity import ItemSum, new_hasher
 from ...storage import read_region
 
-__all__ = [
-    "ChunkVerifier",
-    "check_layout",
-    "block_mismatch",
-    "flat_bytes",
-    "frame",
-    "frame_matches",
-    "mismatch",
-    "read_exact",
-]
+__all__ = ["ChunkVerifier", "check_layout", "flat_bytes", "frame_matches", "mismatch", "read_exact"]
 
 
 def mismatch(what: str, info: _StorageInfo) -> CheckpointCorruptedError:
@@ -37,8 +27,7 @@ def mismatch(what: str, info: _StorageInfo) -> CheckpointCorruptedError:
     )
 
 
-def block_mismatch(what: str, info: _StorageInfo, expected: ItemSum, k: int) -> Exception:
-    """The error for block `k` of an item's data region not matching its digest."""
+def _block_mismatch(what: str, info: _StorageInfo, expected: ItemSum, k: int) -> Exception:
     b0 = info.offset + expected.data_off + k * expected.block
     b1 = info.offset + expected.data_off + min(expected.data_len, (k + 1) * expected.block)
     return CheckpointCorruptedError(
@@ -51,7 +40,7 @@ def check_layout(
     layout: Any, stored: Optional[Tuple[Tuple[int, ...], torch.dtype]], what: str
 ) -> None:
     """Raises `CheckpointCorruptedError` where a chunk's zip records (`layout`) say another
-    shape or dtype than the metadata does (`stored`; None: not recorded): a damaged record."""
+    shape or dtype than the metadata (`stored`; None: not recorded) does."""
     if stored is not None and stored != (tuple(layout.shape), layout.dtype):
         raise CheckpointCorruptedError(
             f"{what}: the item holds a {layout.dtype} chunk of shape "
@@ -72,7 +61,7 @@ def read_exact(raw: Any, offset: int, n: int) -> bytes:
     return b"".join(parts)
 
 
-def frame(raw: Any, layout: Any, length: int) -> Tuple[bytes, bytes]:
+def _frame(raw: Any, layout: Any, length: int) -> Tuple[bytes, bytes]:
     """The item's bytes before and after its data (its zip records)."""
     end = layout.data_offset + layout.nbytes
     return read_exact(raw, 0, layout.data_offset), read_exact(raw, end, length - end)
@@ -82,7 +71,7 @@ def frame_matches(raw: Any, layout: Any, length: int, expected: ItemSum) -> bool
     """Whether the item's zip records (all bytes around the data) match their digest."""
     if layout.data_offset != expected.data_off or layout.nbytes != expected.data_len:
         return False
-    head, tail = frame(raw, layout, length)
+    head, tail = _frame(raw, layout, length)
     h = new_hasher()
     h.update(head)
     h.update(tail)
@@ -97,19 +86,15 @@ def flat_bytes(t: torch.Tensor) -> Any:
 
 
 class ChunkVerifier:
-    """Reads the range `[start, start + len(data))` of a chunk's data region into `data`
-    (`read`) and verifies it as it lands.
-
-    Called with the leading bytes filled so far, it checks each block completed while still
-    in the CPU caches (a whole-item digest is fed incrementally); `finish` completes the
-    check. The bytes of the range's first and last blocks outside it (rows of a resharded
-    load) are read from `raw`, the first before the range, the last after it, so the file
-    stays read in order.
+    """Reads bytes `[start, start + len(data))` of a chunk's data region into `data` (`read`),
+    verifying them as they land: called with the leading bytes filled so far, it checks each
+    completed block (or feeds a whole-item digest) while still in the CPU caches. The edge
+    blocks' bytes outside the range are read from `raw`, the first before it and the last
+    after it (the file stays read in order).
 
     Args:
-        raw: the item's stream (its frame and edge blocks are read from it).
-        layout: the item's parsed layout (`zipformat.ChunkLayout`).
-        data: the bytes being filled, from `start` in the item's data region.
+        raw: the item's stream (frame and edge blocks are read from it).
+        layout: the item's parsed `zipformat.ChunkLayout`.
         expected: the item's digests; None: nothing to verify (progress still passed on).
         consume: called with the number of leading bytes verified so far.
 
@@ -137,7 +122,7 @@ class ChunkVerifier:
         self.frame_tail = self.head = self.tail = b""
         self.next = self.end = self.tail_len = 0  # blocks [next, end) are still to verify
         if expected is not None and not expected.blocked:
-            head, self.frame_tail = frame(raw, layout, info.length)
+            head, self.frame_tail = _frame(raw, layout, info.length)
             self.hasher = new_hasher()
             self.hasher.update(head)
         elif expected is not None and self.b > start:
@@ -189,12 +174,11 @@ class ChunkVerifier:
                     self.tail = self._edge(self.b, self.tail_len)
                 h.update(self.tail)
             if k >= len(expected.blocks) or h.intdigest() != expected.blocks[k]:
-                raise block_mismatch(self.what, self.info, expected, k)
+                raise _block_mismatch(self.what, self.info, expected, k)
             self.next, self.done = k + 1, min(hi, self.b) - self.a
 
     def read(self, path: str, offset: int, request: int) -> None:
-        """Reads the range's bytes from `offset` of `path` into `data`, verifying them as they
-        land (`read_region` with `request` bytes per request), then `finish`es."""
+        """Reads the range from `offset` of `path`, `request` bytes at a time, and verifies it."""
         needed = self.expected is not None or self.consume is not None
         read_region(path, offset, self.view, self if needed else None, request)
         self.finish()

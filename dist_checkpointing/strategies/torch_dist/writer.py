@@ -1,11 +1,10 @@
 """The torch_dist writer: DCP-format data files written at the disk's speed.
 
-Each data file is laid out ahead of time (`plan_file`): per tensor item, its zip records
-(`zipformat`) around the raw bytes, placed at 4096-byte file offsets; per object item, its
-serialized bytes. The file is written in large requests through `storage.FileWriter`
-(O_DIRECT where allowed), from a staged image (async save) or streamed through two aligned
-chunk buffers (sync save); each item's xxh3-64 is computed as its bytes are written, and
-the file's item digests are written beside it (`integrity.write_item_sums`).
+Each file is laid out ahead of time (`plan_file`: zip records around each tensor's raw
+bytes, serialized bytes per object), then written in large requests through
+`storage.FileWriter` (O_DIRECT where allowed), from a staged image (async save) or streamed
+through two aligned chunk buffers (sync save). Each item's xxh3-64 is computed as its bytes
+are written and stored beside the file (`integrity.write_item_sums`).
 """
 
 from __future__ import annotations
@@ -76,9 +75,9 @@ class FilePlan:
         return (self.size, tuple((p.offset, p.length, p.data_nbytes) for p in self.items))
 
 
-#: tensors at least this large get their data on a 4096-byte file offset (O_DIRECT reads
-#: straight into aligned destinations); smaller ones on 64 bytes, as torch.save does, so
-#: files of many small tensors do not fill up with padding
+#: tensors at least this large get their data on a 4096-byte file offset: part of the file
+#: layout (docs/formats.md), kept though no reader uses O_DIRECT any more, so files stay
+#: byte-identical; smaller ones on 64 bytes, as torch.save does (less padding)
 DIRECT_MIN = 1 << 20
 
 
@@ -119,27 +118,22 @@ def plan_file(name: str, entries: Sequence[WriteEntry]) -> FilePlan:
 
 
 def _byte_view(t: torch.Tensor) -> np.ndarray:
-    """The bytes of a tensor (made contiguous on the CPU if needed) as a flat uint8 array."""
+    """The bytes of a tensor, made contiguous on the CPU if needed."""
     return flat_bytes(t.detach().cpu().contiguous())
 
 
 def _on_device(src: Any) -> bool:
-    """Whether a source is a tensor outside host memory (copied a chunk at a time)."""
+    """Whether `src` is a tensor outside host memory (copied a chunk at a time)."""
     return isinstance(src, torch.Tensor) and src.device.type != "cpu"
 
 
 def _device_bytes(t: torch.Tensor) -> torch.Tensor:
-    """The bytes of a contiguous device tensor as a flat uint8 tensor (no copy)."""
     return t.detach().reshape(-1).view(torch.uint8)
 
 
 def _results(plan: FilePlan) -> List[WriteResult]:
     return [
-        WriteResult(
-            index=p.item.index,
-            size_in_bytes=p.length,
-            storage_data=_StorageInfo(plan.name, p.offset, p.length),
-        )
+        WriteResult(p.item.index, p.length, _StorageInfo(plan.name, p.offset, p.length))
         for p in plan.items
     ]
 
@@ -148,9 +142,6 @@ def _open(path: Path, size: int, direct: bool, **kw: Any) -> Any:
     """A `FileWriter`, or for an object path its multipart upload (same interface)."""
     cls = FileWriter if objstore.split(path) is None else objstore.ObjectWriter
     return cls(path, size, direct, **kw)
-
-
-# ---- sync save: streaming through two aligned chunk buffers ----------------------------
 
 
 def write_streamed(
@@ -167,7 +158,7 @@ def write_streamed(
     buffers (CUDA ones straight, pinned) and checksummed from there.
 
     Args:
-        sources: per item of `plan`, the tensor (tensor items laid out as zip) or None.
+        sources: per item of `plan`, its tensor (None for byte items).
         checksums: compute each item's xxh3-64 (written to the file's sidecar).
         progress: called with the bytes of each chunk handed to the disk.
     """
@@ -203,14 +194,9 @@ def write_streamed(
     return _results(plan)
 
 
-# ---- async save: staged images ----------------------------------------------------------
-
-
 def stage_image(plan: FilePlan, sources: Sequence[Any], buf: torch.Tensor) -> None:
-    """Copies an item's bytes (records, tensor data, payloads) into the file image `buf`.
-
-    Device-to-host copies are issued non-blocking; the caller synchronizes.
-    """
+    """Copies every item's bytes into the file image `buf` (device copies non-blocking: the
+    caller synchronizes)."""
     flat = buf.numpy()
     for p, src in zip(plan.items, sources):
         if p.payload is not None:
@@ -223,13 +209,10 @@ def stage_image(plan: FilePlan, sources: Sequence[Any], buf: torch.Tensor) -> No
             dst.copy_(src, non_blocking=src.is_cuda)
         tail_start = head_end + p.data_nbytes
         flat[tail_start : tail_start + len(p.tail)] = np.frombuffer(p.tail, dtype=np.uint8)
-    n = -(-plan.size // ALIGN) * ALIGN
-    if n > plan.size:
-        flat[plan.size : n] = 0
+    flat[plan.size : -(-plan.size // ALIGN) * ALIGN] = 0  # the padding of the last request
 
 
 def _image_sums(plan: FilePlan, flat: np.ndarray) -> List[ItemChecksum]:
-    """The item checksums of a staged file image."""
     sums: List[ItemChecksum] = []
     for p in plan.items:
         item = flat[p.offset : p.offset + p.length]
@@ -285,7 +268,7 @@ def write_files(
     direct: bool = True,
     progress: Optional[Callable[[int], None]] = None,
 ) -> List[WriteResult]:
-    """Writes files in parallel (one thread per file, up to `thread_count`); fsyncs the directory.
+    """Writes files, up to `thread_count` at once (a thread each); fsyncs the directory.
 
     Args:
         jobs: per file, its plan, its item sources, and its staged image (or None to stream).

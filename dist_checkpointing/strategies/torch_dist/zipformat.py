@@ -1,11 +1,9 @@
-"""The torch.save-compatible zip layout of one tensor item (stored, uncompressed), written
-and parsed here only.
+"""The torch.save-compatible zip layout of one tensor item (uncompressed), only here.
 
-Writing (`zip_item_layout`): the records around a tensor's raw bytes are built ahead of
-time, the data record placed at a chosen file alignment (4096 bytes for O_DIRECT). Reading
-(`chunk_layout`, `head_layout`): `data.pkl` is read with an unpickler that knows only the
-tensor-rebuild recipe (nothing is executed) to locate a C-contiguous chunk's bytes;
-anything unexpected returns None and the reader falls back to `torch.load`.
+`zip_item_layout` builds the records around a tensor's raw bytes ahead of time, the data
+at a chosen file alignment. `chunk_layout` and `head_layout` locate a C-contiguous chunk's
+bytes by reading `data.pkl` with an unpickler that knows only the tensor-rebuild recipe
+(nothing is executed); anything unexpected gives None, and the reader uses `torch.load`.
 """
 
 from __future__ import annotations
@@ -154,12 +152,9 @@ class _Builder:
 def zip_item_layout(
     dtype: torch.dtype, shape: Tuple[int, ...], file_offset: int, data_align: int = 4096
 ) -> Optional[ZipItemLayout]:
-    """The bytes around a tensor's data for an item starting at `file_offset`; the data
-    (C-contiguous) lands at a multiple of `data_align`.
-
-    Returns:
-        The layout, or None for a dtype without a storage class or a >4 GiB tensor.
-    """
+    """The bytes around a tensor's (C-contiguous) data for an item starting at `file_offset`,
+    the data at a multiple of `data_align`; None for a dtype without a storage class or a
+    >4 GiB tensor."""
     shape = tuple(int(s) for s in shape)
     nbytes = math.prod(shape) * dtype.itemsize
     if dtype not in STORAGE_CLASS or nbytes > _MAX_RECORD:
@@ -267,11 +262,9 @@ def _record_start(item: io.RawIOBase, info: zipfile.ZipInfo) -> Optional[int]:
     return info.header_offset + _LOCAL.size + header[9] + header[10]
 
 
-def _layout_from(recipe: Any, data_start: int, storage_nbytes: int) -> Optional[ChunkLayout]:
+def _layout_from(recipe: _Recipe, data_start: int, storage_nbytes: int) -> Optional[ChunkLayout]:
     """The layout of a C-contiguous chunk whose storage record holds `storage_nbytes` bytes
     from `data_start`, or None when the recipe describes anything else."""
-    if not isinstance(recipe, _Recipe):
-        return None
     if recipe.stride != _strides(recipe.shape) and math.prod(recipe.shape) > 1:
         return None
     itemsize = recipe.storage.dtype.itemsize
@@ -282,12 +275,10 @@ def _layout_from(recipe: Any, data_start: int, storage_nbytes: int) -> Optional[
 
 
 def head_layout(head: bytes, data_off: int, data_len: int) -> Optional[ChunkLayout]:
-    """Locates a chunk's data from `head`, the item's bytes before its data, alone, or None.
-
-    For items whose storage record is known (from the checksums, whose frame digest is
-    checked later) to span `[data_off, data_off + data_len)`: the first record must be
-    `data.pkl`, so nothing after the data is read first (`chunk_layout` starts from the
-    directory at the item's end: one more random read per chunk).
+    """Locates a chunk's data from `head`, the item's bytes before its data, alone, or None,
+    for items whose first record is `data.pkl` and whose storage record is known (from the
+    checksums, whose frame digest is checked later) to span `[data_off, data_off + data_len)`:
+    unlike `chunk_layout` (the directory at the item's end), no extra random read per chunk.
     """
     try:
         if len(head) != data_off or len(head) < _LOCAL.size:
@@ -304,13 +295,12 @@ def head_layout(head: bytes, data_off: int, data_len: int) -> Optional[ChunkLayo
         if s is None or s.numel * s.dtype.itemsize != data_len:
             return None
         return _layout_from(recipe, data_off, data_len)
-    except (*_PARSE_ERRORS, UnicodeDecodeError, IndexError):
+    except (*_PARSE_ERRORS, IndexError):  # a UnicodeDecodeError is a ValueError
         return None
 
 
 def chunk_layout(item: io.RawIOBase) -> Optional[ChunkLayout]:
-    """Locates the contiguous data of a `torch.save`d tensor item (a seekable binary view of
-    exactly one item), or None if it cannot."""
+    """Locates the data of a `torch.save`d tensor item (a seekable view of it alone), or None."""
     try:
         # the directory only: zipfile would check CRCs, which our writer leaves out
         zf = zipfile.ZipFile(item)  # type: ignore[arg-type]
