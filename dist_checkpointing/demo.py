@@ -1,8 +1,6 @@
-"""The demo behind `dist-ckpt demo`: save with one sharding, load with another, verify.
-
-A gloo world of N CPU processes saves a small transformer-like sharded state (tensor-parallel
-weights split on rows or columns, replicated layer norms, a per-rank ShardedObject, common
-state), loads it back with every split axis swapped, checks every byte and prints a table.
+"""`dist-ckpt demo`: N gloo CPU processes save a small transformer-like sharded state
+(tensor-parallel weights, replicated norms, a per-rank ShardedObject, common state), load it
+with every split axis swapped, check every byte and print a table.
 """
 
 from __future__ import annotations
@@ -23,7 +21,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 __all__ = ["DemoConfig", "run_demo"]
-_Spec = Tuple[str, Tuple[int, ...], torch.dtype, int]  # key, global shape, dtype, split axis
+_Spec = Tuple[str, Tuple[int, ...], torch.dtype, int]  # key, global shape, dtype, TP axis or -1
 
 
 @dataclass
@@ -33,8 +31,7 @@ class DemoConfig:
     Attributes:
         world_size: number of processes.
         hidden, layers, vocab: model width, transformer layers, embedding rows.
-        directory: parent of the checkpoint directory, kept (a temporary one when empty,
-            removed at the end unless `keep`).
+        directory: parent of the checkpoint, kept (default: a temporary one).
         keep: keep the temporary directory.
     """
 
@@ -52,7 +49,6 @@ def _global_tensor(name: str, shape: Tuple[int, ...], dtype: torch.dtype) -> tor
 
 
 def _specs(cfg: DemoConfig) -> List[_Spec]:
-    """(key, global shape, dtype, tensor-parallel axis or -1 for replicated)."""
     h = cfg.hidden
     specs: List[_Spec] = [("embedding.weight", (cfg.vocab, h), torch.bfloat16, 0)]
     for i in range(cfg.layers):
@@ -93,9 +89,7 @@ def _worker(rank: int, cfg: DemoConfig, rendezvous: str, ckpt: str, log_level: i
     from . import serialization
     from .mapping import ShardedTensor
 
-    # one intra-op thread per rank, as torchrun sets (OMP_NUM_THREADS=1): threads of
-    # several ranks on the same cores otherwise spin against each other
-    torch.set_num_threads(1)
+    torch.set_num_threads(1)  # as torchrun: else the ranks' threads spin against each other
     # spawned processes start with logging unconfigured: use the launcher's level
     logging.basicConfig(level=log_level, format=f"%(levelname)s rank {rank} %(name)s: %(message)s")
 
@@ -167,7 +161,7 @@ def run_demo(cfg: DemoConfig) -> None:
     """Runs the demo in a fresh gloo world of `cfg.world_size` processes.
 
     Raises:
-        ValueError: when the world size does not divide the model dimensions.
+        ValueError: the world size does not divide the model dimensions.
     """
     if cfg.world_size < 1 or any(
         s[a] % cfg.world_size for _, s, _, a in _specs(cfg) for a in range(len(s))

@@ -1,19 +1,13 @@
-"""Quantized tensor subclasses as ShardedTensor data, through PyTorch's wrapper-subclass
-protocol (`__tensor_flatten__`), so torchao's Float8Tensor and MXTensor and Transformer
-Engine's Float8Tensor work without importing either library.
+"""Quantized tensor subclasses as ShardedTensor data via `__tensor_flatten__`: torchao's
+Float8Tensor and MXTensor and Transformer Engine's Float8Tensor, importing neither library.
 
-Such a tensor is saved as its inner tensors (data, scales), each an ordinary tensor under
-`<key>::<inner name>`, sharded like the outer tensor divided by its block: an inner tensor
-whose local shape is the outer's divided by `b` along an axis covers blocks of `b` there
-(per-row scale: the row length; 1x32 MX: 32; packed fp4: 2). A split that cuts through a
-block is refused. A swizzled tensor (a truthy flatten-metadata entry whose name contains
-"swizzl", as torchao's `is_swizzled_scales`) lays its scales out in tiles, not by position:
-each inner tensor not shaped like the tensor is stored whole under `<key>::<name>[<slices>]`
-(the piece it belongs to), so only the same piece loads it. Loads fill the destination's own
-inner tensors in place (no high-precision copy); its flatten metadata (ctx) is what rebuilds
-it. No component lives under the plain `<key>`, so a reader that does not know this layout
-fails instead of reading data without its scales; loading into a plain tensor is opt-in
-(`dequantize_on_load`).
+Each inner tensor (data, scales) is stored under `<key>::<name>`, sharded like the outer
+tensor divided by its block (local shape outer / b along an axis: blocks of b); a split
+through a block is refused. Swizzled scales (a truthy ctx entry named like "swizzl") are
+tiles, not positions: stored whole under `<key>::<name>[<slices>]`, only that piece loads
+them. Loads fill the destination's inner tensors in place. Nothing lives under the plain
+`<key>`, so a reader unaware of this layout fails instead of reading data without its
+scales; loading into a plain tensor is opt-in (`dequantize_on_load`).
 """
 
 from __future__ import annotations
@@ -57,9 +51,8 @@ def is_quantized(t: Any) -> bool:
 
 @contextlib.contextmanager
 def dequantize_on_load(allow: bool = True) -> Iterator[None]:
-    """Within the block (this thread), a plain destination whose key is stored quantized is
-    filled with its data times its scales (broadcast over their blocks) instead of raising;
-    the stored pieces are read into temporary tensors."""
+    """Within the block (this thread), a plain destination of a key stored quantized is filled
+    with data times scales (via temporary tensors) instead of raising."""
     token = _dequantize.set(allow)
     try:
         yield
@@ -105,8 +98,7 @@ def _piece(sh: ShardedTensor, name: str, inner: Any, dtype: Any, blocks: List[in
 
 
 def _swizzled(ctx: Any) -> bool:
-    """Whether flatten metadata `ctx` (a dict or an object) has a truthy entry whose name
-    contains "swizzl": its scales are laid out in tiles, not by position."""
+    """Whether flatten metadata `ctx` has a truthy "swizzl" entry (scales laid out in tiles)."""
     entries = ctx if isinstance(ctx, dict) else getattr(ctx, "__dict__", {})
     return any(
         "swizzl" in str(k).lower() and not isinstance(v, torch.Tensor) and bool(v)
@@ -115,9 +107,8 @@ def _swizzled(ctx: Any) -> bool:
 
 
 def _tiled_piece(sh: ShardedTensor, name: str, inner: torch.Tensor) -> ShardedTensor:
-    """The ShardedTensor of a swizzled inner tensor of `sh`: stored whole under a key naming
-    the piece of the tensor it belongs to (`w::scale[0:64,0:256]`), so another split asks for
-    a key the checkpoint lacks instead of reading tiles as positions."""
+    """A swizzled inner tensor, stored whole under its piece's key (`w::scale[0:64,0:256]`):
+    another split asks for a missing key instead of reading tiles as positions."""
     p = sh.prepend_axis_num
     where = ",".join(f"{o}:{o + n}" for o, n in zip(sh.global_offset[p:], sh.local_shape))
     return replace(
@@ -189,9 +180,8 @@ def _dequantizing_factory(sh: ShardedTensor, stored: Dict[str, Any]) -> ShardedT
 
 
 def expand_quantized(tree: Any, stored: Optional[Dict[str, Any]] = None) -> Any:
-    """Replaces, in `tree` (in place), every ShardedTensor of a quantized tensor by a factory
-    of its inner tensors; with `stored` (the checkpoint's metadata, given when dequantizing
-    is allowed), also every plain one whose key is stored quantized."""
+    """Replaces in place every quantized ShardedTensor in `tree` by a factory of its inner
+    tensors; with `stored` (metadata, when dequantizing), also plain ones stored quantized."""
 
     def convert(x: Any) -> Any:
         if not isinstance(x, ShardedTensor) or x.flattened_range is not None:
@@ -208,8 +198,7 @@ def expand_quantized(tree: Any, stored: Optional[Dict[str, Any]] = None) -> Any:
 
 
 def stored_form_hint(key: str, stored_keys: Sequence[str]) -> str:
-    """Why `key` is not in a checkpoint holding `stored_keys` when it is quantized (or its
-    scales swizzled) on one side; else ''."""
+    """Why `key` is missing from `stored_keys` if quantized or swizzled on one side; else ''."""
     base, _, name = key.partition(SEP)
     if not name and any(k.startswith(key + SEP) for k in stored_keys):
         return (
@@ -235,9 +224,8 @@ def stored_form_hint(key: str, stored_keys: Sequence[str]) -> str:
 def block_hint(
     key: str, stored: Sequence[int], requested: Sequence[int], metadata: Callable[[], Any]
 ) -> str:
-    """Why inner tensor `key` of a quantized tensor is stored with another global shape than
-    `requested`: both sides' scaling blocks, in elements of the tensor's largest positional
-    inner tensor (its data), found in `metadata()` (DCP's Metadata); else ''."""
+    """Why inner tensor `key` is stored with another shape than `requested`: both sides'
+    blocks, in elements of the largest positional inner tensor in `metadata()`; else ''."""
     base, _, name = key.partition(SEP)
     try:  # a hint never hides the error it explains
         entries = metadata().state_dict_metadata.items() if name else ()

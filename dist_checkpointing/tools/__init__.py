@@ -1,13 +1,7 @@
-"""What the `dist-ckpt` command does, as functions for scripts (no process group needed).
-
-- `list_checkpoints(root)` and `describe(path)`: what is there (`dist-ckpt ls` / `inspect`);
-- `verify_checkpoint(path)`: read every byte, check every checksum (`dist-ckpt verify`);
-- `convert_checkpoint(src, out, to=...)`: full tensors as safetensors or torch files;
-- `diff_checkpoints(a, b)`: keys, shapes, dtypes and values that differ;
-- `export_hf(ckpt, out)` / `import_hf(hf_dir, ckpt, tp=...)`: megatron-core GPTModel
-  checkpoints to and from HuggingFace Llama / Mixtral (`dist-ckpt export-hf` / `import-hf`).
-
-Names are imported on first use, so the torch-free paths of `ls` and `inspect` stay torch-free.
+"""The `dist-ckpt` verbs as functions for scripts (no process group needed): `list_checkpoints`
+(`ls`), `describe` (`inspect`), `verify_checkpoint`, `convert_checkpoint` (safetensors or torch
+files), `diff_checkpoints`, and `export_hf` / `import_hf` (megatron-core GPTModel to and from
+HuggingFace Llama / Mixtral). Imported on first use, so `ls` and `inspect` stay torch-free.
 """
 
 from __future__ import annotations

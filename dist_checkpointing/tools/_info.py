@@ -73,14 +73,13 @@ class CheckpointInfo:
     """What `describe` found in a checkpoint directory.
 
     Attributes:
-        path: the directory.
+        path, size: the directory, and its bytes on disk.
         kind: the backend named by `metadata.json` ('torch_dist', 'local'), 'dcp',
             'incomplete' (no commit record) or 'unusable' (a damaged commit record).
         complete: whether it is committed (loadable).
         step: from an `iter_NNNNNNN` directory name (a local tier: the iteration), else None.
         backend: `sharded_backend v<version>` (or 'dcp' / None).
-        size: bytes on disk.
-        date: modification time of the commit record (or the directory), ISO 8601 UTC.
+        date: mtime of the commit record (or the directory), ISO 8601 UTC.
         tensors: stored tensors.
         objects: stored objects and common values: key -> short repr ('' when not read).
         checksums: checksum coverage (local parts: by their own checksums).
@@ -110,19 +109,15 @@ class CheckpointInfo:
 
     @property
     def state(self) -> str:
-        """'complete'; 'incomplete': not committed (a save that did not finish, or is still
-        running); 'unusable': committed but damaged or unreadable."""
+        """'complete', 'incomplete' (not committed: a save unfinished or running) or 'unusable'
+        (committed but damaged or unreadable)."""
         if self.complete:
             return "complete"
         return "incomplete" if self.kind == "incomplete" else "unusable"
 
 
 def _remote(path: Any) -> Any:
-    """`storage.objstore` for an object path (imported only then: `ls` stays light), else None.
-
-    Raises:
-        CheckpointingException: a URL scheme other than s3.
-    """
+    """`storage.objstore` for an object path (imported only then: `ls` stays light), else None."""
     if re.match(r"[A-Za-z][\w+.-]+:(/|$)", os.fspath(path)) is None:
         return None
     from ..storage import objstore
@@ -228,8 +223,7 @@ class LocalPart:
 def local_parts(
     ckpt: Path, iteration: Optional[int] = None, dirty: bool = False
 ) -> List[LocalPart]:
-    """The committed (with `dirty`, also uncommitted) parts under `<ckpt>/<rank>/`, by holder
-    and owner; of one `iteration` when given."""
+    """Committed (with `dirty`, also uncommitted) parts under `<ckpt>/<rank>/` [of `iteration`]."""
     out = []
     for sub in sorted(ckpt.iterdir()) if ckpt.is_dir() else []:
         for f in sorted(sub.iterdir()) if sub.is_dir() and sub.name.isdigit() else []:
@@ -240,10 +234,9 @@ def local_parts(
 
 
 def local_tier(ckpt: Path) -> Dict[int, CheckpointInfo]:
-    """`{step: entry}` of a checkpoint manager's local tier (`<local_root>/<session_id>`:
-    `<rank>/iter_<step>_<owner>_local.pt`, no `metadata.json`), from file names; empty for
-    other directories. A step is complete when this machine holds a committed part of every
-    rank seen in the tier (on several nodes, each sees its own ranks' parts)."""
+    """`{step: entry}` of a manager's local tier (`<rank>/iter_<step>_<owner>_local.pt`), from
+    file names; else empty. A step is complete when this machine holds a committed part of
+    every rank seen in the tier (on several nodes, each sees its own ranks' parts)."""
     parts = local_parts(ckpt, dirty=True)
     world = max((p.owner for p in parts), default=-1) + 1
     out: Dict[int, CheckpointInfo] = {}
@@ -277,33 +270,26 @@ def fill_local(
     rank_state: Callable[[LocalPart], Dict[str, Any]],
     deep: bool,
 ) -> None:
-    """Fills `info` from a local checkpoint's parts (for the full and the torch-free reader).
+    """Fills `info` from a local checkpoint's parts (for both readers); reads none unless `deep`.
 
-    `rank_state` reads one part (the owner's own copy when present) into a dict with
-    `world_size` (or None), `common`, `objects` and `sharded`: `"<key> (<offset>)"` ->
-    `(global shape, dtype name, item size)`. Without `deep`, no part is read.
+    `rank_state` reads one part into `world_size` (or None), `common`, `objects` and
+    `sharded`: `"<key> (<offset>)"` -> `(global shape, dtype name, item size)`.
     """
     owners = sorted({p.owner for p in parts})
-    info.checksums = ChecksumCoverage(
-        present=True, items=len(owners), items_covered=len(owners), files_covered=[]
-    )
+    info.checksums = ChecksumCoverage(present=True, items=len(owners), items_covered=len(owners))
     if not deep:
         info.world_size = len(owners)
         return
     tensors: Dict[str, TensorInfo] = {}
     for owner in owners:
-        # the owner's own copy when this machine has it, else a replica
-        sd = rank_state(
-            min((p for p in parts if p.owner == owner), key=lambda p: p.holder != owner)
-        )
+        mine = [p for p in parts if p.owner == owner]
+        sd = rank_state(min(mine, key=lambda p: p.holder != owner))  # its own copy, else a replica
         info.world_size = sd.get("world_size") or len(owners)
         for slot, (global_shape, dtype, itemsize) in sd["sharded"].items():
             key = slot.rsplit(" (", 1)[0]
             shape = [int(s) for s in global_shape]
-            t = tensors.setdefault(
-                key, TensorInfo(key, shape, dtype, math.prod(shape) * itemsize, 0)
-            )
-            t.shards += 1
+            nbytes = math.prod(shape) * itemsize
+            tensors.setdefault(key, TensorInfo(key, shape, dtype, nbytes, 0)).shards += 1
         for key, value in (sd.get("objects") or {}).items():
             info.objects[key] = short_repr(value)
         if owner == owners[0]:
@@ -322,9 +308,8 @@ def fill_dcp(
 ) -> None:
     """Fills `info` from DCP metadata (torch's, or `_light`'s stand-ins) for both readers.
 
-    `covered(file, offset)` tells whether the checksums cover an item (None: no checksums);
-    `read_object(key, storage)` gives a small object's short repr (None: objects not read);
-    `common()` reads the common state (None: not read).
+    Callbacks, None when not applicable: `covered(file, offset)`: whether checksums cover an
+    item; `read_object(key, storage)`: a small object's short repr; `common()`: common state.
     """
     coverage = ChecksumCoverage(covered is not None, files_covered=files_covered)
     shards: Dict[str, int] = {}

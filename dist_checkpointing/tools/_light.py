@@ -1,6 +1,5 @@
-"""`describe` without importing torch, for `dist-ckpt inspect`: an unpickler maps allowlisted
-torch classes to stand-ins; anything else raises `Unsupported` and the caller uses the full
-reader. Imports only the standard library, `xxhash` and `_info` (local parts: `_light_local`).
+"""`describe` without importing torch (`dist-ckpt inspect`, `ls`): an unpickler maps allowlisted
+torch classes to stand-ins; anything else raises `Unsupported` (the caller uses the full reader).
 """
 
 from __future__ import annotations
@@ -154,7 +153,7 @@ def _unpickle(data: bytes, tensors: bool, classes: Optional[_Classes] = None) ->
 
 
 def _torch_payload(data: bytes, classes: Optional[_Classes] = None) -> Any:
-    """The object of a `torch.save` zip, tensors as stand-ins; `classes` adds to the allowlist."""
+    """The object of a `torch.save` zip (tensors as stand-ins); `classes` extend the allowlist."""
     try:
         with zipfile.ZipFile(io.BytesIO(data)) as z:
             name = next(n for n in z.namelist() if n.endswith("/data.pkl") or n == "data.pkl")
@@ -229,13 +228,8 @@ def _config(ckpt: Path) -> Any:
 
 
 def describe_light(path: PathArg, deep: bool = True, step: Optional[int] = None) -> CheckpointInfo:
-    """`tools.inspect.describe` for complete `torch_dist`, stock DCP and local checkpoints,
-    and for checkpoint managers' local tiers.
-
-    Raises:
-        Unsupported: anything else (missing, incomplete, damaged, another backend, classes
-            outside the allowlist): use the full reader.
-    """
+    """`tools.inspect.describe` of complete `torch_dist`, stock DCP and local checkpoints and
+    local tiers; raises `Unsupported` for anything else (then use the full reader)."""
     if re.match(r"[A-Za-z][\w+.-]+:(/|$)", str(path)):  # an object store: the full reader
         raise Unsupported("not a local path")
     from ._light_local import describe_local_light

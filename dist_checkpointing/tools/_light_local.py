@@ -1,6 +1,5 @@
-"""`describe` of ('local', 1) and ('local', 2) checkpoints without importing torch: every
-checksum of a part's image (`local/_image.py`) is checked, its header read with `_light`'s
-unpickler; anything not recognised raises `Unsupported` (the caller uses the full reader).
+"""`describe` of ('local', 1) and ('local', 2) checkpoints without torch: every checksum of a
+part's image (`local/_image.py`) is checked, its header read with `_light`'s unpickler.
 """
 
 from __future__ import annotations
@@ -44,7 +43,7 @@ _CLASSES: Dict[Tuple[str, str], Any] = {
 
 
 def _leaves(x: Any) -> Iterator[Any]:
-    """Leaves of nested dicts and lists, depth first, in order (as dict_utils.nested_values)."""
+    """Leaves of nested dicts and lists in order, as `dict_utils.nested_values`."""
     items = x.values() if isinstance(x, dict) else x
     for v in items:
         if isinstance(v, (dict, list)):
@@ -88,7 +87,7 @@ def _read_part(path: Path) -> Any:
 
 
 def _unique_key(sh: Any) -> str:
-    """`ShardedObject.unique_key`: the name of the piece."""
+    """As `ShardedObject.unique_key`."""
     offset = ".".join(map(str, sh.global_offset))
     shape = ".".join(map(str, sh.global_shape))
     return f"{sh.key}/shard_{offset}_{shape}"
@@ -124,11 +123,7 @@ def _rank_state(part: LocalPart) -> Dict[str, Any]:
 def describe_local_light(
     ckpt: Path, info: CheckpointInfo, deep: bool, parts: List[LocalPart]
 ) -> None:
-    """Fills `info` from the committed `parts` of a local checkpoint (or a tier's iteration).
-
-    Raises:
-        Unsupported: no parts, a damaged part, or anything not recognised.
-    """
+    """Fills `info` from the committed `parts` of a local checkpoint (or a tier's step)."""
     if not parts:
         raise Unsupported("no parts")
     try:

@@ -1,6 +1,5 @@
-"""The one place where the tools read checkpoint files below the public API (DCP metadata,
-raw items, local images), so a change of the backends' private modules touches only this.
-"""
+"""The tools' only reads below the public API (DCP metadata, raw items, local images), so a
+change of the backends' private modules touches only this module."""
 
 from __future__ import annotations
 
@@ -93,13 +92,7 @@ def read_full_tensor(
     checksums: Optional[Checksums] = None,
     index: Tuple[int, ...] = (),
 ) -> torch.Tensor:
-    """Reads one whole (unsharded) tensor, chunk by chunk, verified against `checksums`;
-    with `index`, only `tensor[index]` (e.g. one layer of a layer-stacked key).
-
-    Raises:
-        CheckpointingException: unknown key, or a chunk missing from the metadata.
-        CheckpointCorruptedError: a missing, truncated or damaged chunk (file, key, bytes).
-    """
+    """Reads one whole tensor (with `index`, `tensor[index]`) chunk by chunk, verified."""
     stored = metadata.state_dict_metadata.get(key)
     if not isinstance(stored, TensorStorageMetadata):
         raise CheckpointingException(f"{ckpt}: no tensor {key!r}")
@@ -121,25 +114,14 @@ def read_full_tensor(
 def read_object(
     ckpt: Path, metadata: Metadata, key: str, checksums: Optional[Checksums] = None
 ) -> Any:
-    """Reads one stored byte entry and unpickles it safely (`weights_only`).
-
-    Raises:
-        CheckpointCorruptedError: missing or damaged bytes.
-        UnsafeCheckpointError: the bytes hold objects outside the safe allowlist.
-    """
+    """Reads one stored byte entry, verified, and unpickles it safely (`weights_only`)."""
     (raw,) = read_byte_items(ckpt, metadata, [MetadataIndex(key)], checksums)
     return unwrap_object(key, torch_load(io.BytesIO(raw), f"{key!r} in {ckpt}"))
 
 
 def read_local_part(part: LocalPart) -> Dict[str, Any]:
-    """Reads and verifies one ('local', 1) or ('local', 2) part; returns its rank state.
-
-    The state holds `world_size` (None for version 2), `common`, `objects` and `sharded`
-    (`"<key> (<offset>)"` -> `{global_shape, local_shape, data}`).
-
-    Raises:
-        CheckpointCorruptedError: unreadable, damaged, or not a local rank state.
-    """
+    """The verified rank state of a local part: `world_size` (None for version 2), `common`,
+    `objects`, `sharded` (`"<key> (<offset>)"` -> `{global_shape, local_shape, data}`)."""
     from ..dict_utils import nested_values
     from ..local._image import decode_image, read_image
     from ..mapping import ShardedObject, ShardedTensor

@@ -1,11 +1,8 @@
 """`convert_checkpoint`: the full tensors of a `torch_dist` (ours, megatron-core) or stock
 DCP checkpoint as safetensors shards or one `torch.save` file. Not collective.
 
-Tensors are read and written one at a time into files laid out from the metadata alone,
-so memory stays at the largest tensor (plus one stored chunk of it and I/O buffers).
-safetensors: 8-byte header length, JSON header (space-padded to 8 bytes), the tensors'
-bytes. torch: a stored zip of `archive/data.pkl` (tensors refer to storages
-`archive/data/<i>` by persistent id), the storages, `byteorder` and `version`.
+Files are laid out from the metadata alone and written one tensor at a time, so memory stays
+at the largest tensor (plus one stored chunk of it and I/O buffers).
 """
 
 from __future__ import annotations
@@ -69,11 +66,7 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
 
 
 def safetensors_header(entries: List[_Entry]) -> bytes:
-    """The length prefix and header of a safetensors file holding `entries` in order.
-
-    Raises:
-        CheckpointingException: a dtype safetensors cannot store.
-    """
+    """The length prefix and header of a safetensors file of `entries`; raises on a bad dtype."""
     header: Dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for key, dtype, shape in entries:
@@ -92,8 +85,8 @@ _StorageRef = collections.namedtuple("_StorageRef", "cls key numel")
 
 
 class _Rebuild(collections.namedtuple("_Rebuild", "ref shape dtype", defaults=(None,))):
-    """Pickles as `torch.save` pickles a contiguous tensor over the storage `ref` (`dtype`:
-    set for an untyped storage, as torch writes dtypes without a typed storage class)."""
+    """Pickles as `torch.save` does a contiguous tensor over storage `ref` (`dtype`: set for an
+    untyped storage, as torch writes dtypes without a typed storage class)."""
 
     def __reduce__(self):  # type: ignore[no-untyped-def]
         stride = torch.empty(self.shape, device="meta").stride()  # contiguous, no allocation
@@ -175,13 +168,11 @@ def convert_checkpoint(
 
     Args:
         src: the checkpoint directory.
-        out: for 'safetensors', a directory that receives `model-0000i-of-0000N.safetensors`
-            and `model.safetensors.index.json` (`weight_map`: key -> file); for 'torch', the
-            file to write (`torch.load(out)` gives `{key: tensor}`).
+        out: 'safetensors': a directory for `model-0000i-of-0000N.safetensors` files and
+            their index; 'torch': the file to write (`torch.load(out)`: `{key: tensor}`).
         to: 'safetensors' or 'torch'.
-        max_shard_size: bytes (or e.g. "5GB") per safetensors file; a larger tensor gets a
-            file of its own.
-        progress: show a tqdm bar; default: when stderr is a terminal.
+        max_shard_size: bytes (or e.g. "5GB") per safetensors file (a larger tensor alone).
+        progress: show a tqdm bar (default: when stderr is a terminal).
 
     Returns:
         The files written and the tensors and bytes converted.
@@ -190,8 +181,7 @@ def convert_checkpoint(
         NotACheckpointError: `src` is missing or not a complete checkpoint.
         CheckpointExistsError: the output already exists.
         CheckpointCorruptedError: a damaged chunk (checked against `checksums.json`).
-        CheckpointingException: another backend, an unknown format or a dtype the format
-            cannot store.
+        CheckpointingException: another backend, an unknown format or an unstorable dtype.
     """
     ckpt, dest = Path(src), Path(out)
     if to not in ("safetensors", "torch"):

@@ -1,7 +1,6 @@
 """`diff_checkpoints`: what differs between two DCP-format checkpoints. Not collective.
-
-Compares keys, shapes and dtypes from the metadata, then values tensor by tensor (one
-tensor of each checkpoint in memory at a time), and the common state and objects.
+Keys, shapes and dtypes from the metadata, then values tensor by tensor (one tensor of each
+in memory at a time), then the common state and objects.
 """
 
 from __future__ import annotations
@@ -73,13 +72,8 @@ def _max_difference(a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float) 
 
 def _values_equal(x: Any, y: Any) -> bool:
     if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
-        return (
-            isinstance(x, torch.Tensor)
-            and isinstance(y, torch.Tensor)
-            and x.shape == y.shape
-            and x.dtype == y.dtype
-            and bool(torch.equal(x, y))
-        )
+        both = isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)
+        return both and x.shape == y.shape and x.dtype == y.dtype and bool(torch.equal(x, y))
     if isinstance(x, dict) and isinstance(y, dict):
         return x.keys() == y.keys() and all(_values_equal(x[k], y[k]) for k in x)
     if isinstance(x, (list, tuple)) and isinstance(y, (list, tuple)):
@@ -107,8 +101,7 @@ def _values(ckpt: Path, metadata: Any, checksums: Any) -> Dict[str, Any]:
     if config is not None and (has_common_file or common_object):
         from ..serialization import load_common_state_dict
 
-        for key, value in load_common_state_dict(ckpt).items():
-            out[f"common:{key}"] = value
+        out.update({f"common:{k}": v for k, v in load_common_state_dict(ckpt).items()})
     return out
 
 
@@ -116,10 +109,8 @@ def diff_checkpoints(a: PathArg, b: PathArg, *, rtol: float = 0.0, atol: float =
     """Compares two `torch_dist` or stock DCP checkpoints.
 
     Args:
-        a: the first checkpoint directory.
-        b: the second.
-        rtol: relative tolerance for tensor values (as `torch.isclose`).
-        atol: absolute tolerance for tensor values.
+        a, b: the checkpoint directories.
+        rtol, atol: relative and absolute tolerances for tensor values (as `torch.isclose`).
 
     Returns:
         A `DiffReport` (`report.equal` when nothing differs).

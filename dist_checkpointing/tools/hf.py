@@ -1,7 +1,6 @@
-"""`export_hf` / `import_hf` (`dist-ckpt export-hf` / `import-hf`): megatron-core GPTModel
-checkpoints to and from HuggingFace Llama / Mixtral. Not collective: a `torch_dist`
-checkpoint holds global tensors whatever split saved it. Export streams one layer (expert)
-of one tensor at a time. Names and layouts: `hf_map`.
+"""`export_hf` / `import_hf`: megatron-core GPTModel checkpoints to and from HuggingFace
+Llama / Mixtral. Not collective: a `torch_dist` checkpoint holds global tensors whatever
+split saved it. Names and layouts: `hf_map`.
 """
 
 from __future__ import annotations
@@ -34,13 +33,12 @@ _LAYER_KEY = re.compile(
 )
 
 
-#: one stored region (`key[index]`: a layer / expert of a stacked key) -> HF tensors `hf`;
-#: `name` is a GLOBAL key, a LAYER name or `experts.<EXPERT name>`
+#: `key[index]` (a layer / expert) -> HF tensors; `name`: GLOBAL key, LAYER or EXPERT name
 _Unit = collections.namedtuple("_Unit", "key index name hf shape dtype")
 
 
 def _plan_export(entries: Dict[str, Any]) -> Tuple[List[_Unit], int]:
-    """Units in key order, and the number of layers. Raises on any name not mapped."""
+    """Units in key order and the number of layers; raises on any unmapped name."""
     moe = any(k.endswith("mlp.router.weight") for k in entries)
     units: List[_Unit] = []
     unmapped, skipped, layers = [], 0, set()
@@ -82,8 +80,7 @@ def _plan_export(entries: Dict[str, Any]) -> Tuple[List[_Unit], int]:
 
 
 def _description(ckpt: Path, metadata: Any, config: Union[None, str, Dict[str, Any]]) -> Any:
-    """The model's description: `config` (a dict, a JSON file or JSON text), else the one
-    `import_hf` stored."""
+    """`config` (a dict, JSON file or JSON text), else the description `import_hf` stored."""
     if isinstance(config, dict):
         return config
     if config is not None:
@@ -110,24 +107,22 @@ def export_hf(
 ) -> convert.ConvertResult:
     """Writes a megatron-core GPTModel checkpoint as a HuggingFace Llama / Mixtral model.
 
-    Steps: map every stored name (refusing any without an HF name); derive `config.json`
-    from the description and the shapes; read, split and write one layer / expert at a time.
+    Steps: map every stored name (refusing unmapped ones); derive `config.json`; read, split
+    and write one layer / expert at a time.
 
     Args:
-        ckpt: a `torch_dist` checkpoint of a GPTModel's sharded state dict (any TP/PP/EP);
-            keys under `optimizer.` are left out.
-        out: a new directory: `config.json`, `model-0000i-of-0000N.safetensors`,
-            `model.safetensors.index.json`.
-        config: the model's description: megatron `TransformerConfig` / GPTModel field names
-            as a dict, a JSON file or JSON text. Default: the one `import_hf` stored.
+        ckpt: a `torch_dist` GPTModel checkpoint (any TP/PP/EP); `optimizer.` keys are skipped.
+        out: a new directory for `config.json` and safetensors files with their index.
+        config: megatron `TransformerConfig` / GPTModel fields as a dict, JSON file or JSON
+            text (default: the description `import_hf` stored).
         max_shard_size: bytes (or e.g. "5GB") per safetensors file.
 
     Returns:
         The files written, the HF tensors and their bytes.
 
     Raises:
-        CheckpointingException: not a Llama / Mixtral-style GPTModel (every unmapped name is
-            listed), no description, or `out` already holding a model (CheckpointExistsError).
+        CheckpointingException: not a Llama / Mixtral-style GPTModel (unmapped names listed),
+            no description, or `out` already holding a model (CheckpointExistsError).
     """
     ckpt, dest = Path(ckpt), Path(out)
     limit = convert.parse_size(max_shard_size)
@@ -203,19 +198,17 @@ def _open_safetensors(hf_dir: Path) -> Dict[str, torch.Tensor]:
 def import_hf(
     hf_dir: PathArg, ckpt: PathArg, *, tp: int = 1, pp: int = 1, ep: int = 1
 ) -> convert.ConvertResult:
-    """Writes a HuggingFace Llama / Mixtral model as a `torch_dist` checkpoint that
-    megatron-core's GPTModel loads at tensor / pipeline / expert parallel sizes `tp`/`pp`/`ep`.
+    """Writes a HuggingFace Llama / Mixtral model as a megatron-core GPTModel checkpoint.
 
     Steps: read `config.json` and check the split divides its sizes; map the safetensors
-    files (tensors that need no change are not copied); fuse each layer's q/k/v; `save` it
-    all from this process with the description (`megatron_config`, read back by `export_hf`).
-    The tensors are global and layer-stacked (so other splits load it too); the vocabulary
-    is not padded.
+    files (unchanged tensors are not copied); fuse each layer's q/k/v; `save` with the
+    description (`megatron_config`, read by `export_hf`). Tensors are global and
+    layer-stacked, so any split loads them; the vocabulary is not padded.
 
     Args:
-        hf_dir: a directory with `config.json` and safetensors files (`save_pretrained`'s).
+        hf_dir: a `save_pretrained` directory (`config.json`, safetensors files).
         ckpt: the checkpoint directory to write.
-        tp, pp, ep: tensor, pipeline and expert parallel sizes.
+        tp, pp, ep: the tensor, pipeline and expert parallel sizes it is checked for.
 
     Returns:
         `ckpt`, the megatron tensors and their bytes.

@@ -1,13 +1,9 @@
-"""Names, layouts and configs of megatron-core's GPTModel vs transformers' Llama / Mixtral.
-
-Pure functions of names, shapes and descriptions (no I/O), shared by `hf.py`'s export and
-import. megatron-core stores every layer of a homogeneous decoder under one layer-stacked
-key (`decoder.layers.<name>`, layer axis first; experts add an expert axis); layers of
-other decoders have keys of their own (`decoder.layers.<i>.<name>`). Layouts that differ:
-- QKV: one `linear_qkv` weight, query groups one after another, each holding its query
-  heads, then its key head, then its value head; transformers keeps q, k and v apart.
-- SwiGLU: one `linear_fc1` weight `[gate; up]` (whatever the tensor-parallel size);
-  transformers keeps `gate_proj` / `up_proj` (Mixtral's experts: `w1` / `w3`).
+"""Names, layouts and configs of megatron-core's GPTModel vs transformers' Llama / Mixtral:
+pure functions (no I/O) for `hf.py`. A homogeneous decoder stores all layers under one
+layer-stacked key `decoder.layers.<name>` (layer axis, then expert axis); others use
+`decoder.layers.<i>.<name>`. Fused layouts that transformers keeps apart:
+- QKV: one `linear_qkv`; per query group its query heads, then its key and value heads.
+- SwiGLU: one `linear_fc1` `[gate; up]` (any TP size) vs `gate_proj` / `up_proj` (`w1` / `w3`).
 """
 
 from __future__ import annotations
@@ -29,10 +25,8 @@ GLOBAL = {
     "decoder.final_layernorm.weight": "model.norm.weight",
     "output_layer.weight": "lm_head.weight",
 }
-#: name inside a layer -> HF names inside `model.layers.<i>.` (several: the layout is split).
-#: The first four (and the MLP's) are megatron-core 0.16's names for the local and the
-#: Transformer Engine layer specs alike, written on import; the last two, the local spec's
-#: module names, are read too.
+#: name in a layer -> HF names in `model.layers.<i>.`: megatron-core 0.16's names (local and
+#: TE specs, written on import), then the local spec's module names (only read).
 LAYER: Dict[str, Tuple[str, ...]] = {
     "self_attention.linear_qkv.layer_norm_weight": ("input_layernorm.weight",),
     "self_attention.linear_qkv.weight": tuple(f"self_attn.{p}_proj.weight" for p in "qkv"),
@@ -90,12 +84,11 @@ def _get(desc: Dict[str, Any], field: str, default: Any = None) -> Any:
 def hf_config(
     desc: Dict[str, Any], shapes: Dict[str, Tuple[int, ...]], num_layers: int
 ) -> Dict[str, Any]:
-    """transformers' `config.json` for a GPTModel described by `desc` (megatron's field
-    names) whose `shapes` (of `GLOBAL` keys, and of one layer's / expert's `LAYER` names and
-    `experts.<EXPERT name>`) tell the sizes, query groups, experts and tied embeddings.
+    """transformers' `config.json` for GPTModel description `desc` (megatron's fields); sizes
+    from `shapes` (of `GLOBAL` keys, one layer's `LAYER` names, `experts.<EXPERT name>`).
 
     Raises:
-        CheckpointingException: a field that makes it no Llama / Mixtral, or a missing one.
+        CheckpointingException: a field missing, or one that makes it no Llama / Mixtral.
     """
     wrong = []
     for field, want in _LLAMA_LIKE.items():
@@ -141,11 +134,10 @@ def hf_config(
 
 
 def megatron_description(cfg: Dict[str, Any], tp: int, pp: int, ep: int) -> Dict[str, Any]:
-    """megatron's fields (TransformerConfig plus GPTModel's arguments) for an HF config,
-    checked against the split (sizes megatron divides by `tp`, `pp` and `ep`).
+    """megatron's fields (TransformerConfig, GPTModel's) for HF `cfg`, checked for the split.
 
     Raises:
-        CheckpointingException: not a Llama / Mixtral config, or a size the split cannot divide.
+        CheckpointingException: not a Llama / Mixtral config, or sizes the split cannot divide.
     """
     kind, rope = cfg.get("model_type"), cfg.get("rope_parameters") or {}
     bad = [] if kind in ("llama", "mixtral") else [f"model_type={kind!r}"]

@@ -1,6 +1,4 @@
-"""`describe` one checkpoint directory (no process group); `list_checkpoints` is in `listing`.
-The kinds it recognises: `CheckpointInfo.kind`.
-"""
+"""`describe` one checkpoint directory (no process group); `list_checkpoints` is in `listing`."""
 
 from __future__ import annotations
 
@@ -19,22 +17,20 @@ __all__ = ["TensorInfo", "ChecksumCoverage", "CheckpointInfo", "describe", "list
 
 
 def describe(path: PathArg, deep: bool = True, step: Optional[int] = None) -> CheckpointInfo:
-    """Describes a checkpoint directory. Not collective; reads metadata only (no tensor data).
+    """Describes a checkpoint directory. Not collective; reads no tensor data.
 
     Args:
-        path: the checkpoint directory, or a checkpoint manager's local tier directory
-            (`<local_root>/<session_id>`).
-        deep: also read common values and small objects (short reprs) and local parts;
-            False reads only the commit record and the tensor metadata (for listings).
+        path: the checkpoint directory, or a manager's local tier (`<local_root>/<session_id>`).
+        deep: also read common values, small objects and local parts (False: for listings).
         step: which iteration of a local tier (default: the newest complete one).
 
     Returns:
-        A `CheckpointInfo`; an incomplete or damaged checkpoint is described with
-        `complete=False` and its `problem`, not raised.
+        A `CheckpointInfo`; an incomplete or damaged checkpoint has `complete=False` and its
+        `problem` (not raised).
 
     Raises:
-        NotACheckpointError: `path` does not exist, is not a directory, holds no checkpoint
-            files, or `step` is given for anything but a local tier holding it.
+        NotACheckpointError: `path` is no directory, holds no checkpoint files, or `step` is
+            given for anything but a local tier holding it.
     """
     ckpt = Path(path)
     _info.check_dir(ckpt)
@@ -84,7 +80,7 @@ def describe(path: PathArg, deep: bool = True, step: Optional[int] = None) -> Ch
 
 
 def _fill_or_explain(info: CheckpointInfo, fill: Callable[[], None]) -> None:
-    """Runs `fill`; the checkpoint is complete unless it raises (then `problem` says why)."""
+    """Runs `fill`: complete unless it raises (then `problem` says why)."""
     try:
         fill()
         info.complete = True

@@ -1,7 +1,5 @@
-"""`list_checkpoints`: every checkpoint-like directory under a root, complete or not.
-
-Torch-free: the light reader and file names decide; only a committed checkpoint the light
-reader does not know (another backend, damage) goes to the full reader.
+"""`list_checkpoints`: every checkpoint-like directory under a root, complete or not. Torch-free
+unless a committed checkpoint is one the light reader does not know (another backend, damage).
 """
 
 from __future__ import annotations
@@ -21,12 +19,9 @@ _LATEST = "latest_checkpointed_iteration.txt"  # manager.layout.LATEST_FNAME (im
 
 def list_checkpoints(root: PathArg) -> List[CheckpointInfo]:
     """Every checkpoint-like directory at or under `root` (up to 4 levels down), newest first
-    (by step, then date). Not collective; reads metadata only.
-
-    Listed, with their `state`: committed checkpoints of any backend, stock DCP ones,
-    directories with checkpoint files but no commit record (incomplete), ones with a damaged
-    commit record (unusable), and every iteration of a checkpoint manager's local tier. The
-    one named by its directory's `latest` record has `latest=True`.
+    (by step, then date), with its `state`: committed (any backend, stock DCP), incomplete (no
+    commit record), unusable (damaged commit record), and each step of a manager's local tier;
+    `latest=True` for the one its `latest` record names. Not collective; reads metadata only.
 
     Raises:
         NotACheckpointError: `root` does not exist or is not a directory.

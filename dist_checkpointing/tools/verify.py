@@ -1,10 +1,8 @@
 """`verify_checkpoint`: read every byte of a checkpoint and check every checksum.
 
-With `checksums.json` (ours), each stored item is streamed and compared with its digests
-(per block for tensor data, so damage is located to a byte range), and whole files
-(`.metadata`, `common.pt`) too. Without (megatron-core, stock DCP), structure only: every
-file is there and long enough, every item decodes. Local parts are verified against the
-checksums in their images. Memory: one 16 MiB read buffer.
+With `checksums.json` (ours), items and whole files are checked against their digests (tensor
+data per block, to locate damage to a byte range); without (megatron-core, stock DCP), every
+file must be long enough and every item decode. Local parts: their images' checksums.
 """
 
 from __future__ import annotations
@@ -26,12 +24,12 @@ from ._info import LocalPart, PathArg, check_dir, local_parts, local_tier, tier_
 
 __all__ = ["Problem", "VerifyReport", "verify_checkpoint"]
 
-_READ = 16 << 20
+_READ = 16 << 20  # the one read buffer: all the memory verifying needs
 
 
 @dataclass
 class Problem:
-    """One damaged or missing piece: file, key (if any), byte range (if known), what is wrong."""
+    """One damaged or missing piece: file, message, and key and byte range when known."""
 
     file: str
     message: str
@@ -50,12 +48,10 @@ class VerifyReport:
     """The outcome of `verify_checkpoint`.
 
     Attributes:
-        path: the checkpoint.
-        kind: as in `describe` ('torch_dist', 'dcp', 'local', ...).
+        path, kind: the checkpoint, and its kind as in `describe` ('torch_dist', 'dcp', ...).
         step: the iteration checked, for a checkpoint manager's local tier.
         checksummed: whether checksums were available (else structure only).
-        items: stored items checked.
-        bytes: bytes read.
+        items, bytes: stored items checked, bytes read.
         problems: everything found wrong (empty when clean).
     """
 
@@ -77,16 +73,15 @@ def verify_checkpoint(path: PathArg, step: Optional[int] = None) -> VerifyReport
     """Reads every byte of a checkpoint and checks every checksum. Not collective.
 
     Args:
-        path: a `torch_dist`, stock DCP or local checkpoint directory, or a checkpoint
-            manager's local tier directory (`<local_root>/<session_id>`).
+        path: a `torch_dist`, stock DCP or local checkpoint, or a manager's local tier.
         step: which iteration of a local tier (default: the newest complete one).
 
     Returns:
-        A report; damage is reported in `problems` (file, key, byte range), not raised.
+        A report; damage is listed in `problems`, not raised.
 
     Raises:
-        NotACheckpointError: `path` does not exist, holds no checkpoint files at all, or
-            `step` is given for anything but a local tier holding it.
+        NotACheckpointError: `path` does not exist or holds no checkpoint files, or `step` is
+            given for anything but a local tier holding it.
     """
     ckpt = Path(path)
     check_dir(ckpt)
@@ -182,7 +177,7 @@ def _at(item: _storage.StoredItem, message: str) -> Problem:
 
 
 def _digest(f: Any, report: VerifyReport, length: float = math.inf) -> int:
-    """The checksum of the next `length` bytes of `f` (up to its end), counted as read."""
+    """The checksum of the next `length` bytes of `f` (or up to its end), counted as read."""
     h = new_hasher()
     while length > 0 and (piece := f.read(int(min(_READ, length)))):
         h.update(piece)
