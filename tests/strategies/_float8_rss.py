@@ -4,7 +4,6 @@ destinations and prints the peak RSS growth over the destinations in bytes (JSON
 one-weight warm-up load (imports, reader threads)."""
 
 import json
-import resource
 import sys
 
 import torch
@@ -12,6 +11,7 @@ import torch
 import dist_checkpointing as dc
 from dist_checkpointing import ShardedTensor
 from tests._quant import QTensor
+from tests._rss import current, peak
 
 ROWS, COLS = 4096, 4096
 
@@ -31,15 +31,6 @@ def _state(weights: dict) -> dict:
     return {k: ShardedTensor.from_rank_offsets(k, w) for k, w in weights.items()}
 
 
-def _peak() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def _current() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize()
-
-
 if __name__ == "__main__":
     mode, ckpt, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
     if mode == "save":
@@ -47,9 +38,9 @@ if __name__ == "__main__":
     else:
         dests = _weights(n, False)
         dc.load(_state({"w0": dests["w0"]}), ckpt)
-        base = max(_current(), _peak())
+        base = max(current(), peak())
         loaded = dc.load(_state(dests), ckpt)
-        growth = _peak() - base  # before anything else is allocated
+        growth = peak() - base  # before anything else is allocated
         same = all(loaded[k] is dests[k] for k in dests)
         want = _weights(n, True)
         bits = all(
