@@ -1,8 +1,5 @@
-"""`BasicTensorAwareStateDict`: a `TensorAwareStateDict` over nested dicts and lists.
-
-Each tensor is restored to the device it came from. Non-tensor leaves stay in the hollow
-state, so they must be types `torch.load(weights_only=True)` accepts (or be allowlisted).
-"""
+"""`BasicTensorAwareStateDict`: a `TensorAwareStateDict` over nested dicts and lists (its
+non-tensor leaves stay in the hollow state: see `base_state_dict` for what they may be)."""
 
 from __future__ import annotations
 

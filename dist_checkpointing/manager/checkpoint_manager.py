@@ -318,7 +318,7 @@ class CheckpointManager:
             newest = self._local.find_latest()
             if newest >= 0:
                 out.append((newest, "local", str(self._local.local_ckpt_dir)))
-        complete = self._on_rank0(f"scan of {self.root}", lambda: sorted(self._scan()[0]))
+        complete = self._on_rank0(f"scan of {self.root}", self.all_steps)
         out += [(s, "persistent", str(self.root / step_dir_name(s))) for s in complete]
         out.sort(key=lambda c: (c[0], c[1] == "local"), reverse=True)
         return out
