@@ -79,7 +79,6 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
             sharded_state_dict: the state, as for `dist_checkpointing.save`.
             algo: "atomic" (every rank stores all it holds) or "fully_parallel" (replicas
                 within `parallelization_group`, default all ranks, stored once).
-            parallelization_group: the group whose replicas are deduplicated.
             cached_metadata: the distribution an earlier call with the same structure
                 returned; skips the exchange.
 
@@ -169,16 +168,10 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
         self._require(True, "insert tensors")
         data = list(tensor_data)
         shards = self._stored_shards()
-        if len(data) != len(shards):
-            raise CheckpointingException(
-                f"insert_tensors got {len(data)} tensors for {len(shards)} stored shards"
-            )
-        for sh, t in zip(shards, data):
-            if tuple(t.shape) != tuple(sh.local_shape) or t.dtype != sh.dtype:
-                raise CheckpointingException(
-                    f"insert_tensors: shard {sh.key!r} at {sh.global_offset} has shape "
-                    f"{tuple(sh.local_shape)} and dtype {sh.dtype}; got {tuple(t.shape)}, {t.dtype}"
-                )
+        slots = [
+            (f"shard {sh.key!r} at {sh.global_offset}", sh.local_shape, sh.dtype) for sh in shards
+        ]
+        self._check_insert(data, slots, "stored shards")
         for sh, t in zip(shards, data):
             sh.data = t
         self._stored, self._is_hollow = None, False
@@ -199,12 +192,8 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
             self._devices = [str(sh.data.device) for sh in shards]  # type: ignore[union-attr]
         for sh in shards:
             assert sh.data is not None
-            # a CPU tensor is cloned too: the caller's training keeps changing the original
-            sh.data = (
-                sh.data.detach().to("cpu", non_blocking=non_blocking)
-                if sh.data.device.type != "cpu"
-                else sh.data.detach().clone()
-            )
+            # a CPU tensor is copied too: the caller's training keeps changing the original
+            sh.data = sh.data.detach().to("cpu", non_blocking=non_blocking, copy=True)
 
     def restore_tensor_device(self, non_blocking: bool = True) -> None:
         self._require(False, "restore tensor devices")
@@ -237,10 +226,7 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
                 move point to point).
             validate_access_integrity: check the request's sharding across ranks.
             strict: key mismatch handling, as for `dist_checkpointing.load`.
-            return_mismatch_keys: return `(state_dict, missing, unexpected)`.
-
-        Returns:
-            The state dict, or `(state_dict, missing, unexpected)`.
+            return_mismatch_keys: return `(state_dict, missing, unexpected)`, not the state dict.
 
         Raises:
             CheckpointingException: the state is hollow, `algo` is unknown, or a requested

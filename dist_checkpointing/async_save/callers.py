@@ -1,9 +1,5 @@
-"""Callers: run a request's `async_fn` in another process, away from the training loop.
-
-`TemporalAsyncCaller` forks a process per request (the child sees the host buffers);
-`PersistentAsyncCaller` feeds one spawned worker through a queue (host buffers travel as
-shared memory). Each reports a call's outcome once, as a `CallStatus`.
-"""
+"""Callers: run a request's `async_fn` in another process, away from the training loop;
+each reports a call's outcome once, as a `CallStatus`."""
 
 from __future__ import annotations
 
@@ -275,7 +271,8 @@ def _persistent_worker(
 
 
 class PersistentAsyncCaller(AsyncCaller):
-    """One long-lived spawned worker process, fed through a queue; restarted if it dies.
+    """One long-lived spawned worker fed through a queue (host buffers go as shared memory);
+    restarted if it dies.
 
     Args:
         niceness: added to the worker's nice value so training keeps the CPU.

@@ -8,7 +8,7 @@ hold) must be allowlisted (`allow_in_hollow_state` or `torch.serialization.add_s
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Iterable, List, Optional, ValuesView
+from typing import Any, Iterable, List, Optional, Tuple, ValuesView
 
 import torch
 
@@ -85,6 +85,20 @@ class TensorAwareStateDict(ABC):
     def tensor_names(self) -> Optional[List[str]]:
         """Names of the tensors in `pop_tensors` order (for messages); None when unnamed."""
         return None
+
+    @staticmethod
+    def _check_insert(data: List[torch.Tensor], slots: List[Tuple[str, Any, Any]], of: str) -> None:
+        """Raises unless `data` fits `slots` (`(label, shape, dtype)` each; `of`: what they are)."""
+        if len(data) != len(slots):
+            raise CheckpointingException(
+                f"insert_tensors got {len(data)} tensors for {len(slots)} {of}"
+            )
+        for t, (label, shape, dtype) in zip(data, slots):
+            if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+                raise CheckpointingException(
+                    f"insert_tensors: {label} has shape {tuple(t.shape)} and dtype {t.dtype}, "
+                    f"expected {tuple(shape)} and {dtype}"
+                )
 
     def _require(self, hollow: bool, what: str) -> None:
         if self.is_hollow != hollow:

@@ -1,8 +1,5 @@
-"""`BasicTensorAwareStateDict`: a `TensorAwareStateDict` over nested dicts and lists.
-
-Each tensor is restored to the device it came from. Non-tensor leaves stay in the hollow
-state, so they must be types `torch.load(weights_only=True)` accepts (or be allowlisted).
-"""
+"""`BasicTensorAwareStateDict`: a `TensorAwareStateDict` over nested dicts and lists (its
+non-tensor leaves stay in the hollow state: see `base_state_dict` for what they may be)."""
 
 from __future__ import annotations
 
@@ -108,16 +105,8 @@ class BasicTensorAwareStateDict(TensorAwareStateDict):
         self._require(True, "insert tensors")
         data = list(tensor_data)
         holders = self.placeholders()
-        if len(data) != len(holders):
-            raise CheckpointingException(
-                f"insert_tensors got {len(data)} tensors for {len(holders)} placeholders"
-            )
-        for i, (holder, tensor) in enumerate(zip(holders, data)):
-            if not holder.matches(tensor):
-                raise CheckpointingException(
-                    f"insert_tensors: tensor {i} has shape {tuple(tensor.shape)} and dtype "
-                    f"{tensor.dtype}, expected {holder.shape} and {holder.dtype}"
-                )
+        slots = [(f"tensor {i}", h.shape, h.dtype) for i, h in enumerate(holders)]
+        self._check_insert(data, slots, "placeholders")
         self._replace(TensorPlaceholder, data)
         self._devices = [h.device for h in holders]
         self._hollow = False

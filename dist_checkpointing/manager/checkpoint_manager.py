@@ -21,8 +21,11 @@ from ..async_save import AsyncCallsQueue
 from ..core import check_is_distributed_checkpoint
 from ..dict_utils import dict_list_map_outplace
 from ..errors import CheckpointingException, NoUsableCheckpointError
+from ..local.ckpt_managers.local_manager import LocalCheckpointManager
 from ..mapping import ShardedBase
+from ..serialization import load, save
 from ..storage import objstore
+from ..tensor_aware_state_dict import MCoreTensorAwareStateDict
 from .layout import (
     LATEST_FNAME,
     CheckpointManagerOptions,
@@ -83,12 +86,6 @@ class CheckpointManager:
         self._persistent_latest = self._on_rank0(f"startup scan of {self.root}", self._startup)
         self._local_latest = -1
         if self.options.local_root is not None:
-            from ..local.ckpt_managers.local_manager import LocalCheckpointManager
-
-            # importing the bridge allowlists its classes for reading local parts, which a
-            # fresh process (a restarted job) must do before its first save
-            from ..tensor_aware_state_dict import MCoreTensorAwareStateDict  # noqa: F401
-
             self._local = LocalCheckpointManager(
                 Path(self.options.local_root), self.options.session_id, self.options.replication
             )
@@ -167,8 +164,6 @@ class CheckpointManager:
             raise
 
     def _save_local(self, step: int, sharded_state_dict: ShardedStateDict) -> None:
-        from ..tensor_aware_state_dict import MCoreTensorAwareStateDict
-
         def committed() -> None:
             self._local_latest = max(self._local_latest, step)
             logger.info("local checkpoint of step %d committed", step)
@@ -178,8 +173,6 @@ class CheckpointManager:
         self._schedule(step, "local", request, committed)
 
     def _save_persistent(self, step: int, sharded_state_dict: ShardedStateDict) -> None:
-        from ..serialization import save
-
         path = self.root / step_dir_name(step)
         self._on_rank0(f"preparing {path}", self._clear_target, path)
         request = save(
@@ -325,14 +318,12 @@ class CheckpointManager:
             newest = self._local.find_latest()
             if newest >= 0:
                 out.append((newest, "local", str(self._local.local_ckpt_dir)))
-        complete = self._on_rank0(f"scan of {self.root}", lambda: sorted(self._scan()[0]))
+        complete = self._on_rank0(f"scan of {self.root}", self.all_steps)
         out += [(s, "persistent", str(self.root / step_dir_name(s))) for s in complete]
         out.sort(key=lambda c: (c[0], c[1] == "local"), reverse=True)
         return out
 
     def _load_one(self, tier: str, path: str, request: ShardedStateDict, load_kwargs: Any) -> Any:
-        from ..serialization import load
-
         if tier == "local":
             return self._local.load()[0].to_state_dict(request, algo="atomic")
         return load(request, path, **load_kwargs)

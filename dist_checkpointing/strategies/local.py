@@ -60,12 +60,10 @@ class LocalSaveShardedStrategy(NodeLocalSaveShardedStrategy):
     """Saves each rank's whole state as a local checkpoint part.
 
     Args:
-        backend: must be 'local'.
-        version: must be 2 (version 1 is read only).
+        backend, version: must be 'local' and 2 (version 1 is read only).
         repl_strategy: where copies go (e.g. `CliqueReplicationStrategy`); None: none.
-        algo: "atomic" (every rank stores every shard it holds) or "fully_parallel"
-            (replicas within `parallelization_group`, default all ranks, stored once).
-        parallelization_group: see `algo`.
+        algo, parallelization_group: "atomic" (every rank stores every shard it holds) or
+            "fully_parallel" (replicas within the group, default all ranks, stored once).
 
     Raises:
         CheckpointingException: another backend or version, or an unknown `algo`.

@@ -1,11 +1,10 @@
 """`BaseCheckpointManager`: save, find and load local checkpoints, with replication.
 
-A checkpoint of iteration I is one part `(I, r, session)` per rank r, stored by subclasses
-(`LocalCheckpointManager`: files). Save copies the tensors into a host image; one background
-thread per process removes older parts of I held here, then writes this rank's part while the
-replication exchange writes the peers'. Finalize commits the parts and removes older
-iterations; if any rank failed, every rank removes I's files. `load` takes the newest
-iteration whose every part some rank holds, moving missing parts from holders.
+A checkpoint of iteration I is one part `(I, r, session)` per rank r, stored by subclasses.
+Save copies the tensors into a host image; one background thread per process removes older
+parts of I held here, then writes this rank's part while the replication exchange writes the
+peers'. Finalize commits the parts and removes older iterations; if any rank failed, every
+rank removes I's files. `load` takes the newest iteration whose every part some rank holds.
 """
 
 from __future__ import annotations
@@ -130,7 +129,6 @@ class BaseCheckpointManager(ABC):
             raise CheckpointingException(f"iteration must be a non-negative int, got {iteration!r}")
         return (iteration, self.rank, self.session_id)
 
-    # ---- storage hooks (subclasses) -------------------------------------------------------
     @abstractmethod
     def _my_ckpt_ids(self) -> Iterable[CkptID]:
         """Committed parts stored here (dirty ones never count)."""
@@ -168,7 +166,6 @@ class BaseCheckpointManager(ABC):
         image, where = self._load_image(ckpt_id)
         return decode_image(image, where, weights_only=self.weights_only)[1]
 
-    # ---- protocol -------------------------------------------------------------------------
     def find_latest(self) -> int:
         """Collective: the newest complete iteration (see the module docstring), or -1."""
         if self.latest_iteration != -1:

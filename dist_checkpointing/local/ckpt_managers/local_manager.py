@@ -41,9 +41,7 @@ class LocalCheckpointManager(BaseCheckpointManager):
         root_local_ckpt_dir: node-local directory (SSD, RAM disk); need not be shared.
         session_id: subdirectory and id component separating jobs under one root.
         repl_strategy: where copies of each part go (e.g. `CliqueReplicationStrategy`).
-        use_replicas: see `BaseCheckpointManager`.
-        fsync: the durability policy, see `BaseCheckpointManager` (default: fsync only
-            without `repl_strategy`).
+        use_replicas, fsync: as for `BaseCheckpointManager`.
     """
 
     def __init__(
@@ -110,8 +108,8 @@ class LocalCheckpointManager(BaseCheckpointManager):
         return [p for p, _ in self._named(_SPARE)]
 
     def _claim_spare(self, dirty: Path) -> bool:
-        """Moves a spare to the new name `dirty` (False when there is none), exclusively:
-        renamed to a name of this thread's own, then linked; FileExistsError if `dirty` exists."""
+        """Moves a spare to the new name `dirty` (False: none), via a name of this thread's own
+        then a hard link, so `dirty` is never overwritten (FileExistsError if it exists)."""
         if dirty.exists():
             raise FileExistsError(str(dirty))
         with self._spare_lock:
@@ -185,7 +183,6 @@ class LocalCheckpointManager(BaseCheckpointManager):
                 room, recycled = room - 1, True
         # Durable only with `fsync`: a crash that loses these renames and unlinks brings
         # back an older name, either never chosen or rejected by the part id in its header.
-        # plus spares left half-moved by a process that died in `_claim_spare`
         claims = [p for p, m in self._named(_CLAIM) if int(m.group(1)) != os.getpid()]
         self._remove([p for _, _, p in older if p.exists()] + claims, self.fsync, recycled)
 

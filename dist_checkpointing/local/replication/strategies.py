@@ -195,12 +195,8 @@ class ReplicationStrategy(ABC):
     def replicate_stream(
         self, image: LocalImage, id_: CkptID, open_sink: OpenSink
     ) -> List[Tuple[CkptID, int]]:
-        """Collective over this rank's exchange group: sends this rank's part, writes copies.
-
-        Args:
-            image: this rank's finished part.
-            id_: its id.
-            open_sink: `(id, nbytes) -> sink` opens where a received part is written.
+        """Collective over this rank's exchange group: sends this rank's part, writes copies
+        (`open_sink(id, nbytes)` opens where one goes).
 
         Returns:
             `(id, nbytes)` of each part written, this rank's own part excluded.
@@ -325,12 +321,11 @@ class LazyCliqueReplicationStrategy(CliqueReplicationStrategy):
 
     def prepare(self) -> None:
         if self._built is None:
-            self._built = CliqueReplicationStrategy.from_replication_params(
+            built = CliqueReplicationStrategy.from_replication_params(
                 self.replication_jump, self.replication_factor, timeout=self.timeout
             )
-            self.local_group = self._built.local_group
-            self.ranks = self._built.ranks
-            self.target_device = self._built.target_device
+            super().__init__(built.local_group, built.target_device)
+            self._built = built
 
     def _clique(self) -> List[int]:
         if self._built is None:
