@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, List, Optional, Tuple, Union
+from typing import Any, Callable, List, Optional, Tuple, TypeVar, Union
 
 import torch
 
@@ -42,6 +42,9 @@ def is_main_replica(replica_id: ReplicaId) -> bool:
     return replica_id == 0 if isinstance(replica_id, int) else all(r == 0 for r in replica_id)
 
 
+_Leaf = TypeVar("_Leaf", bound="ShardedBase")
+
+
 class ShardedBase(ABC):
     """Common interface of every sharded leaf of a sharded state dict."""
 
@@ -49,13 +52,16 @@ class ShardedBase(ABC):
     data: object
     replica_id: ReplicaId
 
+    def __post_init__(self) -> None:
+        self.validate_metadata_integrity()
+
     @abstractmethod
     def validate_metadata_integrity(self) -> None:
         """Checks the metadata invariants; raises `CheckpointingException` when broken."""
 
-    @abstractmethod
-    def without_data(self) -> ShardedBase:
+    def without_data(self: _Leaf) -> _Leaf:
         """Returns a copy with `data=None` (metadata only, cheap to send between ranks)."""
+        return replace(self, data=None)  # type: ignore[type-var]  # every leaf is a dataclass
 
 
 @dataclass
@@ -90,9 +96,6 @@ class ShardedTensor(ShardedBase):
     prepend_axis_num: int = 0
     allow_shape_mismatch: bool = False
     flattened_range: Optional[slice] = None
-
-    def __post_init__(self) -> None:
-        self.validate_metadata_integrity()
 
     def validate_metadata_integrity(self) -> None:
         """Raises `CheckpointingException` unless this is a valid piece of the global tensor."""
@@ -142,10 +145,6 @@ class ShardedTensor(ShardedBase):
                 )
             out.append(axis_size // fragm)
         return tuple(out)
-
-    def without_data(self) -> ShardedTensor:
-        """Returns a metadata-only copy (data=None)."""
-        return replace(self, data=None)
 
     def init_data(
         self, device: Union[str, torch.device], init_fn: Callable[..., torch.Tensor] = torch.empty
@@ -290,9 +289,6 @@ class ShardedObject(ShardedBase):
     global_offset: Tuple[int, ...]
     replica_id: ReplicaId = 0
 
-    def __post_init__(self) -> None:
-        self.validate_metadata_integrity()
-
     def validate_metadata_integrity(self) -> None:
         """Raises `CheckpointingException` on an unsafe key or an offset outside the grid."""
         check_sharded_object(self)
@@ -303,10 +299,6 @@ class ShardedObject(ShardedBase):
         offset = ".".join(map(str, self.global_offset))
         shape = ".".join(map(str, self.global_shape))
         return f"{self.key}/shard_{offset}_{shape}"
-
-    def without_data(self) -> ShardedObject:
-        """Returns a metadata-only copy (data=None)."""
-        return replace(self, data=None)
 
     @classmethod
     def empty_from_unique_key(cls, unique_key: str, replica_id: ReplicaId = 0) -> ShardedObject:
@@ -357,10 +349,6 @@ class ShardedTensorFactory(ShardedBase):
     def validate_metadata_integrity(self) -> None:
         """Factories carry no shard geometry of their own; nothing to check."""
 
-    def without_data(self) -> ShardedTensorFactory:
-        """Returns a copy with `data=None`."""
-        return replace(self, data=None)
-
 
 class LocalNonpersistentObject:
     """Wraps a value that is not saved; on load the local value is put back in its place."""
@@ -375,11 +363,9 @@ class LocalNonpersistentObject:
 
 def apply_factories(sharded_state_dict: ShardedStateDict) -> None:
     """Replaces every `ShardedTensorFactory` by the sub-state-dict it builds, in place."""
-
-    def build(x: Any) -> Any:
-        return x.build() if isinstance(x, ShardedTensorFactory) else x
-
-    dict_list_map_inplace(build, sharded_state_dict)
+    dict_list_map_inplace(
+        lambda x: x.build() if isinstance(x, ShardedTensorFactory) else x, sharded_state_dict
+    )
 
 
 def apply_factory_merges(x1: Any, x2: Any, key: Tuple[Any, ...] = ()) -> Any:
