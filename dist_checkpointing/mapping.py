@@ -12,12 +12,7 @@ from typing import Any, Callable, List, Optional, Tuple, TypeVar, Union
 
 import torch
 
-from ._shard_checks import (
-    check_flat_data,
-    check_sharded_object,
-    check_sharded_tensor,
-    grid_of_rank_offsets,
-)
+from ._shard_checks import check_sharded_object, check_sharded_tensor, grid_of_rank_offsets
 from ._types import ReplicaId, ShardedStateDict, StateDict
 from .dict_utils import dict_list_map_inplace
 from .errors import CheckpointingException
@@ -247,20 +242,12 @@ class ShardedTensor(ShardedBase):
                 f"Cannot instantiate a non-flat ShardedTensor {key!r} with "
                 "`from_rank_offsets_flat`; use `from_rank_offsets`"
             )
-        check_flat_data(key, data, flattened_range)
+        if not isinstance(data, torch.Tensor):
+            raise CheckpointingException(f"data of {key!r} must be a torch.Tensor")
         local = tuple(non_flat_local_shape)
         grid = grid_of_rank_offsets(key, local, prepend_axis_num, rank_offsets)
-        return cls(
-            key,
-            data,
-            data.dtype,
-            local,
-            *grid,
-            replica_id,
-            prepend_axis_num,
-            allow_shape_mismatch,
-            flattened_range,
-        )
+        meta = (replica_id, prepend_axis_num, allow_shape_mismatch)
+        return cls(key, data, data.dtype, local, *grid, *meta, flattened_range)
 
     def __str__(self) -> str:
         flat = "" if self.flattened_range is None else f", flattened_range={self.flattened_range}"
