@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Tuple, TypeVar, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Tuple, Type, TypeVar, Union
 
 import torch
 
@@ -14,6 +14,7 @@ __all__ = [
     "dict_list_map_inplace",
     "dict_list_map_outplace",
     "merge",
+    "merge_pairs",
     "map_reduce",
 ]
 
@@ -150,24 +151,37 @@ def merge(x1: Any, x2: Any, key: KeyPath = ()) -> Any:
     Raises:
         ValueError: on lists of different lengths or two leaves at the same key path.
     """
-    if isinstance(x1, dict) and isinstance(x2, dict):
-        for k, v2 in x2.items():
-            x1[k] = merge(x1[k], v2, key + (k,)) if k in x1 else v2
-    elif isinstance(x1, list) and isinstance(x2, (dict, list)):
-        if isinstance(x2, list) and len(x1) != len(x2):
-            raise ValueError(
-                f"Cannot merge lists of lengths {len(x1)} and {len(x2)} at key path {key}"
-            )
-        x2 = x2 if isinstance(x2, dict) else dict(enumerate(x2))
-        for k, v2 in x2.items():
-            if not isinstance(k, int) or not 0 <= k < len(x1):
-                raise ValueError(f"Cannot merge dict key {k!r} into a list at key path {key}")
+    for k, v2 in merge_pairs(x1, x2, key, ValueError):
+        if isinstance(x1, dict) and k not in x1:
+            x1[k] = v2
+        else:
             x1[k] = merge(x1[k], v2, key + (k,))
-    else:
-        raise ValueError(
+    return x1
+
+
+def merge_pairs(
+    x1: Any, x2: Any, key: KeyPath, error: Type[Exception]
+) -> Iterator[Tuple[Any, Any]]:
+    """Yields the `(key, value)` pairs of `x2` to merge into `x1`: by key into a dict, by
+    index into a list (from a list of the same length, or a dict with int keys).
+
+    Raises:
+        error: naming the key path `key`, on other types, lists of different lengths or an
+            index outside the list.
+    """
+    if isinstance(x1, dict) and isinstance(x2, dict):
+        yield from x2.items()
+        return
+    if not isinstance(x1, list) or not isinstance(x2, (dict, list)):
+        raise error(
             f"Conflicting values at key path {key}: {type(x1).__name__} and {type(x2).__name__}"
         )
-    return x1
+    if isinstance(x2, list) and len(x1) != len(x2):
+        raise error(f"Cannot merge lists of lengths {len(x1)} and {len(x2)} at key path {key}")
+    for k, v2 in x2.items() if isinstance(x2, dict) else enumerate(x2):
+        if not isinstance(k, int) or not 0 <= k < len(x1):
+            raise error(f"Cannot merge dict key {k!r} into a list at key path {key}")
+        yield k, v2
 
 
 def map_reduce(

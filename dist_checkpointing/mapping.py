@@ -14,7 +14,7 @@ import torch
 
 from ._shard_checks import check_sharded_object, check_sharded_tensor, grid_of_rank_offsets
 from ._types import ReplicaId, ShardedStateDict, StateDict
-from .dict_utils import dict_list_map_inplace
+from .dict_utils import dict_list_map_inplace, merge_pairs
 from .errors import CheckpointingException
 
 __all__ = [
@@ -361,25 +361,10 @@ def apply_factory_merges(x1: Any, x2: Any, key: Tuple[Any, ...] = ()) -> Any:
     path of `x1`, for messages. Raises `CheckpointingException` if the trees do not line up."""
     if isinstance(x2, ShardedTensorFactory):
         return x2.merge_fn(x1)
-    if isinstance(x1, dict) and isinstance(x2, dict):
-        for k, v2 in x2.items():
-            if k not in x1:
-                raise CheckpointingException(
-                    f"Factory key {key + (k,)} is missing from the loaded state dict"
-                )
-            x1[k] = apply_factory_merges(x1[k], v2, key + (k,))
-    elif isinstance(x1, list) and isinstance(x2, (dict, list)):
-        if isinstance(x2, list) and len(x1) != len(x2):
+    for k, v2 in merge_pairs(x1, x2, key, CheckpointingException):
+        if isinstance(x1, dict) and k not in x1:
             raise CheckpointingException(
-                f"Cannot apply factory merges to lists of lengths {len(x1)} and {len(x2)} at {key}"
+                f"Factory key {key + (k,)} is missing from the loaded state dict"
             )
-        x2 = x2 if isinstance(x2, dict) else dict(enumerate(x2))
-        for k, v2 in x2.items():
-            if not isinstance(k, int) or not 0 <= k < len(x1):
-                raise CheckpointingException(f"Invalid list index {k!r} for factory merge at {key}")
-            x1[k] = apply_factory_merges(x1[k], v2, key + (k,))
-    else:
-        raise CheckpointingException(
-            f"Cannot apply factory merge at {key}: {type(x1).__name__} vs {type(x2).__name__}"
-        )
+        x1[k] = apply_factory_merges(x1[k], v2, key + (k,))
     return x1
