@@ -229,11 +229,6 @@ class Agreement:
     common_differs: bool  # some rank's common state differs from another's
 
 
-def records_digest(records: Sequence[ShardRecord]) -> bytes:
-    """A digest of one rank's records (in order)."""
-    return digest([tuple(r) for r in records])
-
-
 def _lanes(rank: int, records: bytes) -> Tuple[int, ...]:
     h = hashlib.blake2b(rank.to_bytes(8, "little") + records, digest_size=16).digest()
     return tuple(int.from_bytes(h[i : i + 4], "little") & _LANE for i in range(0, 16, 4))
@@ -265,7 +260,7 @@ def agreement_protocol(
         CheckpointingException: on every rank, where any rank failed to prepare.
         ShardingIntegrityError: on every rank, where the shards do not form valid tensors.
     """
-    local = records_digest(records)
+    local = digest([tuple(r) for r in records])
     changed = int(validate and (cache.local != local or cache.world != world))
     c = int.from_bytes(hashlib.blake2b(common_digest, digest_size=4).digest(), "little")
     c &= _COMMON_LANE
