@@ -110,9 +110,7 @@ def determine_global_metadata(
         converted = convert_sharded_state_dict(
             dict_list_map_outplace(lambda v: v, sharded_state_dict)
         )
-        local = [
-            sh.without_data() for sh in nested_values(converted) if isinstance(sh, ShardedBase)
-        ]
+        local = _metadata(converted)
     except Exception as e:  # agreed on below, with the metadata exchange
         error = e
     gathered = all_gather_object((local, error_report(error)))
@@ -149,6 +147,12 @@ def validate_sharding_integrity(
     problems = find_sharding_problems(global_metadata)
     if problems:
         raise ShardingIntegrityError(format_problems(problems))
+
+
+def _metadata(sharded_state_dict: ShardedStateDict) -> LocalMetadata:
+    return [
+        sh.without_data() for sh in nested_values(sharded_state_dict) if isinstance(sh, ShardedBase)
+    ]
 
 
 def _sharded_key(sh: ShardedBase) -> str:
@@ -203,7 +207,8 @@ def _report(
     missing: Set[str], unexpected: Set[str], available: Optional[Sequence[str]] = None
 ) -> str:
     """The key-mismatch message, with megatron-core's titles and labels (scripts match on
-    them); `available` (checkpoint keys) feeds the close-match hints."""
+    them), empty when no key differs; `available` (checkpoint keys) feeds the close-match
+    hints."""
     titles, bodies = [], []
     if missing:
         titles.append(
@@ -255,11 +260,7 @@ def validate_integrity_and_strict_load(
         if ckpt_sharded_metadata is None:
             raise ValueError(f"strict={strict} needs the checkpoint's sharded metadata")
         if local_metadata is None:
-            local_metadata = [
-                sh.without_data()
-                for sh in nested_values(sharded_state_dict)
-                if isinstance(sh, ShardedBase)
-            ]
+            local_metadata = _metadata(sharded_state_dict)
         missing, unexpected = determine_missing_and_unexpected_keys(
             ckpt_sharded_metadata, local_metadata, global_metadata
         )
@@ -285,11 +286,8 @@ def validate_integrity_and_strict_load(
                     _report(missing, unexpected, list(ckpt_sharded_metadata)),
                 )
         elif strict in (StrictHandling.RAISE_UNEXPECTED, StrictHandling.RAISE_ALL):
-            error = (
-                KeyMismatchError(_report(missing, unexpected, list(ckpt_sharded_metadata)))
-                if (missing or unexpected)
-                else None
-            )
+            report = _report(missing, unexpected, list(ckpt_sharded_metadata))
+            error = KeyMismatchError(report) if report else None
             if is_distributed():
                 agree_on_errors(error, "Strict key check")
             elif error is not None:
