@@ -120,12 +120,7 @@ def _first_overlap(starts: np.ndarray, ends: np.ndarray) -> Optional[Tuple[int, 
 
 
 def _tensor_problems(key: str, shards: List[Tuple[int, ShardRecord]]) -> List[str]:
-    rank0, ref = shards[0]
-    for rank, sh in shards[1:]:
-        if sh.dtype != ref.dtype:
-            return [
-                f"{key!r}: dtype {sh.dtype} on rank {rank} differs from {ref.dtype} on rank {rank0}"
-            ]
+    ref = shards[0][1]
     main = [(rank, sh) for rank, sh in shards if sh.replica_id == 0]
     if not main:
         return [
@@ -184,13 +179,14 @@ def key_problems(key: str, shards: List[Tuple[int, ShardRecord]]) -> List[str]:
     if len(kinds) > 1:
         return [f"{key!r} is used both as a ShardedTensor and a ShardedObject"]
     rank0, ref = shards[0]
-    for rank, sh in shards[1:]:
-        if sh.global_shape != ref.global_shape:
-            what = "ShardedObject " if ref.kind == "o" else ""
-            return [
-                f"{what}{key!r}: global_shape {sh.global_shape} on rank {rank} differs from "
-                f"{ref.global_shape} on rank {rank0}"
-            ]
+    what = "ShardedObject " if ref.kind == "o" else ""
+    for field in ("global_shape", "dtype"):  # an object's dtype is always ""
+        for rank, sh in shards[1:]:
+            if getattr(sh, field) != getattr(ref, field):
+                return [
+                    f"{what}{key!r}: {field} {getattr(sh, field)} on rank {rank} differs from "
+                    f"{getattr(ref, field)} on rank {rank0}"
+                ]
     if kinds == {"t"}:
         return _tensor_problems(key, shards)
     return _object_problems(key, shards)
