@@ -73,11 +73,8 @@ def _as_factory(sh: ShardedTensor) -> ShardedTensorFactory:
     if sh.data is None or sh.data.device.type == "meta":  # a load allocates the flat data
         sh = replace(sh, data=None)
         sh.init_data("cpu")
-    flat = sh.data
-    assert flat is not None
     pieces = flat_shard_pieces(sh)
-
-    return in_place_factory(sh, flat, {str(i): piece for i, piece in enumerate(pieces)})
+    return in_place_factory(sh, sh.data, {str(i): piece for i, piece in enumerate(pieces)})
 
 
 def in_place_factory(
