@@ -162,13 +162,9 @@ def convert_sharded_state_dict(sharded_state_dict: Any, path: Sequence[Any] = ()
         CheckpointingException: a megatron object whose metadata is invalid.
     """
     x, path = sharded_state_dict, tuple(path)
-    if isinstance(x, dict):
-        for k, v in x.items():
+    if isinstance(x, (dict, list)):
+        for k, v in x.items() if isinstance(x, dict) else enumerate(x):
             x[k] = convert_sharded_state_dict(v, path + (k,))
-        return x
-    if isinstance(x, list):
-        for i, v in enumerate(x):
-            x[i] = convert_sharded_state_dict(v, path + (i,))
         return x
     where = "/".join(map(str, path)) or "<root>"
     if isinstance(x, tuple):
