@@ -27,17 +27,13 @@ KeyPath = Tuple[Union[str, int], ...]
 def extract_matching_values(
     x: Any, predicate: Callable[[Any], bool], return_lists_as_dicts: bool = False
 ) -> Tuple[Any, Any]:
-    """Splits a nested dict/list into the leaves that match `predicate` and those that don't.
-
-    Args:
-        x: a nested dict or list (else ValueError).
-        predicate: called on every leaf.
-        return_lists_as_dicts: keep list positions as `{index: value}` dicts instead of
-            compacted lists.
+    """Splits a nested dict or list (else ValueError) into the leaves that match `predicate`
+    and those that don't.
 
     Returns:
-        (matching, non_matching) trees with the structure of `x`; empty sub-containers go
-        to non_matching.
+        (matching, non_matching) trees with the structure of `x` (empty sub-containers go to
+        non_matching); `return_lists_as_dicts` keeps list positions as `{index: value}` dicts
+        instead of compacted lists.
     """
 
     def put(target: Any, k: Any, v: Any) -> None:
@@ -163,12 +159,7 @@ def merge_pairs(
     x1: Any, x2: Any, key: KeyPath, error: Type[Exception]
 ) -> Iterator[Tuple[Any, Any]]:
     """Yields the `(key, value)` pairs of `x2` to merge into `x1`: by key into a dict, by
-    index into a list (from a list of the same length, or a dict with int keys).
-
-    Raises:
-        error: naming the key path `key`, on other types, lists of different lengths or an
-            index outside the list.
-    """
+    index into a list (from an equal-length list or int-keyed dict); else raises `error`."""
     if isinstance(x1, dict) and isinstance(x2, dict):
         yield from x2.items()
         return

@@ -94,16 +94,12 @@ def check_dtype_conversion(
 
 
 def copy_exact(key: str, dest: torch.Tensor, src: torch.Tensor, offset: Sequence[int]) -> None:
-    """`dest.copy_(src)` into another dtype, checked slice by slice (no second full copy).
-
-    Args:
-        key: the tensor's key, for the message.
-        dest: the destination (the requested dtype).
-        src: the stored values, same shape.
-        offset: the global offset of `src` (for the index in the message).
+    """`dest.copy_(src)` (same shape) into another dtype, checked slice by slice (no second
+    full copy).
 
     Raises:
-        LossyDtypeConversionError: a value changes; names the first one and its global index.
+        LossyDtypeConversionError: a value changes; names `key`, the first such value and
+            its global index (`src` starts at global `offset`).
     """
     dest.copy_(src)
     flat_src = src.reshape(1) if src.dim() == 0 else src

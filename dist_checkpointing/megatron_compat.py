@@ -183,9 +183,6 @@ def convert_sharded_state_dict(sharded_state_dict: Any, path: Sequence[Any] = ()
     return x
 
 
-# ---- install(): our package in place of megatron.core.dist_checkpointing ---------------------
-
-
 def _target(fullname: str) -> Optional[str]:
     if fullname == MEGATRON_PACKAGE:
         return _OUR_PACKAGE
@@ -254,11 +251,8 @@ def install() -> None:
 
 
 def uninstall() -> List[str]:
-    """Undoes `install()`: removes the finder and the aliased modules from `sys.modules`.
-
-    Returns:
-        The module names that were removed from `sys.modules`.
-    """
+    """Undoes `install()`: removes the finder and the aliased modules from `sys.modules`,
+    returning their names."""
     global _finder
     if _finder is not None and _finder in sys.meta_path:
         sys.meta_path.remove(_finder)

@@ -41,10 +41,9 @@ def zip_strict(*args: Iterable[Any]) -> Iterable[Tuple[Any, ...]]:
     return zip(*lists)
 
 
-_Split = Callable[[ShardedStateDict], Tuple[ShardedStateDict, StateDict]]
-
-
-def _extractor(name: str, kinds: Tuple[type, ...], what: str) -> _Split:
+def _extractor(
+    name: str, kinds: Tuple[type, ...], what: str
+) -> Callable[[ShardedStateDict], Tuple[ShardedStateDict, StateDict]]:
     """Builds megatron's `extract_*` helper `name`: splits off the leaves of `kinds`."""
 
     def extract(sharded_state_dict: ShardedStateDict) -> Tuple[ShardedStateDict, StateDict]:
