@@ -64,8 +64,7 @@ _OURS = (ShardedBase, LocalNonpersistentObject)
 
 def is_megatron_object(obj: Any) -> bool:
     """Whether `obj` is an instance of a class defined in megatron-core's dist_checkpointing."""
-    module = getattr(type(obj), "__module__", "") or ""
-    return module == MEGATRON_PACKAGE or module.startswith(MEGATRON_PACKAGE + ".")
+    return _target(getattr(type(obj), "__module__", "") or "") is not None
 
 
 def looks_sharded(obj: Any) -> bool:
@@ -184,9 +183,8 @@ def convert_sharded_state_dict(sharded_state_dict: Any, path: Sequence[Any] = ()
 
 
 def _target(fullname: str) -> Optional[str]:
-    if fullname == MEGATRON_PACKAGE:
-        return _OUR_PACKAGE
-    if fullname.startswith(MEGATRON_PACKAGE + "."):
+    """Our module for `fullname` if it is megatron's package or one of its submodules."""
+    if fullname == MEGATRON_PACKAGE or fullname.startswith(MEGATRON_PACKAGE + "."):
         return _OUR_PACKAGE + fullname[len(MEGATRON_PACKAGE) :]
     return None
 
