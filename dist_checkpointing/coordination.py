@@ -3,9 +3,9 @@
 A protocol is a generator: it yields collective operations (`AllReduceSum`, `AllToAll`,
 `Gather`, `Broadcast`), receives each one's result, and returns its own result. `run`
 executes one on `torch.distributed` (collective: call on all ranks, in the same order);
-`simulate` runs one generator per simulated rank in this process, in lockstep, and counts
-what each rank receives per exchange and the CPU time each rank spends between exchanges.
-The same code therefore runs in a real job and in `benchmarks/bench_scale.py`.
+`simulate` runs one generator per simulated rank in this process, in lockstep, measuring
+each rank's traffic and CPU time: the same code runs in real jobs and in
+`benchmarks/bench_scale.py`.
 
 No operation makes a rank receive data proportional to world x tensors: sums are reduced,
 and `AllToAll` delivers to each rank only what is addressed to it (plus one 8-byte size per

@@ -238,9 +238,8 @@ def exchange_plan_protocol(
     for sid, dsts in wanted.items():
         src, meta = source[sid]
         for dst in dsts:
-            replies[src].append((sid, src, dst, meta))
-            if dst != src:
-                replies[dst].append((sid, src, dst, meta))
+            for rank in {src, dst}:
+                replies[rank].append((sid, src, dst, meta))
     got = yield AllToAll({d: coordination.dumps(m) for d, m in replies.items()})
     mine = {
         (tuple(s), src, dst, tuple(meta))
