@@ -35,31 +35,25 @@ def extract_matching_values(
         non_matching); `return_lists_as_dicts` keeps list positions as `{index: value}` dicts
         instead of compacted lists.
     """
-
-    def put(target: Any, k: Any, v: Any) -> None:
-        if isinstance(target, dict):
-            target[k] = v
-        else:
-            target.append(v)
-
     if not isinstance(x, (dict, list)):
         raise ValueError(f"Expected a dict or a list, got {type(x).__name__}")
     items: Iterable[Tuple[Any, Any]] = x.items() if isinstance(x, dict) else enumerate(x)
-    as_dict = isinstance(x, dict) or return_lists_as_dicts
-    matching: Any = {} if as_dict else []
-    non_matching: Any = {} if as_dict else []
+    matching: List[Tuple[Any, Any]] = []
+    non_matching: List[Tuple[Any, Any]] = []
     for k, v in items:
         if isinstance(v, (dict, list)):
             sub_match, sub_rest = extract_matching_values(v, predicate, return_lists_as_dicts)
             if sub_match:
-                put(matching, k, sub_match)
+                matching.append((k, sub_match))
             if sub_rest or not v:
-                put(non_matching, k, sub_rest)
+                non_matching.append((k, sub_rest))
         elif predicate(v):
-            put(matching, k, v)
+            matching.append((k, v))
         else:
-            put(non_matching, k, v)
-    return matching, non_matching
+            non_matching.append((k, v))
+    if isinstance(x, dict) or return_lists_as_dicts:
+        return dict(matching), dict(non_matching)
+    return [v for _, v in matching], [v for _, v in non_matching]
 
 
 def diff(x1: Any, x2: Any, prefix: KeyPath = ()) -> Tuple[List[KeyPath], List[KeyPath], List[Any]]:
