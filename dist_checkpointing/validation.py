@@ -189,11 +189,10 @@ def adjust_non_strict_load(
     """Returns `sharded_state_dict` without the leaves whose key is in `unexpected_keys`."""
     if not unexpected_keys:
         return sharded_state_dict
-
-    def is_unexpected(x: object) -> bool:
-        return isinstance(x, ShardedBase) and _sharded_key(x) in unexpected_keys
-
-    _, kept = extract_matching_values(sharded_state_dict, is_unexpected)
+    _, kept = extract_matching_values(
+        sharded_state_dict,
+        lambda x: isinstance(x, ShardedBase) and _sharded_key(x) in unexpected_keys,
+    )
     return kept
 
 
