@@ -68,10 +68,7 @@ def is_megatron_object(obj: Any) -> bool:
 
 
 def looks_sharded(obj: Any) -> bool:
-    """Whether `obj` is, or looks like, a sharded leaf (ours, megatron's or a look-alike).
-
-    Plain values (tensors, numbers, strings, containers) never look sharded.
-    """
+    """Whether `obj` is, or looks like, a sharded leaf (ours, megatron's or a look-alike)."""
     if isinstance(obj, _OURS) or is_megatron_object(obj):
         return True
     if isinstance(obj, (torch.Tensor, str, bytes, int, float, bool, dict, list, tuple)):

@@ -51,14 +51,7 @@ def _extractor(
 
     extract.__name__ = extract.__qualname__ = name
     extract.__module__ = __name__
-    extract.__doc__ = f"""Splits off the {what} leaves.
-
-    Args:
-        sharded_state_dict: a nested dict/list; it is not modified.
-
-    Returns:
-        `(matching, rest)`, both with the structure of the input.
-    """
+    extract.__doc__ = f"Splits a nested dict/list (unchanged) into ({what} leaves, the rest)."
     return extract
 
 
