@@ -203,7 +203,6 @@ def safe_join(root: str | os.PathLike[str], key: str, suffix: str = "") -> Path:
     path = root_path.joinpath(*key.split("/"))
     if suffix:
         path = path.with_name(path.name + suffix)
-    resolved_root = root_path.resolve()
-    if resolved_root not in path.resolve().parents:
+    if root_path.resolve() not in path.resolve().parents:
         raise CheckpointingException(f"Key {key!r} resolves outside checkpoint dir {root}")
     return path

@@ -107,10 +107,8 @@ def determine_global_metadata(
     local: LocalMetadata = []
     error: Optional[BaseException] = None
     try:  # megatron-core's objects count like ours; anything unhandled fails on every rank
-        converted = convert_sharded_state_dict(
-            dict_list_map_outplace(lambda v: v, sharded_state_dict)
-        )
-        local = _metadata(converted)
+        copy = dict_list_map_outplace(lambda v: v, sharded_state_dict)
+        local = _metadata(convert_sharded_state_dict(copy))
     except Exception as e:  # agreed on below, with the metadata exchange
         error = e
     gathered = all_gather_object((local, error_report(error)))
@@ -205,9 +203,8 @@ def _listing(keys: Set[str]) -> str:
 def _report(
     missing: Set[str], unexpected: Set[str], available: Optional[Sequence[str]] = None
 ) -> str:
-    """The key-mismatch message, with megatron-core's titles and labels (scripts match on
-    them), empty when no key differs; `available` (checkpoint keys) feeds the close-match
-    hints."""
+    """The key-mismatch message ('' if none differ), in megatron-core's words (scripts match
+    on them); `available` (checkpoint keys) feeds the close-match hints."""
     titles, bodies = [], []
     if missing:
         titles.append(
