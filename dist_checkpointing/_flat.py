@@ -57,12 +57,12 @@ def flat_shard_pieces(sh: ShardedTensor) -> List[ShardedTensor]:
     boxes = flat_range_boxes(tuple(sh.local_shape), start, stop)
     if not boxes and sh.local_shape:
         boxes = [((0,) * len(sh.local_shape), (0, *sh.local_shape[1:]), start)]
+    meta = (sh.replica_id, p, sh.allow_shape_mismatch)
     pieces = []
     for offset, shape, flat_start in boxes:
         n = math.prod(shape)
         data = sh.data[flat_start - start : flat_start - start + n].view(shape)
         off = tuple(sh.global_offset[:p]) + tuple(o + c for o, c in zip(offset, chunk_offset))
-        meta = (sh.replica_id, p, sh.allow_shape_mismatch)
         pieces.append(
             ShardedTensor(sh.key, data, sh.dtype, shape, sh.global_shape, off, None, *meta)
         )

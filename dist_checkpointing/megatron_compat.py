@@ -140,10 +140,8 @@ def convert_object(obj: Any, where: str = "state dict leaf") -> Any:
 
 
 def _has_sharded(x: Any) -> bool:
-    if isinstance(x, dict):
-        return any(_has_sharded(v) for v in x.values())
-    if isinstance(x, (list, tuple)):
-        return any(_has_sharded(v) for v in x)
+    if isinstance(x, (dict, list, tuple)):
+        return any(_has_sharded(v) for v in (x.values() if isinstance(x, dict) else x))
     return looks_sharded(x)
 
 
