@@ -57,12 +57,12 @@ def flat_shard_pieces(sh: ShardedTensor) -> List[ShardedTensor]:
     boxes = flat_range_boxes(tuple(sh.local_shape), start, stop)
     if not boxes and sh.local_shape:
         boxes = [((0,) * len(sh.local_shape), (0, *sh.local_shape[1:]), start)]
+    meta = (sh.replica_id, p, sh.allow_shape_mismatch)
     pieces = []
     for offset, shape, flat_start in boxes:
         n = math.prod(shape)
         data = sh.data[flat_start - start : flat_start - start + n].view(shape)
         off = tuple(sh.global_offset[:p]) + tuple(o + c for o, c in zip(offset, chunk_offset))
-        meta = (sh.replica_id, p, sh.allow_shape_mismatch)
         pieces.append(
             ShardedTensor(sh.key, data, sh.dtype, shape, sh.global_shape, off, None, *meta)
         )
@@ -73,11 +73,8 @@ def _as_factory(sh: ShardedTensor) -> ShardedTensorFactory:
     if sh.data is None or sh.data.device.type == "meta":  # a load allocates the flat data
         sh = replace(sh, data=None)
         sh.init_data("cpu")
-    flat = sh.data
-    assert flat is not None
     pieces = flat_shard_pieces(sh)
-
-    return in_place_factory(sh, flat, {str(i): piece for i, piece in enumerate(pieces)})
+    return in_place_factory(sh, sh.data, {str(i): piece for i, piece in enumerate(pieces)})
 
 
 def in_place_factory(

@@ -19,7 +19,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "as_int_tuple",
-    "check_flat_data",
     "check_key_is_safe_relative_path",
     "check_replica_id",
     "check_sharded_object",
@@ -113,7 +112,7 @@ def check_sharded_tensor(st: ShardedTensor) -> None:
             )
         expected, what = st.local_shape, "local_shape"
         if fr is not None:
-            expected, what = (fr.stop - fr.start,), "the flattened_range length"
+            expected, what = (fr.stop - fr.start,), "the 1-D flattened_range length"
         if tuple(st.data.shape) != expected:
             raise CheckpointingException(
                 f"data shape {tuple(st.data.shape)} of {key!r} differs from {what} {expected}"
@@ -181,20 +180,6 @@ def grid_of_rank_offsets(
     return tuple(global_shape), tuple(global_offset), tuple(fragmentations)
 
 
-def check_flat_data(key: str, data: Any, flattened_range: slice) -> None:
-    """Checks that `data` of a flat shard is 1-D and as long as `flattened_range`."""
-    if not isinstance(data, torch.Tensor) or data.ndim != 1:
-        raise CheckpointingException(
-            f"A flat ShardedTensor {key!r} needs 1-D data, got "
-            f"{tuple(data.shape) if isinstance(data, torch.Tensor) else type(data).__name__}"
-        )
-    if (flattened_range.stop or 0) - (flattened_range.start or 0) != data.numel():
-        raise CheckpointingException(
-            f"Flat ShardedTensor {key!r}: data length {data.numel()} differs from the "
-            f"flattened_range length {flattened_range}"
-        )
-
-
 def check_key_is_safe_relative_path(key: str, what: str = "key") -> None:
     """Raises `CheckpointingException` unless `key` (named `what` in messages) is a safe
     relative path: non-empty, not absolute, no NUL or backslash, no empty/`.`/`..` part."""
@@ -218,7 +203,6 @@ def safe_join(root: str | os.PathLike[str], key: str, suffix: str = "") -> Path:
     path = root_path.joinpath(*key.split("/"))
     if suffix:
         path = path.with_name(path.name + suffix)
-    resolved_root = root_path.resolve()
-    if resolved_root not in path.resolve().parents:
+    if root_path.resolve() not in path.resolve().parents:
         raise CheckpointingException(f"Key {key!r} resolves outside checkpoint dir {root}")
     return path

@@ -4,15 +4,10 @@
    records)` (the sums identify the job's sharding), two lanes comparing the common state,
    and whether the rank's records changed since the last check that passed.
 2. Any failure: the reports are gathered at rank 0 and broadcast; every rank raises.
-3. Nothing changed anywhere: done. Otherwise main-replica records go to their key's owner
-   (a hash of the key) and, of other replicas, one record per key, dtype and shape goes
-   through an aggregator for a group of about sqrt(world) ranks; owners check their keys
-   (`key_problems`), the problem count is summed, and any problems are gathered at rank 0,
-   whose message every rank raises as `ShardingIntegrityError`.
-
-No rank receives data proportional to world x tensors. Shards travel as compact
-`ShardRecord`s; `key_problems` (one key's shards form one valid global tensor or object
-grid) is shared with `validation.find_sharding_problems`, which has every rank's shards.
+3. Nothing changed anywhere: done. Otherwise each key's owner (a hash of the key) checks
+   its `ShardRecord`s (`key_problems`, shared with `validation.find_sharding_problems`);
+   any problems are gathered at rank 0, whose message every rank raises as
+   `ShardingIntegrityError`. No rank receives data proportional to world x tensors.
 """
 
 from __future__ import annotations
@@ -91,11 +86,9 @@ def record_of(sh: Any) -> Optional[ShardRecord]:
 
 
 def _first_overlap(starts: np.ndarray, ends: np.ndarray) -> Optional[Tuple[int, int]]:
-    """One pair (i, j), i < j, of overlapping non-empty boxes, or None.
-
-    Sweeps along the axis with the most distinct starts: a box is compared only with the
-    boxes that start before it ends on that axis (not with every other box).
-    """
+    """One pair (i, j), i < j, of overlapping non-empty boxes, or None."""
+    # a sweep along the axis with the most distinct starts compares a box only with the boxes
+    # that start before it ends on that axis, not with every other box
     n, ndim = starts.shape
     nonempty = np.all(ends > starts, axis=1) if ndim else np.ones(n, dtype=bool)
     idx = np.nonzero(nonempty)[0]
@@ -120,12 +113,7 @@ def _first_overlap(starts: np.ndarray, ends: np.ndarray) -> Optional[Tuple[int, 
 
 
 def _tensor_problems(key: str, shards: List[Tuple[int, ShardRecord]]) -> List[str]:
-    rank0, ref = shards[0]
-    for rank, sh in shards[1:]:
-        if sh.dtype != ref.dtype:
-            return [
-                f"{key!r}: dtype {sh.dtype} on rank {rank} differs from {ref.dtype} on rank {rank0}"
-            ]
+    ref = shards[0][1]
     main = [(rank, sh) for rank, sh in shards if sh.replica_id == 0]
     if not main:
         return [
@@ -184,13 +172,14 @@ def key_problems(key: str, shards: List[Tuple[int, ShardRecord]]) -> List[str]:
     if len(kinds) > 1:
         return [f"{key!r} is used both as a ShardedTensor and a ShardedObject"]
     rank0, ref = shards[0]
-    for rank, sh in shards[1:]:
-        if sh.global_shape != ref.global_shape:
-            what = "ShardedObject " if ref.kind == "o" else ""
-            return [
-                f"{what}{key!r}: global_shape {sh.global_shape} on rank {rank} differs from "
-                f"{ref.global_shape} on rank {rank0}"
-            ]
+    what = "ShardedObject " if ref.kind == "o" else ""
+    for field in ("global_shape", "dtype"):  # an object's dtype is always ""
+        for rank, sh in shards[1:]:
+            if getattr(sh, field) != getattr(ref, field):
+                return [
+                    f"{what}{key!r}: {field} {getattr(sh, field)} on rank {rank} differs from "
+                    f"{getattr(ref, field)} on rank {rank0}"
+                ]
     if kinds == {"t"}:
         return _tensor_problems(key, shards)
     return _object_problems(key, shards)
@@ -205,8 +194,6 @@ def format_problems(problems: Sequence[str], count: Optional[int] = None) -> str
     return f"Invalid sharding ({count} problem(s)):\n  {shown}{more}"
 
 
-#: problems each owner sends rank 0 at most (a message shows `MAX_REPORTED`)
-_SENT_PROBLEMS = 20
 _LANE = (1 << 31) - 1
 _COMMON_LANE = (1 << 20) - 1
 
@@ -229,11 +216,6 @@ class Agreement:
     common_differs: bool  # some rank's common state differs from another's
 
 
-def records_digest(records: Sequence[ShardRecord]) -> bytes:
-    """A digest of one rank's records (in order)."""
-    return digest([tuple(r) for r in records])
-
-
 def _lanes(rank: int, records: bytes) -> Tuple[int, ...]:
     h = hashlib.blake2b(rank.to_bytes(8, "little") + records, digest_size=16).digest()
     return tuple(int.from_bytes(h[i : i + 4], "little") & _LANE for i in range(0, 16, 4))
@@ -253,7 +235,6 @@ def agreement_protocol(
     """One rank's side of the agreement (a `coordination` protocol; see the module docstring).
 
     Args:
-        rank, world: this rank and the number of ranks.
         records: this rank's shard records (`record_of`).
         cache: this rank's memory of the last validation that passed (updated here).
         error: this rank's failure while preparing, if any (raised on every rank).
@@ -265,7 +246,7 @@ def agreement_protocol(
         CheckpointingException: on every rank, where any rank failed to prepare.
         ShardingIntegrityError: on every rank, where the shards do not form valid tensors.
     """
-    local = records_digest(records)
+    local = digest([tuple(r) for r in records])
     changed = int(validate and (cache.local != local or cache.world != world))
     c = int.from_bytes(hashlib.blake2b(common_digest, digest_size=4).digest(), "little")
     c &= _COMMON_LANE
@@ -307,6 +288,6 @@ def agreement_protocol(
         rec = ShardRecord(*msg[2:])
         by_key[rec.key].append((msg[1], rec))
     problems = [p for key in sorted(by_key) for p in key_problems(key, by_key[key])]
-    yield from fail_together(problems, format_problems, ShardingIntegrityError, sent=_SENT_PROBLEMS)
+    yield from fail_together(problems, format_problems, ShardingIntegrityError, sent=MAX_REPORTED)
     cache.local, cache.world = local, world
     return Agreement(agreement.digest, True, agreement.common_differs)

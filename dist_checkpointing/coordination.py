@@ -3,9 +3,9 @@
 A protocol is a generator: it yields collective operations (`AllReduceSum`, `AllToAll`,
 `Gather`, `Broadcast`), receives each one's result, and returns its own result. `run`
 executes one on `torch.distributed` (collective: call on all ranks, in the same order);
-`simulate` runs one generator per simulated rank in this process, in lockstep, and counts
-what each rank receives per exchange and the CPU time each rank spends between exchanges.
-The same code therefore runs in a real job and in `benchmarks/bench_scale.py`.
+`simulate` runs one generator per simulated rank in this process, in lockstep, measuring
+each rank's traffic and CPU time: the same code runs in real jobs and in
+`benchmarks/bench_scale.py`.
 
 No operation makes a rank receive data proportional to world x tensors: sums are reduced,
 and `AllToAll` delivers to each rank only what is addressed to it (plus one 8-byte size per
@@ -176,45 +176,39 @@ def simulate(
     # charged to whichever rank happened to allocate (a real rank holds only its own)
     collecting = gc.isenabled()
     gc.disable()
-    try:
-        return _lockstep(protocols, return_exceptions)
-    finally:
-        if collecting:
-            gc.enable()
-
-
-def _lockstep(
-    protocols: Sequence[Protocol[Any]], return_exceptions: bool
-) -> Tuple[List[Any], SimStats]:
     n = len(protocols)
     stats = SimStats([0.0] * n)
     results: List[Any] = [None] * n
     inbox: List[Any] = [None] * n
     first = True
-    while True:
-        ops: List[Any] = []
-        for r, proto in enumerate(protocols):
-            start = time.process_time()
-            try:
-                ops.append(next(proto) if first else proto.send(inbox[r]))
-            except StopIteration as stop:
-                results[r] = stop.value
-                ops.append(None)
-            except Exception as e:
-                if not return_exceptions:
-                    raise
-                results[r] = e
-                ops.append(None)
-            finally:
-                stats.cpu_s[r] += time.process_time() - start
-        first = False
-        finished = sum(op is None for op in ops)
-        if finished == n:
-            return results, stats
-        if finished or len({type(op) for op in ops}) != 1:
-            kinds = sorted({type(o).__name__ for o in ops})
-            raise RuntimeError(f"simulated ranks diverged (a real job would hang): {kinds}")
-        inbox = _deliver(ops, stats)
+    try:
+        while True:
+            ops: List[Any] = []
+            for r, proto in enumerate(protocols):
+                start = time.process_time()
+                try:
+                    ops.append(next(proto) if first else proto.send(inbox[r]))
+                except StopIteration as stop:
+                    results[r] = stop.value
+                    ops.append(None)
+                except Exception as e:
+                    if not return_exceptions:
+                        raise
+                    results[r] = e
+                    ops.append(None)
+                finally:
+                    stats.cpu_s[r] += time.process_time() - start
+            first = False
+            finished = sum(op is None for op in ops)
+            if finished == n:
+                return results, stats
+            if finished or len({type(op) for op in ops}) != 1:
+                kinds = sorted({type(o).__name__ for o in ops})
+                raise RuntimeError(f"simulated ranks diverged (a real job would hang): {kinds}")
+            inbox = _deliver(ops, stats)
+    finally:
+        if collecting:
+            gc.enable()
 
 
 def _deliver(ops: List[Any], stats: SimStats) -> List[Any]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Tuple, TypeVar, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Tuple, Type, TypeVar, Union
 
 import torch
 
@@ -14,6 +14,7 @@ __all__ = [
     "dict_list_map_inplace",
     "dict_list_map_outplace",
     "merge",
+    "merge_pairs",
     "map_reduce",
 ]
 
@@ -26,43 +27,33 @@ KeyPath = Tuple[Union[str, int], ...]
 def extract_matching_values(
     x: Any, predicate: Callable[[Any], bool], return_lists_as_dicts: bool = False
 ) -> Tuple[Any, Any]:
-    """Splits a nested dict/list into the leaves that match `predicate` and those that don't.
-
-    Args:
-        x: a nested dict or list (else ValueError).
-        predicate: called on every leaf.
-        return_lists_as_dicts: keep list positions as `{index: value}` dicts instead of
-            compacted lists.
+    """Splits a nested dict or list (else ValueError) into the leaves that match `predicate`
+    and those that don't.
 
     Returns:
-        (matching, non_matching) trees with the structure of `x`; empty sub-containers go
-        to non_matching.
+        (matching, non_matching) trees with the structure of `x` (empty sub-containers go to
+        non_matching); `return_lists_as_dicts` keeps list positions as `{index: value}` dicts
+        instead of compacted lists.
     """
-
-    def put(target: Any, k: Any, v: Any) -> None:
-        if isinstance(target, dict):
-            target[k] = v
-        else:
-            target.append(v)
-
     if not isinstance(x, (dict, list)):
         raise ValueError(f"Expected a dict or a list, got {type(x).__name__}")
     items: Iterable[Tuple[Any, Any]] = x.items() if isinstance(x, dict) else enumerate(x)
-    as_dict = isinstance(x, dict) or return_lists_as_dicts
-    matching: Any = {} if as_dict else []
-    non_matching: Any = {} if as_dict else []
+    matching: List[Tuple[Any, Any]] = []
+    non_matching: List[Tuple[Any, Any]] = []
     for k, v in items:
         if isinstance(v, (dict, list)):
             sub_match, sub_rest = extract_matching_values(v, predicate, return_lists_as_dicts)
             if sub_match:
-                put(matching, k, sub_match)
+                matching.append((k, sub_match))
             if sub_rest or not v:
-                put(non_matching, k, sub_rest)
+                non_matching.append((k, sub_rest))
         elif predicate(v):
-            put(matching, k, v)
+            matching.append((k, v))
         else:
-            put(non_matching, k, v)
-    return matching, non_matching
+            non_matching.append((k, v))
+    if isinstance(x, dict) or return_lists_as_dicts:
+        return dict(matching), dict(non_matching)
+    return [v for _, v in matching], [v for _, v in non_matching]
 
 
 def diff(x1: Any, x2: Any, prefix: KeyPath = ()) -> Tuple[List[KeyPath], List[KeyPath], List[Any]]:
@@ -150,24 +141,32 @@ def merge(x1: Any, x2: Any, key: KeyPath = ()) -> Any:
     Raises:
         ValueError: on lists of different lengths or two leaves at the same key path.
     """
-    if isinstance(x1, dict) and isinstance(x2, dict):
-        for k, v2 in x2.items():
-            x1[k] = merge(x1[k], v2, key + (k,)) if k in x1 else v2
-    elif isinstance(x1, list) and isinstance(x2, (dict, list)):
-        if isinstance(x2, list) and len(x1) != len(x2):
-            raise ValueError(
-                f"Cannot merge lists of lengths {len(x1)} and {len(x2)} at key path {key}"
-            )
-        x2 = x2 if isinstance(x2, dict) else dict(enumerate(x2))
-        for k, v2 in x2.items():
-            if not isinstance(k, int) or not 0 <= k < len(x1):
-                raise ValueError(f"Cannot merge dict key {k!r} into a list at key path {key}")
+    for k, v2 in merge_pairs(x1, x2, key, ValueError):
+        if isinstance(x1, dict) and k not in x1:
+            x1[k] = v2
+        else:
             x1[k] = merge(x1[k], v2, key + (k,))
-    else:
-        raise ValueError(
+    return x1
+
+
+def merge_pairs(
+    x1: Any, x2: Any, key: KeyPath, error: Type[Exception]
+) -> Iterator[Tuple[Any, Any]]:
+    """Yields the `(key, value)` pairs of `x2` to merge into `x1`: by key into a dict, by
+    index into a list (from an equal-length list or int-keyed dict); else raises `error`."""
+    if isinstance(x1, dict) and isinstance(x2, dict):
+        yield from x2.items()
+        return
+    if not isinstance(x1, list) or not isinstance(x2, (dict, list)):
+        raise error(
             f"Conflicting values at key path {key}: {type(x1).__name__} and {type(x2).__name__}"
         )
-    return x1
+    if isinstance(x2, list) and len(x1) != len(x2):
+        raise error(f"Cannot merge lists of lengths {len(x1)} and {len(x2)} at key path {key}")
+    for k, v2 in x2.items() if isinstance(x2, dict) else enumerate(x2):
+        if not isinstance(k, int) or not 0 <= k < len(x1):
+            raise error(f"Cannot merge dict key {k!r} into a list at key path {key}")
+        yield k, v2
 
 
 def map_reduce(

@@ -29,23 +29,15 @@ _F8 = [
     for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
     if hasattr(torch, n)
 ]
-_FLOAT_EXACT_FROM_F8 = {torch.float16, torch.bfloat16, torch.float32, torch.float64}
+_REAL_FLOATS = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+_FROM_BYTE = frozenset({torch.int16, torch.int32, torch.int64}) | _REAL_FLOATS
 _U16, _U32 = getattr(torch, "uint16", None), getattr(torch, "uint32", None)
 
 #: stored dtype -> requested dtypes that hold every stored value exactly
 _EXACT: Dict[torch.dtype, FrozenSet[torch.dtype]] = {
-    torch.bool: frozenset(
-        {torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64}
-        | {torch.float16, torch.bfloat16, torch.float32, torch.float64}
-    ),
-    torch.uint8: frozenset(
-        {torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16}
-        | {torch.float32, torch.float64}
-    ),
-    torch.int8: frozenset(
-        {torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16}
-        | {torch.float32, torch.float64}
-    ),
+    torch.bool: _FROM_BYTE | {torch.uint8, torch.int8},
+    torch.uint8: _FROM_BYTE,
+    torch.int8: _FROM_BYTE,
     torch.int16: frozenset({torch.int32, torch.int64, torch.float32, torch.float64}),
     torch.int32: frozenset({torch.int64, torch.float64}),
     torch.float16: frozenset({torch.float32, torch.float64, torch.complex64, torch.complex128}),
@@ -55,7 +47,7 @@ _EXACT: Dict[torch.dtype, FrozenSet[torch.dtype]] = {
     torch.complex64: frozenset({torch.complex128}),
 }
 for _f8 in _F8:
-    _EXACT[_f8] = frozenset(_FLOAT_EXACT_FROM_F8)
+    _EXACT[_f8] = _REAL_FLOATS
 if _U16 is not None and _U32 is not None:
     _EXACT[_U16] = frozenset({_U32, torch.int32, torch.int64, torch.float32, torch.float64})
     _EXACT[_U32] = frozenset({torch.int64, torch.float64})
@@ -102,16 +94,12 @@ def check_dtype_conversion(
 
 
 def copy_exact(key: str, dest: torch.Tensor, src: torch.Tensor, offset: Sequence[int]) -> None:
-    """`dest.copy_(src)` into another dtype, checked slice by slice (no second full copy).
-
-    Args:
-        key: the tensor's key, for the message.
-        dest: the destination (the requested dtype).
-        src: the stored values, same shape.
-        offset: the global offset of `src` (for the index in the message).
+    """`dest.copy_(src)` (same shape) into another dtype, checked slice by slice (no second
+    full copy).
 
     Raises:
-        LossyDtypeConversionError: a value changes; names the first one and its global index.
+        LossyDtypeConversionError: a value changes; names `key`, the first such value and
+            its global index (`src` starts at global `offset`).
     """
     dest.copy_(src)
     flat_src = src.reshape(1) if src.dim() == 0 else src

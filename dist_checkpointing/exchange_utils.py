@@ -220,10 +220,8 @@ def exchange_plan_protocol(
         CheckpointingException: on every rank, when no rank holds a needed shard.
     """
     out: Dict[int, List[Any]] = defaultdict(list)
-    for sid, meta in have.items():
+    for sid, meta in [*have.items(), *((sid, None) for sid in need)]:  # None: needed here
         out[owner(repr(sid), range(world))].append((sid, meta))
-    for sid in need:
-        out[owner(repr(sid), range(world))].append((sid, None))
     received = yield AllToAll({d: coordination.dumps(m) for d, m in out.items()})
     source: Dict[ShardId, Tuple[int, Any]] = {}
     wanted: Dict[ShardId, List[int]] = defaultdict(list)
@@ -240,9 +238,8 @@ def exchange_plan_protocol(
     for sid, dsts in wanted.items():
         src, meta = source[sid]
         for dst in dsts:
-            replies[src].append((sid, src, dst, meta))
-            if dst != src:
-                replies[dst].append((sid, src, dst, meta))
+            for rank in {src, dst}:
+                replies[rank].append((sid, src, dst, meta))
     got = yield AllToAll({d: coordination.dumps(m) for d, m in replies.items()})
     mine = {
         (tuple(s), src, dst, tuple(meta))
@@ -273,11 +270,8 @@ def exchange_shards(
         shard_id(sh): sh.data.device if sh.data is not None else torch.device("cpu")
         for sh in wanted
     }
-    # the first destination tensor of each wanted shard: received into directly when it can
-    into: Dict[ShardId, torch.Tensor] = {}
-    for sh in wanted:
-        if sh.data is not None:
-            into.setdefault(shard_id(sh), sh.data)
+    # each wanted shard's first destination (reversed: set last) is received into when it can
+    into = {shard_id(sh): sh.data for sh in reversed(wanted) if sh.data is not None}
     have = {
         sid: (tuple(t.shape), str(t.dtype).removeprefix("torch."))
         for sid, t in tensors.items()
@@ -330,8 +324,7 @@ def exchange_shards(
 def _receive_buffer(
     destination: Optional[torch.Tensor], shape: Tuple[int, ...], dtype: torch.dtype
 ) -> torch.Tensor:
-    """`destination` itself if it is a contiguous CPU tensor of the sent shape and dtype,
-    else a new buffer."""
+    """`destination` if it is a contiguous CPU tensor of this shape and dtype, else a new one."""
     if (
         destination is not None
         and destination.device.type == "cpu"

@@ -8,18 +8,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, List, Optional, Tuple, Union
+from typing import Any, Callable, List, Optional, Tuple, TypeVar, Union
 
 import torch
 
-from ._shard_checks import (
-    check_flat_data,
-    check_sharded_object,
-    check_sharded_tensor,
-    grid_of_rank_offsets,
-)
+from ._shard_checks import check_sharded_object, check_sharded_tensor, grid_of_rank_offsets
 from ._types import ReplicaId, ShardedStateDict, StateDict
-from .dict_utils import dict_list_map_inplace
+from .dict_utils import dict_list_map_inplace, merge_pairs
 from .errors import CheckpointingException
 
 __all__ = [
@@ -42,6 +37,9 @@ def is_main_replica(replica_id: ReplicaId) -> bool:
     return replica_id == 0 if isinstance(replica_id, int) else all(r == 0 for r in replica_id)
 
 
+_Leaf = TypeVar("_Leaf", bound="ShardedBase")
+
+
 class ShardedBase(ABC):
     """Common interface of every sharded leaf of a sharded state dict."""
 
@@ -49,13 +47,16 @@ class ShardedBase(ABC):
     data: object
     replica_id: ReplicaId
 
+    def __post_init__(self) -> None:
+        self.validate_metadata_integrity()
+
     @abstractmethod
     def validate_metadata_integrity(self) -> None:
         """Checks the metadata invariants; raises `CheckpointingException` when broken."""
 
-    @abstractmethod
-    def without_data(self) -> ShardedBase:
+    def without_data(self: _Leaf) -> _Leaf:
         """Returns a copy with `data=None` (metadata only, cheap to send between ranks)."""
+        return replace(self, data=None)  # type: ignore[type-var]  # every leaf is a dataclass
 
 
 @dataclass
@@ -90,9 +91,6 @@ class ShardedTensor(ShardedBase):
     prepend_axis_num: int = 0
     allow_shape_mismatch: bool = False
     flattened_range: Optional[slice] = None
-
-    def __post_init__(self) -> None:
-        self.validate_metadata_integrity()
 
     def validate_metadata_integrity(self) -> None:
         """Raises `CheckpointingException` unless this is a valid piece of the global tensor."""
@@ -142,10 +140,6 @@ class ShardedTensor(ShardedBase):
                 )
             out.append(axis_size // fragm)
         return tuple(out)
-
-    def without_data(self) -> ShardedTensor:
-        """Returns a metadata-only copy (data=None)."""
-        return replace(self, data=None)
 
     def init_data(
         self, device: Union[str, torch.device], init_fn: Callable[..., torch.Tensor] = torch.empty
@@ -248,20 +242,12 @@ class ShardedTensor(ShardedBase):
                 f"Cannot instantiate a non-flat ShardedTensor {key!r} with "
                 "`from_rank_offsets_flat`; use `from_rank_offsets`"
             )
-        check_flat_data(key, data, flattened_range)
+        if not isinstance(data, torch.Tensor):
+            raise CheckpointingException(f"data of {key!r} must be a torch.Tensor")
         local = tuple(non_flat_local_shape)
         grid = grid_of_rank_offsets(key, local, prepend_axis_num, rank_offsets)
-        return cls(
-            key,
-            data,
-            data.dtype,
-            local,
-            *grid,
-            replica_id,
-            prepend_axis_num,
-            allow_shape_mismatch,
-            flattened_range,
-        )
+        meta = (replica_id, prepend_axis_num, allow_shape_mismatch)
+        return cls(key, data, data.dtype, local, *grid, *meta, flattened_range)
 
     def __str__(self) -> str:
         flat = "" if self.flattened_range is None else f", flattened_range={self.flattened_range}"
@@ -290,9 +276,6 @@ class ShardedObject(ShardedBase):
     global_offset: Tuple[int, ...]
     replica_id: ReplicaId = 0
 
-    def __post_init__(self) -> None:
-        self.validate_metadata_integrity()
-
     def validate_metadata_integrity(self) -> None:
         """Raises `CheckpointingException` on an unsafe key or an offset outside the grid."""
         check_sharded_object(self)
@@ -303,10 +286,6 @@ class ShardedObject(ShardedBase):
         offset = ".".join(map(str, self.global_offset))
         shape = ".".join(map(str, self.global_shape))
         return f"{self.key}/shard_{offset}_{shape}"
-
-    def without_data(self) -> ShardedObject:
-        """Returns a metadata-only copy (data=None)."""
-        return replace(self, data=None)
 
     @classmethod
     def empty_from_unique_key(cls, unique_key: str, replica_id: ReplicaId = 0) -> ShardedObject:
@@ -357,10 +336,6 @@ class ShardedTensorFactory(ShardedBase):
     def validate_metadata_integrity(self) -> None:
         """Factories carry no shard geometry of their own; nothing to check."""
 
-    def without_data(self) -> ShardedTensorFactory:
-        """Returns a copy with `data=None`."""
-        return replace(self, data=None)
-
 
 class LocalNonpersistentObject:
     """Wraps a value that is not saved; on load the local value is put back in its place."""
@@ -375,11 +350,9 @@ class LocalNonpersistentObject:
 
 def apply_factories(sharded_state_dict: ShardedStateDict) -> None:
     """Replaces every `ShardedTensorFactory` by the sub-state-dict it builds, in place."""
-
-    def build(x: Any) -> Any:
-        return x.build() if isinstance(x, ShardedTensorFactory) else x
-
-    dict_list_map_inplace(build, sharded_state_dict)
+    dict_list_map_inplace(
+        lambda x: x.build() if isinstance(x, ShardedTensorFactory) else x, sharded_state_dict
+    )
 
 
 def apply_factory_merges(x1: Any, x2: Any, key: Tuple[Any, ...] = ()) -> Any:
@@ -388,25 +361,10 @@ def apply_factory_merges(x1: Any, x2: Any, key: Tuple[Any, ...] = ()) -> Any:
     path of `x1`, for messages. Raises `CheckpointingException` if the trees do not line up."""
     if isinstance(x2, ShardedTensorFactory):
         return x2.merge_fn(x1)
-    if isinstance(x1, dict) and isinstance(x2, dict):
-        for k, v2 in x2.items():
-            if k not in x1:
-                raise CheckpointingException(
-                    f"Factory key {key + (k,)} is missing from the loaded state dict"
-                )
-            x1[k] = apply_factory_merges(x1[k], v2, key + (k,))
-    elif isinstance(x1, list) and isinstance(x2, (dict, list)):
-        if isinstance(x2, list) and len(x1) != len(x2):
+    for k, v2 in merge_pairs(x1, x2, key, CheckpointingException):
+        if isinstance(x1, dict) and k not in x1:
             raise CheckpointingException(
-                f"Cannot apply factory merges to lists of lengths {len(x1)} and {len(x2)} at {key}"
+                f"Factory key {key + (k,)} is missing from the loaded state dict"
             )
-        x2 = x2 if isinstance(x2, dict) else dict(enumerate(x2))
-        for k, v2 in x2.items():
-            if not isinstance(k, int) or not 0 <= k < len(x1):
-                raise CheckpointingException(f"Invalid list index {k!r} for factory merge at {key}")
-            x1[k] = apply_factory_merges(x1[k], v2, key + (k,))
-    else:
-        raise CheckpointingException(
-            f"Cannot apply factory merge at {key}: {type(x1).__name__} vs {type(x2).__name__}"
-        )
+        x1[k] = apply_factory_merges(x1[k], v2, key + (k,))
     return x1

@@ -64,15 +64,11 @@ _OURS = (ShardedBase, LocalNonpersistentObject)
 
 def is_megatron_object(obj: Any) -> bool:
     """Whether `obj` is an instance of a class defined in megatron-core's dist_checkpointing."""
-    module = getattr(type(obj), "__module__", "") or ""
-    return module == MEGATRON_PACKAGE or module.startswith(MEGATRON_PACKAGE + ".")
+    return _target(getattr(type(obj), "__module__", "") or "") is not None
 
 
 def looks_sharded(obj: Any) -> bool:
-    """Whether `obj` is, or looks like, a sharded leaf (ours, megatron's or a look-alike).
-
-    Plain values (tensors, numbers, strings, containers) never look sharded.
-    """
+    """Whether `obj` is, or looks like, a sharded leaf (ours, megatron's or a look-alike)."""
     if isinstance(obj, _OURS) or is_megatron_object(obj):
         return True
     if isinstance(obj, (torch.Tensor, str, bytes, int, float, bool, dict, list, tuple)):
@@ -144,10 +140,8 @@ def convert_object(obj: Any, where: str = "state dict leaf") -> Any:
 
 
 def _has_sharded(x: Any) -> bool:
-    if isinstance(x, dict):
-        return any(_has_sharded(v) for v in x.values())
-    if isinstance(x, (list, tuple)):
-        return any(_has_sharded(v) for v in x)
+    if isinstance(x, (dict, list, tuple)):
+        return any(_has_sharded(v) for v in (x.values() if isinstance(x, dict) else x))
     return looks_sharded(x)
 
 
@@ -162,13 +156,9 @@ def convert_sharded_state_dict(sharded_state_dict: Any, path: Sequence[Any] = ()
         CheckpointingException: a megatron object whose metadata is invalid.
     """
     x, path = sharded_state_dict, tuple(path)
-    if isinstance(x, dict):
-        for k, v in x.items():
+    if isinstance(x, (dict, list)):
+        for k, v in x.items() if isinstance(x, dict) else enumerate(x):
             x[k] = convert_sharded_state_dict(v, path + (k,))
-        return x
-    if isinstance(x, list):
-        for i, v in enumerate(x):
-            x[i] = convert_sharded_state_dict(v, path + (i,))
         return x
     where = "/".join(map(str, path)) or "<root>"
     if isinstance(x, tuple):
@@ -187,13 +177,9 @@ def convert_sharded_state_dict(sharded_state_dict: Any, path: Sequence[Any] = ()
     return x
 
 
-# ---- install(): our package in place of megatron.core.dist_checkpointing ---------------------
-
-
 def _target(fullname: str) -> Optional[str]:
-    if fullname == MEGATRON_PACKAGE:
-        return _OUR_PACKAGE
-    if fullname.startswith(MEGATRON_PACKAGE + "."):
+    """Our module for `fullname` if it is megatron's package or one of its submodules."""
+    if fullname == MEGATRON_PACKAGE or fullname.startswith(MEGATRON_PACKAGE + "."):
         return _OUR_PACKAGE + fullname[len(MEGATRON_PACKAGE) :]
     return None
 
@@ -258,11 +244,8 @@ def install() -> None:
 
 
 def uninstall() -> List[str]:
-    """Undoes `install()`: removes the finder and the aliased modules from `sys.modules`.
-
-    Returns:
-        The module names that were removed from `sys.modules`.
-    """
+    """Undoes `install()`: removes the finder and the aliased modules from `sys.modules`,
+    returning their names."""
     global _finder
     if _finder is not None and _finder in sys.meta_path:
         sys.meta_path.remove(_finder)

@@ -41,10 +41,9 @@ def zip_strict(*args: Iterable[Any]) -> Iterable[Tuple[Any, ...]]:
     return zip(*lists)
 
 
-_Split = Callable[[ShardedStateDict], Tuple[ShardedStateDict, StateDict]]
-
-
-def _extractor(name: str, kinds: Tuple[type, ...], what: str) -> _Split:
+def _extractor(
+    name: str, kinds: Tuple[type, ...], what: str
+) -> Callable[[ShardedStateDict], Tuple[ShardedStateDict, StateDict]]:
     """Builds megatron's `extract_*` helper `name`: splits off the leaves of `kinds`."""
 
     def extract(sharded_state_dict: ShardedStateDict) -> Tuple[ShardedStateDict, StateDict]:
@@ -52,14 +51,7 @@ def _extractor(name: str, kinds: Tuple[type, ...], what: str) -> _Split:
 
     extract.__name__ = extract.__qualname__ = name
     extract.__module__ = __name__
-    extract.__doc__ = f"""Splits off the {what} leaves.
-
-    Args:
-        sharded_state_dict: a nested dict/list; it is not modified.
-
-    Returns:
-        `(matching, rest)`, both with the structure of the input.
-    """
+    extract.__doc__ = f"Splits a nested dict/list (unchanged) into ({what} leaves, the rest)."
     return extract
 
 

@@ -107,12 +107,8 @@ def determine_global_metadata(
     local: LocalMetadata = []
     error: Optional[BaseException] = None
     try:  # megatron-core's objects count like ours; anything unhandled fails on every rank
-        converted = convert_sharded_state_dict(
-            dict_list_map_outplace(lambda v: v, sharded_state_dict)
-        )
-        local = [
-            sh.without_data() for sh in nested_values(converted) if isinstance(sh, ShardedBase)
-        ]
+        copy = dict_list_map_outplace(lambda v: v, sharded_state_dict)
+        local = _metadata(convert_sharded_state_dict(copy))
     except Exception as e:  # agreed on below, with the metadata exchange
         error = e
     gathered = all_gather_object((local, error_report(error)))
@@ -151,6 +147,12 @@ def validate_sharding_integrity(
         raise ShardingIntegrityError(format_problems(problems))
 
 
+def _metadata(sharded_state_dict: ShardedStateDict) -> LocalMetadata:
+    return [
+        sh.without_data() for sh in nested_values(sharded_state_dict) if isinstance(sh, ShardedBase)
+    ]
+
+
 def _sharded_key(sh: ShardedBase) -> str:
     return sh.unique_key if isinstance(sh, ShardedObject) else sh.key
 
@@ -185,11 +187,10 @@ def adjust_non_strict_load(
     """Returns `sharded_state_dict` without the leaves whose key is in `unexpected_keys`."""
     if not unexpected_keys:
         return sharded_state_dict
-
-    def is_unexpected(x: object) -> bool:
-        return isinstance(x, ShardedBase) and _sharded_key(x) in unexpected_keys
-
-    _, kept = extract_matching_values(sharded_state_dict, is_unexpected)
+    _, kept = extract_matching_values(
+        sharded_state_dict,
+        lambda x: isinstance(x, ShardedBase) and _sharded_key(x) in unexpected_keys,
+    )
     return kept
 
 
@@ -202,8 +203,8 @@ def _listing(keys: Set[str]) -> str:
 def _report(
     missing: Set[str], unexpected: Set[str], available: Optional[Sequence[str]] = None
 ) -> str:
-    """The key-mismatch message, with megatron-core's titles and labels (scripts match on
-    them); `available` (checkpoint keys) feeds the close-match hints."""
+    """The key-mismatch message ('' if none differ), in megatron-core's words (scripts match
+    on them); `available` (checkpoint keys) feeds the close-match hints."""
     titles, bodies = [], []
     if missing:
         titles.append(
@@ -255,11 +256,7 @@ def validate_integrity_and_strict_load(
         if ckpt_sharded_metadata is None:
             raise ValueError(f"strict={strict} needs the checkpoint's sharded metadata")
         if local_metadata is None:
-            local_metadata = [
-                sh.without_data()
-                for sh in nested_values(sharded_state_dict)
-                if isinstance(sh, ShardedBase)
-            ]
+            local_metadata = _metadata(sharded_state_dict)
         missing, unexpected = determine_missing_and_unexpected_keys(
             ckpt_sharded_metadata, local_metadata, global_metadata
         )
@@ -285,11 +282,8 @@ def validate_integrity_and_strict_load(
                     _report(missing, unexpected, list(ckpt_sharded_metadata)),
                 )
         elif strict in (StrictHandling.RAISE_UNEXPECTED, StrictHandling.RAISE_ALL):
-            error = (
-                KeyMismatchError(_report(missing, unexpected, list(ckpt_sharded_metadata)))
-                if (missing or unexpected)
-                else None
-            )
+            report = _report(missing, unexpected, list(ckpt_sharded_metadata))
+            error = KeyMismatchError(report) if report else None
             if is_distributed():
                 agree_on_errors(error, "Strict key check")
             elif error is not None:
