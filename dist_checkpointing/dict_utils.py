@@ -14,7 +14,6 @@ __all__ = [
     "dict_list_map_inplace",
     "dict_list_map_outplace",
     "merge",
-    "merge_pairs",
     "map_reduce",
 ]
 
@@ -141,7 +140,7 @@ def merge(x1: Any, x2: Any, key: KeyPath = ()) -> Any:
     Raises:
         ValueError: on lists of different lengths or two leaves at the same key path.
     """
-    for k, v2 in merge_pairs(x1, x2, key, ValueError):
+    for k, v2 in _merge_pairs(x1, x2, key, ValueError):
         if isinstance(x1, dict) and k not in x1:
             x1[k] = v2
         else:
@@ -149,7 +148,7 @@ def merge(x1: Any, x2: Any, key: KeyPath = ()) -> Any:
     return x1
 
 
-def merge_pairs(
+def _merge_pairs(
     x1: Any, x2: Any, key: KeyPath, error: Type[Exception]
 ) -> Iterator[Tuple[Any, Any]]:
     """Yields the `(key, value)` pairs of `x2` to merge into `x1`: by key into a dict, by

@@ -14,7 +14,7 @@ import torch
 
 from ._shard_checks import check_sharded_object, check_sharded_tensor, grid_of_rank_offsets
 from ._types import ReplicaId, ShardedStateDict, StateDict
-from .dict_utils import dict_list_map_inplace, merge_pairs
+from .dict_utils import _merge_pairs, dict_list_map_inplace
 from .errors import CheckpointingException
 
 __all__ = [
@@ -361,7 +361,7 @@ def apply_factory_merges(x1: Any, x2: Any, key: Tuple[Any, ...] = ()) -> Any:
     path of `x1`, for messages. Raises `CheckpointingException` if the trees do not line up."""
     if isinstance(x2, ShardedTensorFactory):
         return x2.merge_fn(x1)
-    for k, v2 in merge_pairs(x1, x2, key, CheckpointingException):
+    for k, v2 in _merge_pairs(x1, x2, key, CheckpointingException):
         if isinstance(x1, dict) and k not in x1:
             raise CheckpointingException(
                 f"Factory key {key + (k,)} is missing from the loaded state dict"
