@@ -43,7 +43,7 @@ from .strategies.base import (
     SaveCommonStrategy,
     SaveShardedStrategy,
     StrategyAction,
-    get_default_strategy,
+    resolve_strategy,
 )
 from .validation import StrictHandling, parse_strict_flag
 
@@ -76,18 +76,14 @@ def get_default_save_sharded_strategy(
     backend: str = "torch_dist", version: int = 1
 ) -> SaveShardedStrategy:
     """The registered SAVE_SHARDED strategy for `(backend, version)`."""
-    strategy = get_default_strategy(StrategyAction.SAVE_SHARDED, backend, version)
-    assert isinstance(strategy, SaveShardedStrategy)  # register_default_strategy checks it
-    return strategy
+    return resolve_strategy(StrategyAction.SAVE_SHARDED, (backend, version))
 
 
 def get_default_save_common_strategy(
     backend: str = "torch", version: int = 1
 ) -> SaveCommonStrategy:
     """The registered SAVE_COMMON strategy for `(backend, version)`."""
-    strategy = get_default_strategy(StrategyAction.SAVE_COMMON, backend, version)
-    assert isinstance(strategy, SaveCommonStrategy)  # register_default_strategy checks it
-    return strategy
+    return resolve_strategy(StrategyAction.SAVE_COMMON, (backend, version))
 
 
 def get_default_load_sharded_strategy(checkpoint_dir: PathArg) -> LoadShardedStrategy:
@@ -228,61 +224,45 @@ def load(
         KeyMismatchError: under a raising strict mode.
         CheckpointingException: any other failure, on every rank.
     """
-    with (
-        lossy_conversion_allowed(allow_lossy_dtype_conversion),
-        _dist.naming_files_within(checkpoint_dir),
-    ):
-        return _load(
-            sharded_state_dict,
-            Path(checkpoint_dir),
-            sharded_strategy,
-            common_strategy,
-            validate_access_integrity,
-            parse_strict_flag(strict),
+    ckpt = Path(checkpoint_dir)
+    with lossy_conversion_allowed(allow_lossy_dtype_conversion), _dist.naming_files_within(ckpt):
+        start = time.perf_counter()
+        strict = parse_strict_flag(strict)
+        sharded, common, common_state = select_load_strategies(
+            ckpt, sharded_strategy, common_strategy
         )
 
+        def stored_metadata() -> ShardedStateDict:
+            return _dist.run_collectively(
+                f"metadata load from {ckpt}", _sharded_metadata, ckpt, sharded, common
+            )
 
-def _load(
-    sharded_state_dict: ShardedStateDict,
-    ckpt: Path,
-    sharded_strategy: Union[LoadShardedStrategy, Tuple[str, int], None],
-    common_strategy: Union[LoadCommonStrategy, Tuple[str, int], None],
-    validate_access_integrity: bool,
-    strict: StrictHandling,
-) -> LoadResult:
-    start = time.perf_counter()
-    sharded, common, common_state = select_load_strategies(ckpt, sharded_strategy, common_strategy)
-
-    def stored_metadata() -> ShardedStateDict:
-        return _dist.run_collectively(
-            f"metadata load from {ckpt}", _sharded_metadata, ckpt, sharded, common
+        if isinstance(sharded, NodeLocalLoadShardedStrategy):  # the one place the flow is chosen
+            return _node_local_flow.load(
+                sharded,
+                ckpt,
+                sharded_state_dict,
+                strict,
+                validate_access_integrity,
+                stored_metadata,
+                start,
+            )
+        assert common_state is not None  # loaded with the selection, or it raised on every rank
+        prepared = prepare_load_request(
+            sharded_state_dict, strict, validate_access_integrity, stored_metadata
         )
-
-    if isinstance(sharded, NodeLocalLoadShardedStrategy):  # the one place the flow is chosen
-        return _node_local_flow.load(
-            sharded,
-            ckpt,
-            sharded_state_dict,
-            strict,
-            validate_access_integrity,
-            stored_metadata,
-            start,
-        )
-    assert common_state is not None  # loaded with the selection, or it raised on every rank
-    common_state_dict: StateDict = common_state
-    prepared = prepare_load_request(
-        sharded_state_dict, strict, validate_access_integrity, stored_metadata
-    )
-    request = prepared.sharded
-    merge(common_state_dict, prepared.nonpersistent)
-    if not sharded.can_handle_sharded_objects:
-        objects, request = extract_matching_values(request, lambda v: isinstance(v, ShardedObject))
-        loaded_objects = _dist.run_collectively(
-            f"ShardedObject load from {ckpt}", common.load_sharded_objects, objects, ckpt
-        )
-        merge(common_state_dict, loaded_objects)
-    loaded = sharded.load(request, ckpt)
-    return finish_load(prepared, common_state_dict, loaded, strict, logger, ckpt, start)
+        request = prepared.sharded
+        merge(common_state, prepared.nonpersistent)
+        if not sharded.can_handle_sharded_objects:
+            objects, request = extract_matching_values(
+                request, lambda v: isinstance(v, ShardedObject)
+            )
+            loaded_objects = _dist.run_collectively(
+                f"ShardedObject load from {ckpt}", common.load_sharded_objects, objects, ckpt
+            )
+            merge(common_state, loaded_objects)
+        loaded = sharded.load(request, ckpt)
+        return finish_load(prepared, common_state, loaded, strict, logger, ckpt, start)
 
 
 def _sharded_metadata(
