@@ -281,13 +281,6 @@ def describe_rank_failures(failed: List[Tuple[int, str]]) -> str:
     return head + "; ".join(shown)
 
 
-def _error_class(name: str) -> type[CheckpointingException]:
-    cls = getattr(errors, name, None)
-    if isinstance(cls, type) and issubclass(cls, CheckpointingException):
-        return cls
-    return DistributedFailureError
-
-
 def error_report(error: Optional[BaseException]) -> Optional[Tuple[str, str]]:
     """What a rank tells the others about its failure: (class name, message), or None."""
     return None if error is None else (type(error).__name__, _describe(error))
@@ -324,10 +317,11 @@ def raise_on_reported_errors(
     within = _within.get()
     causes = [(rank, rep[1].replace(within, "") if within else rep[1]) for rank, rep in failed]
     message = format_rank_failures(what, causes)
+    cls: Any = getattr(errors, failed[0][1][0], None)  # the first failing rank's class
     if isinstance(error, CheckpointingException):
-        cls: type[CheckpointingException] = type(error)
-    else:
-        cls = _error_class(failed[0][1][0])
+        cls = type(error)
+    elif not (isinstance(cls, type) and issubclass(cls, CheckpointingException)):
+        cls = DistributedFailureError
     try:
         exc = cls(message)
     except TypeError:  # a subclass with a richer constructor
