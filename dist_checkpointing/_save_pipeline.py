@@ -93,6 +93,16 @@ def nested_sharded(tree: Any) -> List[ShardedBase]:
     )
 
 
+def _records(tree: Any) -> List[ShardRecord]:
+    return [r for r in map(record_of, nested_sharded(tree)) if r is not None]
+
+
+def _agree(records: List[ShardRecord], cache: AgreementCache, **kwargs: Any) -> Any:
+    """Collective: this rank's side of `agreement_protocol`; returns its `Agreement`."""
+    rank, world = _dist.get_rank(), _dist.get_world_size()
+    return run_protocol(agreement_protocol(rank, world, records, cache, **kwargs))
+
+
 def save_preprocess(
     sharded_state_dict: ShardedStateDict, content_metadata: Optional[dict]
 ) -> Tuple[ShardedStateDict, CommonStateDict]:
@@ -155,21 +165,10 @@ def prepare_load_request(
     request, missing, unexpected = validate_integrity_and_strict_load(
         request, strict, False, None, None, ckpt_metadata
     )
-    if not validate_access_integrity:  # not collective then: fail here alone
-        if error is not None:
-            raise error
-    else:  # keys the checkpoint lacks are out of the request by now
-        records = [r for r in map(record_of, nested_sharded(request)) if r is not None]
-        run_protocol(
-            agreement_protocol(
-                _dist.get_rank(),
-                _dist.get_world_size(),
-                records,
-                _load_agreement,
-                error=error,
-                what="load",
-            )
-        )
+    if validate_access_integrity:  # keys the checkpoint lacks are out of the request by now
+        _agree(_records(request), _load_agreement, error=error, what="load")
+    elif error is not None:  # not collective then: fail here alone
+        raise error
     return LoadRequest(request, nonpersistent, factories, missing, unexpected)
 
 
@@ -247,7 +246,7 @@ def prepare_save(
     for sh in nested_sharded(sharded_part):
         sh.validate_metadata_integrity()
     objstore.makedirs(ckpt)  # for a prefix: checks that its bucket can be reached
-    records = [r for r in map(record_of, nested_sharded(sharded_part)) if r is not None]
+    records = _records(sharded_part)
     deferred = None
     if async_sharded_save and sharded.can_handle_sharded_objects and not node_local:
         deferred = common.deferred_save_common(common_part, ckpt)
@@ -281,17 +280,13 @@ def agree_on_preparation(
 ) -> SavePlan:
     """Collective: agrees on preparation failures (raising on every rank), then checks the
     global sharding by key (`_sharding_agreement`; skipped when no rank's shards changed)."""
-    agreement = run_protocol(
-        agreement_protocol(
-            _dist.get_rank(),
-            _dist.get_world_size(),
-            plan.records if plan is not None else [],
-            _save_agreement,
-            error=error,
-            common_digest=plan.common_digest.encode() if plan is not None else b"",
-            validate=validate_access_integrity,
-            what=f"save to {ckpt}",
-        )
+    agreement = _agree(
+        plan.records if plan is not None else [],
+        _save_agreement,
+        error=error,
+        common_digest=plan.common_digest.encode() if plan is not None else b"",
+        validate=validate_access_integrity,
+        what=f"save to {ckpt}",
     )
     assert plan is not None
     if validate_access_integrity and agreement.common_differs:
