@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import os
 import time
 from pathlib import Path
 from typing import Callable, Dict, Optional, Set, Tuple, Union
@@ -29,7 +28,7 @@ from ._save_pipeline import (
 from ._strategy_selection import select_load_strategies, verify_checkpoint_and_load_strategy
 from ._types import CommonStateDict, ShardedStateDict, StateDict
 from .async_save import AsyncRequest
-from .core import check_is_distributed_checkpoint
+from .core import PathArg, check_is_distributed_checkpoint
 from .dict_utils import extract_matching_values, merge
 from .dtypes import lossy_conversion_allowed
 from .errors import CheckpointingException
@@ -66,7 +65,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-PathArg = Union[str, "os.PathLike[str]"]
 LoadResult = Union[StateDict, Tuple[StateDict, Set[str], Set[str]]]
 #: What `load_sharded_metadata` returns: tensors by key, ShardedObjects by unique key, no data.
 CkptShardedMetadata = Dict[str, Union[ShardedTensor, ShardedObject]]
