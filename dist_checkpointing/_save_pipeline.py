@@ -1,7 +1,6 @@
-"""The steps of `save` and `load` every backend shares: from a user's sharded state dict to
-what they work on (megatron objects, factories, non-persistent values, strict modes and
-validation treated the same way, also for `tensor_aware_state_dict`), the save's agreement,
-common state and commit."""
+"""The steps of `save` and `load` every backend (and `tensor_aware_state_dict`) shares:
+preparing a user's state dict (megatron objects, factories, non-persistent values, strict
+modes, validation), the save's agreement, common state and commit."""
 
 from __future__ import annotations
 
@@ -86,11 +85,9 @@ def _detached(leaf: Any) -> Any:
 
 def nested_sharded(tree: Any) -> List[ShardedBase]:
     """The sharded leaves of `tree`, in traversal order."""
-    return (
-        [v for v in nested_values(tree) if isinstance(v, ShardedBase)]
-        if isinstance(tree, (dict, list))
-        else []
-    )
+    if not isinstance(tree, (dict, list)):
+        return []
+    return [v for v in nested_values(tree) if isinstance(v, ShardedBase)]
 
 
 def _records(tree: Any) -> List[ShardRecord]:
@@ -219,10 +216,10 @@ def prepare_save(
     common_strategy: Any,
     async_sharded_save: bool,
     content_metadata: Optional[dict],
-    preprocess_common: Union[Callable[[CommonStateDict], StateDict], bool, None],
+    validate_access_integrity: bool,
+    preprocess_common: Optional[Callable[[CommonStateDict], StateDict]],
 ) -> SavePlan:
-    """The local part of a save's preparation (no collectives; may raise). `preprocess_common`:
-    None (no cross-rank comparison), True (compare as is) or the caller's function."""
+    """The local part of a save's preparation (no collectives; may raise)."""
     sharded = resolve_strategy(StrategyAction.SAVE_SHARDED, sharded_strategy, ("torch_dist", 1))
     common = resolve_strategy(StrategyAction.SAVE_COMMON, common_strategy, ("torch", 1))
     node_local = isinstance(sharded, NodeLocalSaveShardedStrategy)
@@ -250,16 +247,14 @@ def prepare_save(
     deferred = None
     if async_sharded_save and sharded.can_handle_sharded_objects and not node_local:
         deferred = common.deferred_save_common(common_part, ckpt)
-    digest = _common_digest(common_part, preprocess_common)
+    digest = _common_digest(common_part, preprocess_common) if validate_access_integrity else ""
     return SavePlan(
         sharded, common, node_local, sharded_part, common_part, records, digest, deferred
     )
 
 
 def _common_digest(common: CommonStateDict, preprocess: Any) -> str:
-    """A digest of the common state as compared across ranks ('' when not compared)."""
-    if preprocess is None:
-        return ""
+    """A digest of the common state as compared across ranks."""
     view = preprocess(common) if callable(preprocess) else common
     try:
         return hashlib.blake2b(pickle.dumps(view, protocol=4), digest_size=16).hexdigest()

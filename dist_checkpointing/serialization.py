@@ -148,9 +148,8 @@ def save(
             common_strategy,
             async_sharded_save,
             content_metadata,
-            (preprocess_common_before_consistancy_check or True)
-            if validate_access_integrity
-            else None,
+            validate_access_integrity,
+            preprocess_common_before_consistancy_check,
         )
     except Exception as e:  # agreed on below, with the digest exchange
         error = e
@@ -193,13 +192,8 @@ def load(
     allow_lossy_dtype_conversion: bool = False,
 ) -> LoadResult:
     """Collective: loads a checkpoint into the (possibly different) sharding that
-    `sharded_state_dict` describes.
-
-    Steps:
-    1. Check `metadata.json`, pick compatible strategies and load the common state.
-    2. Build factories; put LocalNonpersistentObjects' local values in place.
-    3. Apply `strict` and, with `validate_access_integrity`, check the request's sharding.
-    4. Load ShardedTensors/ShardedObjects, merge them in, apply factory merges.
+    `sharded_state_dict` describes, merged into its common state (with the local values of
+    LocalNonpersistentObjects, and factories merged back).
 
     Args:
         sharded_state_dict: what to load and where (ShardedTensors without data are
