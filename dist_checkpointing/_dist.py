@@ -260,18 +260,16 @@ def describe_rank_failures(failed: List[Tuple[int, str]]) -> str:
         groups.setdefault(cause, []).append(rank)
     head = f"{_ranks_label([r for r, _ in failed])}: "
     if len(groups) == 1:
-        ((cause, _),) = groups.items()
-        return head + cause
+        return head + next(iter(groups))
     shown: List[str] = []
     size = len(head)
     items = list(groups.items())
     for n, (cause, ranks) in enumerate(items):
         part = f"{_ranks_label(ranks)}: {cause}"
         if shown and size + len(part) > _MAX_TOTAL_MESSAGE:
-            rest = items[n:]
-            rest_ranks = [r for _, rs in rest for r in rs]
+            rest_ranks = [r for _, rs in items[n:] for r in rs]
             shown.append(
-                f"[{len(rest)} more distinct cause(s) on {_ranks_label(rest_ranks)} cut "
+                f"[{len(items) - n} more distinct cause(s) on {_ranks_label(rest_ranks)} cut "
                 f"to keep this message under {_MAX_TOTAL_MESSAGE} characters; see those "
                 "ranks' logs]"
             )
