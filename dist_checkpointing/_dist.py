@@ -260,18 +260,16 @@ def describe_rank_failures(failed: List[Tuple[int, str]]) -> str:
         groups.setdefault(cause, []).append(rank)
     head = f"{_ranks_label([r for r, _ in failed])}: "
     if len(groups) == 1:
-        ((cause, _),) = groups.items()
-        return head + cause
+        return head + next(iter(groups))
     shown: List[str] = []
     size = len(head)
     items = list(groups.items())
     for n, (cause, ranks) in enumerate(items):
         part = f"{_ranks_label(ranks)}: {cause}"
         if shown and size + len(part) > _MAX_TOTAL_MESSAGE:
-            rest = items[n:]
-            rest_ranks = [r for _, rs in rest for r in rs]
+            rest_ranks = [r for _, rs in items[n:] for r in rs]
             shown.append(
-                f"[{len(rest)} more distinct cause(s) on {_ranks_label(rest_ranks)} cut "
+                f"[{len(items) - n} more distinct cause(s) on {_ranks_label(rest_ranks)} cut "
                 f"to keep this message under {_MAX_TOTAL_MESSAGE} characters; see those "
                 "ranks' logs]"
             )
@@ -279,13 +277,6 @@ def describe_rank_failures(failed: List[Tuple[int, str]]) -> str:
         shown.append(part)
         size += len(part) + 2
     return head + "; ".join(shown)
-
-
-def _error_class(name: str) -> type[CheckpointingException]:
-    cls = getattr(errors, name, None)
-    if isinstance(cls, type) and issubclass(cls, CheckpointingException):
-        return cls
-    return DistributedFailureError
 
 
 def error_report(error: Optional[BaseException]) -> Optional[Tuple[str, str]]:
@@ -324,10 +315,11 @@ def raise_on_reported_errors(
     within = _within.get()
     causes = [(rank, rep[1].replace(within, "") if within else rep[1]) for rank, rep in failed]
     message = format_rank_failures(what, causes)
+    cls: Any = getattr(errors, failed[0][1][0], None)  # the first failing rank's class
     if isinstance(error, CheckpointingException):
-        cls: type[CheckpointingException] = type(error)
-    else:
-        cls = _error_class(failed[0][1][0])
+        cls = type(error)
+    elif not (isinstance(cls, type) and issubclass(cls, CheckpointingException)):
+        cls = DistributedFailureError
     try:
         exc = cls(message)
     except TypeError:  # a subclass with a richer constructor

@@ -12,6 +12,7 @@ pickled names.
 from __future__ import annotations
 
 import argparse
+import functools
 import io
 import os
 import pathlib
@@ -80,6 +81,7 @@ def _numpy_entries() -> List[SafeGlobal]:
     return entries
 
 
+@functools.cache  # the same entries each time: the allowlist compares them by identity
 def default_safe_globals() -> List[SafeGlobal]:
     """The reviewed entries, in `torch.serialization.add_safe_globals` form."""
     return [
@@ -97,16 +99,11 @@ def default_safe_globals() -> List[SafeGlobal]:
     ]
 
 
-_entries: List[SafeGlobal] = []
-
-
 def ensure_registered() -> None:
     """Adds the reviewed entries missing from torch's allowlist (before every safe load, in
     case user code called `torch.serialization.clear_safe_globals()`)."""
-    if not _entries:
-        _entries.extend(default_safe_globals())
     present = set(torch.serialization.get_safe_globals())
-    missing = [e for e in _entries if e not in present]
+    missing = [e for e in default_safe_globals() if e not in present]
     if missing:
         torch.serialization.add_safe_globals(missing)
 

@@ -1,7 +1,6 @@
-"""The steps of `save` and `load` every backend shares: from a user's sharded state dict to
-what they work on (megatron objects, factories, non-persistent values, strict modes and
-validation treated the same way, also for `tensor_aware_state_dict`), the save's agreement,
-common state and commit."""
+"""The steps of `save` and `load` every backend (and `tensor_aware_state_dict`) shares:
+preparing a user's state dict (megatron objects, factories, non-persistent values, strict
+modes, validation), the save's agreement, common state and commit."""
 
 from __future__ import annotations
 
@@ -86,11 +85,19 @@ def _detached(leaf: Any) -> Any:
 
 def nested_sharded(tree: Any) -> List[ShardedBase]:
     """The sharded leaves of `tree`, in traversal order."""
-    return (
-        [v for v in nested_values(tree) if isinstance(v, ShardedBase)]
-        if isinstance(tree, (dict, list))
-        else []
-    )
+    if not isinstance(tree, (dict, list)):
+        return []
+    return [v for v in nested_values(tree) if isinstance(v, ShardedBase)]
+
+
+def _records(tree: Any) -> List[ShardRecord]:
+    return [r for r in map(record_of, nested_sharded(tree)) if r is not None]
+
+
+def _agree(records: List[ShardRecord], cache: AgreementCache, **kwargs: Any) -> Any:
+    """Collective: this rank's side of `agreement_protocol`; returns its `Agreement`."""
+    rank, world = _dist.get_rank(), _dist.get_world_size()
+    return run_protocol(agreement_protocol(rank, world, records, cache, **kwargs))
 
 
 def save_preprocess(
@@ -155,21 +162,10 @@ def prepare_load_request(
     request, missing, unexpected = validate_integrity_and_strict_load(
         request, strict, False, None, None, ckpt_metadata
     )
-    if not validate_access_integrity:  # not collective then: fail here alone
-        if error is not None:
-            raise error
-    else:  # keys the checkpoint lacks are out of the request by now
-        records = [r for r in map(record_of, nested_sharded(request)) if r is not None]
-        run_protocol(
-            agreement_protocol(
-                _dist.get_rank(),
-                _dist.get_world_size(),
-                records,
-                _load_agreement,
-                error=error,
-                what="load",
-            )
-        )
+    if validate_access_integrity:  # keys the checkpoint lacks are out of the request by now
+        _agree(_records(request), _load_agreement, error=error, what="load")
+    elif error is not None:  # not collective then: fail here alone
+        raise error
     return LoadRequest(request, nonpersistent, factories, missing, unexpected)
 
 
@@ -220,10 +216,10 @@ def prepare_save(
     common_strategy: Any,
     async_sharded_save: bool,
     content_metadata: Optional[dict],
-    preprocess_common: Union[Callable[[CommonStateDict], StateDict], bool, None],
+    validate_access_integrity: bool,
+    preprocess_common: Optional[Callable[[CommonStateDict], StateDict]],
 ) -> SavePlan:
-    """The local part of a save's preparation (no collectives; may raise). `preprocess_common`:
-    None (no cross-rank comparison), True (compare as is) or the caller's function."""
+    """The local part of a save's preparation (no collectives; may raise)."""
     sharded = resolve_strategy(StrategyAction.SAVE_SHARDED, sharded_strategy, ("torch_dist", 1))
     common = resolve_strategy(StrategyAction.SAVE_COMMON, common_strategy, ("torch", 1))
     node_local = isinstance(sharded, NodeLocalSaveShardedStrategy)
@@ -247,20 +243,18 @@ def prepare_save(
     for sh in nested_sharded(sharded_part):
         sh.validate_metadata_integrity()
     objstore.makedirs(ckpt)  # for a prefix: checks that its bucket can be reached
-    records = [r for r in map(record_of, nested_sharded(sharded_part)) if r is not None]
+    records = _records(sharded_part)
     deferred = None
     if async_sharded_save and sharded.can_handle_sharded_objects and not node_local:
         deferred = common.deferred_save_common(common_part, ckpt)
-    digest = _common_digest(common_part, preprocess_common)
+    digest = _common_digest(common_part, preprocess_common) if validate_access_integrity else ""
     return SavePlan(
         sharded, common, node_local, sharded_part, common_part, records, digest, deferred
     )
 
 
 def _common_digest(common: CommonStateDict, preprocess: Any) -> str:
-    """A digest of the common state as compared across ranks ('' when not compared)."""
-    if preprocess is None:
-        return ""
+    """A digest of the common state as compared across ranks."""
     view = preprocess(common) if callable(preprocess) else common
     try:
         return hashlib.blake2b(pickle.dumps(view, protocol=4), digest_size=16).hexdigest()
@@ -281,17 +275,13 @@ def agree_on_preparation(
 ) -> SavePlan:
     """Collective: agrees on preparation failures (raising on every rank), then checks the
     global sharding by key (`_sharding_agreement`; skipped when no rank's shards changed)."""
-    agreement = run_protocol(
-        agreement_protocol(
-            _dist.get_rank(),
-            _dist.get_world_size(),
-            plan.records if plan is not None else [],
-            _save_agreement,
-            error=error,
-            common_digest=plan.common_digest.encode() if plan is not None else b"",
-            validate=validate_access_integrity,
-            what=f"save to {ckpt}",
-        )
+    agreement = _agree(
+        plan.records if plan is not None else [],
+        _save_agreement,
+        error=error,
+        common_digest=plan.common_digest.encode() if plan is not None else b"",
+        validate=validate_access_integrity,
+        what=f"save to {ckpt}",
     )
     assert plan is not None
     if validate_access_integrity and agreement.common_differs:

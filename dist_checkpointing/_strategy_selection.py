@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 from typing import Any, Optional, Tuple, Union
 
 from . import _dist
 from ._types import StateDict
-from .core import CheckpointingConfig, maybe_load_config
+from .core import CheckpointingConfig, PathArg, maybe_load_config
 from .errors import CheckpointingException, NotACheckpointError
 from .storage import objstore
 from .strategies.base import (
@@ -23,8 +22,6 @@ from .strategies.base import (
 __all__ = ["verify_checkpoint_and_load_strategy", "compatible_strategies", "select_load_strategies"]
 
 logger = logging.getLogger(__name__)
-
-PathArg = Union[str, "os.PathLike[str]"]
 
 
 def verify_checkpoint_and_load_strategy(
@@ -68,8 +65,8 @@ def select_load_strategies(
     ckpt: Path, sharded_strategy: Any, common_strategy: Any
 ) -> Tuple[LoadShardedStrategy, LoadCommonStrategy, Optional[StateDict]]:
     """Collective: `(sharded, common strategy, common state (None if node-local))` for `ckpt`,
-    agreed in one small reduction (an exchange of reports only after a failure); a rank missing a node-local checkpoint adopts the others' record,
-    other failures raise `CheckpointingException` on every rank."""
+    agreed in one small reduction (reports are exchanged only after a failure). A rank missing
+    a node-local checkpoint adopts the others' record; other failures raise on every rank."""
     found: Optional[Tuple[LoadShardedStrategy, LoadCommonStrategy]] = None
     error: Optional[BaseException] = None
     config = None
@@ -97,12 +94,10 @@ def select_load_strategies(
     records = [r[1] for r in reports if r[1] is not None]
     failures = [r[0] for r in reports if r[0] is not None]
     what = f"load from {ckpt} (preparation)"
-    if not failures:
-        assert found is not None
+    if not failures:  # only loads of the common state failed: raises
         _dist.raise_on_reported_errors(
             [r[2] for r in reports], common_error, f"load of common state from {ckpt}"
         )
-        return found[0], found[1], common_state
     if not records or any(f[0] != "NotACheckpointError" for f in failures):
         _dist.raise_on_reported_errors([r[0] for r in reports], error, what)
     # every failure is a missing checkpoint, and others hold a node-local one: adopt it

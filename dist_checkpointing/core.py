@@ -28,6 +28,7 @@ logger = logging.getLogger(__name__)
 
 CONFIG_FNAME = "metadata.json"
 _MAX_CONFIG_BYTES = 1 << 20
+PathArg = Union[str, "os.PathLike[str]"]
 
 
 @dataclass
@@ -74,9 +75,7 @@ class CheckpointingConfig:
             raise CheckpointCorruptedError(f"{source}: {e}") from e
 
 
-def maybe_load_config(
-    checkpoint_dir: Union[str, os.PathLike[str]],
-) -> Optional[CheckpointingConfig]:
+def maybe_load_config(checkpoint_dir: PathArg) -> Optional[CheckpointingConfig]:
     """Reads `metadata.json` of a checkpoint (None when there is none).
 
     Raises:
@@ -93,7 +92,7 @@ def maybe_load_config(
     return CheckpointingConfig.from_dict(data, str(path))
 
 
-def check_is_distributed_checkpoint(checkpoint_dir: Union[str, os.PathLike[str]]) -> bool:
+def check_is_distributed_checkpoint(checkpoint_dir: PathArg) -> bool:
     """Whether `checkpoint_dir` holds a complete checkpoint (a valid `metadata.json`).
 
     Never raises for a missing, partial or corrupted directory: it returns False.
@@ -105,7 +104,7 @@ def check_is_distributed_checkpoint(checkpoint_dir: Union[str, os.PathLike[str]]
         return False
 
 
-def save_config(config: CheckpointingConfig, checkpoint_dir: Union[str, os.PathLike[str]]) -> None:
+def save_config(config: CheckpointingConfig, checkpoint_dir: PathArg) -> None:
     """Writes `metadata.json` atomically (temp file, fsync, rename, fsync of the directory).
 
     This is the commit of a checkpoint: call it only once all data is durable.

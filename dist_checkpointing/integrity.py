@@ -10,13 +10,13 @@ checkpoint without `checksums.json` (megatron-core, stock DCP) loads unverified.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import xxhash
 
+from .core import PathArg
 from .errors import CheckpointCorruptedError
 from .storage import objstore
 from .storage.fileio import atomic_write, read_capped
@@ -42,7 +42,6 @@ CHECKSUMS_FNAME = "checksums.json"
 ALGORITHM = "xxh3_64"
 SUMS_SUFFIX = ".sums"
 _MAX_BYTES = 1 << 30
-PathArg = Union[str, "os.PathLike[str]"]
 
 
 def checksum(data: Any) -> int:

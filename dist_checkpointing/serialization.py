@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import os
 import time
 from pathlib import Path
 from typing import Callable, Dict, Optional, Set, Tuple, Union
@@ -29,7 +28,7 @@ from ._save_pipeline import (
 from ._strategy_selection import select_load_strategies, verify_checkpoint_and_load_strategy
 from ._types import CommonStateDict, ShardedStateDict, StateDict
 from .async_save import AsyncRequest
-from .core import check_is_distributed_checkpoint
+from .core import PathArg, check_is_distributed_checkpoint
 from .dict_utils import extract_matching_values, merge
 from .dtypes import lossy_conversion_allowed
 from .errors import CheckpointingException
@@ -43,7 +42,7 @@ from .strategies.base import (
     SaveCommonStrategy,
     SaveShardedStrategy,
     StrategyAction,
-    get_default_strategy,
+    resolve_strategy,
 )
 from .validation import StrictHandling, parse_strict_flag
 
@@ -66,7 +65,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-PathArg = Union[str, "os.PathLike[str]"]
 LoadResult = Union[StateDict, Tuple[StateDict, Set[str], Set[str]]]
 #: What `load_sharded_metadata` returns: tensors by key, ShardedObjects by unique key, no data.
 CkptShardedMetadata = Dict[str, Union[ShardedTensor, ShardedObject]]
@@ -76,18 +74,14 @@ def get_default_save_sharded_strategy(
     backend: str = "torch_dist", version: int = 1
 ) -> SaveShardedStrategy:
     """The registered SAVE_SHARDED strategy for `(backend, version)`."""
-    strategy = get_default_strategy(StrategyAction.SAVE_SHARDED, backend, version)
-    assert isinstance(strategy, SaveShardedStrategy)  # register_default_strategy checks it
-    return strategy
+    return resolve_strategy(StrategyAction.SAVE_SHARDED, (backend, version))
 
 
 def get_default_save_common_strategy(
     backend: str = "torch", version: int = 1
 ) -> SaveCommonStrategy:
     """The registered SAVE_COMMON strategy for `(backend, version)`."""
-    strategy = get_default_strategy(StrategyAction.SAVE_COMMON, backend, version)
-    assert isinstance(strategy, SaveCommonStrategy)  # register_default_strategy checks it
-    return strategy
+    return resolve_strategy(StrategyAction.SAVE_COMMON, (backend, version))
 
 
 def get_default_load_sharded_strategy(checkpoint_dir: PathArg) -> LoadShardedStrategy:
@@ -107,25 +101,19 @@ def save(
     ] = None,
     content_metadata: Optional[dict] = None,
 ) -> Optional[AsyncRequest]:
-    """Collective: saves a sharded state dict as a checkpoint directory.
-
-    Steps:
-    1. Resolve strategies, create the directory (refusing a complete checkpoint), build
-       factories, split sharded leaves from common state.
-    2. With `validate_access_integrity`, check the global sharding; rank 0 logs where
-       other ranks' common state differs from its own.
-    3. Rank 0 writes the common state (and ShardedObjects if the sharded strategy can't).
-    4. The sharded strategy writes the shards.
-    5. Rank 0 writes `metadata.json` (the commit) once every rank's data is durable.
+    """Collective: saves a sharded state dict as a checkpoint directory: rank 0 writes the
+    common state (and ShardedObjects if the sharded strategy can't), the sharded strategy
+    the shards, then rank 0 commits `metadata.json` once every rank's data is durable.
 
     Args:
         sharded_state_dict: the state to save; it is not modified.
         checkpoint_dir: the checkpoint directory (created if missing).
         sharded_strategy: instance or `(backend, version)`; default ('torch_dist', 1).
         common_strategy: instance or `(backend, version)`; default ('torch', 1).
-        validate_access_integrity: run the sharding checks of step 2.
-        async_sharded_save: return an async request for steps 4-5 (needs an
-            `AsyncSaveShardedStrategy`).
+        validate_access_integrity: check the global sharding before writing; rank 0 logs
+            where other ranks' common state differs from its own.
+        async_sharded_save: return an async request that writes the shards and commits
+            (needs an `AsyncSaveShardedStrategy`).
         preprocess_common_before_consistancy_check: applied to the common state before the
             cross-rank comparison (e.g. to drop keys expected to differ), without modifying it.
         content_metadata: a dict saved with the state (see `load_content_metadata`).
@@ -154,9 +142,8 @@ def save(
             common_strategy,
             async_sharded_save,
             content_metadata,
-            (preprocess_common_before_consistancy_check or True)
-            if validate_access_integrity
-            else None,
+            validate_access_integrity,
+            preprocess_common_before_consistancy_check,
         )
     except Exception as e:  # agreed on below, with the digest exchange
         error = e
@@ -199,13 +186,8 @@ def load(
     allow_lossy_dtype_conversion: bool = False,
 ) -> LoadResult:
     """Collective: loads a checkpoint into the (possibly different) sharding that
-    `sharded_state_dict` describes.
-
-    Steps:
-    1. Check `metadata.json`, pick compatible strategies and load the common state.
-    2. Build factories; put LocalNonpersistentObjects' local values in place.
-    3. Apply `strict` and, with `validate_access_integrity`, check the request's sharding.
-    4. Load ShardedTensors/ShardedObjects, merge them in, apply factory merges.
+    `sharded_state_dict` describes, merged into its common state (with the local values of
+    LocalNonpersistentObjects, and factories merged back).
 
     Args:
         sharded_state_dict: what to load and where (ShardedTensors without data are
@@ -228,61 +210,45 @@ def load(
         KeyMismatchError: under a raising strict mode.
         CheckpointingException: any other failure, on every rank.
     """
-    with (
-        lossy_conversion_allowed(allow_lossy_dtype_conversion),
-        _dist.naming_files_within(checkpoint_dir),
-    ):
-        return _load(
-            sharded_state_dict,
-            Path(checkpoint_dir),
-            sharded_strategy,
-            common_strategy,
-            validate_access_integrity,
-            parse_strict_flag(strict),
+    ckpt = Path(checkpoint_dir)
+    with lossy_conversion_allowed(allow_lossy_dtype_conversion), _dist.naming_files_within(ckpt):
+        start = time.perf_counter()
+        strict = parse_strict_flag(strict)
+        sharded, common, common_state = select_load_strategies(
+            ckpt, sharded_strategy, common_strategy
         )
 
+        def stored_metadata() -> ShardedStateDict:
+            return _dist.run_collectively(
+                f"metadata load from {ckpt}", _sharded_metadata, ckpt, sharded, common
+            )
 
-def _load(
-    sharded_state_dict: ShardedStateDict,
-    ckpt: Path,
-    sharded_strategy: Union[LoadShardedStrategy, Tuple[str, int], None],
-    common_strategy: Union[LoadCommonStrategy, Tuple[str, int], None],
-    validate_access_integrity: bool,
-    strict: StrictHandling,
-) -> LoadResult:
-    start = time.perf_counter()
-    sharded, common, common_state = select_load_strategies(ckpt, sharded_strategy, common_strategy)
-
-    def stored_metadata() -> ShardedStateDict:
-        return _dist.run_collectively(
-            f"metadata load from {ckpt}", _sharded_metadata, ckpt, sharded, common
+        if isinstance(sharded, NodeLocalLoadShardedStrategy):  # the one place the flow is chosen
+            return _node_local_flow.load(
+                sharded,
+                ckpt,
+                sharded_state_dict,
+                strict,
+                validate_access_integrity,
+                stored_metadata,
+                start,
+            )
+        assert common_state is not None  # loaded with the selection, or it raised on every rank
+        prepared = prepare_load_request(
+            sharded_state_dict, strict, validate_access_integrity, stored_metadata
         )
-
-    if isinstance(sharded, NodeLocalLoadShardedStrategy):  # the one place the flow is chosen
-        return _node_local_flow.load(
-            sharded,
-            ckpt,
-            sharded_state_dict,
-            strict,
-            validate_access_integrity,
-            stored_metadata,
-            start,
-        )
-    assert common_state is not None  # loaded with the selection, or it raised on every rank
-    common_state_dict: StateDict = common_state
-    prepared = prepare_load_request(
-        sharded_state_dict, strict, validate_access_integrity, stored_metadata
-    )
-    request = prepared.sharded
-    merge(common_state_dict, prepared.nonpersistent)
-    if not sharded.can_handle_sharded_objects:
-        objects, request = extract_matching_values(request, lambda v: isinstance(v, ShardedObject))
-        loaded_objects = _dist.run_collectively(
-            f"ShardedObject load from {ckpt}", common.load_sharded_objects, objects, ckpt
-        )
-        merge(common_state_dict, loaded_objects)
-    loaded = sharded.load(request, ckpt)
-    return finish_load(prepared, common_state_dict, loaded, strict, logger, ckpt, start)
+        request = prepared.sharded
+        merge(common_state, prepared.nonpersistent)
+        if not sharded.can_handle_sharded_objects:
+            objects, request = extract_matching_values(
+                request, lambda v: isinstance(v, ShardedObject)
+            )
+            loaded_objects = _dist.run_collectively(
+                f"ShardedObject load from {ckpt}", common.load_sharded_objects, objects, ckpt
+            )
+            merge(common_state, loaded_objects)
+        loaded = sharded.load(request, ckpt)
+        return finish_load(prepared, common_state, loaded, strict, logger, ckpt, start)
 
 
 def _sharded_metadata(

@@ -44,7 +44,14 @@ class StrategyAction(Enum):
     SAVE_SHARDED = "save_sharded"
 
 
-StrategyBase = Union["LoadStrategyBase", "SaveStrategyBase"]
+class StrategyBase(ABC):  # noqa: B024 (abstract methods live in the subclasses)
+    """What load and save strategies share."""
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        """Whether it loads or saves ShardedObjects itself (else the common strategy does)."""
+        return False
+
 
 #: The registry. Changed only by `register_default_strategy`.
 _registry: Dict[Tuple[StrategyAction, str, int], StrategyBase] = {}
@@ -156,7 +163,7 @@ def resolve_strategy(
     return spec
 
 
-class LoadStrategyBase(ABC):
+class LoadStrategyBase(StrategyBase):
     """Base of load strategies: declares which checkpoints it can read."""
 
     @abstractmethod
@@ -167,26 +174,16 @@ class LoadStrategyBase(ABC):
     def check_version_compatibility(self, loaded_version: int) -> None:
         """Raises `IncompatibleCheckpointError` if that format version is unreadable."""
 
-    @property
-    def can_handle_sharded_objects(self) -> bool:
-        """Whether this strategy loads ShardedObjects itself (else the common strategy does)."""
-        return False
-
     def __str__(self) -> str:
         return f"{type(self).__name__}()"
 
 
-class SaveStrategyBase(ABC):  # noqa: B024 (abstract methods live in the subclasses)
+class SaveStrategyBase(StrategyBase):
     """Base of save strategies: knows the `(backend, version)` it records in `metadata.json`."""
 
     def __init__(self, backend: str, version: int) -> None:
         self.backend = backend
         self.version = version
-
-    @property
-    def can_handle_sharded_objects(self) -> bool:
-        """Whether this strategy saves ShardedObjects itself (else the common strategy does)."""
-        return False
 
     def __str__(self) -> str:
         return f"{type(self).__name__}({self.backend}, {self.version})"

@@ -1,10 +1,6 @@
-"""Fully parallel save and load: replicated shards written once and read once per group.
-
-Data-parallel replicas hold the same shards, so a plain save writes each from one rank while
-the others idle. `FullyParallelSaveStrategyWrapper` picks a writer for each shard among the
-ranks holding it, balancing bytes; `FullyParallelLoadStrategyWrapper` has one rank read each
-requested shard and sends it to the others that asked for it (`exchange_utils`).
-"""
+"""Fully parallel save and load: data-parallel replicas hold the same shards, so instead
+of one rank writing each shard while the others idle, the writing and reading of replicated
+shards is balanced over a group (`exchange_utils`)."""
 
 from __future__ import annotations
 
@@ -105,7 +101,8 @@ class _Wrapper:
 
 
 class FullyParallelSaveStrategyWrapper(_Wrapper, AsyncSaveShardedStrategy):
-    """Spreads the writing of replicated shards over `parallelization_group`, then saves.
+    """Spreads the writing of replicated shards over `parallelization_group` (balancing
+    bytes among the ranks holding each shard), then saves.
 
     Args:
         strategy: the sharded save strategy that writes (e.g. `TorchDistSaveShardedStrategy`);
