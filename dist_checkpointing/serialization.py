@@ -101,19 +101,25 @@ def save(
     ] = None,
     content_metadata: Optional[dict] = None,
 ) -> Optional[AsyncRequest]:
-    """Collective: saves a sharded state dict as a checkpoint directory: rank 0 writes the
-    common state (and ShardedObjects if the sharded strategy can't), the sharded strategy
-    the shards, then rank 0 commits `metadata.json` once every rank's data is durable.
+    """Collective: saves a sharded state dict as a checkpoint directory.
+
+    Steps:
+    1. Resolve strategies, create the directory (refusing a complete checkpoint), build
+       factories, split sharded leaves from common state.
+    2. With `validate_access_integrity`, check the global sharding; rank 0 logs where
+       other ranks' common state differs from its own.
+    3. Rank 0 writes the common state (and ShardedObjects if the sharded strategy can't).
+    4. The sharded strategy writes the shards.
+    5. Rank 0 writes `metadata.json` (the commit) once every rank's data is durable.
 
     Args:
         sharded_state_dict: the state to save; it is not modified.
         checkpoint_dir: the checkpoint directory (created if missing).
         sharded_strategy: instance or `(backend, version)`; default ('torch_dist', 1).
         common_strategy: instance or `(backend, version)`; default ('torch', 1).
-        validate_access_integrity: check the global sharding before writing; rank 0 logs
-            where other ranks' common state differs from its own.
-        async_sharded_save: return an async request that writes the shards and commits
-            (needs an `AsyncSaveShardedStrategy`).
+        validate_access_integrity: run the sharding checks of step 2.
+        async_sharded_save: return an async request for steps 4-5 (needs an
+            `AsyncSaveShardedStrategy`).
         preprocess_common_before_consistancy_check: applied to the common state before the
             cross-rank comparison (e.g. to drop keys expected to differ), without modifying it.
         content_metadata: a dict saved with the state (see `load_content_metadata`).
@@ -186,8 +192,13 @@ def load(
     allow_lossy_dtype_conversion: bool = False,
 ) -> LoadResult:
     """Collective: loads a checkpoint into the (possibly different) sharding that
-    `sharded_state_dict` describes, merged into its common state (with the local values of
-    LocalNonpersistentObjects, and factories merged back).
+    `sharded_state_dict` describes.
+
+    Steps:
+    1. Check `metadata.json`, pick compatible strategies and load the common state.
+    2. Build factories; put LocalNonpersistentObjects' local values in place.
+    3. Apply `strict` and, with `validate_access_integrity`, check the request's sharding.
+    4. Load ShardedTensors/ShardedObjects, merge them in, apply factory merges.
 
     Args:
         sharded_state_dict: what to load and where (ShardedTensors without data are
