@@ -275,6 +275,8 @@ def fill_local(
     `rank_state` reads one part into `world_size` (or None), `common`, `objects` and
     `sharded`: `"<key> (<offset>)"` -> `(global shape, dtype name, item size)`.
     """
+    if not parts:
+        raise NotACheckpointError(f"{info.path}: a local checkpoint without any part")
     owners = sorted({p.owner for p in parts})
     info.checksums = ChecksumCoverage(present=True, items=len(owners), items_covered=len(owners))
     if not deep:

@@ -240,7 +240,7 @@ def describe_light(path: PathArg, deep: bool = True, step: Optional[int] = None)
     if config is None and (tier := _info.local_tier(ckpt)):  # a checkpoint manager's local tier
         info = _info.tier_step(ckpt, tier, step)
         if info.complete:
-            describe_local_light(ckpt, info, deep, _info.local_parts(ckpt, info.step))
+            describe_local_light(info, deep, _info.local_parts(ckpt, info.step))
         return info
     if step is not None:
         raise Unsupported("a step outside a local tier")
@@ -249,7 +249,7 @@ def describe_light(path: PathArg, deep: bool = True, step: Optional[int] = None)
         backend = f"local v{config.get('sharded_backend_version', 1)}"
         date = _info.date_of(ckpt / "metadata.json")
         info = CheckpointInfo(str(ckpt), "local", True, step, backend, _info.disk_size(ckpt), date)
-        describe_local_light(ckpt, info, deep, _info.local_parts(ckpt))
+        describe_local_light(info, deep, _info.local_parts(ckpt))
         return info
     if not (ckpt / ".metadata").is_file():
         raise Unsupported("no .metadata")

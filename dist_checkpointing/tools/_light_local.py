@@ -10,6 +10,7 @@ from typing import Any, Dict, Iterator, List, Tuple
 
 from xxhash import xxh3_64_intdigest as _xxh3
 
+from ..errors import NotACheckpointError
 from ._info import CheckpointInfo, LocalPart, fill_local
 from ._light import Unsupported, _DType, _Stub, _stub, _torch_payload
 
@@ -120,13 +121,11 @@ def _rank_state(part: LocalPart) -> Dict[str, Any]:
     return {**sd, "sharded": sharded}
 
 
-def describe_local_light(
-    ckpt: Path, info: CheckpointInfo, deep: bool, parts: List[LocalPart]
-) -> None:
+def describe_local_light(info: CheckpointInfo, deep: bool, parts: List[LocalPart]) -> None:
     """Fills `info` from the committed `parts` of a local checkpoint (or a tier's step)."""
-    if not parts:
-        raise Unsupported("no parts")
     try:
         fill_local(info, parts, _rank_state, deep)
+    except NotACheckpointError as e:  # no parts: the full reader names the problem
+        raise Unsupported(str(e)) from e
     except (AttributeError, TypeError, KeyError, ValueError, IndexError) as e:
         raise Unsupported(f"unexpected local part ({type(e).__name__})") from e

@@ -120,8 +120,7 @@ def read_object(
 
 
 def read_local_part(part: LocalPart) -> Dict[str, Any]:
-    """The verified rank state of a local part: `world_size` (None for version 2), `common`,
-    `objects`, `sharded` (`"<key> (<offset>)"` -> `{global_shape, local_shape, data}`)."""
+    """The verified rank state of a local part, in the shape `_info.fill_local` reads."""
     from ..dict_utils import nested_values
     from ..local._image import decode_image, read_image
     from ..mapping import ShardedObject, ShardedTensor
@@ -133,21 +132,22 @@ def read_local_part(part: LocalPart) -> Dict[str, Any]:
         raise CheckpointCorruptedError(f"{part.path}: cannot be read: {e}") from e
     _, state = decode_image(image, str(part.path))
     if isinstance(state, MCoreTensorAwareStateDict):
-        sharded: Dict[str, Any] = {}
+        tensors: Dict[str, Tuple[Any, torch.Tensor]] = {}
         objects: Dict[str, Any] = {}
         for sh in nested_values(state.sharded_state_dict):
             if isinstance(sh, ShardedTensor) and sh.data is not None:
-                sharded[f"{sh.key} {tuple(sh.global_offset)}"] = {
-                    "global_shape": tuple(sh.global_shape),
-                    "local_shape": tuple(sh.local_shape),
-                    "data": sh.data,
-                }
+                tensors[f"{sh.key} {tuple(sh.global_offset)}"] = (sh.global_shape, sh.data)
             elif isinstance(sh, ShardedObject):
                 objects[sh.unique_key] = sh.data
-        return {"world_size": None, "common": state.common, "sharded": sharded, "objects": objects}
-    sd = getattr(state, "state_dict", None)
-    if not isinstance(sd, dict) or not isinstance(sd.get("sharded"), dict):
-        raise CheckpointCorruptedError(
-            f"{part.path}: not a ('local', 1) or ('local', 2) rank state"
-        )
-    return sd
+        sd: Dict[str, Any] = {"world_size": None, "common": state.common, "objects": objects}
+    else:
+        sd = getattr(state, "state_dict", {})
+        if not isinstance(sd, dict) or not isinstance(sd.get("sharded"), dict):
+            raise CheckpointCorruptedError(
+                f"{part.path}: not a ('local', 1) or ('local', 2) rank state"
+            )
+        tensors = {slot: (e["global_shape"], e["data"]) for slot, e in sd["sharded"].items()}
+    sharded = {
+        slot: (tuple(shape), str(t.dtype), t.element_size()) for slot, (shape, t) in tensors.items()
+    }
+    return {**sd, "sharded": sharded}

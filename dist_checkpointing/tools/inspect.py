@@ -10,7 +10,8 @@ from ..errors import CheckpointingException, NotACheckpointError
 from ..integrity import CHECKSUMS_FNAME
 from ..manager.layout import parse_step
 from . import _info, _storage
-from ._info import CheckpointInfo, ChecksumCoverage, LocalPart, PathArg, TensorInfo
+from ._info import CheckpointInfo, ChecksumCoverage, PathArg, TensorInfo
+from ._storage import read_local_part
 from .listing import list_checkpoints
 
 __all__ = ["TensorInfo", "ChecksumCoverage", "CheckpointInfo", "describe", "list_checkpoints"]
@@ -48,7 +49,7 @@ def describe(path: PathArg, deep: bool = True, step: Optional[int] = None) -> Ch
         info = _info.tier_step(ckpt, tier, step)
         if info.complete:
             parts = _info.local_parts(ckpt, info.step)
-            _fill_or_explain(info, lambda: _info.fill_local(info, parts, _local_rank_state, deep))
+            _fill_or_explain(info, lambda: _info.fill_local(info, parts, read_local_part, deep))
         return info
     if step is not None:
         raise NotACheckpointError(f"{ckpt}: step={step} selects an iteration of a local tier")
@@ -71,7 +72,8 @@ def describe(path: PathArg, deep: bool = True, step: Optional[int] = None) -> Ch
         info.backend = f"{config.sharded_backend} v{config.sharded_backend_version}"
         info.date = _info.date_of(ckpt / CONFIG_FNAME)
     if info.kind == "local":
-        _fill_or_explain(info, lambda: _describe_local(ckpt, info, deep))
+        parts = _info.local_parts(ckpt)
+        _fill_or_explain(info, lambda: _info.fill_local(info, parts, read_local_part, deep))
     elif has_dcp:
         _fill_or_explain(info, lambda: _describe_dcp(ckpt, info, deep))
     else:
@@ -107,19 +109,3 @@ def _describe_dcp(ckpt: Path, info: CheckpointInfo, deep: bool) -> None:
     files = sorted(checksums.files) if checksums is not None else []
     common_read = common if deep and _info.is_file(ckpt / _storage.COMMON_FNAME) else None
     _info.fill_dcp(info, metadata, covered, files, read if deep else None, common_read)
-
-
-def _describe_local(ckpt: Path, info: CheckpointInfo, deep: bool) -> None:
-    parts = _info.local_parts(ckpt)
-    if not parts:
-        raise NotACheckpointError(f"{ckpt}: a local checkpoint without any part")
-    _info.fill_local(info, parts, _local_rank_state, deep)
-
-
-def _local_rank_state(part: LocalPart) -> Dict[str, Any]:
-    sd = _storage.read_local_part(part)
-    sharded = {
-        slot: (entry["global_shape"], str(entry["data"].dtype), entry["data"].element_size())
-        for slot, entry in sd["sharded"].items()
-    }
-    return {**sd, "sharded": sharded}
