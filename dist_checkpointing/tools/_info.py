@@ -27,6 +27,7 @@ __all__ = [
     "disk_size",
     "date_of",
     "has_checkpoint_files",
+    "is_stock_dcp",
     "incomplete",
     "LocalPart",
     "local_parts",
@@ -197,6 +198,13 @@ _CKPT_FILES = ("metadata.json", ".metadata", "common.pt", "checksums.json")  # w
 def has_checkpoint_files(path: Path) -> bool:
     """Whether directory `path` holds files that a save writes (committed or not)."""
     return any(n in _CKPT_FILES or n.endswith(".distcp") for n in names(path))
+
+
+def is_stock_dcp(ckpt: Path) -> bool:
+    """Whether `.metadata` alone of `_CKPT_FILES` is there: a PyTorch DCP checkpoint, not ours."""
+    return is_file(ckpt / ".metadata") and not any(
+        exists(ckpt / n) for n in _CKPT_FILES if n != ".metadata"
+    )
 
 
 def incomplete(ckpt: Path, step: Optional[int]) -> CheckpointInfo:

@@ -253,8 +253,7 @@ def describe_light(path: PathArg, deep: bool = True, step: Optional[int] = None)
         return info
     if not (ckpt / ".metadata").is_file():
         raise Unsupported("no .metadata")
-    ours = any((ckpt / n).exists() for n in ("common.pt", "checksums.json"))
-    if config is None and ours:
+    if config is None and not _info.is_stock_dcp(ckpt):
         raise Unsupported("incomplete")
     sums = _checksums(ckpt / "checksums.json") if config is not None else None
     kind = "torch_dist" if config else "dcp"

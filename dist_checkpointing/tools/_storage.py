@@ -17,11 +17,9 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from .._safe_load import torch_load
-from ..core import CONFIG_FNAME
 from ..errors import CheckpointCorruptedError, CheckpointingException
-from ..integrity import CHECKSUMS_FNAME, Checksums
+from ..integrity import Checksums
 from ..integrity import read_checksums as maybe_checksums
-from ..storage import objstore
 from ..strategies.torch_dist.metadata_file import DCP_METADATA_FNAME
 from ..strategies.torch_dist.metadata_file import read_metadata as read_dcp_metadata
 from ..strategies.torch_dist.plan import TensorRequest, plan_tensor_reads
@@ -32,7 +30,6 @@ __all__ = [
     "DCP_METADATA_FNAME",
     "COMMON_FNAME",
     "StoredItem",
-    "is_stock_dcp",
     "read_dcp_metadata",
     "maybe_checksums",
     "tensor_entries",
@@ -55,14 +52,6 @@ class StoredItem:
     file: str
     offset: int
     length: int
-
-
-def is_stock_dcp(ckpt: Path) -> bool:
-    """A PyTorch DCP checkpoint not written by us: `.metadata`, and none of the files our
-    saves write (`metadata.json`, `common.pt`, `checksums.json`)."""
-    return objstore.is_file(ckpt / DCP_METADATA_FNAME) and not any(
-        objstore.exists(ckpt / n) for n in (CONFIG_FNAME, COMMON_FNAME, CHECKSUMS_FNAME)
-    )
 
 
 def tensor_entries(metadata: Metadata) -> Dict[str, TensorStorageMetadata]:

@@ -7,7 +7,6 @@ from typing import Any, Callable, Dict, Optional
 
 from ..core import CONFIG_FNAME, maybe_load_config
 from ..errors import CheckpointingException, NotACheckpointError
-from ..integrity import CHECKSUMS_FNAME
 from ..manager.layout import parse_step
 from . import _info, _storage
 from ._info import CheckpointInfo, ChecksumCoverage, PathArg, TensorInfo
@@ -36,7 +35,6 @@ def describe(path: PathArg, deep: bool = True, step: Optional[int] = None) -> Ch
     ckpt = Path(path)
     _info.check_dir(ckpt)
     has_dcp = _info.is_file(ckpt / _storage.DCP_METADATA_FNAME)
-    ours = any(_info.exists(ckpt / n) for n in (_storage.COMMON_FNAME, CHECKSUMS_FNAME))
     info = CheckpointInfo(str(ckpt), "unusable", False, parse_step(ckpt.name), None, 0, "")
     try:
         config = maybe_load_config(ckpt)
@@ -53,7 +51,7 @@ def describe(path: PathArg, deep: bool = True, step: Optional[int] = None) -> Ch
         return info
     if step is not None:
         raise NotACheckpointError(f"{ckpt}: step={step} selects an iteration of a local tier")
-    if config is None and (not has_dcp or ours):  # stock DCP writes neither
+    if config is None and not _info.is_stock_dcp(ckpt):
         if not _info.has_checkpoint_files(ckpt) and info.step is None:
             found = [Path(i.path).relative_to(ckpt) for i in list_checkpoints(ckpt)]
             raise NotACheckpointError(

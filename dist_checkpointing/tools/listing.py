@@ -54,8 +54,7 @@ def _describe(ckpt: Path) -> CheckpointInfo:
         return describe_light(ckpt, deep=False)
     except Unsupported:
         pass
-    ours = any(_info.exists(ckpt / n) for n in ("common.pt", "checksums.json"))
-    if not _info.exists(ckpt / "metadata.json") and (ours or not _info.is_file(ckpt / ".metadata")):
+    if not _info.exists(ckpt / "metadata.json") and not _info.is_stock_dcp(ckpt):
         m = _STEP_DIR.fullmatch(ckpt.name)
         return _info.incomplete(ckpt, int(m.group(1)) if m else None)
     from .inspect import describe  # torch: damaged, or a backend the light reader does not know
