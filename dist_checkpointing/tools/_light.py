@@ -87,21 +87,18 @@ _DCP_NAMES = (
 )
 # megatron-core pickles its global save plan (plain dataclasses and enums) beside it
 _PLANNER_NAMES = "SavePlan WriteItem TensorWriteData BytesIOWriteData LoadPlan ReadItem"
+_TORCH_NAMES = "strided sparse_coo contiguous_format channels_last preserve_format"
 _METADATA_CLASSES: _Classes = {
     **{(_DCP, n): _stub(n) for n in _DCP_NAMES.split()},
     (_DCP, "TensorProperties"): _TensorProperties,
     **{(_PLANNER, n): _stub(n) for n in _PLANNER_NAMES.split()},
-    (_PLANNER, "WriteItemType"): lambda value: value,
-    (_PLANNER, "LoadItemType"): lambda value: value,
+    **{(_PLANNER, n): lambda value: value for n in ("WriteItemType", "LoadItemType")},
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _stub("_StorageInfo"),
     **{("pathlib", n): lambda *parts: "/".join(parts) for n in ("PurePosixPath", "PosixPath")},
     ("pathlib", "WindowsPath"): lambda *parts: "/".join(parts),
     ("builtins", "set"): set,
     ("builtins", "frozenset"): frozenset,
-    **{
-        ("torch", n): n
-        for n in "strided sparse_coo contiguous_format channels_last preserve_format".split()
-    },
+    **{("torch", n): n for n in _TORCH_NAMES.split()},
     (_DCP, "_MEM_FORMAT_ENCODING"): lambda value: value,
     ("torch.serialization", "_get_layout"): lambda name: name,
     ("torch", "Size"): lambda dims=(): tuple(dims),

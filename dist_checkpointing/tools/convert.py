@@ -203,14 +203,12 @@ def convert_checkpoint(
         bar.update(tensor.nbytes)
         return tensor
 
-    try:
+    with bar:
         if to == "torch":
             _write_torch(entries, dest, read)
             result.files.append(str(dest))
         else:
             result.files = _write_safetensors(entries, dest, limit, read)
-    finally:
-        bar.close()
     return result
 
 
