@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 import io
 import json
+import os
 import pickle
 import re
 import zipfile
@@ -160,14 +161,14 @@ def _torch_payload(data: bytes, classes: Optional[_Classes] = None) -> Any:
 
 
 def _read(path: Path, limit: int) -> bytes:
+    """A whole file; one of more than `limit` bytes is left to the full reader (unread)."""
     try:
         with open(path, "rb") as f:
-            data = f.read(limit + 1)
+            if os.fstat(f.fileno()).st_size > limit:
+                raise Unsupported(f"{path} is large")
+            return f.read()
     except OSError as e:
         raise Unsupported(str(e)) from e
-    if len(data) > limit:
-        raise Unsupported(f"{path} is large")
-    return data
 
 
 def _json(path: Path) -> Any:

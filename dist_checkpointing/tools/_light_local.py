@@ -12,7 +12,7 @@ from xxhash import xxh3_64_intdigest as _xxh3
 
 from ..errors import NotACheckpointError
 from ._info import CheckpointInfo, LocalPart, fill_local
-from ._light import Unsupported, _DType, _Stub, _stub, _torch_payload
+from ._light import Unsupported, _DType, _read, _Stub, _stub, _torch_payload
 
 __all__ = ["describe_local_light"]
 
@@ -55,12 +55,7 @@ def _leaves(x: Any) -> Iterator[Any]:
 
 def _read_part(path: Path) -> Any:
     """The verified hollow state of one part (the header's `state`)."""
-    try:
-        if path.stat().st_size > _MAX_PART:
-            raise Unsupported(f"{path} is large")
-        raw = memoryview(path.read_bytes())
-    except OSError as e:
-        raise Unsupported(str(e)) from e
+    raw = memoryview(_read(path, _MAX_PART))
     if len(raw) < _FOOTER.size:
         raise Unsupported(f"{path}: too short")
     magic, h_off, h_len, count, h_sum, t_sum = _FOOTER.unpack(raw[-_FOOTER.size :])
