@@ -174,9 +174,6 @@ def convert_checkpoint(
         max_shard_size: bytes (or e.g. "5GB") per safetensors file (a larger tensor alone).
         progress: show a tqdm bar (default: when stderr is a terminal).
 
-    Returns:
-        The files written and the tensors and bytes converted.
-
     Raises:
         NotACheckpointError: `src` is missing or not a complete checkpoint.
         CheckpointExistsError: the output already exists.

@@ -104,14 +104,10 @@ def _values(ckpt: Path, metadata: Any, checksums: Any) -> Dict[str, Any]:
 
 
 def diff_checkpoints(a: PathArg, b: PathArg, *, rtol: float = 0.0, atol: float = 0.0) -> DiffReport:
-    """Compares two `torch_dist` or stock DCP checkpoints.
+    """Compares two `torch_dist` or stock DCP checkpoint directories.
 
     Args:
-        a, b: the checkpoint directories.
         rtol, atol: relative and absolute tolerances for tensor values (as `torch.isclose`).
-
-    Returns:
-        A `DiffReport` (`report.equal` when nothing differs).
 
     Raises:
         NotACheckpointError: a path is missing or not a complete checkpoint.

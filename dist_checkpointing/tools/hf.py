@@ -117,9 +117,6 @@ def export_hf(
             text (default: the description `import_hf` stored).
         max_shard_size: bytes (or e.g. "5GB") per safetensors file.
 
-    Returns:
-        The files written, the HF tensors and their bytes.
-
     Raises:
         CheckpointingException: not a Llama / Mixtral-style GPTModel (unmapped names listed),
             no description, or `out` already holding a model (CheckpointExistsError).
