@@ -40,8 +40,7 @@ def _visit(path: Path, depth: int, found: List[CheckpointInfo]) -> None:
         found.extend(tier.values())
     elif _info.has_checkpoint_files(path) or _STEP_DIR.fullmatch(path.name):
         info = _describe(path)
-        latest = _latest(path.parent)
-        info.latest = latest is not None and info.step == latest
+        info.latest = info.step is not None and info.step == _latest(path.parent)
         found.append(info)
     elif depth < _MAX_DEPTH:
         for sub in (path / n for n in _info.names(path)):
