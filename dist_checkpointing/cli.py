@@ -29,8 +29,9 @@ def _size(n: int) -> str:
     return f"{n} B" if unit == "B" else f"{value:.1f} {unit}"
 
 
-def _print_json(data: Any) -> None:
+def _print_json(data: Any, ok: bool = True) -> int:
     print(json.dumps(data, indent=2, sort_keys=True, default=str))
+    return EXIT_OK if ok else EXIT_PROBLEM
 
 
 def _ls(args: argparse.Namespace) -> int:
@@ -38,10 +39,9 @@ def _ls(args: argparse.Namespace) -> int:
 
     found = list_checkpoints(args.root)
     if args.json:
-        _print_json(
+        return _print_json(
             [{**asdict(i), "state": i.state, "tensor_bytes": i.tensor_bytes} for i in found]
         )
-        return EXIT_OK
     if not found:
         print(f"{args.root}: no checkpoints")
     for i in found:
@@ -69,8 +69,8 @@ def _inspect(args: argparse.Namespace) -> int:
 
         info = describe(args.path, step=args.step)
     if args.json:
-        _print_json({**asdict(info), "state": info.state, "tensor_bytes": info.tensor_bytes})
-        return EXIT_OK if info.complete else EXIT_PROBLEM
+        data = {**asdict(info), "state": info.state, "tensor_bytes": info.tensor_bytes}
+        return _print_json(data, info.complete)
     at = f" step {info.step}" if info.backend == "local tier" else ""
     if not info.complete:
         print(f"{info.path}{at}: {info.state} checkpoint: {info.problem}", file=sys.stderr)
@@ -106,8 +106,7 @@ def _verify(args: argparse.Namespace) -> int:
 
     report = verify_checkpoint(args.path, step=args.step)
     if args.json:
-        _print_json({**asdict(report), "ok": report.ok})
-        return EXIT_OK if report.ok else EXIT_PROBLEM
+        return _print_json({**asdict(report), "ok": report.ok}, report.ok)
     at = f"{report.path}{'' if report.step is None else f' step {report.step}'}"
     how = "checksums" if report.checksummed else "structure only (no checksums recorded)"
     if report.ok:
@@ -123,8 +122,7 @@ def _convert(args: argparse.Namespace) -> int:
 
     result = convert_checkpoint(args.path, args.out, args.to, max_shard_size=args.max_shard_size)
     if args.json:
-        _print_json(asdict(result))
-        return EXIT_OK
+        return _print_json(asdict(result))
     print(f"wrote {result.tensors} tensors ({_size(result.bytes)}) to {len(result.files)} file(s):")
     for f in result.files:
         print(f"  {f}")
@@ -141,9 +139,8 @@ def _hf(args: argparse.Namespace) -> int:
     else:
         result = hf.import_hf(args.hf_dir, args.ckpt, tp=args.tp, pp=args.pp, ep=args.ep)
     if args.json:
-        _print_json(asdict(result))
-    else:
-        print(f"wrote {result.tensors} tensors ({_size(result.bytes)}): {result.files[0]}")
+        return _print_json(asdict(result))
+    print(f"wrote {result.tensors} tensors ({_size(result.bytes)}): {result.files[0]}")
     return EXIT_OK
 
 
@@ -152,8 +149,7 @@ def _diff(args: argparse.Namespace) -> int:
 
     report = diff_checkpoints(args.a, args.b, rtol=args.rtol, atol=args.atol)
     if args.json:
-        _print_json({**asdict(report), "equal": report.equal})
-        return EXIT_OK if report.equal else EXIT_PROBLEM
+        return _print_json({**asdict(report), "equal": report.equal}, report.equal)
     for key in report.only_in_a:
         print(f"only in A: {key}")
     for key in report.only_in_b:

@@ -163,9 +163,8 @@ def run_demo(cfg: DemoConfig) -> None:
     Raises:
         ValueError: the world size does not divide the model dimensions.
     """
-    if cfg.world_size < 1 or any(
-        s[a] % cfg.world_size for _, s, _, a in _specs(cfg) for a in range(len(s))
-    ):
+    dims = [n for _, shape, _, _ in _specs(cfg) for n in shape]
+    if cfg.world_size < 1 or any(n % cfg.world_size for n in dims):
         raise ValueError(
             f"world size {cfg.world_size} must divide hidden={cfg.hidden} and vocab={cfg.vocab}"
         )

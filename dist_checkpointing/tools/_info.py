@@ -13,28 +13,10 @@ from typing import Any, Callable, Dict, List, Optional, Union
 
 from ..errors import NotACheckpointError
 
-__all__ = [
-    "PathArg",
-    "TensorInfo",
-    "ChecksumCoverage",
-    "CheckpointInfo",
-    "check_dir",
-    "exists",
-    "is_file",
-    "names",
-    "short_repr",
-    "unwrap_object",
-    "disk_size",
-    "date_of",
-    "has_checkpoint_files",
-    "incomplete",
-    "LocalPart",
-    "local_parts",
-    "local_tier",
-    "tier_step",
-    "fill_local",
-    "fill_dcp",
-]
+__all__ = ["PathArg", "TensorInfo", "ChecksumCoverage", "CheckpointInfo", "LocalPart"]
+__all__ += ["check_dir", "exists", "is_file", "names", "disk_size", "date_of"]
+__all__ += ["has_checkpoint_files", "is_stock_dcp", "incomplete", "local_parts", "local_tier"]
+__all__ += ["tier_step", "short_repr", "unwrap_object", "fill_local", "fill_dcp"]
 
 PathArg = Union[str, "os.PathLike[str]"]
 _SMALL_OBJECT = 64 << 10  # stored objects up to this size are read to show their value
@@ -199,6 +181,13 @@ def has_checkpoint_files(path: Path) -> bool:
     return any(n in _CKPT_FILES or n.endswith(".distcp") for n in names(path))
 
 
+def is_stock_dcp(ckpt: Path) -> bool:
+    """Whether `.metadata` alone of `_CKPT_FILES` is there: a PyTorch DCP checkpoint, not ours."""
+    return is_file(ckpt / ".metadata") and not any(
+        exists(ckpt / n) for n in _CKPT_FILES if n != ".metadata"
+    )
+
+
 def incomplete(ckpt: Path, step: Optional[int]) -> CheckpointInfo:
     """A directory with checkpoint files (or an `iter_` name) but no commit record."""
     n = len(names(ckpt))
@@ -275,6 +264,8 @@ def fill_local(
     `rank_state` reads one part into `world_size` (or None), `common`, `objects` and
     `sharded`: `"<key> (<offset>)"` -> `(global shape, dtype name, item size)`.
     """
+    if not parts:
+        raise NotACheckpointError(f"{info.path}: a local checkpoint without any part")
     owners = sorted({p.owner for p in parts})
     info.checksums = ChecksumCoverage(present=True, items=len(owners), items_covered=len(owners))
     if not deep:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 import io
 import json
+import os
 import pickle
 import re
 import zipfile
@@ -87,21 +88,18 @@ _DCP_NAMES = (
 )
 # megatron-core pickles its global save plan (plain dataclasses and enums) beside it
 _PLANNER_NAMES = "SavePlan WriteItem TensorWriteData BytesIOWriteData LoadPlan ReadItem"
+_TORCH_NAMES = "strided sparse_coo contiguous_format channels_last preserve_format"
 _METADATA_CLASSES: _Classes = {
     **{(_DCP, n): _stub(n) for n in _DCP_NAMES.split()},
     (_DCP, "TensorProperties"): _TensorProperties,
     **{(_PLANNER, n): _stub(n) for n in _PLANNER_NAMES.split()},
-    (_PLANNER, "WriteItemType"): lambda value: value,
-    (_PLANNER, "LoadItemType"): lambda value: value,
+    **{(_PLANNER, n): lambda value: value for n in ("WriteItemType", "LoadItemType")},
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _stub("_StorageInfo"),
     **{("pathlib", n): lambda *parts: "/".join(parts) for n in ("PurePosixPath", "PosixPath")},
     ("pathlib", "WindowsPath"): lambda *parts: "/".join(parts),
     ("builtins", "set"): set,
     ("builtins", "frozenset"): frozenset,
-    **{
-        ("torch", n): n
-        for n in "strided sparse_coo contiguous_format channels_last preserve_format".split()
-    },
+    **{("torch", n): n for n in _TORCH_NAMES.split()},
     (_DCP, "_MEM_FORMAT_ENCODING"): lambda value: value,
     ("torch.serialization", "_get_layout"): lambda name: name,
     ("torch", "Size"): lambda dims=(): tuple(dims),
@@ -163,14 +161,14 @@ def _torch_payload(data: bytes, classes: Optional[_Classes] = None) -> Any:
 
 
 def _read(path: Path, limit: int) -> bytes:
+    """A whole file; one of more than `limit` bytes is left to the full reader (unread)."""
     try:
         with open(path, "rb") as f:
-            data = f.read(limit + 1)
+            if os.fstat(f.fileno()).st_size > limit:
+                raise Unsupported(f"{path} is large")
+            return f.read()
     except OSError as e:
         raise Unsupported(str(e)) from e
-    if len(data) > limit:
-        raise Unsupported(f"{path} is large")
-    return data
 
 
 def _json(path: Path) -> Any:
@@ -240,7 +238,7 @@ def describe_light(path: PathArg, deep: bool = True, step: Optional[int] = None)
     if config is None and (tier := _info.local_tier(ckpt)):  # a checkpoint manager's local tier
         info = _info.tier_step(ckpt, tier, step)
         if info.complete:
-            describe_local_light(ckpt, info, deep, _info.local_parts(ckpt, info.step))
+            describe_local_light(info, deep, _info.local_parts(ckpt, info.step))
         return info
     if step is not None:
         raise Unsupported("a step outside a local tier")
@@ -249,12 +247,11 @@ def describe_light(path: PathArg, deep: bool = True, step: Optional[int] = None)
         backend = f"local v{config.get('sharded_backend_version', 1)}"
         date = _info.date_of(ckpt / "metadata.json")
         info = CheckpointInfo(str(ckpt), "local", True, step, backend, _info.disk_size(ckpt), date)
-        describe_local_light(ckpt, info, deep, _info.local_parts(ckpt))
+        describe_local_light(info, deep, _info.local_parts(ckpt))
         return info
     if not (ckpt / ".metadata").is_file():
         raise Unsupported("no .metadata")
-    ours = any((ckpt / n).exists() for n in ("common.pt", "checksums.json"))
-    if config is None and ours:
+    if config is None and not _info.is_stock_dcp(ckpt):
         raise Unsupported("incomplete")
     sums = _checksums(ckpt / "checksums.json") if config is not None else None
     kind = "torch_dist" if config else "dcp"

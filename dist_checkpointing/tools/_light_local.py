@@ -10,8 +10,9 @@ from typing import Any, Dict, Iterator, List, Tuple
 
 from xxhash import xxh3_64_intdigest as _xxh3
 
+from ..errors import NotACheckpointError
 from ._info import CheckpointInfo, LocalPart, fill_local
-from ._light import Unsupported, _DType, _Stub, _stub, _torch_payload
+from ._light import Unsupported, _DType, _read, _Stub, _stub, _torch_payload
 
 __all__ = ["describe_local_light"]
 
@@ -54,12 +55,7 @@ def _leaves(x: Any) -> Iterator[Any]:
 
 def _read_part(path: Path) -> Any:
     """The verified hollow state of one part (the header's `state`)."""
-    try:
-        if path.stat().st_size > _MAX_PART:
-            raise Unsupported(f"{path} is large")
-        raw = memoryview(path.read_bytes())
-    except OSError as e:
-        raise Unsupported(str(e)) from e
+    raw = memoryview(_read(path, _MAX_PART))
     if len(raw) < _FOOTER.size:
         raise Unsupported(f"{path}: too short")
     magic, h_off, h_len, count, h_sum, t_sum = _FOOTER.unpack(raw[-_FOOTER.size :])
@@ -120,13 +116,11 @@ def _rank_state(part: LocalPart) -> Dict[str, Any]:
     return {**sd, "sharded": sharded}
 
 
-def describe_local_light(
-    ckpt: Path, info: CheckpointInfo, deep: bool, parts: List[LocalPart]
-) -> None:
+def describe_local_light(info: CheckpointInfo, deep: bool, parts: List[LocalPart]) -> None:
     """Fills `info` from the committed `parts` of a local checkpoint (or a tier's step)."""
-    if not parts:
-        raise Unsupported("no parts")
     try:
         fill_local(info, parts, _rank_state, deep)
+    except NotACheckpointError as e:  # no parts: the full reader names the problem
+        raise Unsupported(str(e)) from e
     except (AttributeError, TypeError, KeyError, ValueError, IndexError) as e:
         raise Unsupported(f"unexpected local part ({type(e).__name__})") from e

@@ -17,31 +17,18 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from .._safe_load import torch_load
-from ..core import CONFIG_FNAME
 from ..errors import CheckpointCorruptedError, CheckpointingException
-from ..integrity import CHECKSUMS_FNAME, Checksums
+from ..integrity import Checksums
 from ..integrity import read_checksums as maybe_checksums
-from ..storage import objstore
 from ..strategies.torch_dist.metadata_file import DCP_METADATA_FNAME
 from ..strategies.torch_dist.metadata_file import read_metadata as read_dcp_metadata
 from ..strategies.torch_dist.plan import TensorRequest, plan_tensor_reads
 from ..strategies.torch_dist.reader import read_byte_items, read_tensor_items
 from ._info import LocalPart, unwrap_object
 
-__all__ = [
-    "DCP_METADATA_FNAME",
-    "COMMON_FNAME",
-    "StoredItem",
-    "is_stock_dcp",
-    "read_dcp_metadata",
-    "maybe_checksums",
-    "tensor_entries",
-    "object_keys",
-    "stored_items",
-    "read_full_tensor",
-    "read_object",
-    "read_local_part",
-]
+__all__ = ["DCP_METADATA_FNAME", "COMMON_FNAME", "StoredItem", "read_dcp_metadata"]
+__all__ += ["maybe_checksums", "tensor_entries", "object_keys", "stored_items"]
+__all__ += ["read_full_tensor", "read_object", "read_local_part"]
 
 COMMON_FNAME = "common.pt"
 
@@ -55,14 +42,6 @@ class StoredItem:
     file: str
     offset: int
     length: int
-
-
-def is_stock_dcp(ckpt: Path) -> bool:
-    """A PyTorch DCP checkpoint not written by us: `.metadata`, and none of the files our
-    saves write (`metadata.json`, `common.pt`, `checksums.json`)."""
-    return objstore.is_file(ckpt / DCP_METADATA_FNAME) and not any(
-        objstore.exists(ckpt / n) for n in (CONFIG_FNAME, COMMON_FNAME, CHECKSUMS_FNAME)
-    )
 
 
 def tensor_entries(metadata: Metadata) -> Dict[str, TensorStorageMetadata]:
@@ -120,8 +99,7 @@ def read_object(
 
 
 def read_local_part(part: LocalPart) -> Dict[str, Any]:
-    """The verified rank state of a local part: `world_size` (None for version 2), `common`,
-    `objects`, `sharded` (`"<key> (<offset>)"` -> `{global_shape, local_shape, data}`)."""
+    """The verified rank state of a local part, in the shape `_info.fill_local` reads."""
     from ..dict_utils import nested_values
     from ..local._image import decode_image, read_image
     from ..mapping import ShardedObject, ShardedTensor
@@ -133,21 +111,22 @@ def read_local_part(part: LocalPart) -> Dict[str, Any]:
         raise CheckpointCorruptedError(f"{part.path}: cannot be read: {e}") from e
     _, state = decode_image(image, str(part.path))
     if isinstance(state, MCoreTensorAwareStateDict):
-        sharded: Dict[str, Any] = {}
+        tensors: Dict[str, Tuple[Any, torch.Tensor]] = {}
         objects: Dict[str, Any] = {}
         for sh in nested_values(state.sharded_state_dict):
             if isinstance(sh, ShardedTensor) and sh.data is not None:
-                sharded[f"{sh.key} {tuple(sh.global_offset)}"] = {
-                    "global_shape": tuple(sh.global_shape),
-                    "local_shape": tuple(sh.local_shape),
-                    "data": sh.data,
-                }
+                tensors[f"{sh.key} {tuple(sh.global_offset)}"] = (sh.global_shape, sh.data)
             elif isinstance(sh, ShardedObject):
                 objects[sh.unique_key] = sh.data
-        return {"world_size": None, "common": state.common, "sharded": sharded, "objects": objects}
-    sd = getattr(state, "state_dict", None)
-    if not isinstance(sd, dict) or not isinstance(sd.get("sharded"), dict):
-        raise CheckpointCorruptedError(
-            f"{part.path}: not a ('local', 1) or ('local', 2) rank state"
-        )
-    return sd
+        sd: Dict[str, Any] = {"world_size": None, "common": state.common, "objects": objects}
+    else:
+        sd = getattr(state, "state_dict", {})
+        if not isinstance(sd, dict) or not isinstance(sd.get("sharded"), dict):
+            raise CheckpointCorruptedError(
+                f"{part.path}: not a ('local', 1) or ('local', 2) rank state"
+            )
+        tensors = {slot: (e["global_shape"], e["data"]) for slot, e in sd["sharded"].items()}
+    sharded = {
+        slot: (tuple(shape), str(t.dtype), t.element_size()) for slot, (shape, t) in tensors.items()
+    }
+    return {**sd, "sharded": sharded}

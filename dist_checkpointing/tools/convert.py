@@ -27,7 +27,7 @@ from ..core import maybe_load_config
 from ..errors import CheckpointExistsError, CheckpointingException, NotACheckpointError
 from ..strategies.torch_dist.zipformat import STORAGE_CLASS
 from . import _storage
-from ._info import PathArg, check_dir
+from ._info import PathArg, check_dir, is_stock_dcp
 
 __all__ = ["ConvertResult", "convert_checkpoint", "parse_size", "SAFETENSORS_INDEX"]
 
@@ -132,7 +132,7 @@ def _source(ckpt: Path) -> Tuple[Any, Any]:
             f"{ckpt}: backend {config.sharded_backend!r}; convert reads torch_dist and DCP "
             "checkpoints (save with ('torch_dist', 1) to convert)"
         )
-    if config is None and not _storage.is_stock_dcp(ckpt):
+    if config is None and not is_stock_dcp(ckpt):
         raise NotACheckpointError(f"{ckpt}: not a complete checkpoint (no metadata.json)")
     checksums = _storage.maybe_checksums(ckpt)
     return _storage.read_dcp_metadata(ckpt, checksums), checksums
@@ -174,9 +174,6 @@ def convert_checkpoint(
         max_shard_size: bytes (or e.g. "5GB") per safetensors file (a larger tensor alone).
         progress: show a tqdm bar (default: when stderr is a terminal).
 
-    Returns:
-        The files written and the tensors and bytes converted.
-
     Raises:
         NotACheckpointError: `src` is missing or not a complete checkpoint.
         CheckpointExistsError: the output already exists.
@@ -203,14 +200,12 @@ def convert_checkpoint(
         bar.update(tensor.nbytes)
         return tensor
 
-    try:
+    with bar:
         if to == "torch":
             _write_torch(entries, dest, read)
             result.files.append(str(dest))
         else:
             result.files = _write_safetensors(entries, dest, limit, read)
-    finally:
-        bar.close()
     return result
 
 

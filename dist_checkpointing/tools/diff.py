@@ -86,19 +86,17 @@ def _values_equal(x: Any, y: Any) -> bool:
 
 def _values(ckpt: Path, metadata: Any, checksums: Any) -> Dict[str, Any]:
     """Common values and stored objects by key."""
-    out: Dict[str, Any] = {}
     config = maybe_load_config(ckpt)
     has_common_file = objstore.exists(ckpt / _storage.COMMON_FNAME)
+    keys = _storage.object_keys(metadata)
     # megatron-core 0.17+ keep the common state in `common_state/` objects instead of
     # common.pt: compared as common values, so that their checkpoints and ours match
-    in_object = config is not None and not has_common_file
-    common_object = False
-    for key in _storage.object_keys(metadata):
-        if in_object and key.startswith(_MCORE_COMMON_OBJECT):
-            common_object = True
-            continue
-        out[key] = _storage.read_object(ckpt, metadata, key, checksums)
-    if config is not None and (has_common_file or common_object):
+    common_objects = {k for k in keys if k.startswith(_MCORE_COMMON_OBJECT)}
+    if config is None or has_common_file:
+        common_objects = set()
+    stored = [k for k in keys if k not in common_objects]
+    out = {k: _storage.read_object(ckpt, metadata, k, checksums) for k in stored}
+    if config is not None and (has_common_file or common_objects):
         from ..serialization import load_common_state_dict
 
         out.update({f"common:{k}": v for k, v in load_common_state_dict(ckpt).items()})
@@ -106,14 +104,10 @@ def _values(ckpt: Path, metadata: Any, checksums: Any) -> Dict[str, Any]:
 
 
 def diff_checkpoints(a: PathArg, b: PathArg, *, rtol: float = 0.0, atol: float = 0.0) -> DiffReport:
-    """Compares two `torch_dist` or stock DCP checkpoints.
+    """Compares two `torch_dist` or stock DCP checkpoint directories.
 
     Args:
-        a, b: the checkpoint directories.
         rtol, atol: relative and absolute tolerances for tensor values (as `torch.isclose`).
-
-    Returns:
-        A `DiffReport` (`report.equal` when nothing differs).
 
     Raises:
         NotACheckpointError: a path is missing or not a complete checkpoint.

@@ -117,9 +117,6 @@ def export_hf(
             text (default: the description `import_hf` stored).
         max_shard_size: bytes (or e.g. "5GB") per safetensors file.
 
-    Returns:
-        The files written, the HF tensors and their bytes.
-
     Raises:
         CheckpointingException: not a Llama / Mixtral-style GPTModel (unmapped names listed),
             no description, or `out` already holding a model (CheckpointExistsError).
@@ -161,7 +158,7 @@ def export_hf(
         raise CheckpointExistsError(f"{dest} already holds a model; choose another directory")
     files = convert._write_safetensors(entries, dest, limit, read)
     (dest / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    nbytes = sum(torch.Size(shape).numel() * dtype.itemsize for _, dtype, shape in entries)
+    nbytes = sum(map(convert._nbytes, entries))
     result = convert.ConvertResult([*files, str(dest / "config.json")], len(entries), nbytes)
     logger.info("exported %d tensors (%d bytes) to %s", result.tensors, result.bytes, dest)
     return result
@@ -222,9 +219,8 @@ def import_hf(
 
     src = Path(hf_dir)
     try:
-        desc = hf_map.megatron_description(
-            json.loads((src / "config.json").read_text()), tp, pp, ep
-        )
+        hf_config = json.loads((src / "config.json").read_text())
+        desc = hf_map.megatron_description(hf_config, tp, pp, ep)
     except (OSError, ValueError, KeyError) as e:
         raise CheckpointingException(f"{src}: no readable config.json ({e!r})") from e
     hf, used = _open_safetensors(src), set()

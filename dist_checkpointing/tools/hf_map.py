@@ -104,18 +104,17 @@ def hf_config(
     emb = shapes["embedding.word_embeddings.weight"]
     head_dim = _get(desc, "kv_channels", shapes["self_attention.linear_proj.weight"][-1] // heads)
     moe = "mlp.router.weight" in shapes
+    fc2 = shapes["experts.linear_fc2.weight" if moe else "mlp.linear_fc2.weight"]
+    qkv_heads = shapes["self_attention.linear_qkv.weight"][0] // head_dim
     cfg = {
         "architectures": ["MixtralForCausalLM" if moe else "LlamaForCausalLM"],
         "model_type": "mixtral" if moe else "llama",
         "vocab_size": _get(desc, "vocab_size", emb[0]),
         "hidden_size": emb[1],
-        "intermediate_size": shapes[
-            "experts.linear_fc2.weight" if moe else "mlp.linear_fc2.weight"
-        ][-1],
+        "intermediate_size": fc2[-1],
         "num_hidden_layers": num_layers,
         "num_attention_heads": heads,
-        "num_key_value_heads": (shapes["self_attention.linear_qkv.weight"][0] // head_dim - heads)
-        // 2,
+        "num_key_value_heads": (qkv_heads - heads) // 2,
         "head_dim": head_dim,
         "hidden_act": "silu",
         "max_position_embeddings": _get(desc, "max_sequence_length", 4096),

@@ -7,10 +7,10 @@ from typing import Any, Callable, Dict, Optional
 
 from ..core import CONFIG_FNAME, maybe_load_config
 from ..errors import CheckpointingException, NotACheckpointError
-from ..integrity import CHECKSUMS_FNAME
 from ..manager.layout import parse_step
 from . import _info, _storage
-from ._info import CheckpointInfo, ChecksumCoverage, LocalPart, PathArg, TensorInfo
+from ._info import CheckpointInfo, ChecksumCoverage, PathArg, TensorInfo
+from ._storage import read_local_part
 from .listing import list_checkpoints
 
 __all__ = ["TensorInfo", "ChecksumCoverage", "CheckpointInfo", "describe", "list_checkpoints"]
@@ -35,7 +35,6 @@ def describe(path: PathArg, deep: bool = True, step: Optional[int] = None) -> Ch
     ckpt = Path(path)
     _info.check_dir(ckpt)
     has_dcp = _info.is_file(ckpt / _storage.DCP_METADATA_FNAME)
-    ours = any(_info.exists(ckpt / n) for n in (_storage.COMMON_FNAME, CHECKSUMS_FNAME))
     info = CheckpointInfo(str(ckpt), "unusable", False, parse_step(ckpt.name), None, 0, "")
     try:
         config = maybe_load_config(ckpt)
@@ -48,11 +47,11 @@ def describe(path: PathArg, deep: bool = True, step: Optional[int] = None) -> Ch
         info = _info.tier_step(ckpt, tier, step)
         if info.complete:
             parts = _info.local_parts(ckpt, info.step)
-            _fill_or_explain(info, lambda: _info.fill_local(info, parts, _local_rank_state, deep))
+            _fill_or_explain(info, lambda: _info.fill_local(info, parts, read_local_part, deep))
         return info
     if step is not None:
         raise NotACheckpointError(f"{ckpt}: step={step} selects an iteration of a local tier")
-    if config is None and (not has_dcp or ours):  # stock DCP writes neither
+    if config is None and not _info.is_stock_dcp(ckpt):
         if not _info.has_checkpoint_files(ckpt) and info.step is None:
             found = [Path(i.path).relative_to(ckpt) for i in list_checkpoints(ckpt)]
             raise NotACheckpointError(
@@ -71,7 +70,8 @@ def describe(path: PathArg, deep: bool = True, step: Optional[int] = None) -> Ch
         info.backend = f"{config.sharded_backend} v{config.sharded_backend_version}"
         info.date = _info.date_of(ckpt / CONFIG_FNAME)
     if info.kind == "local":
-        _fill_or_explain(info, lambda: _describe_local(ckpt, info, deep))
+        parts = _info.local_parts(ckpt)
+        _fill_or_explain(info, lambda: _info.fill_local(info, parts, read_local_part, deep))
     elif has_dcp:
         _fill_or_explain(info, lambda: _describe_dcp(ckpt, info, deep))
     else:
@@ -107,19 +107,3 @@ def _describe_dcp(ckpt: Path, info: CheckpointInfo, deep: bool) -> None:
     files = sorted(checksums.files) if checksums is not None else []
     common_read = common if deep and _info.is_file(ckpt / _storage.COMMON_FNAME) else None
     _info.fill_dcp(info, metadata, covered, files, read if deep else None, common_read)
-
-
-def _describe_local(ckpt: Path, info: CheckpointInfo, deep: bool) -> None:
-    parts = _info.local_parts(ckpt)
-    if not parts:
-        raise NotACheckpointError(f"{ckpt}: a local checkpoint without any part")
-    _info.fill_local(info, parts, _local_rank_state, deep)
-
-
-def _local_rank_state(part: LocalPart) -> Dict[str, Any]:
-    sd = _storage.read_local_part(part)
-    sharded = {
-        slot: (entry["global_shape"], str(entry["data"].dtype), entry["data"].element_size())
-        for slot, entry in sd["sharded"].items()
-    }
-    return {**sd, "sharded": sharded}

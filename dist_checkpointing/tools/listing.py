@@ -40,8 +40,7 @@ def _visit(path: Path, depth: int, found: List[CheckpointInfo]) -> None:
         found.extend(tier.values())
     elif _info.has_checkpoint_files(path) or _STEP_DIR.fullmatch(path.name):
         info = _describe(path)
-        latest = _latest(path.parent)
-        info.latest = latest is not None and info.step == latest
+        info.latest = info.step is not None and info.step == _latest(path.parent)
         found.append(info)
     elif depth < _MAX_DEPTH:
         for sub in (path / n for n in _info.names(path)):
@@ -54,8 +53,7 @@ def _describe(ckpt: Path) -> CheckpointInfo:
         return describe_light(ckpt, deep=False)
     except Unsupported:
         pass
-    ours = any(_info.exists(ckpt / n) for n in ("common.pt", "checksums.json"))
-    if not _info.exists(ckpt / "metadata.json") and (ours or not _info.is_file(ckpt / ".metadata")):
+    if not _info.exists(ckpt / "metadata.json") and not _info.is_stock_dcp(ckpt):
         m = _STEP_DIR.fullmatch(ckpt.name)
         return _info.incomplete(ckpt, int(m.group(1)) if m else None)
     from .inspect import describe  # torch: damaged, or a backend the light reader does not know

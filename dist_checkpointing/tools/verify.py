@@ -20,7 +20,7 @@ from ..errors import CheckpointingException, NotACheckpointError
 from ..integrity import ALGORITHM, CHECKSUMS_FNAME, Checksums, ItemSum, checksum, new_hasher
 from ..storage import objstore
 from . import _storage
-from ._info import LocalPart, PathArg, check_dir, local_parts, local_tier, tier_step
+from ._info import LocalPart, PathArg, check_dir, is_stock_dcp, local_parts, local_tier, tier_step
 
 __all__ = ["Problem", "VerifyReport", "verify_checkpoint"]
 
@@ -99,7 +99,7 @@ def _verify(ckpt: Path, step: Optional[int], report: VerifyReport) -> None:
     except CheckpointingException as e:
         report.problems.append(Problem(CONFIG_FNAME, str(e)))
     has_dcp = objstore.exists(ckpt / _storage.DCP_METADATA_FNAME)
-    if config is None and has_dcp and not _storage.is_stock_dcp(ckpt) and not report.problems:
+    if config is None and has_dcp and not is_stock_dcp(ckpt) and not report.problems:
         report.problems.append(
             Problem(CONFIG_FNAME, "missing: the save did not commit (incomplete checkpoint)")
         )
@@ -122,7 +122,7 @@ def _verify(ckpt: Path, step: Optional[int], report: VerifyReport) -> None:
                 f"checkpoint, or a save that did not finish"
             )
         return
-    report.kind = "dcp" if _storage.is_stock_dcp(ckpt) else "incomplete"
+    report.kind = "dcp" if is_stock_dcp(ckpt) else "incomplete"
     if config is not None:
         report.kind = config.sharded_backend
         try:
