@@ -13,10 +13,29 @@ from typing import Any, Callable, Dict, List, Optional, Union
 
 from ..errors import NotACheckpointError
 
-__all__ = ["PathArg", "TensorInfo", "ChecksumCoverage", "CheckpointInfo", "LocalPart"]
-__all__ += ["check_dir", "exists", "is_file", "names", "disk_size", "date_of"]
-__all__ += ["has_checkpoint_files", "is_stock_dcp", "incomplete", "local_parts", "local_tier"]
-__all__ += ["tier_step", "short_repr", "unwrap_object", "fill_local", "fill_dcp"]
+__all__ = [
+    "PathArg",
+    "TensorInfo",
+    "ChecksumCoverage",
+    "CheckpointInfo",
+    "check_dir",
+    "exists",
+    "is_file",
+    "names",
+    "short_repr",
+    "unwrap_object",
+    "disk_size",
+    "date_of",
+    "has_checkpoint_files",
+    "is_stock_dcp",
+    "incomplete",
+    "LocalPart",
+    "local_parts",
+    "local_tier",
+    "tier_step",
+    "fill_local",
+    "fill_dcp",
+]
 
 PathArg = Union[str, "os.PathLike[str]"]
 _SMALL_OBJECT = 64 << 10  # stored objects up to this size are read to show their value

@@ -26,9 +26,19 @@ from ..strategies.torch_dist.plan import TensorRequest, plan_tensor_reads
 from ..strategies.torch_dist.reader import read_byte_items, read_tensor_items
 from ._info import LocalPart, unwrap_object
 
-__all__ = ["DCP_METADATA_FNAME", "COMMON_FNAME", "StoredItem", "read_dcp_metadata"]
-__all__ += ["maybe_checksums", "tensor_entries", "object_keys", "stored_items"]
-__all__ += ["read_full_tensor", "read_object", "read_local_part"]
+__all__ = [
+    "DCP_METADATA_FNAME",
+    "COMMON_FNAME",
+    "StoredItem",
+    "read_dcp_metadata",
+    "maybe_checksums",
+    "tensor_entries",
+    "object_keys",
+    "stored_items",
+    "read_full_tensor",
+    "read_object",
+    "read_local_part",
+]
 
 COMMON_FNAME = "common.pt"
 
