@@ -8,7 +8,7 @@ parallelism; smaller `--ranks` shrink DP, then PP). Every system and world size 
 own subprocess, capped at `--timeout` seconds (reported as `timed_out: true`, with what it
 had measured so far) and `--mem-cap-gib` of resident memory.
 
-- `ours`: `dist_checkpointing.coordination.simulate` runs our real save protocol
+- `ours`: `tests._simulate.simulate` runs our real save protocol
   (`_sharding_agreement.agreement_protocol`: agreement and validation) for every rank through its in-process
   communicator, which counts the bytes each rank receives per exchange; run twice with the
   same per-rank caches, the second run is the warm save. Then the save's finalization:
@@ -108,7 +108,7 @@ def _ours_sharding(layout: Any) -> Dict[str, Any]:
         ShardRecord,
         agreement_protocol,
     )
-    from dist_checkpointing.coordination import simulate
+    from tests._simulate import simulate
 
     world = layout.world
     records = [
@@ -151,8 +151,8 @@ def _ours_fully_parallel(layout: Any) -> Dict[str, Any]:
     default): who writes each main replica on save (`distribution_protocol`), then, on load,
     who reads each shard and the plan of the exchange that sends it to the others
     (`exchange_plan_protocol`)."""
-    from dist_checkpointing.coordination import simulate
     from dist_checkpointing.exchange_utils import distribution_protocol, exchange_plan_protocol
+    from tests._simulate import simulate
 
     world, tp, dp = layout.world, layout.tp, layout.dp
 

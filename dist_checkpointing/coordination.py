@@ -3,9 +3,9 @@
 A protocol is a generator: it yields collective operations (`AllReduceSum`, `AllToAll`,
 `Gather`, `Broadcast`), receives each one's result, and returns its own result. `run`
 executes one on `torch.distributed` (collective: call on all ranks, in the same order);
-`simulate` runs one generator per simulated rank in this process, in lockstep, measuring
-each rank's traffic and CPU time: the same code runs in real jobs and in
-`benchmarks/bench_scale.py`.
+`deliver` gives every rank's result of one operation from all ranks' requests, so a test or
+`benchmarks/bench_scale.py` can run one generator per simulated rank in lockstep
+(`tests/_simulate.py`): the same code as in real jobs.
 
 No operation makes a rank receive data proportional to world x tensors: sums are reduced,
 and `AllToAll` delivers to each rank only what is addressed to it (plus one 8-byte size per
@@ -14,13 +14,11 @@ peer, as any all-to-all must).
 
 from __future__ import annotations
 
-import gc
 import hashlib
 import io
 import pickle
-import time
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, Generator, List, Mapping, Sequence, Tuple, Type, TypeVar
 
 import torch
@@ -32,17 +30,15 @@ __all__ = [
     "AllReduceSum",
     "AllToAll",
     "Broadcast",
-    "Exchange",
     "Gather",
     "Protocol",
-    "SimStats",
+    "deliver",
     "digest",
     "dumps",
     "fail_together",
     "loads",
     "owner",
     "run",
-    "simulate",
 ]
 
 T = TypeVar("T")
@@ -94,8 +90,8 @@ def run(protocol: Protocol[T], group: Any = None) -> T:
 
 
 def _execute(op: Op, group: Any) -> Any:
-    if not _dist.is_distributed():  # the only rank: as simulated
-        return _deliver([op], SimStats([0.0]))[0]
+    if not _dist.is_distributed():  # the only rank
+        return deliver([op])[0]
     if isinstance(op, Gather):
         return _dist.gather_object(op.data, op.root, group)
     if isinstance(op, Broadcast):
@@ -132,119 +128,23 @@ def _all_to_all(messages: Mapping[int, bytes], group: Any) -> Dict[int, bytes]:
     return got
 
 
-@dataclass
-class Exchange:
-    """One simulated exchange: what the rank that received most got, and the total."""
-
-    op: str
-    max_recv_bytes: int
-    max_recv_messages: int
-    total_bytes: int
-
-
-@dataclass
-class SimStats:
-    """What `simulate` measured: each rank's CPU seconds, and every exchange."""
-
-    cpu_s: List[float]
-    exchanges: List[Exchange] = field(default_factory=list)
-
-    @property
-    def max_recv_bytes(self) -> int:
-        """The most any rank received in any one exchange."""
-        return max((e.max_recv_bytes for e in self.exchanges), default=0)
-
-
-def simulate(
-    protocols: Sequence[Protocol[Any]], *, return_exceptions: bool = False
-) -> Tuple[List[Any], SimStats]:
-    """Runs one protocol per simulated rank (rank = position) in lockstep, in this process.
-
-    Args:
-        protocols: one started-or-not generator per rank.
-        return_exceptions: put what a rank's protocol raised in its result instead of raising.
-
-    Returns:
-        Every rank's result, and the statistics (`SimStats`).
-
-    Raises:
-        RuntimeError: ranks yielded different operations, or some finished before others
-            (a real job would hang there).
-        Exception: what the first rank (by rank) raised, unless `return_exceptions`.
-    """
-    # one process holds every simulated rank's objects: a collection of all of them would be
-    # charged to whichever rank happened to allocate (a real rank holds only its own)
-    collecting = gc.isenabled()
-    gc.disable()
-    n = len(protocols)
-    stats = SimStats([0.0] * n)
-    results: List[Any] = [None] * n
-    inbox: List[Any] = [None] * n
-    first = True
-    try:
-        while True:
-            ops: List[Any] = []
-            for r, proto in enumerate(protocols):
-                start = time.process_time()
-                try:
-                    ops.append(next(proto) if first else proto.send(inbox[r]))
-                except StopIteration as stop:
-                    results[r] = stop.value
-                    ops.append(None)
-                except Exception as e:
-                    if not return_exceptions:
-                        raise
-                    results[r] = e
-                    ops.append(None)
-                finally:
-                    stats.cpu_s[r] += time.process_time() - start
-            first = False
-            finished = sum(op is None for op in ops)
-            if finished == n:
-                return results, stats
-            if finished or len({type(op) for op in ops}) != 1:
-                kinds = sorted({type(o).__name__ for o in ops})
-                raise RuntimeError(f"simulated ranks diverged (a real job would hang): {kinds}")
-            inbox = _deliver(ops, stats)
-    finally:
-        if collecting:
-            gc.enable()
-
-
-def _deliver(ops: List[Any], stats: SimStats) -> List[Any]:
-    n = len(ops)
-    kind = type(ops[0])
-    recv = [0] * n
-    msgs = [0] * n
+def deliver(ops: Sequence[Op]) -> List[Any]:
+    """What each rank receives when rank i issues `ops[i]` (all of one kind): the semantics
+    `run` gives a lone rank and a simulation of many ranks (tests, `bench_scale`) gives all."""
+    n, kind = len(ops), type(ops[0])
     if kind is AllReduceSum:
-        width = len(ops[0].values)
-        total = tuple(sum(op.values[i] for op in ops) for i in range(width))
-        out: List[Any] = [total] * n
-        recv = [8 * width] * n
-        msgs = [1] * n
-    elif kind is AllToAll:
-        out = [{} for _ in range(n)]
+        return [tuple(map(sum, zip(*(op.values for op in ops))))] * n
+    if kind is AllToAll:
+        out: List[Dict[int, bytes]] = [{} for _ in range(n)]
         for src, op in enumerate(ops):
             for dest, payload in op.messages.items():
                 out[dest][src] = payload
-                recv[dest] += len(payload)
-                msgs[dest] += 1
-        recv = [b + 8 * n for b in recv]  # every rank receives every peer's size
-    elif kind is Gather:
-        root = ops[0].root
-        out = [None] * n
-        out[root] = [op.data for op in ops]
-        recv[root] = sum(len(op.data) for op in ops)
-        msgs[root] = n
-    elif kind is Broadcast:
-        data = ops[ops[0].root].data
-        out = [data] * n
-        recv = [len(data)] * n
-        msgs = [1] * n
-    else:
-        raise TypeError(f"not a coordination operation: {ops[0]!r}")
-    stats.exchanges.append(Exchange(kind.__name__, max(recv), max(msgs), sum(recv)))
-    return out
+        return out
+    if kind is Gather:
+        return [[op.data for op in ops] if r == ops[0].root else None for r in range(n)]
+    if kind is Broadcast:
+        return [ops[ops[0].root].data] * n
+    raise TypeError(f"not a coordination operation: {ops[0]!r}")
 
 
 def dumps(obj: Any) -> bytes:

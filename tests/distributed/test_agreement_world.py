@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from dist_checkpointing._sharding_agreement import AgreementCache, agreement_protocol
-from dist_checkpointing.coordination import simulate
 from dist_checkpointing.exchange_utils import distribution_protocol
+from tests._simulate import simulate
 from tests.distributed._rank_fns import (
     agreement_on_this_rank,
     fully_parallel_grid_save,

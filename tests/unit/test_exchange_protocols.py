@@ -8,9 +8,9 @@ from typing import Dict, List, Sequence, Tuple
 
 import pytest
 
-from dist_checkpointing.coordination import simulate
 from dist_checkpointing.errors import CheckpointingException
 from dist_checkpointing.exchange_utils import distribution_protocol, exchange_plan_protocol
+from tests._simulate import simulate
 
 
 def tp_dp_shards(world: int, tp: int, keys: int) -> List[Dict[Tuple, Tuple[int, bool]]]:

@@ -8,8 +8,9 @@ from typing import List
 import pytest
 
 from dist_checkpointing._sharding_agreement import AgreementCache, ShardRecord, agreement_protocol
-from dist_checkpointing.coordination import dumps, simulate
+from dist_checkpointing.coordination import dumps
 from dist_checkpointing.errors import CheckpointingException, ShardingIntegrityError
+from tests._simulate import simulate
 
 
 def grid_records(world: int, tp: int = 4, keys: int = 6) -> List[List[ShardRecord]]:
