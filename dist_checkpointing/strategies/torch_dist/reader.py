@@ -41,38 +41,11 @@ def _storage_info(metadata: Metadata, index: MetadataIndex) -> _StorageInfo:
         ) from e
 
 
-class _FileRange(io.RawIOBase):
-    """A read-only, seekable view of `length` bytes of an open file from `offset`."""
-
-    def __init__(self, f: Any, offset: int, length: int) -> None:
-        self._f, self._start, self._len, self._pos = f, offset, length, 0
-
-    def readable(self) -> bool:
-        return True
-
-    seekable = readable
-
-    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._len}[whence]
-        self._pos = max(0, min(self._len, base + pos))
-        return self._pos
-
-    def readinto(self, b: Any) -> int:
-        n = min(len(b), self._len - self._pos)
-        if n <= 0:
-            return 0
-        self._f.seek(self._start + self._pos)
-        got = self._f.readinto(memoryview(b).cast("B")[:n])
-        self._pos += got
-        return got
-
-
 @contextlib.contextmanager
 def open_range(path: Path, info: _StorageInfo) -> Iterator[io.BufferedReader]:
     """Opens the byte range of one stored item, checking the file is long enough."""
     if objstore.split(path) is not None:  # an object: ranged GETs
-        raw = objstore.open_read(path, size=info.offset + info.length).raw
-        yield io.BufferedReader(_FileRange(raw, info.offset, info.length), 1 << 16)
+        yield io.BufferedReader(objstore.RangeFile(path, info.offset, info.length), 1 << 16)
         return
     try:
         f = open(path, "rb")
@@ -85,7 +58,7 @@ def open_range(path: Path, info: _StorageInfo) -> Iterator[io.BufferedReader]:
                 f"{path}: truncated: item at offset {info.offset} needs {info.length} bytes, "
                 f"the file has {max(0, size - info.offset)} from there"
             )
-        yield io.BufferedReader(_FileRange(f, info.offset, info.length), 1 << 24)
+        yield io.BufferedReader(objstore.RangeFile(f, info.offset, info.length), 1 << 24)
 
 
 def _stored_chunk(
