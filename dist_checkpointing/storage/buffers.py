@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Protocol, Sequence, Tuple
 import numpy as np
 import torch
 
-__all__ = ["ALIGN", "CHUNK", "ChunkBuffers", "ImagePool", "pin", "private", "unpin"]
+__all__ = ["ALIGN", "CHUNK", "ChunkBuffers", "ImagePool", "aligned", "pin", "private", "unpin"]
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +27,11 @@ logger = logging.getLogger(__name__)
 ALIGN = 4096
 #: size of each of a streamed write's two chunk buffers
 CHUNK = 64 << 20
+
+
+def aligned(n: int, align: int = ALIGN) -> int:
+    """`n` rounded up to a multiple of `align`."""
+    return -(-n // align) * align
 
 
 def pin(buf: torch.Tensor) -> bool:
@@ -193,7 +198,7 @@ class ImagePool:
         return self._pins.count
 
     def _new(self, size: int) -> torch.Tensor:
-        n = max(ALIGN, -(-size // ALIGN) * ALIGN)
+        n = max(ALIGN, aligned(size))
         # straight into shared memory (shareable with the writer process):
         # `share_memory_()` on a new tensor would copy it once more
         new_shared = getattr(torch.UntypedStorage, "_new_shared", None)

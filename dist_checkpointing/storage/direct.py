@@ -19,7 +19,7 @@ import torch
 
 from ..errors import CheckpointCorruptedError
 from . import faults, objstore
-from .buffers import ALIGN
+from .buffers import aligned
 
 __all__ = ["FileWriter", "pwrite_all", "read_file", "read_region", "reset_direct_fallbacks"]
 
@@ -172,7 +172,7 @@ class FileWriter:
             self.fd = os.open(self.path, flags, 0o644)
         if preallocate and size and hasattr(os, "posix_fallocate"):
             try:
-                os.posix_fallocate(self.fd, 0, -(-size // ALIGN) * ALIGN)
+                os.posix_fallocate(self.fd, 0, aligned(size))
             except OSError:  # not supported here; the writes allocate as they go
                 pass
             except BaseException:

@@ -14,7 +14,7 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 import torch
 
-from .buffers import ALIGN, CHUNK, ChunkBuffers
+from .buffers import ALIGN, CHUNK, ChunkBuffers, aligned
 from .direct import FileWriter, PathLike, Progress
 
 __all__ = ["ChunkStream", "StreamedFile", "write_segments"]
@@ -94,7 +94,7 @@ class ChunkStream:
         fill = self._fill
         if fill == 0:
             return
-        n = -(-fill // ALIGN) * ALIGN if final else fill
+        n = aligned(fill) if final else fill
         buf = self._bufs[self._which]
         if n > fill:
             buf[fill:n] = 0

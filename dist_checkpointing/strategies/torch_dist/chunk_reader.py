@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 from ..._safe_load import torch_load
 from ...errors import CheckpointCorruptedError
 from ...integrity import ItemSum
+from ...storage.buffers import aligned
 from .verify import ChunkVerifier, check_layout, frame_matches, mismatch, read_exact
 from .zipformat import chunk_layout, head_layout
 
@@ -186,7 +187,7 @@ def _read_data(
     start, stop = row0 * row_bytes, row1 * row_bytes
     if expected is not None and not whole:  # widen to whole checksum blocks
         start = start - start % expected.block
-        stop = min(layout.nbytes, -(-stop // expected.block) * expected.block)
+        stop = min(layout.nbytes, aligned(stop, expected.block))
     if whole:
         start, stop = 0, layout.nbytes
     region = _scratch(stop - start)

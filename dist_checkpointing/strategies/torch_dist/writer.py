@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from ...integrity import BlockSums, ItemSum, checksum, write_item_sums
 from ...storage import ALIGN, FileWriter, fsync_dir, objstore
-from ...storage.buffers import CHUNK
+from ...storage.buffers import CHUNK, aligned
 from ...storage.segments import ChunkStream
 from .plan import WriteEntry
 from .verify import flat_bytes
@@ -117,11 +117,6 @@ def plan_file(name: str, entries: Sequence[WriteEntry]) -> FilePlan:
     return FilePlan(name, items, offset)
 
 
-def _byte_view(t: torch.Tensor) -> np.ndarray:
-    """The bytes of a tensor, made contiguous on the CPU if needed."""
-    return flat_bytes(t.detach().cpu().contiguous())
-
-
 def _on_device(src: Any) -> bool:
     """Whether `src` is a tensor outside host memory (copied a chunk at a time)."""
     return isinstance(src, torch.Tensor) and src.device.type != "cpu"
@@ -175,7 +170,7 @@ def write_streamed(
                     sums.append((p.offset, ItemSum(p.length, checksum(p.payload))))
             else:
                 device = _on_device(src) and src.is_contiguous()  # else through a host copy
-                data = _device_bytes(src) if device else _byte_view(src)
+                data = _device_bytes(src) if device else flat_bytes(src.detach().cpu().contiguous())
                 blocks = BlockSums() if checksums else None
                 put(np.frombuffer(p.head, dtype=np.uint8))
                 put(data, blocks.update if blocks is not None else None)
@@ -209,7 +204,7 @@ def stage_image(plan: FilePlan, sources: Sequence[Any], buf: torch.Tensor) -> No
             dst.copy_(src, non_blocking=src.is_cuda)
         tail_start = head_end + p.data_nbytes
         flat[tail_start : tail_start + len(p.tail)] = np.frombuffer(p.tail, dtype=np.uint8)
-    flat[plan.size : -(-plan.size // ALIGN) * ALIGN] = 0  # the padding of the last request
+    flat[plan.size : aligned(plan.size)] = 0  # the padding of the last request
 
 
 def _image_sums(plan: FilePlan, flat: np.ndarray) -> List[ItemChecksum]:
@@ -233,7 +228,7 @@ def write_image(
     """Writes a staged file image (async save's background writer), hashing it while a
     helper thread writes it (the digests go to the file's sidecar)."""
     flat = buf.numpy()
-    padded = -(-plan.size // ALIGN) * ALIGN
+    padded = aligned(plan.size)
     view = memoryview(flat)  # type: ignore[arg-type]
     out = _open(directory / plan.name, plan.size, direct)
 
