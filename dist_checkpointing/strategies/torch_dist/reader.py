@@ -109,20 +109,16 @@ def read_tensor_items(
     progress: Optional[Callable[[int], None]] = None,
     first_file: int = 0,
 ) -> int:
-    """Reads each needed stored chunk once into the requested regions, each file front to
-    back by one thread, `thread_count` files at once.
+    """Reads each needed stored chunk once into the regions `resolve` gives, each file front
+    to back by one thread, `thread_count` files at once; returns the tensor bytes read from
+    storage (only the rows needed, widened to whole checksum blocks when verifying).
 
     Args:
-        reads: planned reads (`plan_tensor_reads`); `resolve` gives their destinations.
         checksums: when given, every item read is verified against it.
         progress: called with the bytes of each chunk read (from the reading threads).
         first_file: start at this file (modulo their number) of the sorted files this rank
             reads, then go round: ranks reading the same files pass their rank, so each file
             is read from storage by one and comes to the others from the page cache.
-
-    Returns:
-        Tensor data bytes read from storage (only the rows a resharded load needs, widened
-        to whole checksum blocks when verifying).
 
     Raises:
         CheckpointCorruptedError: a missing, truncated, malformed or damaged chunk (named).
