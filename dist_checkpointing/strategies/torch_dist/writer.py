@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import io
-import logging
 import math
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -21,7 +20,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import WriteItem
 from torch.distributed.checkpoint.storage import WriteResult
 
 from ...integrity import BlockSums, ItemSum, checksum, write_item_sums
@@ -41,8 +40,6 @@ __all__ = [
     "write_files",
     "stage_image",
 ]
-
-logger = logging.getLogger(__name__)
 
 #: `(item offset, digests)` of one written item
 ItemChecksum = Tuple[int, ItemSum]
@@ -87,9 +84,12 @@ def _layout(dtype: torch.dtype, shape: Tuple[int, ...], offset: int) -> Any:
     return zip_item_layout(dtype, shape, offset, ALIGN if nbytes >= DIRECT_MIN else 64)
 
 
-def _torch_save_bytes(t: torch.Tensor) -> bytes:
+def _payload(data: Any) -> bytes:
+    """An item's bytes where not laid out around raw data: an object's, a tensor's torch.save."""
+    if not isinstance(data, torch.Tensor):
+        return bytes(data)
     buf = io.BytesIO()
-    torch.save(t.detach().cpu().contiguous().clone(), buf)
+    torch.save(data.detach().cpu().contiguous().clone(), buf)
     return buf.getvalue()
 
 
@@ -97,22 +97,18 @@ def plan_file(name: str, entries: Sequence[WriteEntry]) -> FilePlan:
     """Lays out a data file (no data is copied, except for rare torch.save fallbacks)."""
     items, offset = [], 0
     for e in entries:
-        if e.item.type == WriteItemType.BYTE_IO:
-            payload = bytes(e.data)  # type: ignore[arg-type,call-overload]
+        t, layout = e.data, None
+        if isinstance(t, torch.Tensor):
+            layout = _layout(t.dtype, tuple(t.shape), offset % ALIGN)
+        if layout is None:  # an object, or a tensor without a storage class or over 4 GiB
+            payload = _payload(t)
             items.append(PlannedItem(e.item, offset, len(payload), payload=payload))
         else:
-            t = e.data
-            assert isinstance(t, torch.Tensor)
-            layout = _layout(t.dtype, tuple(t.shape), offset % ALIGN)
-            if layout is None:  # dtype without a storage class, or a >4 GiB tensor
-                payload = _torch_save_bytes(t)
-                items.append(PlannedItem(e.item, offset, len(payload), payload=payload))
-            else:
-                items.append(
-                    PlannedItem(
-                        e.item, offset, layout.nbytes, layout.head, layout.tail, layout.data_nbytes
-                    )
+            items.append(
+                PlannedItem(
+                    e.item, offset, layout.nbytes, layout.head, layout.tail, layout.data_nbytes
                 )
+            )
         offset += items[-1].length
     return FilePlan(name, items, offset)
 
@@ -147,10 +143,8 @@ def write_streamed(
     direct: bool = True,
     progress: Optional[Callable[[int], None]] = None,
 ) -> List[WriteResult]:
-    """Writes a file from the tensors themselves (sync save), one chunk at a time.
-
-    A chunk is filled while the previous one is written; tensors are copied into the chunk
-    buffers (CUDA ones straight, pinned) and checksummed from there.
+    """Writes a file from the tensors themselves (sync save) through two chunk buffers, one
+    filled (CUDA tensors copied straight, pinned) and checksummed while the other is written.
 
     Args:
         sources: per item of `plan`, its tensor (None for byte items).
