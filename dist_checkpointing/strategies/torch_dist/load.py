@@ -193,11 +193,11 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                             f"request that dtype, not {sh.dtype}, or allow_lossy_dtype_conversion"
                         )
                     dests.append(self._destination(sh))
-                    flat_reads, temps, flat_copies = plan_reformulated_reads(
+                    flat_reads, flat_copies = plan_reformulated_reads(
                         request, md, flat_shape, sh.dtype, sh.allow_shape_mismatch
                     )
                     reads += flat_reads
-                    dests += [t.view(r.lengths) for t, r in zip(temps, flat_reads)]
+                    dests += [c.temp.view(r.lengths) for c, r in zip(flat_copies, flat_reads)]
                     copies += flat_copies
                     continue
                 if sh.key not in indices:
