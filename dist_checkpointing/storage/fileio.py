@@ -59,7 +59,6 @@ def atomic_write(
     file, fsync, rename, directory fsync; an object: one PUT); on failure `path` is untouched.
 
     Args:
-        path: destination file.
         write_fn: called with the open binary temp file; writes the content.
         sync: False to skip both fsyncs (the file may be lost in a crash, never torn).
     """
