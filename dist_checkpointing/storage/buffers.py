@@ -1,5 +1,4 @@
 """Pooled host buffers: chunk pairs for streamed writes, whole-file images for async saves.
-
 Buffers come from `mmap` or shared memory, so they are page-aligned, as O_DIRECT needs;
 pools keep a few free ones each. `pin` page-locks a buffer in place (shared memory stays
 shared) so device-to-host copies into it run asynchronously; `unpin` must run before its

@@ -1,5 +1,4 @@
 """Positional file I/O: O_DIRECT writes with a buffered fallback, reads through the page cache.
-
 `FileWriter` writes a file in large aligned requests, preallocated, fsync'd once; a
 directory whose file system refused O_DIRECT (EINVAL) is written buffered from then on.
 Reads are one sequential stream of requests (the kernel reads ahead, and a node's ranks

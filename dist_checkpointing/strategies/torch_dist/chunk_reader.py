@@ -1,9 +1,6 @@
-"""Reading one stored tensor chunk into the destinations of its reads, verified as it lands.
-
-Only the rows the reads need are read. Whole rows into a contiguous host destination of the
-stored dtype land in place; others land in a per-thread scratch buffer and are copied out
-as they are verified.
-"""
+"""Reading the rows of one stored tensor chunk that its reads need, verified as they land:
+whole rows into a contiguous host destination of the stored dtype land in place, others in
+a per-thread scratch buffer, copied out as they are verified."""
 
 from __future__ import annotations
 

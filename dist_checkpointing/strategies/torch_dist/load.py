@@ -1,8 +1,6 @@
-"""Loading with the torch_dist backend: any requested sharding from DCP-format checkpoints.
-
-Each rank reads the metadata of the keys it asks for (the load index), plans reads for
-exactly its regions (`plan`) and reads each needed chunk once (`reader`).
-"""
+"""Loading with the torch_dist backend, in any requested sharding: each rank reads the
+metadata of the keys it asks for (the load index), plans reads for exactly its regions
+(`plan`) and reads each needed chunk once (`reader`)."""
 
 from __future__ import annotations
 

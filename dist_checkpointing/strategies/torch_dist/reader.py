@@ -1,9 +1,6 @@
-"""Reading torch_dist data files: each needed stored chunk once, straight into its destination.
-
-Data files `[<hint>]__<rank>_<n>.distcp` hold a `torch.save` zip per tensor chunk
-(`zipformat`) and raw bytes per object. Reads are grouped by stored chunk, and each file is
-read front to back by one thread; `chunk_reader` reads one chunk.
-"""
+"""Reading torch_dist data files `[<hint>]__<rank>_<n>.distcp` (a `torch.save` zip per tensor
+chunk, raw bytes per object): each needed stored chunk once (`chunk_reader`), straight into
+its destinations, each file front to back by one thread."""
 
 from __future__ import annotations
 

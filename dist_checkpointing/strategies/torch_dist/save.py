@@ -1,10 +1,8 @@
-"""Saving with the torch_dist backend: the save strategy, sync writes and async staging.
-
-Each rank writes its main-replica shards to its own `.distcp` files (`writer`) with no
-planning exchange (names and placement follow from its own shards); then `finalize` has
-rank 0 write `.metadata` from every rank's report. An async save copies the shards into
-pooled host images and returns a request whose background function writes them.
-"""
+"""Saving with the torch_dist backend: each rank writes its main-replica shards to its own
+`.distcp` files (`writer`) with no planning exchange (names and placement follow from its
+own shards); then `finalize` has rank 0 write `.metadata` from every rank's report. An
+async save copies the shards into pooled host images and returns a request whose
+background function writes them."""
 
 from __future__ import annotations
 

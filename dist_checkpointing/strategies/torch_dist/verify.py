@@ -1,8 +1,6 @@
-"""Verifying stored chunks against `checksums.json` as their bytes are read (no second pass).
-
-An item's `ItemSum` (see `integrity`) is one digest of the whole item, or a digest of its
-frame (the zip records) plus one per `block` bytes of its data (`ChunkVerifier`).
-"""
+"""Verifying stored chunks as their bytes are read (no second pass): an item's `ItemSum`
+(`integrity`) is one digest of the whole item, or a digest of its frame (the zip records)
+plus one per `block` bytes of its data (`ChunkVerifier`)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,8 @@
-"""The torch_dist writer: DCP-format data files written at the disk's speed.
-
-Each file is laid out ahead of time (`plan_file`: zip records around each tensor's raw
-bytes, serialized bytes per object), then written in large requests through
-`storage.FileWriter` (O_DIRECT where allowed), from a staged image (async save) or streamed
-through two aligned chunk buffers (sync save). Each item's xxh3-64 is computed as its bytes
-are written and stored beside the file (`integrity.write_item_sums`).
-"""
+"""The torch_dist writer: each data file is laid out ahead of time (`plan_file`: zip records
+around each tensor's raw bytes, serialized bytes per object), then written in large
+requests (O_DIRECT where allowed) from a staged image (async save) or streamed through two
+aligned chunk buffers (sync save), each item's xxh3-64 computed as its bytes are written
+and stored beside the file (`integrity.write_item_sums`)."""
 
 from __future__ import annotations
 
