@@ -284,13 +284,9 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         return view
 
     def _check_tensor(
-        self,
-        sh: ShardedTensor,
-        sdm: Dict[str, Any],
-        ckpt: Path,
-        shape: Optional[Tuple[int, ...]] = None,
+        self, sh: ShardedTensor, sdm: Dict[str, Any], ckpt: Path, shape: Optional[Tuple[int, ...]]
     ) -> Optional[torch.dtype]:
-        """Raises unless `sh.key` is a stored tensor of `shape` (default: its stored size);
+        """Raises unless `sh.key` is a stored tensor of `shape` (None: its stored size);
         its stored dtype when that converts to `sh.dtype` only value by value (`copy_exact`)."""
         stored = sdm.get(sh.key)
         if not isinstance(stored, TensorStorageMetadata):

@@ -70,20 +70,20 @@ def _stored_chunk(
     return None
 
 
-#: a stored item: its file (relative path), offset and length
-ItemKey = Tuple[str, int, int]
-
-
-def _group_reads(metadata: Metadata, reads: Sequence[ReadItem]) -> Dict[ItemKey, ChunkGroup]:
-    """The reads grouped by the stored item they read from (which must have a location)."""
-    groups: Dict[ItemKey, ChunkGroup] = {}
+def _group_reads(metadata: Metadata, reads: Sequence[ReadItem]) -> Dict[str, List[ChunkGroup]]:
+    """The reads grouped by the stored item they read from (which must have a location), the
+    items by file, in file order."""
+    groups: Dict[Tuple[str, int, int], ChunkGroup] = {}  # by file, offset, length
     for r in reads:
         info = _storage_info(metadata, r.storage_index)
         key = (str(info.relative_path), info.offset, info.length)
         if key not in groups:
             groups[key] = ChunkGroup(info, [], _stored_chunk(metadata, r.storage_index))
         groups[key].reads.append(r)
-    return groups
+    by_file: Dict[str, List[ChunkGroup]] = {}
+    for key in sorted(groups):
+        by_file.setdefault(key[0], []).append(groups[key])
+    return by_file
 
 
 def _what(info: _StorageInfo, fqn: str) -> str:
@@ -120,7 +120,7 @@ def read_tensor_items(
     Raises:
         CheckpointCorruptedError: a missing, truncated, malformed or damaged chunk (named).
     """
-    groups = _group_reads(metadata, reads)
+    by_file = _group_reads(metadata, reads)
     request = READ_REQUEST  # read at call time: tests make it small
 
     def load_group(group: ChunkGroup) -> int:
@@ -134,9 +134,6 @@ def read_tensor_items(
             progress(nread)
         return nread
 
-    by_file: Dict[str, List[ChunkGroup]] = {}
-    for g in sorted(groups.values(), key=lambda g: (str(g.info.relative_path), g.info.offset)):
-        by_file.setdefault(str(g.info.relative_path), []).append(g)
     names = sorted(by_file)
     if names:
         k = first_file % len(names)
