@@ -5,14 +5,13 @@ from __future__ import annotations
 import io
 import os
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional
 
 from ..errors import CheckpointCorruptedError
 from . import objstore
+from .direct import PathLike
 
 __all__ = ["atomic_write", "fsync_dir", "read_capped"]
-
-PathLike = Union[str, "os.PathLike[str]"]
 
 
 def fsync_dir(path: PathLike) -> None:
