@@ -1,5 +1,4 @@
 """Pooled host buffers: chunk pairs for streamed writes, whole-file images for async saves.
-
 Buffers come from `mmap` or shared memory, so they are page-aligned, as O_DIRECT needs;
 pools keep a few free ones each. `pin` page-locks a buffer in place (shared memory stays
 shared) so device-to-host copies into it run asynchronously; `unpin` must run before its
@@ -19,7 +18,7 @@ from typing import Any, Dict, List, Protocol, Sequence, Tuple
 import numpy as np
 import torch
 
-__all__ = ["ALIGN", "CHUNK", "ChunkBuffers", "ImagePool", "pin", "private", "unpin"]
+__all__ = ["ALIGN", "CHUNK", "ChunkBuffers", "ImagePool", "aligned", "pin", "private", "unpin"]
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +26,11 @@ logger = logging.getLogger(__name__)
 ALIGN = 4096
 #: size of each of a streamed write's two chunk buffers
 CHUNK = 64 << 20
+
+
+def aligned(n: int, align: int = ALIGN) -> int:
+    """`n` rounded up to a multiple of `align`."""
+    return -(-n // align) * align
 
 
 def pin(buf: torch.Tensor) -> bool:
@@ -193,7 +197,7 @@ class ImagePool:
         return self._pins.count
 
     def _new(self, size: int) -> torch.Tensor:
-        n = max(ALIGN, -(-size // ALIGN) * ALIGN)
+        n = max(ALIGN, aligned(size))
         # straight into shared memory (shareable with the writer process):
         # `share_memory_()` on a new tensor would copy it once more
         new_shared = getattr(torch.UntypedStorage, "_new_shared", None)

@@ -1,5 +1,4 @@
 """Positional file I/O: O_DIRECT writes with a buffered fallback, reads through the page cache.
-
 `FileWriter` writes a file in large aligned requests, preallocated, fsync'd once; a
 directory whose file system refused O_DIRECT (EINVAL) is written buffered from then on.
 Reads are one sequential stream of requests (the kernel reads ahead, and a node's ranks
@@ -19,7 +18,7 @@ import torch
 
 from ..errors import CheckpointCorruptedError
 from . import faults, objstore
-from .buffers import ALIGN
+from .buffers import aligned
 
 __all__ = ["FileWriter", "pwrite_all", "read_file", "read_region", "reset_direct_fallbacks"]
 
@@ -69,12 +68,12 @@ def _pread_into(
 def read_region(
     path: str, offset: int, out: np.ndarray, progress: Progress = None, request: int = CHUNK_READ
 ) -> None:
-    """Reads `out.size` bytes of `path` from `offset` into `out` (flat uint8, C-contiguous).
+    """Reads `out.size` bytes of `path` from `offset` into `out` (flat uint8, C-contiguous),
+    `request` bytes at a time.
 
     Args:
         progress: called after each request with the leading bytes of `out` filled
             (increasing, the last with `out.size`), to verify them while in the CPU caches.
-        request: bytes per request.
 
     Raises:
         CheckpointCorruptedError: the file is shorter than the region, or cannot be read.
@@ -116,10 +115,8 @@ def read_file(path: PathLike) -> torch.Tensor:
     return buffer
 
 
-def pwrite_all(
-    fd: int, view: memoryview, offset: int, path: str = "", direct: bool = False
-) -> None:
-    """Writes all of `view` at `offset` of `fd` (the fault seam sees `path`)."""
+def pwrite_all(fd: int, view: memoryview, offset: int, path: str, direct: bool) -> None:
+    """Writes all of `view` at `offset` of `fd` (the fault seam sees `path` and `direct`)."""
     limit = faults.check("write", path, offset, len(view), direct)
     if limit is not None:  # an injected crash part-way through this request
         view = view[:limit]
@@ -138,7 +135,6 @@ class FileWriter:
         direct: try O_DIRECT (requests must then be `ALIGN`ed in offset, length and memory;
             the last may be padded past `size`).
         exclusive: FileExistsError if the file exists (else it is truncated).
-        preallocate: reserve `size` bytes up front.
         overwrite: write over the existing file in place (its blocks reused; `finish`
             truncates it to `size`); FileNotFoundError if it does not exist.
     """
@@ -172,7 +168,7 @@ class FileWriter:
             self.fd = os.open(self.path, flags, 0o644)
         if preallocate and size and hasattr(os, "posix_fallocate"):
             try:
-                os.posix_fallocate(self.fd, 0, -(-size // ALIGN) * ALIGN)
+                os.posix_fallocate(self.fd, 0, aligned(size))
             except OSError:  # not supported here; the writes allocate as they go
                 pass
             except BaseException:

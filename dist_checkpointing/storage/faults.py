@@ -1,10 +1,6 @@
-"""Test-facing fault injection for the I/O layer: errors, delays and crashes on chosen files.
-
-Every read and write of this package consults the installed `Fault`s, so a test can make
-"the data file of rank 1" fail, hang or die half-written. A fault's actions, in order:
-record the call in `calls` (no action: a spy), sleep `delay_s`, raise `error`, and for
-writes SIGKILL the process once `die_after_bytes` bytes of the file were written. Faults
-live in the installing process and processes forked from it later, not spawned ones.
+"""Test-facing fault injection: every read and write of this package consults the installed
+`Fault`s, so a test can make "the data file of rank 1" fail, hang or die half-written.
+Faults live in the installing process and processes forked from it later, not spawned ones.
 
 Example:
     with faults.injected(faults.Fault("*.distcp", error=OSError(errno.ENOSPC, "full"))):
@@ -38,14 +34,14 @@ class IOCall:
 
 @dataclass(eq=False)
 class Fault:
-    """What to do to the I/O requests on matching files (see the module docstring).
+    """What to do to the I/O requests on matching files, in this order: record each in
+    `calls` (with no other action: a spy), sleep `delay_s`, raise `error`, and for writes
+    SIGKILL the process once `die_after_bytes` bytes of the file were written.
 
     Args:
         pattern: `fnmatch` pattern matched against the full path and against the file name.
         ops: operations affected: "write", "read".
-        error: raised instead of performing the request.
-        delay_s: slept before performing the request (a slow or hung disk).
-        die_after_bytes: writes only: SIGKILL once this many bytes of the file were written.
+        delay_s: seconds slept first (a slow or hung disk).
         only_direct: O_DIRECT requests only (with EINVAL: a file system refusing O_DIRECT).
     """
 
@@ -102,14 +98,12 @@ def die() -> None:
 
 
 def check(op: str, path: str, offset: int, nbytes: int, direct: bool) -> Optional[int]:
-    """Called by the I/O functions before a request; applies the matching faults.
+    """Called by the I/O functions before a request; applies the matching faults, raising
+    the first matching `error`.
 
     Returns:
         For writes, how many bytes of the request may be written before the process must
         `die()` (None: all of them, and live on).
-
-    Raises:
-        BaseException: a matching fault's `error`.
     """
     if not _active:
         return None

@@ -5,14 +5,13 @@ from __future__ import annotations
 import io
 import os
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional
 
 from ..errors import CheckpointCorruptedError
 from . import objstore
+from .direct import PathLike
 
 __all__ = ["atomic_write", "fsync_dir", "read_capped"]
-
-PathLike = Union[str, "os.PathLike[str]"]
 
 
 def fsync_dir(path: PathLike) -> None:
@@ -59,7 +58,6 @@ def atomic_write(
     file, fsync, rename, directory fsync; an object: one PUT); on failure `path` is untouched.
 
     Args:
-        path: destination file.
         write_fn: called with the open binary temp file; writes the content.
         sync: False to skip both fsyncs (the file may be lost in a crash, never torn).
     """

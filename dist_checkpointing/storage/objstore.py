@@ -23,7 +23,7 @@ from . import msc
 
 __all__ = ["ObjectWriter", "split", "read_range", "prefetching", "read_object", "put_object"]
 __all__ += ["open_read", "stat", "exists", "is_file", "is_dir", "listdir", "makedirs", "remove"]
-__all__ += ["remove_tree", "replace_tree"]
+__all__ += ["remove_tree", "replace_tree", "RangeFile"]
 
 logger = logging.getLogger(__name__)
 
@@ -298,33 +298,41 @@ def _list(loc: Loc, delimiter: str = "") -> Tuple[List[Any], List[str]]:
         kw["ContinuationToken"] = r["NextContinuationToken"]
 
 
-class _ObjectFile(io.RawIOBase):
-    """A seekable read-only object of `size` bytes: each read a ranged GET."""
+class RangeFile(io.RawIOBase):
+    """A read-only, seekable view of `size` bytes from `offset` of `source`: an open binary
+    file, or an object's path (each read a ranged GET)."""
 
-    def __init__(self, path: Any, size: int) -> None:
-        self._path, self._pos, self.size = path, 0, size
+    def __init__(self, source: Any, offset: int, size: int) -> None:
+        self._src, self._start, self._pos, self.size = source, offset, 0, size
 
     def readable(self) -> bool:
         return True
 
     seekable = readable
 
-    def seek(self, offset: int, whence: int = 0) -> int:
-        self._pos = max(0, (0, self._pos, self.size)[whence] + offset)
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        self._pos = max(0, min(self.size, (0, self._pos, self.size)[whence] + pos))
         return self._pos
 
     def readinto(self, b: Any) -> int:
-        n = max(0, min(len(b), self.size - self._pos))
-        read_range(self._path, self._pos, np.frombuffer(b, dtype=np.uint8)[:n])
+        n = min(len(b), self.size - self._pos)
+        if n <= 0:
+            return 0
+        view = memoryview(b).cast("B")[:n]
+        if isinstance(self._src, (str, os.PathLike)):
+            read_range(self._src, self._start + self._pos, np.frombuffer(view, dtype=np.uint8))
+        else:
+            self._src.seek(self._start + self._pos)
+            n = self._src.readinto(view)
         self._pos += n
         return n
 
 
-def open_read(path: Any, size: Optional[int] = None) -> io.BufferedReader:
-    """A file opened for reading (an object of `size` bytes if given: ranged GETs of 8 MiB)."""
+def open_read(path: Any) -> io.BufferedReader:
+    """A file opened for reading (an object: ranged GETs of 8 MiB)."""
     if split(path) is None:
         return open(path, "rb")
-    raw = _ObjectFile(path, stat(path)[0] if size is None else size)
+    raw = RangeFile(path, 0, stat(path)[0])
     return io.BufferedReader(raw, max(1, min(8 * _MB, raw.size)))
 
 

@@ -1,9 +1,7 @@
-"""Files written from byte segments (local checkpoint images) or from chunks as they arrive.
-
-With O_DIRECT a page-aligned buffer is written as it is and anything else streams through
-a pooled pair of aligned chunk buffers (`ChunkStream`); buffered, each segment is written
-from its own memory. `StreamedFile` writes a replica received over the network.
-"""
+"""Files written from byte segments (local checkpoint images) or from chunks as they arrive
+(`StreamedFile`: a replica received over the network). With O_DIRECT a page-aligned buffer
+is written as it is and anything else streams through a pooled pair of aligned chunk
+buffers (`ChunkStream`); buffered, each segment is written from its own memory."""
 
 from __future__ import annotations
 
@@ -14,7 +12,7 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 import torch
 
-from .buffers import ALIGN, CHUNK, ChunkBuffers
+from .buffers import ALIGN, CHUNK, ChunkBuffers, aligned
 from .direct import FileWriter, PathLike, Progress
 
 __all__ = ["ChunkStream", "StreamedFile", "write_segments"]
@@ -35,11 +33,10 @@ def write_segments(
     overwrite: bool = False,
     padded: Optional[np.ndarray] = None,
 ) -> int:
-    """Writes `segments` (flat uint8 arrays), concatenated, to a new file; returns its size.
+    """Writes `segments` (flat uint8 arrays), concatenated, to a new file (with O_DIRECT if
+    `direct` and allowed; durable before returning if `fsync`); returns its size.
 
     Args:
-        direct: try O_DIRECT (buffered where refused).
-        fsync: make the file durable before returning.
         overwrite: write over an existing file in place (else it must not exist).
         padded: for a single segment, the same page-aligned buffer zero-padded to a multiple
             of `ALIGN`: written directly with O_DIRECT.
@@ -48,12 +45,12 @@ def write_segments(
         OSError: the write failed (the partial file is removed).
     """
     size = int(sum(s.size for s in segments))
-    aligned = padded is not None and padded.ctypes.data % ALIGN == 0 and padded.size % ALIGN == 0
+    in_pages = padded is not None and padded.ctypes.data % ALIGN == 0 and padded.size % ALIGN == 0
     out = FileWriter(
         path, size, direct=direct, exclusive=True, preallocate=direct, overwrite=overwrite
     )
     try:
-        if out.direct and aligned:
+        if out.direct and in_pages:
             assert padded is not None
             _write_chunks(out, padded, 0)
         elif out.direct:
@@ -75,8 +72,7 @@ class ChunkStream:
     other is written. `finish()` writes the padded tail; `close()` (always) frees them.
 
     Args:
-        out: the file being written.
-        file_pos: where the first byte goes (aligned).
+        file_pos: where the first byte goes in `out` (aligned).
         pin: page-lock the buffers (for copies from device tensors).
         progress: called with the bytes of each chunk handed to the disk.
     """
@@ -94,7 +90,7 @@ class ChunkStream:
         fill = self._fill
         if fill == 0:
             return
-        n = -(-fill // ALIGN) * ALIGN if final else fill
+        n = aligned(fill) if final else fill
         buf = self._bufs[self._which]
         if n > fill:
             buf[fill:n] = 0
@@ -161,7 +157,6 @@ class StreamedFile:
 
     Args:
         size: the final size (every byte of `[0, size)` is written, in order, before `close`).
-        fsync: fsync the file in `close`.
         overwrite: write over an existing file in place (else it must not exist).
 
     Raises:
@@ -189,7 +184,6 @@ class StreamedFile:
         """Writes `data` (flat uint8) at `offset`, which must follow the previous chunk.
 
         Raises:
-            OSError: the write failed.
             ValueError: `offset` is not where the previous chunk ended.
         """
         if offset != self._pos:

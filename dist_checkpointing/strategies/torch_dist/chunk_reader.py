@@ -1,9 +1,6 @@
-"""Reading one stored tensor chunk into the destinations of its reads, verified as it lands.
-
-Only the rows the reads need are read. Whole rows into a contiguous host destination of the
-stored dtype land in place; others land in a per-thread scratch buffer and are copied out
-as they are verified.
-"""
+"""Reading the rows of one stored tensor chunk that its reads need, verified as they land:
+whole rows into a contiguous host destination of the stored dtype land in place, others in
+a per-thread scratch buffer, copied out as they are verified."""
 
 from __future__ import annotations
 
@@ -20,6 +17,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 from ..._safe_load import torch_load
 from ...errors import CheckpointCorruptedError
 from ...integrity import ItemSum
+from ...storage.buffers import aligned
 from .verify import ChunkVerifier, check_layout, frame_matches, mismatch, read_exact
 from .zipformat import chunk_layout, head_layout
 
@@ -96,21 +94,10 @@ def read_stored(
     """Reads the rows of one stored chunk that `group`'s reads touch into their destinations
     (widened to whole checksum blocks; whole items for whole-item digests and for non-plain
     chunks, which go through `torch.load`); returns the bytes read from storage."""
-    raw = stream.raw
+    raw, info = stream.raw, group.info
     layout = _parse_chunk(raw, group, expected, what)
     if layout is None:
-        stream.seek(0)
-        payload = stream.read()
-        if expected is not None and not expected.matches_whole(payload):
-            raise mismatch(what, group.info)
-        stored = torch_load(io.BytesIO(payload), what)
-        if not isinstance(stored, torch.Tensor):
-            raise CheckpointCorruptedError(
-                f"{what}: expected a tensor, got {type(stored).__name__}"
-            )
-        for src, dest, _ in _pairs(stored, 0, group, resolve, what):
-            dest.copy_(src)
-        return len(payload)
+        return _load_whole(stream, group, resolve, what, expected)
     shape = layout.shape
     nrows = shape[0] if shape else 0
     row0, row1 = 0, nrows
@@ -118,14 +105,59 @@ def read_stored(
         row0 = min(int(r.storage_offsets[0]) for r in group.reads)
         row1 = max(int(r.storage_offsets[0]) + int(r.lengths[0]) for r in group.reads)
     row_bytes = (math.prod(shape[1:]) if shape else 1) * layout.dtype.itemsize
-    nread = _read_data(
-        raw, group, layout, resolve, what, expected, path, request, (row0, row1, nrows, row_bytes)
-    )
+    data_file_off = info.offset + layout.data_offset
+    whole = (row0, row1) == (0, nrows)
+    start, stop = (row0 * row_bytes, row1 * row_bytes) if shape else (0, layout.nbytes)
+    dest = resolve(group.reads[0]) if len(group.reads) == 1 and (whole or row1 > row0) else None
+    if dest is not None and _in_place(group.reads[0], dest, layout, row0, row1):
+        verifier = ChunkVerifier(raw, layout, dest, start, info, expected, what)
+        verifier.read(path, data_file_off + start, request)
+        nread = stop - start + verifier.extra_bytes
+    else:
+        if expected is not None and not whole:  # widen to whole checksum blocks
+            start -= start % expected.block
+            stop = min(layout.nbytes, aligned(stop, expected.block))
+        region = _scratch(stop - start)
+        skip = row0 * row_bytes - start
+        if shape:
+            nbytes = (row1 - row0) * row_bytes
+            stored = region[skip : skip + nbytes].view(layout.dtype).view((row1 - row0, *shape[1:]))
+        else:  # a 0-d tensor
+            stored = region.view(layout.dtype).view(())
+        pairs = _pairs(stored, row0, group, resolve, what)
+        streamed = len(shape) >= 1 and row_bytes > 0 and (expected is None or expected.blocked)
+        scatter = _scatter(pairs, row0, row1 - row0, row_bytes, skip) if streamed else None
+        verifier = ChunkVerifier(raw, layout, region, start, info, expected, what, scatter)
+        verifier.read(path, data_file_off + start, request)
+        if scatter is None:  # one digest for the whole item: copy once it is verified
+            for src, dest, _ in pairs:
+                dest.copy_(src)
+        nread = stop - start
     # the frame is checked after the data so the item is read front to back
     if expected is not None and expected.blocked:
-        if not frame_matches(raw, layout, group.info.length, expected):
-            raise mismatch(what, group.info)
+        if not frame_matches(raw, layout, info.length, expected):
+            raise mismatch(what, info)
     return nread
+
+
+def _load_whole(
+    stream: io.BufferedReader,
+    group: ChunkGroup,
+    resolve: Resolve,
+    what: str,
+    expected: Optional[ItemSum],
+) -> int:
+    """Reads a chunk that is not plain through `torch.load` of its whole item."""
+    stream.seek(0)
+    payload = stream.read()
+    if expected is not None and not expected.matches_whole(payload):
+        raise mismatch(what, group.info)
+    stored = torch_load(io.BytesIO(payload), what)
+    if not isinstance(stored, torch.Tensor):
+        raise CheckpointCorruptedError(f"{what}: expected a tensor, got {type(stored).__name__}")
+    for src, dest, _ in _pairs(stored, 0, group, resolve, what):
+        dest.copy_(src)
+    return len(payload)
 
 
 def _parse_chunk(raw: Any, group: ChunkGroup, expected: Optional[ItemSum], what: str) -> Any:
@@ -143,68 +175,18 @@ def _parse_chunk(raw: Any, group: ChunkGroup, expected: Optional[ItemSum], what:
     return layout
 
 
-def _in_place(
-    r: ReadItem, dest: torch.Tensor, layout: Any, row0: int, row1: int, whole: bool
-) -> bool:
+def _in_place(r: ReadItem, dest: torch.Tensor, layout: Any, row0: int, row1: int) -> bool:
     """Whether `r` is whole rows `row0:row1` into a contiguous host tensor of the stored dtype."""
     shape = tuple(layout.shape)
-    want = shape if whole else (row1 - row0,) + shape[1:]
-    first = 0 if whole else row0
+    want = (row1 - row0, *shape[1:]) if shape else ()
     return (
-        [int(o) for o in r.storage_offsets] == ([first] + [0] * (len(shape) - 1) if shape else [])
+        [int(o) for o in r.storage_offsets] == ([row0] + [0] * (len(shape) - 1) if shape else [])
         and tuple(r.lengths) == want
         and tuple(dest.shape) == want
         and dest.dtype == layout.dtype
         and dest.is_contiguous()
         and dest.device.type == "cpu"
     )
-
-
-def _read_data(
-    raw: Any,
-    group: ChunkGroup,
-    layout: Any,
-    resolve: Resolve,
-    what: str,
-    expected: Optional[ItemSum],
-    path: str,
-    request: int,
-    rows: Tuple[int, int, int, int],
-) -> int:
-    """Reads rows `row0:row1` of a parsed chunk, in place or through the scratch buffer."""
-    row0, row1, nrows, row_bytes = rows
-    shape = layout.shape
-    data_file_off = group.info.offset + layout.data_offset
-    whole = (row0, row1) == (0, nrows)
-    if len(group.reads) == 1 and (whole or row1 > row0):
-        dest = resolve(group.reads[0])
-        if _in_place(group.reads[0], dest, layout, row0, row1, whole):
-            a, b = (0, layout.nbytes) if whole else (row0 * row_bytes, row1 * row_bytes)
-            verifier = ChunkVerifier(raw, layout, dest, a, group.info, expected, what)
-            verifier.read(path, data_file_off + a, request)
-            return b - a + verifier.extra_bytes
-    start, stop = row0 * row_bytes, row1 * row_bytes
-    if expected is not None and not whole:  # widen to whole checksum blocks
-        start = start - start % expected.block
-        stop = min(layout.nbytes, -(-stop // expected.block) * expected.block)
-    if whole:
-        start, stop = 0, layout.nbytes
-    region = _scratch(stop - start)
-    skip = row0 * row_bytes - start
-    if shape:
-        nbytes = (row1 - row0) * row_bytes
-        stored = region[skip : skip + nbytes].view(layout.dtype).view((row1 - row0, *shape[1:]))
-    else:  # a 0-d tensor
-        stored = region.view(layout.dtype).view(())
-    pairs = _pairs(stored, row0, group, resolve, what)
-    streamed = len(shape) >= 1 and row_bytes > 0 and (expected is None or expected.blocked)
-    scatter = _scatter(pairs, row0, row1 - row0, row_bytes, skip) if streamed else None
-    verifier = ChunkVerifier(raw, layout, region, start, group.info, expected, what, scatter)
-    verifier.read(path, data_file_off + start, request)
-    if scatter is None:  # one digest for the whole item: copy once it is verified
-        for src, dest, _ in pairs:
-            dest.copy_(src)
-    return stop - start
 
 
 _scratch_local = threading.local()

@@ -1,9 +1,6 @@
-"""Finalizing a torch_dist save: rank 0 builds `.metadata` from every rank's compact report.
-
-Each rank sends rank 0 its report (`encode_report`), or only its digest while unchanged;
-rank 0 builds and writes the metadata files (no work while no report changed) and
-broadcasts the outcome: a failure anywhere raises on every rank.
-"""
+"""Finalizing a torch_dist save: each rank sends rank 0 its compact report (`encode_report`),
+or only its digest while unchanged; rank 0 builds and writes `.metadata` (no work while no
+report changed) and broadcasts the outcome: a failure anywhere raises on every rank."""
 
 from __future__ import annotations
 

@@ -79,17 +79,16 @@ def plan_reformulated_reads(
     orig_shape: Tuple[int, ...],
     dtype: torch.dtype,
     allow_partial: bool,
-) -> Tuple[List[ReadItem], List[torch.Tensor], List[FlatCopy]]:
+) -> Tuple[List[ReadItem], List[FlatCopy]]:
     """Plans the reads of `request`'s region of a tensor stored as `stored` in megatron's
-    flat layout, `orig_shape` its shape: `(reads, temporaries, copies)`, read i filling
-    temporary i (slot `request.slot + 1 + i`), each copy moving an overlap into the
-    destination. Raises `CheckpointingException` where the checkpoint holds only part of the
-    region, unless `allow_partial`."""
+    flat layout, `orig_shape` its shape: `(reads, copies)`, read i filling the temporary of
+    copy i (slot `request.slot + 1 + i`), which moves an overlap into the destination.
+    Raises `CheckpointingException` where the checkpoint holds only part of the region,
+    unless `allow_partial`."""
     key, offsets, sizes = request.key, request.offsets, request.sizes
     grid = tuple(stored.size)[:-1]
     piece = tuple(o // g for o, g in zip(orig_shape, grid))
     reads: List[ReadItem] = []
-    temps: List[torch.Tensor] = []
     copies: List[FlatCopy] = []
     covered = 0
     for idx, chunk in enumerate(stored.chunks):
@@ -104,10 +103,8 @@ def plan_reformulated_reads(
                 continue
             lo, hi = ov
             covered += math.prod(h - low for low, h in zip(lo, hi))
-            n = math.prod(box_shape)
-            temp = torch.empty(box_shape, dtype=dtype)
-            slot = request.slot + 1 + len(temps)
-            lengths = (1,) * len(grid) + (n,)
+            slot = request.slot + 1 + len(copies)
+            lengths = (1,) * len(grid) + (math.prod(box_shape),)
             reads.append(
                 ReadItem(
                     type=LoadItemType.TENSOR,
@@ -118,10 +115,10 @@ def plan_reformulated_reads(
                     lengths=torch.Size(lengths),
                 )
             )
-            temps.append(temp)
+            temp = torch.empty(box_shape, dtype=dtype)
             copies.append(FlatCopy(temp, glob, request.slot, tuple(offsets), lo, hi))
     require_covered(key, covered, offsets, sizes, allow_partial)
-    return reads, temps, copies
+    return reads, copies
 
 
 def apply_copies(copies: Sequence[FlatCopy], dests: Sequence[torch.Tensor]) -> None:

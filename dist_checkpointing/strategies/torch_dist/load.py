@@ -1,8 +1,6 @@
-"""Loading with the torch_dist backend: any requested sharding from DCP-format checkpoints.
-
-Each rank reads the metadata of the keys it asks for (the load index), plans reads for
-exactly its regions (`plan`) and reads each needed chunk once (`reader`).
-"""
+"""Loading with the torch_dist backend, in any requested sharding: each rank reads the
+metadata of the keys it asks for (the load index), plans reads for exactly its regions
+(`plan`) and reads each needed chunk once (`reader`)."""
 
 from __future__ import annotations
 
@@ -193,11 +191,11 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                             f"request that dtype, not {sh.dtype}, or allow_lossy_dtype_conversion"
                         )
                     dests.append(self._destination(sh))
-                    flat_reads, temps, flat_copies = plan_reformulated_reads(
+                    flat_reads, flat_copies = plan_reformulated_reads(
                         request, md, flat_shape, sh.dtype, sh.allow_shape_mismatch
                     )
                     reads += flat_reads
-                    dests += [t.view(r.lengths) for t, r in zip(temps, flat_reads)]
+                    dests += [c.temp.view(r.lengths) for c, r in zip(flat_copies, flat_reads)]
                     copies += flat_copies
                     continue
                 if sh.key not in indices:
@@ -286,13 +284,9 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         return view
 
     def _check_tensor(
-        self,
-        sh: ShardedTensor,
-        sdm: Dict[str, Any],
-        ckpt: Path,
-        shape: Optional[Tuple[int, ...]] = None,
+        self, sh: ShardedTensor, sdm: Dict[str, Any], ckpt: Path, shape: Optional[Tuple[int, ...]]
     ) -> Optional[torch.dtype]:
-        """Raises unless `sh.key` is a stored tensor of `shape` (default: its stored size);
+        """Raises unless `sh.key` is a stored tensor of `shape` (None: its stored size);
         its stored dtype when that converts to `sh.dtype` only value by value (`copy_exact`)."""
         stored = sdm.get(sh.key)
         if not isinstance(stored, TensorStorageMetadata):

@@ -1,5 +1,4 @@
 """DCP's `.metadata` and its load index: written atomically, read safely and checked.
-
 `.metadata` is DCP's pickled `Metadata`, read with an allowlisting unpickler (stock DCP uses
 `pickle.load`) and checked (dtypes, chunk bounds, storage paths), so damage reads as
 corruption. The load index `.metadata.index` (JSON lines, docs/formats.md) holds the same

@@ -1,9 +1,6 @@
-"""Reading torch_dist data files: each needed stored chunk once, straight into its destination.
-
-Data files `[<hint>]__<rank>_<n>.distcp` hold a `torch.save` zip per tensor chunk
-(`zipformat`) and raw bytes per object. Reads are grouped by stored chunk, and each file is
-read front to back by one thread; `chunk_reader` reads one chunk.
-"""
+"""Reading torch_dist data files `[<hint>]__<rank>_<n>.distcp` (a `torch.save` zip per tensor
+chunk, raw bytes per object): each needed stored chunk once (`chunk_reader`), straight into
+its destinations, each file front to back by one thread."""
 
 from __future__ import annotations
 
@@ -41,38 +38,11 @@ def _storage_info(metadata: Metadata, index: MetadataIndex) -> _StorageInfo:
         ) from e
 
 
-class _FileRange(io.RawIOBase):
-    """A read-only, seekable view of `length` bytes of an open file from `offset`."""
-
-    def __init__(self, f: Any, offset: int, length: int) -> None:
-        self._f, self._start, self._len, self._pos = f, offset, length, 0
-
-    def readable(self) -> bool:
-        return True
-
-    seekable = readable
-
-    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._len}[whence]
-        self._pos = max(0, min(self._len, base + pos))
-        return self._pos
-
-    def readinto(self, b: Any) -> int:
-        n = min(len(b), self._len - self._pos)
-        if n <= 0:
-            return 0
-        self._f.seek(self._start + self._pos)
-        got = self._f.readinto(memoryview(b).cast("B")[:n])
-        self._pos += got
-        return got
-
-
 @contextlib.contextmanager
 def open_range(path: Path, info: _StorageInfo) -> Iterator[io.BufferedReader]:
     """Opens the byte range of one stored item, checking the file is long enough."""
     if objstore.split(path) is not None:  # an object: ranged GETs
-        raw = objstore.open_read(path, size=info.offset + info.length).raw
-        yield io.BufferedReader(_FileRange(raw, info.offset, info.length), 1 << 16)
+        yield io.BufferedReader(objstore.RangeFile(path, info.offset, info.length), 1 << 16)
         return
     try:
         f = open(path, "rb")
@@ -85,7 +55,7 @@ def open_range(path: Path, info: _StorageInfo) -> Iterator[io.BufferedReader]:
                 f"{path}: truncated: item at offset {info.offset} needs {info.length} bytes, "
                 f"the file has {max(0, size - info.offset)} from there"
             )
-        yield io.BufferedReader(_FileRange(f, info.offset, info.length), 1 << 24)
+        yield io.BufferedReader(objstore.RangeFile(f, info.offset, info.length), 1 << 24)
 
 
 def _stored_chunk(
@@ -100,20 +70,20 @@ def _stored_chunk(
     return None
 
 
-#: a stored item: its file (relative path), offset and length
-ItemKey = Tuple[str, int, int]
-
-
-def _group_reads(metadata: Metadata, reads: Sequence[ReadItem]) -> Dict[ItemKey, ChunkGroup]:
-    """The reads grouped by the stored item they read from (which must have a location)."""
-    groups: Dict[ItemKey, ChunkGroup] = {}
+def _group_reads(metadata: Metadata, reads: Sequence[ReadItem]) -> Dict[str, List[ChunkGroup]]:
+    """The reads grouped by the stored item they read from (which must have a location), the
+    items by file, in file order."""
+    groups: Dict[Tuple[str, int, int], ChunkGroup] = {}  # by file, offset, length
     for r in reads:
         info = _storage_info(metadata, r.storage_index)
         key = (str(info.relative_path), info.offset, info.length)
         if key not in groups:
             groups[key] = ChunkGroup(info, [], _stored_chunk(metadata, r.storage_index))
         groups[key].reads.append(r)
-    return groups
+    by_file: Dict[str, List[ChunkGroup]] = {}
+    for key in sorted(groups):
+        by_file.setdefault(key[0], []).append(groups[key])
+    return by_file
 
 
 def _what(info: _StorageInfo, fqn: str) -> str:
@@ -136,25 +106,21 @@ def read_tensor_items(
     progress: Optional[Callable[[int], None]] = None,
     first_file: int = 0,
 ) -> int:
-    """Reads each needed stored chunk once into the requested regions, each file front to
-    back by one thread, `thread_count` files at once.
+    """Reads each needed stored chunk once into the regions `resolve` gives, each file front
+    to back by one thread, `thread_count` files at once; returns the tensor bytes read from
+    storage (only the rows needed, widened to whole checksum blocks when verifying).
 
     Args:
-        reads: planned reads (`plan_tensor_reads`); `resolve` gives their destinations.
         checksums: when given, every item read is verified against it.
         progress: called with the bytes of each chunk read (from the reading threads).
         first_file: start at this file (modulo their number) of the sorted files this rank
             reads, then go round: ranks reading the same files pass their rank, so each file
             is read from storage by one and comes to the others from the page cache.
 
-    Returns:
-        Tensor data bytes read from storage (only the rows a resharded load needs, widened
-        to whole checksum blocks when verifying).
-
     Raises:
         CheckpointCorruptedError: a missing, truncated, malformed or damaged chunk (named).
     """
-    groups = _group_reads(metadata, reads)
+    by_file = _group_reads(metadata, reads)
     request = READ_REQUEST  # read at call time: tests make it small
 
     def load_group(group: ChunkGroup) -> int:
@@ -168,9 +134,6 @@ def read_tensor_items(
             progress(nread)
         return nread
 
-    by_file: Dict[str, List[ChunkGroup]] = {}
-    for g in sorted(groups.values(), key=lambda g: (str(g.info.relative_path), g.info.offset)):
-        by_file.setdefault(str(g.info.relative_path), []).append(g)
     names = sorted(by_file)
     if names:
         k = first_file % len(names)

@@ -1,10 +1,8 @@
-"""Saving with the torch_dist backend: the save strategy, sync writes and async staging.
-
-Each rank writes its main-replica shards to its own `.distcp` files (`writer`) with no
-planning exchange (names and placement follow from its own shards); then `finalize` has
-rank 0 write `.metadata` from every rank's report. An async save copies the shards into
-pooled host images and returns a request whose background function writes them.
-"""
+"""Saving with the torch_dist backend: each rank writes its main-replica shards to its own
+`.distcp` files (`writer`) with no planning exchange (names and placement follow from its
+own shards); then `finalize` has rank 0 write `.metadata` from every rank's report. An
+async save copies the shards into pooled host images and returns a request whose
+background function writes them."""
 
 from __future__ import annotations
 
@@ -12,7 +10,7 @@ import functools
 import logging
 import time
 from pathlib import Path
-from typing import List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
 from torch.distributed.checkpoint.planner import WriteItem
@@ -122,12 +120,16 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
                 )
         return entries
 
-    def _plan_files(self, entries: List[WriteEntry]) -> List[Tuple[str, List[WriteEntry]]]:
+    def _plan_files(self, entries: List[WriteEntry]) -> List[Tuple[writer.FilePlan, List[Any]]]:
+        """`(layout, item sources)` of each of this rank's data files."""
         rank = get_rank()
         # empty shards have no bytes to store; their write items still reach the metadata
         stored = [e for e in entries if not is_empty_chunk(e.item)]
         files = split_into_files(stored, self.thread_count, self.separation_hint)
-        return [(data_file_name(group, rank, i), es) for i, (group, es) in enumerate(files)]
+        return [
+            (writer.plan_file(data_file_name(group, rank, i), es), [e.data for e in es])
+            for i, (group, es) in enumerate(files)
+        ]
 
     def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir) -> None:
         """Collective: writes this rank's shards from the tensors themselves, then finalizes.
@@ -143,10 +145,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         try:
             entries = self._local_entries(sharded_state_dict)
             items = [e.item for e in entries]
-            jobs = [
-                (writer.plan_file(name, es), [e.data for e in es], None)
-                for name, es in self._plan_files(entries)
-            ]
+            jobs = [(plan, sources, None) for plan, sources in self._plan_files(entries)]
             with byte_progress(f"save {ckpt.name}", sum(job[0].size for job in jobs)) as progress:
                 written = writer.write_files(
                     ckpt, jobs, self.thread_count, self.checksums, self.direct_io, progress
@@ -173,12 +172,12 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             e.data.device for e in entries if isinstance(e.data, torch.Tensor) and e.data.is_cuda
         }
         files = self._plan_files(entries)
-        plans = [writer.plan_file(name, es) for name, es in files]
+        plans = [plan for plan, _ in files]
         # the whole set at once: a save of several files finds all of its images again
         bufs = self._images.acquire_group(plans, pin=bool(devices))
         try:
-            for plan, (_, es), buf in zip(plans, files, bufs):
-                writer.stage_image(plan, [e.data for e in es], buf)
+            for (plan, sources), buf in zip(files, bufs):
+                writer.stage_image(plan, sources, buf)
             for device in devices:  # the caller may change its tensors once we return
                 torch.cuda.synchronize(device)
         except BaseException:
@@ -199,16 +198,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         logger.debug("rank %d staged %d bytes for %s in %.3f s", get_rank(), nbytes, ckpt, secs)
         return request
 
-    def _finalize(
-        self,
-        ckpt: Path,
-        items: List[WriteItem],
-        written: List[WriteResult],
-        error: Optional[BaseException],
-        start: float,
-    ) -> None:
-        """Collective: see `SaveFinalizer.finalize`."""
+    def _finalize(self, *args: Any) -> None:
+        """Collective: `SaveFinalizer.finalize(ckpt, items, written, error, start)`."""
         dedup = not self.keep_only_main_replica
-        self._finalizer.finalize(
-            ckpt, items, written, error, start, dedup=dedup, checksums=self.checksums
-        )
+        self._finalizer.finalize(*args, dedup=dedup, checksums=self.checksums)

@@ -1,8 +1,6 @@
-"""Verifying stored chunks against `checksums.json` as their bytes are read (no second pass).
-
-An item's `ItemSum` (see `integrity`) is one digest of the whole item, or a digest of its
-frame (the zip records) plus one per `block` bytes of its data (`ChunkVerifier`).
-"""
+"""Verifying stored chunks as their bytes are read (no second pass): an item's `ItemSum`
+(`integrity`) is one digest of the whole item, or a digest of its frame (the zip records)
+plus one per `block` bytes of its data (`ChunkVerifier`)."""
 
 from __future__ import annotations
 
@@ -19,20 +17,11 @@ from ...storage import read_region
 __all__ = ["ChunkVerifier", "check_layout", "flat_bytes", "frame_matches", "mismatch", "read_exact"]
 
 
-def mismatch(what: str, info: _StorageInfo) -> CheckpointCorruptedError:
-    """The error for an item whose bytes do not match their digest."""
+def mismatch(what: str, info: _StorageInfo, span: str = "") -> CheckpointCorruptedError:
+    """The error for an item (or its part `span` names) whose bytes do not match their digest."""
+    span = span or f"bytes {info.offset}-{info.offset + info.length}"
     return CheckpointCorruptedError(
-        f"{what}: checksum mismatch in bytes {info.offset}-{info.offset + info.length} of "
-        f"{info.relative_path}: the stored data is damaged"
-    )
-
-
-def _block_mismatch(what: str, info: _StorageInfo, expected: ItemSum, k: int) -> Exception:
-    b0 = info.offset + expected.data_off + k * expected.block
-    b1 = info.offset + expected.data_off + min(expected.data_len, (k + 1) * expected.block)
-    return CheckpointCorruptedError(
-        f"{what}: checksum mismatch in data block {k}, bytes {b0}-{b1} of "
-        f"{info.relative_path}: the stored data is damaged"
+        f"{what}: checksum mismatch in {span} of {info.relative_path}: the stored data is damaged"
     )
 
 
@@ -174,7 +163,8 @@ class ChunkVerifier:
                     self.tail = self._edge(self.b, self.tail_len)
                 h.update(self.tail)
             if k >= len(expected.blocks) or h.intdigest() != expected.blocks[k]:
-                raise _block_mismatch(self.what, self.info, expected, k)
+                b0 = self.info.offset + expected.data_off + lo
+                raise mismatch(self.what, self.info, f"data block {k}, bytes {b0}-{b0 + hi - lo}")
             self.next, self.done = k + 1, min(hi, self.b) - self.a
 
     def read(self, path: str, offset: int, request: int) -> None:

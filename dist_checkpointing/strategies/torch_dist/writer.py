@@ -1,17 +1,13 @@
-"""The torch_dist writer: DCP-format data files written at the disk's speed.
-
-Each file is laid out ahead of time (`plan_file`: zip records around each tensor's raw
-bytes, serialized bytes per object), then written in large requests through
-`storage.FileWriter` (O_DIRECT where allowed), from a staged image (async save) or streamed
-through two aligned chunk buffers (sync save). Each item's xxh3-64 is computed as its bytes
-are written and stored beside the file (`integrity.write_item_sums`).
-"""
+"""The torch_dist writer: each data file is laid out ahead of time (`plan_file`: zip records
+around each tensor's raw bytes, serialized bytes per object), then written in large
+requests (O_DIRECT where allowed) from a staged image (async save) or streamed through two
+aligned chunk buffers (sync save), each item's xxh3-64 computed as its bytes are written
+and stored beside the file (`integrity.write_item_sums`)."""
 
 from __future__ import annotations
 
 import functools
 import io
-import logging
 import math
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -21,12 +17,12 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import WriteItem
 from torch.distributed.checkpoint.storage import WriteResult
 
 from ...integrity import BlockSums, ItemSum, checksum, write_item_sums
 from ...storage import ALIGN, FileWriter, fsync_dir, objstore
-from ...storage.buffers import CHUNK
+from ...storage.buffers import CHUNK, aligned
 from ...storage.segments import ChunkStream
 from .plan import WriteEntry
 from .verify import flat_bytes
@@ -41,8 +37,6 @@ __all__ = [
     "write_files",
     "stage_image",
 ]
-
-logger = logging.getLogger(__name__)
 
 #: `(item offset, digests)` of one written item
 ItemChecksum = Tuple[int, ItemSum]
@@ -87,9 +81,12 @@ def _layout(dtype: torch.dtype, shape: Tuple[int, ...], offset: int) -> Any:
     return zip_item_layout(dtype, shape, offset, ALIGN if nbytes >= DIRECT_MIN else 64)
 
 
-def _torch_save_bytes(t: torch.Tensor) -> bytes:
+def _payload(data: Any) -> bytes:
+    """An item's bytes where not laid out around raw data: an object's, a tensor's torch.save."""
+    if not isinstance(data, torch.Tensor):
+        return bytes(data)
     buf = io.BytesIO()
-    torch.save(t.detach().cpu().contiguous().clone(), buf)
+    torch.save(data.detach().cpu().contiguous().clone(), buf)
     return buf.getvalue()
 
 
@@ -97,29 +94,20 @@ def plan_file(name: str, entries: Sequence[WriteEntry]) -> FilePlan:
     """Lays out a data file (no data is copied, except for rare torch.save fallbacks)."""
     items, offset = [], 0
     for e in entries:
-        if e.item.type == WriteItemType.BYTE_IO:
-            payload = bytes(e.data)  # type: ignore[arg-type,call-overload]
+        t, layout = e.data, None
+        if isinstance(t, torch.Tensor):
+            layout = _layout(t.dtype, tuple(t.shape), offset % ALIGN)
+        if layout is None:  # an object, or a tensor without a storage class or over 4 GiB
+            payload = _payload(t)
             items.append(PlannedItem(e.item, offset, len(payload), payload=payload))
         else:
-            t = e.data
-            assert isinstance(t, torch.Tensor)
-            layout = _layout(t.dtype, tuple(t.shape), offset % ALIGN)
-            if layout is None:  # dtype without a storage class, or a >4 GiB tensor
-                payload = _torch_save_bytes(t)
-                items.append(PlannedItem(e.item, offset, len(payload), payload=payload))
-            else:
-                items.append(
-                    PlannedItem(
-                        e.item, offset, layout.nbytes, layout.head, layout.tail, layout.data_nbytes
-                    )
+            items.append(
+                PlannedItem(
+                    e.item, offset, layout.nbytes, layout.head, layout.tail, layout.data_nbytes
                 )
+            )
         offset += items[-1].length
     return FilePlan(name, items, offset)
-
-
-def _byte_view(t: torch.Tensor) -> np.ndarray:
-    """The bytes of a tensor, made contiguous on the CPU if needed."""
-    return flat_bytes(t.detach().cpu().contiguous())
 
 
 def _on_device(src: Any) -> bool:
@@ -152,10 +140,8 @@ def write_streamed(
     direct: bool = True,
     progress: Optional[Callable[[int], None]] = None,
 ) -> List[WriteResult]:
-    """Writes a file from the tensors themselves (sync save), one chunk at a time.
-
-    A chunk is filled while the previous one is written; tensors are copied into the chunk
-    buffers (CUDA ones straight, pinned) and checksummed from there.
+    """Writes a file from the tensors themselves (sync save) through two chunk buffers, one
+    filled (CUDA tensors copied straight, pinned) and checksummed while the other is written.
 
     Args:
         sources: per item of `plan`, its tensor (None for byte items).
@@ -175,7 +161,7 @@ def write_streamed(
                     sums.append((p.offset, ItemSum(p.length, checksum(p.payload))))
             else:
                 device = _on_device(src) and src.is_contiguous()  # else through a host copy
-                data = _device_bytes(src) if device else _byte_view(src)
+                data = _device_bytes(src) if device else flat_bytes(src.detach().cpu().contiguous())
                 blocks = BlockSums() if checksums else None
                 put(np.frombuffer(p.head, dtype=np.uint8))
                 put(data, blocks.update if blocks is not None else None)
@@ -209,7 +195,7 @@ def stage_image(plan: FilePlan, sources: Sequence[Any], buf: torch.Tensor) -> No
             dst.copy_(src, non_blocking=src.is_cuda)
         tail_start = head_end + p.data_nbytes
         flat[tail_start : tail_start + len(p.tail)] = np.frombuffer(p.tail, dtype=np.uint8)
-    flat[plan.size : -(-plan.size // ALIGN) * ALIGN] = 0  # the padding of the last request
+    flat[plan.size : aligned(plan.size)] = 0  # the padding of the last request
 
 
 def _image_sums(plan: FilePlan, flat: np.ndarray) -> List[ItemChecksum]:
@@ -233,7 +219,7 @@ def write_image(
     """Writes a staged file image (async save's background writer), hashing it while a
     helper thread writes it (the digests go to the file's sidecar)."""
     flat = buf.numpy()
-    padded = -(-plan.size // ALIGN) * ALIGN
+    padded = aligned(plan.size)
     view = memoryview(flat)  # type: ignore[arg-type]
     out = _open(directory / plan.name, plan.size, direct)
 

@@ -1,5 +1,4 @@
-"""The torch.save-compatible zip layout of one tensor item (uncompressed), only here.
-
+"""The torch.save-compatible zip layout of one tensor item (uncompressed), only here:
 `zip_item_layout` builds the records around a tensor's raw bytes ahead of time, the data
 at a chosen file alignment. `chunk_layout` and `head_layout` locate a C-contiguous chunk's
 bytes by reading `data.pkl` with an unpickler that knows only the tensor-rebuild recipe
@@ -174,8 +173,6 @@ def zip_item_layout(
     b.directory()
     return ZipItemLayout(head, nbytes, b"".join(b.parts))
 
-
-# ---- reading: locating a chunk's bytes inside an item -------------------------------
 
 #: storage class name -> dtype (the inverse of `STORAGE_CLASS`); an untyped storage (what
 #: `torch.save` records for float8 and other dtypes without a class) counts bytes
