@@ -12,10 +12,11 @@ import pickle
 import re
 import zipfile
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import xxhash
 
+from ..errors import NotACheckpointError
 from . import _info
 from ._info import CheckpointInfo, PathArg
 
@@ -117,14 +118,14 @@ def _rebuild_tensor(storage: Any, offset: int, size: Any, *rest: Any) -> _Tensor
 class _Unpickler(pickle.Unpickler):
     """Maps allowlisted globals to stand-ins; anything else needs the full reader."""
 
-    def __init__(self, data: bytes, tensors: bool, classes: Optional[_Classes] = None) -> None:
+    def __init__(self, data: bytes, tensors: bool) -> None:
         super().__init__(io.BytesIO(data))
-        self._tensors, self._classes = tensors, classes or {}
+        self._tensors = tensors
 
     def find_class(self, module: str, name: str) -> Any:
         if module == "torch" and name in _ITEMSIZE:
             return _DType(name)
-        found = _METADATA_CLASSES.get((module, name), self._classes.get((module, name)))
+        found = _METADATA_CLASSES.get((module, name))
         if found is not None:
             return found
         if self._tensors and module == "torch._utils" and name == "_rebuild_tensor_v2":
@@ -141,21 +142,21 @@ class _Unpickler(pickle.Unpickler):
         raise Unsupported(f"persistent id {pid!r}")
 
 
-def _unpickle(data: bytes, tensors: bool, classes: Optional[_Classes] = None) -> Any:
+def _unpickle(data: bytes, tensors: bool) -> Any:
     try:
-        return _Unpickler(data, tensors, classes).load()
+        return _Unpickler(data, tensors).load()
     except Unsupported:
         raise
     except Exception as e:  # damaged bytes: let the full reader name the problem
         raise Unsupported(f"cannot parse ({type(e).__name__})") from e
 
 
-def _torch_payload(data: bytes, classes: Optional[_Classes] = None) -> Any:
-    """The object of a `torch.save` zip (tensors as stand-ins); `classes` extend the allowlist."""
+def _torch_payload(data: bytes) -> Any:
+    """The object of a `torch.save` zip (tensors as stand-ins)."""
     try:
         with zipfile.ZipFile(io.BytesIO(data)) as z:
             name = next(n for n in z.namelist() if n.endswith("/data.pkl") or n == "data.pkl")
-            return _unpickle(z.read(name), True, classes)
+            return _unpickle(z.read(name), True)
     except (zipfile.BadZipFile, StopIteration, KeyError, OSError) as e:
         raise Unsupported(f"not a torch.save zip ({type(e).__name__})") from e
 
@@ -178,6 +179,14 @@ def _json(path: Path) -> Any:
         raise Unsupported(f"{path}: not JSON") from e
 
 
+def _matches(recorded: Any, data: bytes) -> bool:
+    """Whether `recorded` is the hex xxh3-64 of `data` (False for anything else)."""
+    try:
+        return int(recorded, 16) == xxhash.xxh3_64_intdigest(data)
+    except (TypeError, ValueError):
+        return False
+
+
 def _checksums(path: Path) -> Any:
     """`checksums.json` or a data file's sidecar (see `integrity`), checked."""
     if not path.exists():
@@ -187,12 +196,8 @@ def _checksums(path: Path) -> Any:
         raise Unsupported("checksums.json damaged")
     digest = body.pop("digest")
     canonical = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
-    try:
-        ok = int(digest, 16) == xxhash.xxh3_64_intdigest(canonical)
-    except ValueError:
-        ok = False
     if (
-        not ok
+        not _matches(digest, canonical)
         or not isinstance(body.setdefault("ranges", {}), dict)
         or body.get("format") not in (1, 2)
     ):
@@ -225,20 +230,29 @@ def _config(ckpt: Path) -> Any:
     return body
 
 
+def _local_shallow(info: CheckpointInfo, deep: bool, parts: List[_info.LocalPart]) -> None:
+    """Fills `info` from which parts of a local checkpoint exist (reading them is the full
+    reader's work: one decoder of the local format)."""
+    if deep:
+        raise Unsupported("reading local parts")
+    try:
+        _info.fill_local(info, parts, lambda part: {}, deep=False)
+    except NotACheckpointError as e:  # no parts: the full reader names the problem
+        raise Unsupported(str(e)) from e
+
+
 def describe_light(path: PathArg, deep: bool = True, step: Optional[int] = None) -> CheckpointInfo:
     """`tools.inspect.describe` of complete `torch_dist`, stock DCP and local checkpoints and
     local tiers; raises `Unsupported` for anything else (then use the full reader)."""
     if re.match(r"[A-Za-z][\w+.-]+:(/|$)", str(path)):  # an object store: the full reader
         raise Unsupported("not a local path")
-    from ._light_local import describe_local_light
-
     ckpt = Path(path)
     config = _config(ckpt) if ckpt.is_dir() else None
     m = _STEP_DIR.fullmatch(ckpt.name)
     if config is None and (tier := _info.local_tier(ckpt)):  # a checkpoint manager's local tier
         info = _info.tier_step(ckpt, tier, step)
         if info.complete:
-            describe_local_light(info, deep, _info.local_parts(ckpt, info.step))
+            _local_shallow(info, deep, _info.local_parts(ckpt, info.step))
         return info
     if step is not None:
         raise Unsupported("a step outside a local tier")
@@ -247,7 +261,7 @@ def describe_light(path: PathArg, deep: bool = True, step: Optional[int] = None)
         backend = f"local v{config.get('sharded_backend_version', 1)}"
         date = _info.date_of(ckpt / "metadata.json")
         info = CheckpointInfo(str(ckpt), "local", True, step, backend, _info.disk_size(ckpt), date)
-        describe_local_light(info, deep, _info.local_parts(ckpt))
+        _local_shallow(info, deep, _info.local_parts(ckpt))
         return info
     if not (ckpt / ".metadata").is_file():
         raise Unsupported("no .metadata")
@@ -255,13 +269,13 @@ def describe_light(path: PathArg, deep: bool = True, step: Optional[int] = None)
         raise Unsupported("incomplete")
     sums = _checksums(ckpt / "checksums.json") if config is not None else None
     kind = "torch_dist" if config else "dcp"
-    backend = f"torch_dist v{config['sharded_backend_version']}" if config else "dcp"
+    backend = f"torch_dist v{config.get('sharded_backend_version', 1)}" if config else "dcp"
     date = _info.date_of(ckpt / ("metadata.json" if config else ".metadata"))
     info = CheckpointInfo(str(ckpt), kind, True, step, backend, _info.disk_size(ckpt), date)
     raw = _read(ckpt / ".metadata", _MAX_METADATA)
     if sums is not None:
         recorded = sums.get("files", {}).get(".metadata")
-        if recorded is None or int(recorded, 16) != xxhash.xxh3_64_intdigest(raw):
+        if not _matches(recorded, raw):
             raise Unsupported(".metadata does not match its checksum")
     metadata = _unpickle(raw, tensors=False)
     covered = None if sums is None else lambda f, o: str(o) in _ranges(ckpt, sums, f)
@@ -283,7 +297,7 @@ def describe_light(path: PathArg, deep: bool = True, step: Optional[int] = None)
             entry = _ranges(ckpt, sums, rel).get(str(storage.offset))
             if not isinstance(entry, list) or len(entry) != 2:
                 raise Unsupported(f"no whole-item checksum for {key!r}")
-            if int(entry[1], 16) != xxhash.xxh3_64_intdigest(data):
+            if not _matches(entry[1], data):
                 raise Unsupported(f"{key!r} does not match its checksum")
         return _info.short_repr(_info.unwrap_object(key, _torch_payload(data)))
 

@@ -153,11 +153,11 @@ def _inspect_without_torch(ckpt) -> subprocess.CompletedProcess:
     )
 
 
-@pytest.mark.parametrize("which", ["ours", "stock", "mcore", "local_ckpt", "local_v1"])
+@pytest.mark.parametrize("which", ["ours", "stock", "mcore"])
 def test_fast_inspect_without_torch_matches_the_full_reader(which, request):
-    """`dist-ckpt inspect` reads complete torch_dist, DCP and ('local', 1|2) checkpoints
-    without importing torch (interpreter start to exit: ~0.1 s of CPU here), with the full
-    reader's result (deep and shallow)."""
+    """`dist-ckpt inspect` reads complete torch_dist and DCP checkpoints without importing
+    torch (interpreter start to exit: ~0.1 s of CPU here), with the full reader's result
+    (deep and shallow)."""
     from dist_checkpointing.tools._light import describe_light
 
     ckpt = request.getfixturevalue(which)
@@ -166,6 +166,22 @@ def test_fast_inspect_without_torch_matches_the_full_reader(which, request):
     out = _inspect_without_torch(ckpt)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "shards" in out.stdout
+
+
+@pytest.mark.parametrize("which", ["local_ckpt", "local_v1"])
+def test_local_checkpoints_are_listed_without_torch_and_inspected_by_the_full_reader(
+    which, request, capsys
+):
+    """What `ls` needs of a ('local', 1|2) checkpoint (which parts exist) comes without
+    torch and equals the full reader's; `inspect` reads the parts with the one decoder of
+    the local format."""
+    from dist_checkpointing.tools._light import describe_light
+
+    ckpt = request.getfixturevalue(which)
+    assert describe_light(ckpt, deep=False) == describe(ckpt, deep=False)
+    assert main(["inspect", str(ckpt)]) == 0
+    out = capsys.readouterr().out
+    assert "shards" in out and "incomplete" not in out
 
 
 def _damage(path, offset: int) -> None:
@@ -196,6 +212,30 @@ def test_fast_inspect_hands_other_checkpoints_to_the_full_reader(ours, local_ckp
         with pytest.raises(Unsupported):
             describe_light(local)
         assert not describe(local).complete  # the full reader names the damage
+
+
+def test_inspect_reads_a_commit_record_without_a_version_and_hands_odd_digests_on(
+    ours, tmp_path, capsys
+):
+    """A torch_dist `metadata.json` without `sharded_backend_version` means version 1 (as on
+    load); a digest that is not hex in `checksums.json` is damage the full reader names,
+    never an internal error."""
+    no_version = tmp_path / "no_version"
+    shutil.copytree(ours, no_version)
+    config = json.loads((no_version / "metadata.json").read_text())
+    del config["sharded_backend_version"]
+    (no_version / "metadata.json").write_text(json.dumps(config))
+    assert main(["inspect", str(no_version)]) == 0
+    assert "torch_dist v1" in capsys.readouterr().out
+    odd = tmp_path / "odd_digest"
+    shutil.copytree(ours, odd)
+    sums = json.loads((odd / "checksums.json").read_text())
+    sums["digest"] = "not hex"
+    (odd / "checksums.json").write_text(json.dumps(sums))
+    rc = main(["inspect", str(odd)])
+    out, err = capsys.readouterr()
+    assert "internal error" not in (out + err).lower()
+    assert rc != 0 or "checksums" in out + err
 
 
 def _run_cli_without_torch(*args: str) -> subprocess.CompletedProcess:
@@ -256,10 +296,10 @@ def test_inspect_and_verify_read_a_managers_local_tier(run_root, capsys):
     info = describe(tier)
     assert info.complete and info.step == 6 and info.world_size == 2
     assert [(t.key, t.shape, t.shards) for t in info.tensors] == [("rows", [8, 6], 2)]
-    out = _run_cli_without_torch("inspect", str(tier))
-    assert out.returncode == 0 and out.stderr.strip() == "[]", out.stderr[-2000:]
-    assert f"{tier} step 6: local tier (world size 2)" in out.stdout
-    assert "incomplete" not in out.stdout + out.stderr
+    assert main(["inspect", str(tier)]) == 0
+    out, err = capsys.readouterr()
+    assert f"{tier} step 6: local tier (world size 2)" in out
+    assert "incomplete" not in out + err
     assert main(["verify", str(tier)]) == 0
     assert f"{tier} step 6: OK: 2 items" in capsys.readouterr().out
     assert main(["verify", str(tier), "--step", "2"]) == 2
