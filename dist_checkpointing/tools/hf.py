@@ -79,7 +79,9 @@ def _plan_export(entries: Dict[str, Any]) -> Tuple[List[_Unit], int]:
     return units, len(layers)
 
 
-def _description(ckpt: Path, metadata: Any, config: Union[None, str, Dict[str, Any]]) -> Any:
+def _description(
+    ckpt: Path, metadata: Any, checksums: Any, config: Union[None, str, Dict[str, Any]]
+) -> Any:
     """`config` (a dict, JSON file or JSON text), else the description `import_hf` stored."""
     if isinstance(config, dict):
         return config
@@ -90,7 +92,7 @@ def _description(ckpt: Path, metadata: Any, config: Union[None, str, Dict[str, A
         except ValueError as e:
             raise CheckpointingException(f"config {config!r}: not JSON: {e}") from e
     if DESCRIPTION_KEY in {k.split("/")[0] for k in _storage.object_keys(metadata)}:
-        return _storage.read_object(ckpt, metadata, f"{DESCRIPTION_KEY}/shard_0_1")
+        return _storage.read_object(ckpt, metadata, f"{DESCRIPTION_KEY}/shard_0_1", checksums)
     raise CheckpointingException(
         f"{ckpt}: no model description stored; give one "
         '(e.g. --config \'{"num_attention_heads": 32, "rotary_base": 500000}\', '
@@ -129,7 +131,7 @@ def export_hf(
     missing = {"embedding.word_embeddings.weight", "self_attention.linear_qkv.weight"} - set(shapes)
     if missing:
         raise CheckpointingException(f"{ckpt}: not a GPTModel checkpoint: no {sorted(missing)}")
-    cfg = hf_map.hf_config(_description(ckpt, metadata, config), shapes, num_layers)
+    cfg = hf_map.hf_config(_description(ckpt, metadata, checksums, config), shapes, num_layers)
     heads, groups, d = (cfg[k] for k in ("num_attention_heads", "num_key_value_heads", "head_dim"))
     vocab = cfg["vocab_size"]
 

@@ -69,6 +69,21 @@ def test_export_then_import_gives_back_every_tensor_bit_exactly(tmp_path, moe, t
     assert json.loads((tmp_path / "hf2" / "config.json").read_text()) == config
 
 
+def test_export_refuses_a_stored_description_whose_bytes_are_damaged(tmp_path, capsys):
+    """The model description `import-hf` stored is checked against its checksum like every
+    other item an export reads: a flipped byte is named, never turned into a config."""
+    ckpt = _save(_gpt(False, True), tmp_path / "mc")
+    assert main(["export-hf", str(ckpt), str(tmp_path / "hf"), "--config", CONFIG]) == 0
+    assert main(["import-hf", str(tmp_path / "hf"), str(tmp_path / "back")]) == 0
+    (data,) = [f for f in (tmp_path / "back").glob("*.distcp") if b"rotary_base" in f.read_bytes()]
+    raw = bytearray(data.read_bytes())
+    raw[raw.index(b"rotary_base")] ^= 0x01
+    data.write_bytes(bytes(raw))
+    capsys.readouterr()
+    assert main(["export-hf", str(tmp_path / "back"), str(tmp_path / "hf2")]) != 0
+    assert "checksum" in capsys.readouterr().err
+
+
 def test_export_refuses_names_it_cannot_map_and_lists_all_of_them(tmp_path, capsys):
     extra = ("vision_tower.proj.weight", "decoder.layers.self_attention.q_layernorm.weight")
     ckpt = _save(_gpt(False, True, extra), tmp_path / "mc")
