@@ -18,8 +18,7 @@ import xxhash
 
 from .core import PathArg
 from .errors import CheckpointCorruptedError
-from .storage import objstore
-from .storage.fileio import atomic_write, read_capped
+from .storage.fileio import atomic_write, open_read, read_capped
 
 __all__ = [
     "CHECKSUMS_FNAME",
@@ -57,7 +56,7 @@ def new_hasher() -> Any:
 def file_checksum(path: PathArg) -> int:
     """xxh3-64 of a whole file, streamed through one 4 MiB buffer."""
     h, buf = new_hasher(), memoryview(bytearray(BLOCK))
-    with objstore.open_read(path) as f:
+    with open_read(path) as f:
         while n := f.readinto(buf):
             h.update(buf[:n])
     return h.intdigest()

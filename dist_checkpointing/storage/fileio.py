@@ -1,4 +1,5 @@
-"""Durable file writes: atomic replace through a temp file, fsync of data and directory."""
+"""File I/O for local and object paths alike: durable writes (atomic replace through a temp
+file, fsync of data and directory) and reads (whole small files, byte ranges)."""
 
 from __future__ import annotations
 
@@ -7,11 +8,13 @@ import os
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+import numpy as np
+
 from ..errors import CheckpointCorruptedError
 from . import objstore
 from .direct import PathLike
 
-__all__ = ["atomic_write", "fsync_dir", "read_capped"]
+__all__ = ["atomic_write", "fsync_dir", "read_capped", "RangeFile", "open_read"]
 
 
 def fsync_dir(path: PathLike) -> None:
@@ -80,3 +83,43 @@ def atomic_write(
         raise
     if sync:
         fsync_dir(path.parent)
+
+
+class RangeFile(io.RawIOBase):
+    """A read-only, seekable view of `size` bytes from `offset` of `source`: an open binary
+    file, or an object's path (each read a ranged GET)."""
+
+    def __init__(self, source: Any, offset: int, size: int) -> None:
+        self._src, self._start, self._pos, self.size = source, offset, 0, size
+
+    def readable(self) -> bool:
+        return True
+
+    seekable = readable
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        self._pos = max(0, min(self.size, (0, self._pos, self.size)[whence] + pos))
+        return self._pos
+
+    def readinto(self, b: Any) -> int:
+        n = min(len(b), self.size - self._pos)
+        if n <= 0:
+            return 0
+        view = memoryview(b).cast("B")[:n]
+        if isinstance(self._src, (str, os.PathLike)):
+            objstore.read_range(
+                self._src, self._start + self._pos, np.frombuffer(view, dtype=np.uint8)
+            )
+        else:
+            self._src.seek(self._start + self._pos)
+            n = self._src.readinto(view)
+        self._pos += n
+        return n
+
+
+def open_read(path: Any) -> io.BufferedReader:
+    """A file opened for reading (an object: ranged GETs of 8 MiB)."""
+    if objstore.split(path) is None:
+        return open(path, "rb")
+    raw = RangeFile(path, 0, objstore.stat(path)[0])
+    return io.BufferedReader(raw, max(1, min(8 << 20, raw.size)))

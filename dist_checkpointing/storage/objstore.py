@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-import io
 import logging
 import os
 import re
@@ -22,8 +21,8 @@ from ..errors import CheckpointCorruptedError, CheckpointingException
 from . import msc
 
 __all__ = ["ObjectWriter", "split", "read_range", "prefetching", "read_object", "put_object"]
-__all__ += ["open_read", "stat", "exists", "is_file", "is_dir", "listdir", "makedirs", "remove"]
-__all__ += ["remove_tree", "replace_tree", "RangeFile"]
+__all__ += ["stat", "exists", "is_file", "is_dir", "listdir", "makedirs", "remove"]
+__all__ += ["remove_tree", "replace_tree"]
 
 logger = logging.getLogger(__name__)
 
@@ -296,44 +295,6 @@ def _list(loc: Loc, delimiter: str = "") -> Tuple[List[Any], List[str]]:
         if not r.get("IsTruncated"):
             return found
         kw["ContinuationToken"] = r["NextContinuationToken"]
-
-
-class RangeFile(io.RawIOBase):
-    """A read-only, seekable view of `size` bytes from `offset` of `source`: an open binary
-    file, or an object's path (each read a ranged GET)."""
-
-    def __init__(self, source: Any, offset: int, size: int) -> None:
-        self._src, self._start, self._pos, self.size = source, offset, 0, size
-
-    def readable(self) -> bool:
-        return True
-
-    seekable = readable
-
-    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
-        self._pos = max(0, min(self.size, (0, self._pos, self.size)[whence] + pos))
-        return self._pos
-
-    def readinto(self, b: Any) -> int:
-        n = min(len(b), self.size - self._pos)
-        if n <= 0:
-            return 0
-        view = memoryview(b).cast("B")[:n]
-        if isinstance(self._src, (str, os.PathLike)):
-            read_range(self._src, self._start + self._pos, np.frombuffer(view, dtype=np.uint8))
-        else:
-            self._src.seek(self._start + self._pos)
-            n = self._src.readinto(view)
-        self._pos += n
-        return n
-
-
-def open_read(path: Any) -> io.BufferedReader:
-    """A file opened for reading (an object: ranged GETs of 8 MiB)."""
-    if split(path) is None:
-        return open(path, "rb")
-    raw = RangeFile(path, 0, stat(path)[0])
-    return io.BufferedReader(raw, max(1, min(8 * _MB, raw.size)))
 
 
 def stat(path: Any) -> Tuple[int, float]:

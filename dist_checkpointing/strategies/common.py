@@ -18,7 +18,7 @@ from ..errors import CheckpointCorruptedError, CheckpointingException
 from ..integrity import read_checksums
 from ..mapping import ShardedObject, is_main_replica
 from ..storage import objstore
-from ..storage.fileio import atomic_write
+from ..storage.fileio import atomic_write, open_read
 from .base import (
     CheckpointDir,
     LoadCommonStrategy,
@@ -128,11 +128,11 @@ class TorchCommonLoadStrategy(LoadCommonStrategy):
             raise CheckpointCorruptedError(f"Common file {path} does not exist")  # megatron's words
         sums = read_checksums(checkpoint_dir) if self.verify_checksums else None
         if sums is None or COMMON_STATE_FNAME not in sums.files:
-            with objstore.open_read(path) as f:
+            with open_read(path) as f:
                 state = torch_load(f, str(path), self.weights_only)  # type: ignore[arg-type]
         else:
             try:
-                with objstore.open_read(path) as f:
+                with open_read(path) as f:
                     raw = f.read()
             except OSError as e:
                 raise CheckpointCorruptedError(f"{path}: cannot be read ({e})") from e

@@ -19,6 +19,7 @@ from ..core import CONFIG_FNAME, maybe_load_config
 from ..errors import CheckpointingException, NotACheckpointError
 from ..integrity import ALGORITHM, CHECKSUMS_FNAME, Checksums, ItemSum, checksum, new_hasher
 from ..storage import objstore
+from ..storage.fileio import open_read
 from . import _storage
 from ._info import LocalPart, PathArg, check_dir, is_stock_dcp, local_parts, local_tier, tier_step
 
@@ -153,7 +154,7 @@ def _verify_dcp(ckpt: Path, report: VerifyReport) -> None:
     common = ckpt / _storage.COMMON_FNAME
     if objstore.exists(common) and _storage.COMMON_FNAME not in reported:
         try:
-            with objstore.open_read(common) as f:
+            with open_read(common) as f:
                 torch_load(io.BytesIO(f.read()), str(common))
         except CheckpointingException as e:
             report.problems.append(Problem(_storage.COMMON_FNAME, str(e)))
@@ -188,7 +189,7 @@ def _digest(f: Any, report: VerifyReport, length: float = math.inf) -> int:
 
 def _verify_whole_file(path: Path, name: str, digest: int, report: VerifyReport) -> None:
     try:
-        with objstore.open_read(path) as f:
+        with open_read(path) as f:
             ok, size = _digest(f, report) == digest, f.tell()
     except OSError as e:
         report.problems.append(Problem(name, f"cannot be read ({e.strerror or e})"))
@@ -206,7 +207,7 @@ def _verify_item(
     report: VerifyReport,
 ) -> None:
     try:
-        f = objstore.open_read(ckpt / item.file)
+        f = open_read(ckpt / item.file)
     except OSError as e:
         report.problems.append(_at(item, f"cannot be read ({e.strerror or e})"))
         return

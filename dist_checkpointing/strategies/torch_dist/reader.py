@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 from ...errors import CheckpointCorruptedError
 from ...integrity import Checksums
 from ...storage import objstore
+from ...storage.fileio import RangeFile
 from .chunk_reader import ChunkGroup, read_stored, release_scratch
 from .verify import mismatch
 
@@ -42,7 +43,7 @@ def _storage_info(metadata: Metadata, index: MetadataIndex) -> _StorageInfo:
 def open_range(path: Path, info: _StorageInfo) -> Iterator[io.BufferedReader]:
     """Opens the byte range of one stored item, checking the file is long enough."""
     if objstore.split(path) is not None:  # an object: ranged GETs
-        yield io.BufferedReader(objstore.RangeFile(path, info.offset, info.length), 1 << 16)
+        yield io.BufferedReader(RangeFile(path, info.offset, info.length), 1 << 16)
         return
     try:
         f = open(path, "rb")
@@ -55,7 +56,7 @@ def open_range(path: Path, info: _StorageInfo) -> Iterator[io.BufferedReader]:
                 f"{path}: truncated: item at offset {info.offset} needs {info.length} bytes, "
                 f"the file has {max(0, size - info.offset)} from there"
             )
-        yield io.BufferedReader(objstore.RangeFile(f, info.offset, info.length), 1 << 24)
+        yield io.BufferedReader(RangeFile(f, info.offset, info.length), 1 << 24)
 
 
 def _stored_chunk(
