@@ -235,7 +235,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             planned += int(math.prod(r.lengths)) * itemsize
         with byte_progress(f"load {ckpt.name}", planned) as progress:
             nbytes = read_tensor_items(
-                ckpt, metadata, reads, resolve, self.thread_count, checksums, progress, get_rank()
+                ckpt, metadata, reads, resolve, self.thread_count, checksums, progress
             )
         apply_copies(plan.copies, dests)
         for key, dest, stage, offset in plan.exact:

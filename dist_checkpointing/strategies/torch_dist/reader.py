@@ -105,18 +105,16 @@ def read_tensor_items(
     thread_count: int = 2,
     checksums: Optional[Checksums] = None,
     progress: Optional[Callable[[int], None]] = None,
-    first_file: int = 0,
 ) -> int:
     """Reads each needed stored chunk once into the regions `resolve` gives, each file front
-    to back by one thread, `thread_count` files at once; returns the tensor bytes read from
-    storage (only the rows needed, widened to whole checksum blocks when verifying).
+    to back by one thread, `thread_count` files at once, in name order (ranks that read the
+    same files read them at the same time: one from storage, the others from the page cache
+    while it is there); returns the tensor bytes read from storage (only the rows needed,
+    widened to whole checksum blocks when verifying).
 
     Args:
         checksums: when given, every item read is verified against it.
         progress: called with the bytes of each chunk read (from the reading threads).
-        first_file: start at this file (modulo their number) of the sorted files this rank
-            reads, then go round: ranks reading the same files pass their rank, so each file
-            is read from storage by one and comes to the others from the page cache.
 
     Raises:
         CheckpointCorruptedError: a missing, truncated, malformed or damaged chunk (named).
@@ -136,9 +134,6 @@ def read_tensor_items(
         return nread
 
     names = sorted(by_file)
-    if names:
-        k = first_file % len(names)
-        names = names[k:] + names[:k]
 
     def load_file(name: str) -> int:
         ranges = [(g.info.offset, g.info.length) for g in by_file[name]]
