@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from dist_checkpointing import integrity
 from dist_checkpointing.integrity import BlockSums, blocked_sum
+from dist_checkpointing.storage import segments
 from dist_checkpointing.strategies.torch_dist import writer
 from dist_checkpointing.strategies.torch_dist.plan import WriteEntry, tensor_write_item
 
@@ -51,7 +52,7 @@ def _entries() -> list:
 
 
 def test_device_path_writes_the_same_bytes_and_digests_as_the_host_path(tmp_path, monkeypatch):
-    monkeypatch.setattr(writer, "CHUNK", 4 * 4096)  # many chunk switches inside one tensor
+    monkeypatch.setattr(segments, "CHUNK", 4 * 4096)  # many chunk switches inside one tensor
     monkeypatch.setattr(integrity, "BLOCK", 3 * 4096)  # blocks straddling chunks
     entries = _entries()
     plan = writer.plan_file("f.distcp", entries)

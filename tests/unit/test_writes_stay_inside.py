@@ -1,11 +1,10 @@
 """Nothing is written outside the checkpoint directories and the paths a user passes.
 
-Save, load (resharded too; also 128 MiB per rank, where the library measures its I/O
-paths), async save (forked and persistent writers), the ('local', 2)
-backend, `LocalCheckpointManager` with replication, `CheckpointManager`, and every
-`dist-ckpt` verb run in fresh processes whose HOME, XDG_CACHE_HOME and TMPDIR are empty
-directories of this test (and without `DIST_CKPT_CACHE_DIR`, which would steer where the
-library keeps state). Afterwards those directories, and the working directory the
+Save, load (resharded too; also 128 MiB per rank), async save (forked and persistent
+writers), the ('local', 2) backend, `LocalCheckpointManager` with replication,
+`CheckpointManager`, and every `dist-ckpt` verb run in fresh processes whose HOME,
+XDG_CACHE_HOME and TMPDIR are empty directories of this test (and without the variables
+that point torch or an older version of this library elsewhere). Afterwards those directories, and the working directory the
 processes ran in, must still be empty, and every path under the test's root must lie
 inside a checkpoint or output path the test passed (or be a parent directory of one).
 
