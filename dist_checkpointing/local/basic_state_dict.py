@@ -119,7 +119,10 @@ class BasicTensorAwareStateDict(TensorAwareStateDict):
         tensors = self.tensors
         if self._devices is None:
             self._devices = [str(t.device) for t in tensors]
-        self._replace(torch.Tensor, [t.to("cpu", non_blocking=non_blocking) for t in tensors])
+        # host tensors are copied too: the caller keeps changing the originals
+        self._replace(
+            torch.Tensor, [t.to("cpu", non_blocking=non_blocking, copy=True) for t in tensors]
+        )
 
     def restore_tensor_device(self, non_blocking: bool = True) -> None:
         self._require(False, "restore tensor devices")

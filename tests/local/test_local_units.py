@@ -146,7 +146,9 @@ def test_basic_state_dict_pop_insert_and_errors():
         sd.insert_tensors([torch.zeros(2), tensors[1], tensors[2]])
     sd.insert_tensors(tensors)
     assert sd.tensor_names() == ["a", "nested/0", "nested/1/k"]
-    sd.copy_tensors_to_cpu()
+    sd.copy_tensors_to_cpu()  # a snapshot: later changes to the originals do not reach it
+    tensors[0].add_(1)
+    assert not torch.equal(sd.tensors[0], tensors[0])
     sd.restore_tensor_device()
     hollow = _state()
     hollow.pop_tensors()
