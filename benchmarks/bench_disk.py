@@ -15,7 +15,9 @@ on rows across ranks, same directory, page cache dropped before each load):
 - `ours`: `dist_checkpointing` with the default ('torch_dist', 1) backend and its defaults
   (checksums on, O_DIRECT writes, reads through the page cache);
 - `ours-pagecache` (only when asked for): saved with `direct_io=False` (the A/B of O_DIRECT
-  writes); `ours-nocheck`: loaded without verifying checksums (what verification costs).
+  writes); `ours-nocheck`: loaded without verifying checksums (what verification costs);
+  `ours-1thread`: loaded with one reading thread per rank (the A/B of reading two files at
+  once).
 
 The methods take turns within each repeat, in an order rotated every repeat, so a drift of
 the disk's speed over the run (the host's cache, other jobs) falls on each of them alike.
@@ -73,7 +75,7 @@ CEILING_READS = ["load O_DIRECT", "load page cache", "load page cache x2"]
 CEILING_WRITES = ["save O_DIRECT", "save page cache"]
 CEILING_KINDS = CEILING_READS + CEILING_WRITES
 #: the methods that run this library (see the module docstring)
-OURS = ("ours", "ours-nocheck", "ours-pagecache")
+OURS = ("ours", "ours-nocheck", "ours-pagecache", "ours-1thread")
 
 
 #: seconds of idle disk before each timed save and load (`--settle`): a virtual disk's host
@@ -354,7 +356,10 @@ def _load(
         import dist_checkpointing as dc
         from dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
 
-        loader = TorchDistLoadShardedStrategy(verify_checksums=method != "ours-nocheck")
+        loader = TorchDistLoadShardedStrategy(
+            verify_checksums=method != "ours-nocheck",
+            thread_count=1 if method == "ours-1thread" else 2,
+        )
         for kind, layout in (
             ("load", "rows"),
             ("reshard rows", "shifted"),
