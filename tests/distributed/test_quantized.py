@@ -88,6 +88,15 @@ def test_refused_reshard_names_the_key_and_both_block_sizes(world_factory, tmp_p
             assert key in got and blocks in got, (kind, load_axis, got)
 
 
+def _rows_load_outcome(dest, rank, ckpt) -> str:
+    """ "loaded", or the refusal's message, for a load of this rank's row half into `dest`."""
+    try:
+        dc.load({"w": ShardedTensor.from_rank_offsets("w", dest, (0, rank, 2))}, ckpt)
+    except dc.CheckpointingException as e:
+        return str(e)
+    return "loaded"
+
+
 def _plain_requests(ckpt: str) -> Dict[str, Any]:
     rank = dist.get_rank()
     q = _quant.quantize("mx", torch.float8_e4m3fn)
@@ -125,11 +134,7 @@ def _plain_requests(ckpt: str) -> Dict[str, Any]:
         plain,
     )
     dest = _quant.empty_like_piece(_quant.piece(q, "mx", 0, rank, 2))
-    try:
-        dc.load({"w": ShardedTensor.from_rank_offsets("w", dest, (0, rank, 2))}, plain)
-        out["reverse"] = "loaded"
-    except dc.CheckpointingException as e:
-        out["reverse"] = str(e)
+    out["reverse"] = _rows_load_outcome(dest, rank, plain)
     return out
 
 
@@ -197,11 +202,7 @@ def _swizzled_loads(ckpt: str, backend: str) -> Dict[str, Any]:
     }
     with dequantize_on_load():
         plain = torch.zeros(4, 64, dtype=torch.bfloat16)
-        try:
-            dc.load({"w": ShardedTensor.from_rank_offsets("w", plain, (0, rank, 2))}, ckpt)
-            out["dequantized"] = "loaded"
-        except dc.CheckpointingException as e:
-            out["dequantized"] = str(e)
+        out["dequantized"] = _rows_load_outcome(plain, rank, ckpt)
     return out
 
 

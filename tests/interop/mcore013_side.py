@@ -12,14 +12,7 @@ unevenly between ranks, on a grid split along either axis, with prepended axes.
 from __future__ import annotations
 
 import os
-import socket
 import sys
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def expected():
@@ -85,6 +78,6 @@ def worker(rank: int, world: int, port: int, ckpt: str) -> None:
 
 
 if __name__ == "__main__":
-    import torch.multiprocessing as mp
+    from _side_spawn import spawn_two
 
-    mp.spawn(worker, args=(2, _port(), sys.argv[1]), nprocs=2, join=True)
+    spawn_two(worker, sys.argv[1])

@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import sys
 from typing import Any, Dict
 
@@ -58,12 +57,6 @@ GPT_ARGS = (
     "rotary_base",
     "share_embeddings_and_output_weights",
 )
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def tokens() -> Any:
@@ -216,6 +209,6 @@ def worker(rank: int, world: int, port: int, workdir: str) -> None:
 
 
 if __name__ == "__main__":
-    import torch.multiprocessing as mp
+    from _side_spawn import spawn_two
 
-    mp.spawn(worker, args=(2, _port(), sys.argv[1]), nprocs=2, join=True)
+    spawn_two(worker, sys.argv[1])

@@ -36,7 +36,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import socket
 import sys
 from typing import Any, Dict, List, Tuple
 
@@ -44,12 +43,6 @@ TP_SIZES = (2, 1)
 OPTIMIZERS = ("adam", "fp32")
 #: set from the command line (module-level: spawned ranks re-read it from their arguments)
 OPTIMIZER = "adam"
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def flatten(tree: Any, prefix: str = "") -> Dict[str, Any]:
@@ -340,9 +333,9 @@ def worker(
 
 
 if __name__ == "__main__":
-    import torch.multiprocessing as mp
+    from _side_spawn import spawn_two
 
     mode, workdir, kinds = sys.argv[1], sys.argv[2], sys.argv[3].split(",")
     optimizer = sys.argv[4] if len(sys.argv) > 4 else "adam"
     assert optimizer in OPTIMIZERS, optimizer
-    mp.spawn(worker, args=(2, _port(), mode, workdir, kinds, optimizer), nprocs=2, join=True)
+    spawn_two(worker, mode, workdir, kinds, optimizer)

@@ -13,14 +13,7 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def expected():
@@ -137,13 +130,7 @@ def worker(rank: int, world: int, port: int, mode: str, ckpt: str, result: str) 
 
 
 if __name__ == "__main__":
-    import torch.multiprocessing as mp
+    from _side_spawn import spawn_two
 
     mode, ckpt, result = sys.argv[1:4]
-    mp.spawn(worker, args=(2, _port(), mode, ckpt, result), nprocs=2, join=True)
-    merged = {}
-    for r in range(2):
-        with open(f"{result}.{r}") as f:
-            merged[str(r)] = json.load(f)
-    with open(result, "w") as f:
-        json.dump(merged, f)
+    spawn_two(worker, mode, ckpt, result, result=result)

@@ -93,23 +93,19 @@ def dcp_saves_rows(ckpt: str) -> None:
     dist.barrier()
 
 
-def test_stock_dcp_reads_our_float8_checkpoint_bit_for_bit(world_factory, tmp_path):
-    ckpt = str(tmp_path / "ours")
+@pytest.mark.parametrize(
+    "saver,loader",
+    [(save_rows, dcp_loads_whole), (dcp_saves_rows, load_cols)],
+    ids=["stock_dcp_reads_ours", "we_read_stock_dcp_resharded"],
+)
+def test_float8_checkpoints_cross_between_us_and_stock_dcp_bit_for_bit(
+    saver, loader, world_factory, tmp_path
+):
+    ckpt = str(tmp_path / "ckpt")
     world = world_factory(WORLD)
-    world.run_ok(save_rows, ckpt, timeout=120)
+    world.run_ok(saver, ckpt, timeout=120)
     assert (
-        world.run_ok(dcp_loads_whole, ckpt, timeout=120)
-        == [dict.fromkeys(float8_tensors(), True)] * WORLD
-    )
-
-
-def test_we_read_a_stock_dcp_float8_checkpoint_resharded_bit_for_bit(world_factory, tmp_path):
-    ckpt = str(tmp_path / "dcp")
-    world = world_factory(WORLD)
-    world.run_ok(dcp_saves_rows, ckpt, timeout=120)
-    assert (
-        world.run_ok(load_cols, ckpt, timeout=120)
-        == [dict.fromkeys(float8_tensors(), True)] * WORLD
+        world.run_ok(loader, ckpt, timeout=120) == [dict.fromkeys(float8_tensors(), True)] * WORLD
     )
 
 

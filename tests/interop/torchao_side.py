@@ -20,16 +20,9 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import warnings
 from pathlib import Path
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _models():
@@ -199,13 +192,7 @@ def worker(rank: int, world: int, port: int, workdir: str, result: str) -> None:
 
 
 if __name__ == "__main__":
-    import torch.multiprocessing as mp
+    from _side_spawn import spawn_two
 
     workdir, result = sys.argv[1:3]
-    mp.spawn(worker, args=(2, _port(), workdir, result), nprocs=2, join=True)
-    merged = {}
-    for r in range(2):
-        with open(f"{result}.{r}") as f:
-            merged[str(r)] = json.load(f)
-    with open(result, "w") as f:
-        json.dump(merged, f)
+    spawn_two(worker, workdir, result, result=result)
