@@ -3,8 +3,12 @@ as a script, this folder is first on `sys.path`)."""
 
 from __future__ import annotations
 
+import atexit
+import faulthandler
 import json
+import os
 import socket
+import sys
 from typing import Any, Callable, Optional
 
 
@@ -16,7 +20,7 @@ def spawn_two(worker: Callable[..., Any], *args: Any, result: Optional[str] = No
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(worker, args=(2, port, *args), nprocs=2, join=True)
+    mp.spawn(_traced, args=(worker, 2, port, *args), nprocs=2, join=True)
     if result is None:
         return
     merged = {}
@@ -25,3 +29,19 @@ def spawn_two(worker: Callable[..., Any], *args: Any, result: Optional[str] = No
             merged[str(r)] = json.load(f)
     with open(result, "w") as f:
         json.dump(merged, f)
+
+
+def _traced(rank: int, worker: Callable[..., Any], *args: Any) -> None:
+    # A rank that aborts inside a library's C++ code prints where its Python threads were.
+    faulthandler.enable()
+    worker(rank, *args)
+    # The rank has written its result and destroyed its process group. After the exit handlers
+    # (multiprocessing's among them stops the processes megatron started), it leaves without
+    # the interpreter's teardown: there a C++ thread of torch that still wants the GIL is
+    # stopped by CPython inside a noexcept frame and the process aborts ("terminate called
+    # without an active exception", seen once in CI). The test checks the result file, not how
+    # a side library tears down.
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
