@@ -37,10 +37,10 @@ def _traced(rank: int, worker: Callable[..., Any], *args: Any) -> None:
     worker(rank, *args)
     # The rank has written its result and destroyed its process group. After the exit handlers
     # (multiprocessing's among them stops the processes megatron started), it leaves without
-    # the interpreter's teardown: there a C++ thread of torch that still wants the GIL is
-    # stopped by CPython inside a noexcept frame and the process aborts ("terminate called
-    # without an active exception", seen once in CI). The test checks the result file, not how
-    # a side library tears down.
+    # the interpreter's teardown, where a C++ thread of torch that still wants the GIL can be
+    # stopped by CPython inside a noexcept frame, which aborts the process: the likeliest
+    # cause of the "terminate called without an active exception" seen once in CI (not
+    # reproduced). The test checks the result file, not how a side library tears down.
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
