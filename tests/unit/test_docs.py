@@ -88,3 +88,17 @@ def test_page_names_only_documents_in_the_repository(page):
     have = {p.name for p in [*ROOT.glob("*.md"), *ROOT.glob("docs/*.md")]}
     named = set(re.findall(r"\b[\w-]+\.md\b", page.read_text()))
     assert named <= have, f"{page.name} names {sorted(named - have)}, not in the repository"
+
+
+TEST_REF = re.compile(r"(tests/[\w/]+\.py)((?:`?, `?::\w+|::\w+)*)")
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_page_names_only_tests_that_exist(page):
+    """A test file or test a page cites as evidence (`tests/x.py::test_y`, `::test_z`) exists."""
+    for m in TEST_REF.finditer(page.read_text()):
+        path = ROOT / m.group(1)
+        assert path.is_file(), f"{page.name} names {m.group(1)}, which does not exist"
+        source = path.read_text()
+        for name in re.findall(r"::(\w+)", m.group(2)):
+            assert f"def {name}(" in source, f"{page.name} names {m.group(1)}::{name}, not there"
