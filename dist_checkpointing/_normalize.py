@@ -51,10 +51,10 @@ Statefuls = List[Tuple[Path, Any]]
 
 
 def _copy_containers(tree: Any) -> Any:
-    if isinstance(tree, dict):
-        return {k: _copy_containers(v) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [_copy_containers(v) for v in tree]
+    """Copies the dict/list containers (not the leaves), dropping empty ones as the
+    pipeline always has (a rank without pieces of a list must not store an empty one)."""
+    if isinstance(tree, (dict, list)):
+        return extract_matching_values(tree, lambda _: True)[0]
     return tree
 
 
@@ -100,8 +100,20 @@ def _dtensors_to_factories(tree: Any) -> None:
     root = tree if isinstance(tree, dict) else dict(enumerate(tree))
     found = [(p, v) for p, v in iter_fqn_leaves(root) if is_dtensor(v)]
     for path, dt in found:
+        parent = _get(tree, path[:-1])
+        if isinstance(parent, list) and any(_plain_entry(v) for v in parent):
+            raise CheckpointingException(
+                f"The list at {fqn_of(path[:-1])!r} holds DTensors and plain values: the plain "
+                "values would be stored without their positions. Put the DTensors and the "
+                "plain values in separate lists, or in a dict"
+            )
         factory = dtensor_factory(fqn_of(path), dt)
         _set(tree, path, factory if factory is not None else LocalNonpersistentObject(dt))
+
+
+def _plain_entry(value: Any) -> bool:
+    """Whether a list entry would go to the common state (not sharded, not a container)."""
+    return not (is_dtensor(value) or isinstance(value, (ShardedBase, dict, list)))
 
 
 def _leaves_with_paths(tree: Any, path: Path = (), tuples: bool = True) -> Iterator[Any]:
@@ -180,12 +192,8 @@ def restore_statefuls(result: Any, statefuls: Statefuls) -> None:
     (`load_state_dict`) and puts the object back in its place in `result`, innermost
     first."""
     for path, obj in reversed(statefuls):
-        try:
-            loaded = _get(result, path) if path else result
-        except (KeyError, IndexError, TypeError) as e:
-            raise CheckpointingException(
-                f"Nothing was loaded for Stateful object {fqn_of(path)!r}"
-            ) from e
+        # absent only when its state dict was empty: a missing key raised before this
+        loaded = (_get(result, path) if _present(result, path) else {}) if path else result
         obj.load_state_dict(loaded)
         if path:
             _set(result, path, obj)

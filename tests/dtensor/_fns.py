@@ -218,3 +218,82 @@ def refusal(case: str, root: str) -> Tuple[str, float]:
     finally:
         _dist.set_collective_timeout(600)
     return "saved", time.monotonic() - start
+
+
+def rep_of(full: torch.Tensor, mesh: Any) -> Any:
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    return distribute_tensor(full, mesh, [Replicate()], src_data_rank=None)
+
+
+class AppState:
+    """The DCP tutorial's `Stateful` wrapper of a model and its optimizer."""
+
+    def __init__(self, model: nn.Module, optim: Any) -> None:
+        self.model, self.optim = model, optim
+
+    def state_dict(self) -> Dict[str, Any]:
+        return _state(self.model, self.optim)
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(
+            self.model, self.optim, model_state_dict=state["model"], optim_state_dict=state["optim"]
+        )
+
+
+def stateful_lists_and_plain(root: str) -> Dict[str, Any]:
+    """A Stateful object, DTensors inside a list, plain tensors filled in place, a missing
+    plain value named, an unplaceable leaf in a load request refused; returns what each gave."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    world = dist.get_world_size()
+    out: Dict[str, Any] = {}
+    model, optim = make_model(_mesh((world,)), seed=0)
+    train_step(model, optim)
+    want = full_values(_state(model, optim))
+    dc.save({"app": AppState(model, optim)}, os.path.join(root, "app"))
+    fresh = AppState(*make_model(_mesh((world,)), seed=7))
+    loaded = dc.load({"app": fresh}, os.path.join(root, "app"))
+    out["stateful_returned"] = loaded["app"] is fresh
+    out["stateful"] = same_values(want, full_values(_state(fresh.model, fresh.optim)))
+
+    mesh = _mesh((world,))
+    full = torch.arange(10.0).reshape(5, 2)
+    items = [distribute_tensor(full, mesh, [Shard(0)], src_data_rank=None), rep_of(full, mesh)]
+    rep = DTensor.from_local(full.clone(), mesh, [Replicate()])
+    ckpt = os.path.join(root, "lists")
+    dc.save({"items": items, "rep": rep, "step": torch.tensor(3.0)}, ckpt)
+    req_items = [torch.zeros_like(items[0]), torch.zeros_like(items[1])]
+    step = torch.tensor(0.0)
+    got = dc.load({"items": req_items, "step": step}, ckpt)
+    out["list"] = all(
+        got["items"][i] is req_items[i] and torch.equal(got["items"][i].full_tensor(), full)
+        for i in (0, 1)
+    )
+    out["plain_in_place"] = got["step"] is step and step.item() == 3.0
+    try:
+        dc.load({"items": req_items, "lr": torch.zeros(1)}, ckpt)
+        out["missing"] = "loaded"
+    except dc.CheckpointingException as e:
+        out["missing"] = str(e)
+
+    try:
+        dc.save({"mixed": [rep, torch.ones(1)]}, os.path.join(root, "mixed"))
+        out["mixed"] = "saved"
+    except dc.CheckpointingException as e:
+        out["mixed"] = str(e)
+
+    class Odd(torch.Tensor):
+        pass
+
+    try:
+        _dist.set_collective_timeout(20)
+        dc.load({"rep": rep, "odd": torch.ones(1).as_subclass(Odd)}, ckpt)
+        out["odd_request"] = "loaded"
+    except dc.CheckpointingException as e:
+        out["odd_request"] = str(e)
+    finally:
+        _dist.set_collective_timeout(600)
+    return out

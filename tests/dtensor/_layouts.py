@@ -59,7 +59,9 @@ def _leaf(layout: Layout, full: torch.Tensor, fill: bool) -> Tuple[Any, torch.Te
         local = full.narrow(0, start, min(rows, full.shape[0] - start)).clone()
         data = local if fill else torch.zeros_like(local)
         offset = (start, *(0,) * (full.dim() - 1))
-        leaf = ShardedTensor("t", data, full.dtype, tuple(local.shape), tuple(full.shape), offset, None)
+        leaf = ShardedTensor(
+            "t", data, full.dtype, tuple(local.shape), tuple(full.shape), offset, None
+        )
         return leaf, local
     from torch.distributed.tensor import distribute_tensor
 
