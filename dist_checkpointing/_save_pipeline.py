@@ -46,6 +46,7 @@ __all__ = [
     "LoadRequest",
     "SavePlan",
     "agree_on_preparation",
+    "complete_request",
     "finish_load",
     "make_commit",
     "nested_sharded",
@@ -173,15 +174,22 @@ def finish_load(
     `(result, missing_keys, unexpected_keys)` when `strict` returns them)."""
     merge(result, loaded)
     apply_factory_merges(result, prepared.factories)
-    _check_plain_values(prepared, result, strict)
-    _normalize.fill_plain(prepared.plain, result)
-    _normalize.restore_statefuls(result, prepared.statefuls or [])
+    complete_request(prepared, result, strict)
     _dist.log_rank0(
         log, logging.INFO, "Loaded checkpoint %s in %.2f s", ckpt, time.perf_counter() - start
     )
     if StrictHandling.requires_returning_mismatch_keys(strict):
         return result, prepared.missing_keys, prepared.unexpected_keys
     return result
+
+
+def complete_request(prepared: LoadRequest, result: StateDict, strict: StrictHandling) -> None:
+    """The last step of every load, once the loaded values are merged into `result`: the
+    requested plain values are checked (`strict`) and plain tensors filled in place; the
+    request's Stateful objects get their state (`load_state_dict`) and their places back."""
+    _check_plain_values(prepared, result, strict)
+    _normalize.fill_plain(prepared.plain, result)
+    _normalize.restore_statefuls(result, prepared.statefuls or [])
 
 
 def _check_plain_values(prepared: LoadRequest, result: StateDict, strict: StrictHandling) -> None:

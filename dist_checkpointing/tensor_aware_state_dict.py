@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from . import _dist
-from ._save_pipeline import prepare_load_request, save_preprocess
+from ._save_pipeline import complete_request, prepare_load_request, save_preprocess
 from ._types import ShardedStateDict, StateDict
 from .dict_utils import dict_list_map_inplace, dict_list_map_outplace, merge, nested_values
 from .errors import CheckpointingException
@@ -292,6 +292,7 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
         else:
             dict_list_map_inplace(fill, request)
         merge(result, apply_factory_merges(request, prepared.factories))
+        complete_request(prepared, result, strict)
         if return_mismatch_keys:
             return result, prepared.missing_keys, prepared.unexpected_keys
         return result

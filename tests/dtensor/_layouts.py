@@ -72,6 +72,24 @@ def _leaf(layout: Layout, full: torch.Tensor, fill: bool) -> Tuple[Any, torch.Te
     return dt, expected
 
 
+def _where(offsets: Any, sizes: Any) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
+    """`(offsets, sizes)`; an empty piece has no position worth comparing."""
+    sizes = tuple(int(s) for s in sizes)
+    return (() if 0 in sizes else tuple(int(o) for o in offsets)), sizes
+
+
+def _chunks(dt: Any) -> List[Tuple[Tuple[int, ...], Tuple[int, ...]]]:
+    """Where DTensor's own chunk list (what DCP saves by) puts the local tensor."""
+    return sorted(_where(c.offsets, c.sizes) for c in dt.__create_chunk_list__())
+
+
+def _pieces(dt: Any) -> List[Tuple[Tuple[int, ...], Tuple[int, ...]]]:
+    """Where our layout puts it (the pieces' offsets and shapes)."""
+    from dist_checkpointing.dtensor import dtensor_pieces
+
+    return sorted(_where(p.global_offset, p.local_shape) for p in dtensor_pieces("t", dt) or [])
+
+
 def run_cases(cases: List[Tuple[Tuple[int, ...], Any, Layout, Layout]], root: str) -> List[str]:
     """Saves and loads each `(shape, dtype, saved layout, requested layout)`; returns 'same',
     'differs: ...' or the error for each."""
@@ -82,7 +100,9 @@ def run_cases(cases: List[Tuple[Tuple[int, ...], Any, Layout, Layout]], root: st
         full = _global(shape, dtype)
         ckpt = os.path.join(root, str(i))
         try:
-            dc.save({"t": _leaf(saved, full, True)[0]}, ckpt)
+            source = _leaf(saved, full, True)[0]
+            agree = not isinstance(source, DTensor) or _chunks(source) == _pieces(source)
+            dc.save({"t": source}, ckpt)
             leaf, want = _leaf(requested, full, False)
             got = dc.load({"t": leaf}, ckpt)["t"]
             if isinstance(leaf, DTensor):
@@ -91,7 +111,10 @@ def run_cases(cases: List[Tuple[Tuple[int, ...], Any, Layout, Layout]], root: st
             else:
                 ok = True
             ok = ok and got.shape == want.shape and torch.equal(got, want)
-            out.append("same" if ok else f"differs: {got.tolist()} != {want.tolist()}")
+            if not agree:  # reported after the collectives, which every rank must make
+                out.append(f"chunk list {_chunks(source)} != our pieces {_pieces(source)}")
+            else:
+                out.append("same" if ok else f"differs: {got.tolist()} != {want.tolist()}")
         except Exception as e:  # reported to the test process
             out.append(f"{type(e).__name__}: {e}")
     return out
