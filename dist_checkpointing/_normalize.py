@@ -26,7 +26,7 @@ import torch
 from ._flat import expand_flat_shards
 from ._fqn import fqn_of, iter_fqn_leaves
 from .dict_utils import extract_matching_values
-from .dtensor import dtensor_factory, is_dtensor
+from .dtensor import dtensor_factory, fill_from_full, is_dtensor
 from .errors import CheckpointingException
 from .mapping import LocalNonpersistentObject, ShardedBase
 from .megatron_compat import convert_sharded_state_dict
@@ -94,13 +94,21 @@ def _get(tree: Any, path: Path) -> Any:
     return tree
 
 
-def _dtensors_to_factories(tree: Any) -> None:
+def _dtensors_to_factories(tree: Any, common: Optional[Any] = None) -> None:
     """Replaces each DTensor (at a position DCP names) by a factory of its pieces, or by a
-    non-persistent value on ranks outside its mesh."""
+    non-persistent value on ranks outside its mesh. With `common` (a checkpoint's loaded
+    common state), a DTensor in a dict whose place there holds a plain tensor is filled from
+    it, put in its place in `common` and left out of the request."""
     root = tree if isinstance(tree, dict) else dict(enumerate(tree))
     found = [(p, v) for p, v in iter_fqn_leaves(root) if is_dtensor(v)]
     for path, dt in found:
         parent = _get(tree, path[:-1])
+        stored = _get(common, path) if common is not None and _present(common, path) else None
+        if isinstance(parent, dict) and isinstance(stored, torch.Tensor) and not is_dtensor(stored):
+            fill_from_full(fqn_of(path), dt, stored)
+            _set(common, path, dt)
+            del parent[path[-1]]
+            continue
         if isinstance(parent, list) and any(_plain_entry(v) for v in parent):
             raise CheckpointingException(
                 f"The list at {fqn_of(path[:-1])!r} holds DTensors and plain values: the plain "
@@ -148,10 +156,10 @@ def _check_placeable(tree: Any) -> None:
         raise CheckpointingException(f"Cannot place {where!r}, a {kind} tensor subclass: {hint}")
 
 
-def _normalize(tree: Any, statefuls: Statefuls) -> Any:
+def _normalize(tree: Any, statefuls: Statefuls, common: Optional[Any] = None) -> Any:
     sd = _expand_statefuls(_copy_containers(tree), (), statefuls)
     if isinstance(sd, (dict, list)):
-        _dtensors_to_factories(sd)
+        _dtensors_to_factories(sd, common)
     return expand_flat_shards(convert_sharded_state_dict(sd))
 
 
@@ -169,12 +177,17 @@ def for_save(tree: Any) -> Any:
 
 
 def for_load(
-    tree: Any, stored: Optional[Dict[str, Any]]
+    tree: Any, stored: Optional[Dict[str, Any]], common: Optional[Any] = None
 ) -> Tuple[Any, Statefuls, Optional[CheckpointingException]]:
     """The door for a load request: `(copy of tree in our leaves, Stateful objects found,
-    error)`; the error (a leaf that cannot be placed) is returned, to be agreed on."""
+    error)`; the error (a leaf that cannot be placed) is returned, to be agreed on. With
+    `common` (the checkpoint's common state), DTensors stored as plain tensors are filled
+    from them there (see `_dtensors_to_factories`)."""
     statefuls: Statefuls = []
-    sd = _normalize(tree, statefuls)
+    try:
+        sd = _normalize(tree, statefuls, common)
+    except CheckpointingException as e:
+        return {}, statefuls, e
     try:
         expand_quantized(sd, stored)
         if isinstance(sd, (dict, list)):

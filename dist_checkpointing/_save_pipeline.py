@@ -131,14 +131,16 @@ def prepare_load_request(
     strict: StrictHandling,
     validate_access_integrity: bool,
     stored_metadata: Callable[[], Optional[ShardedStateDict]],
+    common: Optional[StateDict] = None,
 ) -> LoadRequest:
     """The load preamble: factories, non-persistent values, strict handling, validation
     (collective when these need every rank's request; `stored_metadata` called only if needed).
+    `common`, the checkpoint's common state, lets DTensors load from plain tensors in it.
     Raises `KeyMismatchError` or `ShardingIntegrityError` on every rank."""
     # opted in, a plain destination stored quantized is dequantized: the stored keys tell
     stored = (stored_metadata() or {}) if dequantizing() else None
     # an error (a leaf that cannot be placed) is raised on every rank with the agreement below
-    sd, statefuls, error = _normalize.for_load(sharded_state_dict, stored)
+    sd, statefuls, error = _normalize.for_load(sharded_state_dict, stored, common)
     factories, _ = extract_matching_values(
         sd, lambda x: isinstance(x, ShardedTensorFactory), return_lists_as_dicts=True
     )

@@ -34,7 +34,16 @@ from ._flat import in_place_factory
 from .errors import CheckpointingException
 from .mapping import ShardedTensor, ShardedTensorFactory
 
-__all__ = ["Placement", "Runs", "is_dtensor", "local_regions", "placements_of", "dtensor_factory"]
+__all__ = [
+    "Placement",
+    "Runs",
+    "dtensor_factory",
+    "dtensor_pieces",
+    "fill_from_full",
+    "is_dtensor",
+    "local_regions",
+    "placements_of",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -226,3 +235,21 @@ def dtensor_factory(key: str, dt: Any) -> Optional[ShardedTensorFactory]:
     if pieces is None:
         return None
     return in_place_factory(pieces[0], dt, {str(i): p for i, p in enumerate(pieces)})
+
+
+def fill_from_full(key: str, dt: Any, full: torch.Tensor) -> None:
+    """Fills DTensor `dt`'s local tensor in place from `full`, the whole global tensor (a
+    plain tensor stored under `key`).
+
+    Raises:
+        CheckpointingException: `full` has another shape or dtype than `dt`.
+    """
+    if tuple(full.shape) != tuple(dt.shape) or full.dtype != dt.dtype:
+        raise CheckpointingException(
+            f"{key!r} is stored as a plain tensor of shape {tuple(full.shape)} and dtype "
+            f"{full.dtype}; the requested DTensor is {tuple(dt.shape)}, {dt.dtype}"
+        )
+    with torch.no_grad():
+        for piece in dtensor_pieces(key, dt) or []:
+            assert piece.data is not None
+            piece.data.copy_(full[piece.global_slice()])

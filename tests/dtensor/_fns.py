@@ -279,6 +279,11 @@ def stateful_lists_and_plain(root: str) -> Dict[str, Any]:
     except dc.CheckpointingException as e:
         out["missing"] = str(e)
 
+    # a plain tensor in the checkpoint loads into a DTensor request
+    dc.save({"plain": full.clone()}, os.path.join(root, "plain"))
+    request = distribute_tensor(torch.zeros_like(full), mesh, [Shard(0)], src_data_rank=None)
+    got = dc.load({"plain": request}, os.path.join(root, "plain"))["plain"]
+    out["plain_into_dtensor"] = got is request and torch.equal(request.full_tensor(), full)
     try:
         dc.save({"mixed": [rep, torch.ones(1)]}, os.path.join(root, "mixed"))
         out["mixed"] = "saved"

@@ -66,7 +66,7 @@ def test_stateful_objects_dtensor_lists_and_plain_values_load_as_dcp_loads_them(
 ):
     for got in world_factory(2).run_ok(_fns.stateful_lists_and_plain, str(tmp_path), timeout=120):
         assert got["stateful_returned"] and got["stateful"] == []
-        assert got["list"] and got["plain_in_place"]
+        assert got["list"] and got["plain_in_place"] and got["plain_into_dtensor"]
         assert "not in the checkpoint" in got["missing"] and "'lr'" in got["missing"]
         assert "Cannot place 'odd'" in got["odd_request"]
         assert "The list at 'mixed' holds DTensors and plain values" in got["mixed"]
