@@ -53,9 +53,8 @@ def main() -> None:
     model2, optim2 = build(seed=1)
     msd2, osd2 = get_state_dict(model2, optim2)
     loaded = dc.load({"model": msd2, "optim": osd2}, ckpt)  # DTensors filled in place
-    set_state_dict(
-        model2, optim2, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"]
-    )
+    msd2, osd2 = loaded["model"], loaded["optim"]
+    set_state_dict(model2, optim2, model_state_dict=msd2, optim_state_dict=osd2)
 
     after, after_optim = get_state_dict(model2, optim2)
     for name, value in msd.items():  # full_tensor() gathers: every rank calls it
