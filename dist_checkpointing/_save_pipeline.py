@@ -13,14 +13,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, List, Optional, Set, Tuple, Union
 
-from . import _dist
-from ._flat import expand_flat_shards
+from . import _dist, _normalize
 from ._sharding_agreement import AgreementCache, ShardRecord, agreement_protocol, record_of
 from ._types import CommonStateDict, ShardedStateDict, StateDict
 from .coordination import run as run_protocol
 from .core import CheckpointingConfig, check_is_distributed_checkpoint, save_config
 from .dict_utils import dict_list_map_inplace, diff, extract_matching_values, merge, nested_values
-from .errors import CheckpointExistsError, CheckpointingException
+from .errors import CheckpointExistsError, CheckpointingException, KeyMismatchError
 from .mapping import (
     LocalNonpersistentObject,
     ShardedBase,
@@ -30,8 +29,7 @@ from .mapping import (
     apply_factories,
     apply_factory_merges,
 )
-from .megatron_compat import convert_sharded_state_dict
-from .quantized import dequantizing, expand_quantized
+from .quantized import dequantizing
 from .storage import objstore
 from .strategies.base import (
     AsyncSaveShardedStrategy,
@@ -61,13 +59,6 @@ logger = logging.getLogger(__name__)
 
 #: Key of `save(content_metadata=...)` in the common state.
 CONTENT_METADATA_KEY = "content_metadata"
-
-
-def _shallow_copy(tree: Any) -> Any:
-    """Copies the dict/list containers (not the leaves) so preprocessing never edits the caller's."""
-    return (
-        extract_matching_values(tree, lambda _: True)[0] if isinstance(tree, (dict, list)) else tree
-    )
 
 
 def _is_nonpersistent(x: Any) -> bool:
@@ -106,8 +97,7 @@ def save_preprocess(
     """Splits a state to save into `(sharded leaves, common state)`, on a copy of the
     containers: flat shards expanded, factories applied, LocalNonpersistentObjects dropped,
     `content_metadata` (if given) stored under `CONTENT_METADATA_KEY`."""
-    sd = expand_flat_shards(convert_sharded_state_dict(_shallow_copy(sharded_state_dict)))
-    expand_quantized(sd)
+    sd = _normalize.for_save(sharded_state_dict)
     if content_metadata is not None:
         sd[CONTENT_METADATA_KEY] = content_metadata
     apply_factories(sd)
@@ -125,6 +115,10 @@ class LoadRequest:
     factories: Any
     missing_keys: Set[str]
     unexpected_keys: Set[str]
+    #: the plain values requested (loaded from the common state, or named as missing)
+    plain: Any = None
+    #: Stateful objects of the request, handed their loaded state at the end
+    statefuls: Optional[List[Tuple[Tuple[Any, ...], Any]]] = None
 
 
 #: this process's memory of the last load request validation that passed
@@ -140,21 +134,17 @@ def prepare_load_request(
     """The load preamble: factories, non-persistent values, strict handling, validation
     (collective when these need every rank's request; `stored_metadata` called only if needed).
     Raises `KeyMismatchError` or `ShardingIntegrityError` on every rank."""
-    sd = expand_flat_shards(convert_sharded_state_dict(_shallow_copy(sharded_state_dict)))
     # opted in, a plain destination stored quantized is dequantized: the stored keys tell
     stored = (stored_metadata() or {}) if dequantizing() else None
-    error: Optional[Exception] = None
-    try:
-        expand_quantized(sd, stored)
-    except CheckpointingException as e:  # with the agreement below, raised on every rank
-        error = e
+    # an error (a leaf that cannot be placed) is raised on every rank with the agreement below
+    sd, statefuls, error = _normalize.for_load(sharded_state_dict, stored)
     factories, _ = extract_matching_values(
         sd, lambda x: isinstance(x, ShardedTensorFactory), return_lists_as_dicts=True
     )
     apply_factories(sd)
     nonpersistent, sd = extract_matching_values(sd, _is_nonpersistent)
     dict_list_map_inplace(lambda o: o.unwrap(), nonpersistent)
-    request, _ = extract_matching_values(sd, lambda x: isinstance(x, ShardedBase))
+    request, plain = extract_matching_values(sd, lambda x: isinstance(x, ShardedBase))
     dict_list_map_inplace(_detached, request)
     ckpt_metadata = None
     if StrictHandling.requires_explicit_ckpt_mismatch_check(strict):
@@ -166,7 +156,7 @@ def prepare_load_request(
         _agree(_records(request), _load_agreement, error=error, what="load")
     elif error is not None:  # not collective then: fail here alone
         raise error
-    return LoadRequest(request, nonpersistent, factories, missing, unexpected)
+    return LoadRequest(request, nonpersistent, factories, missing, unexpected, plain, statefuls)
 
 
 def finish_load(
@@ -183,12 +173,33 @@ def finish_load(
     `(result, missing_keys, unexpected_keys)` when `strict` returns them)."""
     merge(result, loaded)
     apply_factory_merges(result, prepared.factories)
+    _check_plain_values(prepared, result, strict)
+    _normalize.fill_plain(prepared.plain, result)
+    _normalize.restore_statefuls(result, prepared.statefuls or [])
     _dist.log_rank0(
         log, logging.INFO, "Loaded checkpoint %s in %.2f s", ckpt, time.perf_counter() - start
     )
     if StrictHandling.requires_returning_mismatch_keys(strict):
         return result, prepared.missing_keys, prepared.unexpected_keys
     return result
+
+
+def _check_plain_values(prepared: LoadRequest, result: StateDict, strict: StrictHandling) -> None:
+    """Plain values requested but absent from the checkpoint's common state are unexpected
+    keys, handled by `strict` as for tensors (raised by default, as DCP does)."""
+    absent = _normalize.missing_plain_keys(prepared.plain, result)
+    if not absent or strict == StrictHandling.IGNORE_ALL:
+        return
+    if strict in (StrictHandling.LOG_UNEXPECTED, StrictHandling.LOG_ALL):
+        logger.warning("Requested plain values not in the checkpoint: %s", sorted(absent))
+    elif StrictHandling.requires_returning_mismatch_keys(strict):
+        prepared.unexpected_keys |= absent
+    else:
+        raise KeyMismatchError(
+            f"Requested values not in the checkpoint's common state: {sorted(absent)[:20]} "
+            "(load with strict='log_unexpected' or 'return_unexpected' to skip them, or drop "
+            "them from the request)"
+        )
 
 
 #: `(function, args)` calls run in an async save's background writer
@@ -285,25 +296,43 @@ def agree_on_preparation(
     )
     assert plan is not None
     if validate_access_integrity and agreement.common_differs:
-        _log_common_differences(plan.common_part, preprocess_common)
+        _compare_common(plan.common_part, preprocess_common, ckpt)
     return plan
 
 
-def _log_common_differences(
-    common: CommonStateDict, preprocess: Optional[Callable[[CommonStateDict], StateDict]]
+def _compare_common(
+    common: CommonStateDict,
+    preprocess: Optional[Callable[[CommonStateDict], StateDict]],
+    ckpt: Path,
 ) -> None:
-    """Collective: logs (rank 0) where ranks' common state differs from rank 0's."""
-    view = preprocess(common) if preprocess is not None else common
-    gathered = _dist.gather_object(view)
-    if gathered is None or len(gathered) == 1:
-        return
+    """Collective: finds where ranks' common states differ, comparing digests of plain CPU
+    copies of tensors (never the tensors, whose operators may be collectives). A tensor
+    that differs raises on every rank (saving rank 0's would lose the others'); other
+    differences are logged by rank 0 (rank 0's value is saved)."""
+    view = _normalize.plain_tensor_digests(preprocess(common) if preprocess else common)
+    gathered = _dist.all_gather_object(view)
+    tensors: Set[str] = set()
     for rank, other in enumerate(gathered[1:], start=1):
         only_0, only_r, mismatch = diff(gathered[0], other)
-        if only_0 or only_r or mismatch:
+        tensors |= {
+            ".".join(map(str, path))
+            for path, left, right in mismatch
+            if issubclass(left, _normalize.TensorDigest)
+            or issubclass(right, _normalize.TensorDigest)
+        }
+        if _dist.get_rank() == 0 and (only_0 or only_r or mismatch):
             msg = "Common state differs between rank 0 and rank %d (rank 0's is saved): only on "
             msg += "rank 0: %s, only on rank %d: %s, different values: %s"
             mismatched = [m[0] for m in mismatch[:10]]
             logger.warning(msg, rank, only_0[:10], rank, only_r[:10], mismatched)
+    if tensors:
+        raise CheckpointingException(
+            f"Save to {ckpt}: plain tensors differ between ranks: {sorted(tensors)[:10]}. A "
+            "plain tensor is saved once, so the other ranks' values would be lost: make it a "
+            "ShardedTensor (or DTensor) if each rank holds its own piece, wrap it in "
+            "LocalNonpersistentObject if it need not be saved, or drop it from the comparison "
+            "with preprocess_common_before_consistancy_check if the difference is expected"
+        )
 
 
 def save_common(plan: SavePlan, ckpt: Path) -> ShardedStateDict:

@@ -60,3 +60,8 @@ def test_an_example_without_a_directory_announces_a_temporary_one_and_removes_it
     found = re.search(r"writing under (\S+) \(temporary, removed at exit", text)
     assert found and not Path(found.group(1)).exists(), text
     assert sorted(ROOT.iterdir()) == before and list(tmp_path.iterdir()) == []
+
+
+def test_fsdp2_example_round_trips_get_state_dict_output_bitwise(tmp_path):
+    text = _ok(_torchrun("fsdp2.py", str(tmp_path)))
+    assert "saved and loaded the FSDP2 model and Adam state" in text
