@@ -89,39 +89,34 @@ def _state(model: nn.Module, optim: torch.optim.Optimizer) -> Dict[str, Any]:
     return {"model": msd, "optim": osd}
 
 
-def _locals(state: Any) -> List[torch.Tensor]:
-    """Every tensor leaf of `state` as a local tensor, in traversal order."""
+def _locals(state: Any, path: str = "") -> Dict[str, torch.Tensor]:
+    """Every tensor leaf of `state` as a local tensor, by its path."""
     from torch.distributed.tensor import DTensor
 
-    out: List[torch.Tensor] = []
-
-    def walk(x: Any) -> None:
-        if isinstance(x, dict):
-            for v in x.values():
-                walk(v)
-        elif isinstance(x, (list, tuple)):
-            for v in x:
-                walk(v)
-        elif isinstance(x, DTensor):
-            out.append(x.to_local())
-        elif isinstance(x, torch.Tensor):
-            out.append(x)
-
-    walk(state)
+    out: Dict[str, torch.Tensor] = {}
+    if isinstance(state, dict):
+        for k, v in state.items():
+            out.update(_locals(v, f"{path}/{k}"))
+    elif isinstance(state, (list, tuple)):
+        for i, v in enumerate(state):
+            out.update(_locals(v, f"{path}/{i}"))
+    elif isinstance(state, DTensor):
+        out[path] = state.to_local()
+    elif isinstance(state, torch.Tensor):
+        out[path] = state
     return out
 
 
 def _scramble(state: Dict[str, Any]) -> None:
     """Overwrites every tensor of a destination state, so a load that skips one is caught."""
     with torch.no_grad():
-        for t in _locals(state):
+        for t in _locals(state).values():
             t.fill_(-7)
 
 
-def _check(loaded: Dict[str, Any], want: List[torch.Tensor], what: str) -> None:
+def _check(loaded: Dict[str, Any], want: Dict[str, torch.Tensor], what: str) -> None:
     got = _locals(loaded)
-    ok = len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
-    if not ok:
+    if got.keys() != want.keys() or not all(torch.equal(got[k], t) for k, t in want.items()):
         raise RuntimeError(f"{what}: loaded values differ from the saved state")
 
 
@@ -203,8 +198,18 @@ class _TorchCheckpointing:
                 save=SyncCheckpointSaverConfig(), default=spec, storage_config=storage
             )
         )
+        from torch_checkpointing.checkpoint_process import CheckpointProcessConfig
+        from torch_checkpointing.config import AsyncCheckpointSaverConfig
+
+        # its writer process starts (importing torch) on the first save: on a loaded host
+        # that took more than its default 30 s
+        process = CheckpointProcessConfig(subprocess_init_timeout_secs=300)
         self.asynchronous = tc.CheckpointManager(
-            tc.CheckpointManager.Config(default=spec, storage_config=storage)
+            tc.CheckpointManager.Config(
+                default=spec,
+                storage_config=storage,
+                save=AsyncCheckpointSaverConfig(process_config=process),
+            )
         )
 
     def save(self, state: Dict[str, Any], path: str, is_async: bool) -> float:
@@ -272,12 +277,18 @@ def _worker(rank: int, world: int, args: argparse.Namespace, port: int, queue: A
     results: Dict[str, Dict[str, List[float]]] = {m: {} for m in methods}
     model, optim = _model_and_optimizer(width, world)
     saved = _state(model, optim)
-    want = [t.clone() for t in _locals(saved)]
-    nbytes = torch.tensor([sum(t.numel() * t.element_size() for t in want)], dtype=torch.int64)
+    want = {k: t.clone() for k, t in _locals(saved).items()}
+    nbytes = sum(t.numel() * t.element_size() for t in want.values())
+    nbytes = torch.tensor([nbytes], dtype=torch.int64)
     dist.all_reduce(nbytes)
     dest_model, dest_optim = _model_and_optimizer(width, world)
     dest = _state(dest_model, dest_optim)
     others = [w for w in args.other_worlds if w != world]
+    if not args.load_only:  # first saves start writer processes and pools: not timed, as in
+        # a training loop, where every save but the first finds them running
+        for m in methods:
+            path = os.path.join(args.dir, f"w{world}", f"warmup-{m}")
+            libs[m.split("-")[0]].save(saved, path, m.endswith("-async"))
     for rep in range(args.repeats):
         order = rotated(methods, rep)
         if not args.load_only:
