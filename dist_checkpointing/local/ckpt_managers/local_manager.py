@@ -19,6 +19,8 @@ import torch
 from ...errors import CheckpointCorruptedError, CheckpointingException
 from ...storage import StreamedFile, fsync_dir, read_file
 from .._image import LocalImage, write_image
+from ..replication._parity_math import read_record_info
+from ..replication.parity import PARITY
 from ..replication.strategies import CkptID, ReplicationStrategy
 from .base_manager import BaseCheckpointManager, SameMachineReplicationException
 
@@ -28,6 +30,8 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _NAME = re.compile(r"iter_(\d{7,})_(\d+)_local(\.dirty)?\.pt")
+#: a parity record (`ParityReplicationStrategy`) held by rank <holder>: id (it, holder, session, PARITY)
+_PARITY_NAME = re.compile(r"iter_(\d{7,})_(\d+)_parity(\.dirty)?\.bin")
 #: a superseded part kept for the next save to write over (never a checkpoint)
 _SPARE = re.compile(r"spare_[0-9a-f]{32}\.bin")
 #: a spare being moved to a dirty name by process <pid> (left only by a crash)
@@ -64,25 +68,43 @@ class LocalCheckpointManager(BaseCheckpointManager):
         """This rank's directory."""
         return self.root_local_ckpt_dir / self.session_id / str(self.rank)
 
-    def _path(self, ckpt_id: CkptID, dirty: bool = False) -> Path:
-        iteration, owner, session = ckpt_id
+    def _path(self, ckpt_id: Tuple, dirty: bool = False) -> Path:
+        iteration, owner, session, *kind = ckpt_id
         if session != self.session_id:
             raise CheckpointingException(
                 f"Checkpoint id {ckpt_id} belongs to session {session!r}, not {self.session_id!r}"
             )
         suffix = ".dirty" if dirty else ""
+        if kind == [PARITY]:
+            return self.local_ckpt_dir / f"iter_{iteration:07d}_{owner}_parity{suffix}.bin"
         return self.local_ckpt_dir / f"iter_{iteration:07d}_{owner}_local{suffix}.pt"
 
-    def _scan(self) -> List[Tuple[CkptID, bool, Path]]:
-        """This rank's parts: `(id, dirty, path)`."""
+    def _scan(self) -> List[Tuple[Tuple, bool, Path]]:
+        """This rank's parts and parity records: `(id, dirty, path)` (a record's id has a
+        fourth element, `PARITY`)."""
         return [
-            ((int(m.group(1)), int(m.group(2)), self.session_id), bool(m.group(3)), p)
-            for p, m in self._named(_NAME)
+            ((int(m.group(1)), int(m.group(2)), self.session_id, *extra), bool(m.group(3)), p)
+            for pattern, extra in ((_NAME, ()), (_PARITY_NAME, (PARITY,)))
+            for p, m in self._named(pattern)
             if p.is_file()
         ]
 
     def _my_ckpt_ids(self) -> Iterable[CkptID]:
-        return [ckpt_id for ckpt_id, dirty, _ in self._scan() if not dirty]
+        return [ckpt_id for ckpt_id, dirty, _ in self._scan() if not dirty and len(ckpt_id) == 3]  # type: ignore[misc]
+
+    def _parity_records(self) -> List[Tuple[int, int, Tuple[int, ...]]]:
+        out = []
+        for ckpt_id, dirty, path in self._scan():
+            if dirty or len(ckpt_id) != 4:
+                continue
+            try:
+                record = read_record_info(str(path))
+            except (OSError, ValueError) as e:  # unusable: as if it were missing
+                logger.warning("ignoring parity record %s: %s", path, e)
+                continue
+            if (record.iteration, record.holder, record.session) == tuple(ckpt_id[:3]):
+                out.append(record.info())
+        return out
 
     def _dirty_ids(self, iteration: int) -> List[CkptID]:
         return [ckpt_id for ckpt_id, dirty, _ in self._scan() if dirty and ckpt_id[0] == iteration]
