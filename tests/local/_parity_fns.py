@@ -135,3 +135,58 @@ def flip_parity_then_lose(tmp: str, k: int, holder: int, lost: int) -> Tuple[Any
 
 def parity_params_error(jump: Any, k: Any) -> Tuple[str, str]:
     return error_of(ParityReplicationStrategy.from_replication_params, jump, k)
+
+
+def manager_resume(base: str, k: int, lost: List[int]) -> Tuple[int, str, bool, int]:
+    """A CheckpointManager (persistent every 2 steps, local tier with parity every step)
+    saves steps 1..3; `lost` nodes lose their local files; a new manager loads.
+
+    Returns `(step, tier, values bit-exact, candidates skipped)` as seen by this rank."""
+    from pathlib import Path
+
+    from dist_checkpointing import CheckpointManager, CheckpointManagerOptions
+    from tests.manager._manager_fns import _state
+
+    root, local_root = Path(base) / "p", Path(base) / "l"
+    options = CheckpointManagerOptions(
+        save_interval=2,
+        keep_last=2,
+        local_root=str(local_root),
+        local_save_interval=1,
+        replication=strategy(k),
+    )
+    manager = CheckpointManager(root, options)
+    for step in range(1, 4):
+        manager.save(step, _state(step))
+    manager.close()
+    dist.barrier()
+    if dist.get_rank() in lost:
+        shutil.rmtree(local_root / "dist_ckpt" / str(dist.get_rank()))
+    dist.barrier()
+    manager = CheckpointManager(root, options)
+    request = _state(0)
+    state, step = manager.load(request)
+    want = _state(step)
+    ok = torch.equal(state["w"], want["w"].data) and torch.equal(state["bias"], want["bias"].data)
+    info = manager.last_restore
+    manager.close()
+    assert info is not None
+    return step, info.tier, bool(ok and state["step"] == step), len(info.skipped)
+
+
+def local_backend_round_trip(tmp: str, k: int) -> Tuple[bool, bool]:
+    """`dc.save` through the ('local', 2) backend with parity; loads it intact, then after
+    node 0 lost its parts and parity (its part rebuilt). Returns (intact ok, rebuilt ok)."""
+    import dist_checkpointing as dc
+    from dist_checkpointing.strategies.local import LocalSaveShardedStrategy
+
+    from ._local_fns import dc_load, local_dir, sharded_state
+
+    strategy_ = LocalSaveShardedStrategy(repl_strategy=strategy(k))
+    dc.save(sharded_state(), local_dir(tmp), sharded_strategy=strategy_)
+    intact = dc_load(tmp)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(os.path.join(local_dir(tmp), "0"))
+    dist.barrier()
+    return intact, dc_load(tmp)

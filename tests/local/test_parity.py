@@ -83,6 +83,18 @@ def test_every_part_is_rebuilt_after_losing_any_single_node_on_4_nodes(world_fac
         assert "rank 1's parity record" in message and "parity checksum mismatch" in message
 
 
+def test_manager_and_local_backend_recover_a_node_from_parity_or_fall_back(world_factory, tmp_path):
+    world = world_factory(4)
+    # k = 2 groups [0, 1] and [2, 3]: node 1 lost -> the local step 3 (rank 1's part rebuilt)
+    one = world.run_ok(P.manager_resume, str(tmp_path / "one"), 2, [1], timeout=200)
+    assert one == [(3, "local", True, 0)] * 4
+    # nodes 0 and 1 lost -> no local candidate; the persistent step 2
+    two = world.run_ok(P.manager_resume, str(tmp_path / "two"), 2, [0, 1], timeout=200)
+    assert two == [(2, "persistent", True, 0)] * 4
+    # the ('local', 2) backend through dc.save / dc.load, group of 4
+    assert world.run_ok(P.local_backend_round_trip, str(tmp_path / "dc"), 4) == [(True, True)] * 4
+
+
 @pytest.mark.parametrize(
     "jump,k,bad",
     [(0, 2, "replication_jump"), (1, 1, "group_size"), (3, 2, "replication_jump"), (1, 3, "group_size"), (2, 4, "group_size")],
