@@ -3,6 +3,8 @@ group; two lost nodes of a group, or a damaged parity segment, reported on every
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -24,7 +26,7 @@ def _groups(draw):
 def test_any_one_lost_part_is_rebuilt_exactly_from_the_others_parts_and_parities(group):
     import numpy as np
 
-    from dist_checkpointing.local.replication._parity_math import encode, rebuild, segment_size
+    from dist_checkpointing.local._parity_math import encode, rebuild, segment_size
 
     k, sizes, lost, seed = group
     rng = np.random.default_rng(seed)
@@ -45,7 +47,7 @@ def test_any_one_lost_part_is_rebuilt_exactly_from_the_others_parts_and_parities
 def test_group_of_two_keeps_a_mirror_of_the_partner():
     import numpy as np
 
-    from dist_checkpointing.local.replication._parity_math import encode
+    from dist_checkpointing.local._parity_math import encode
 
     a, b = np.arange(5000, dtype=np.uint8), np.arange(3000, dtype=np.uint8)[::-1].copy()
     pa, pb = encode([a, b])
@@ -83,7 +85,7 @@ def test_every_part_is_rebuilt_after_losing_any_single_node_on_4_nodes(world_fac
         assert "rank 1's parity record" in message and "parity checksum mismatch" in message
 
 
-def test_manager_and_local_backend_recover_a_node_from_parity_or_fall_back(world_factory, tmp_path):
+def test_manager_backend_and_tools_see_a_node_rebuilt_from_parity_or_lost(world_factory, tmp_path):
     world = world_factory(4)
     # k = 2 groups [0, 1] and [2, 3]: node 1 lost -> the local step 3 (rank 1's part rebuilt)
     one = world.run_ok(P.manager_resume, str(tmp_path / "one"), 2, [1], timeout=200)
@@ -93,6 +95,36 @@ def test_manager_and_local_backend_recover_a_node_from_parity_or_fall_back(world
     assert two == [(2, "persistent", True, 0)] * 4
     # the ('local', 2) backend through dc.save / dc.load, group of 4
     assert world.run_ok(P.local_backend_round_trip, str(tmp_path / "dc"), 4) == [(True, True)] * 4
+    _check_tools(tmp_path)
+
+
+def _check_tools(tmp_path):
+    """`dist-ckpt ls / inspect / verify` name the present, rebuildable and lost parts."""
+    from dist_checkpointing.tools import describe, list_checkpoints, verify_checkpoint
+
+    one = tmp_path / "one" / "l" / "dist_ckpt"
+    status = "parity groups [[0, 1], [2, 3]]: parts present [0, 2, 3], rebuildable [1], lost []"
+    (entry,) = [i for i in list_checkpoints(one) if i.step == 3]
+    assert entry.complete and entry.parity == status and entry.world_size == 4
+    assert describe(one).parity == status
+    report = verify_checkpoint(one)
+    assert report.ok and report.parity == status and report.items == 6, report
+    lost = tmp_path / "lost"
+    shutil.copytree(one, lost)
+    shutil.rmtree(lost / "0")  # group [0, 1] lost both nodes
+    (entry,) = [i for i in list_checkpoints(lost) if i.step == 3]
+    assert not entry.complete and entry.parity.endswith("rebuildable [], lost [0, 1]"), entry
+    assert not verify_checkpoint(lost).ok
+    record = one / "2" / "iter_0000003_2_parity.bin"
+    data = bytearray(record.read_bytes())
+    data[10] ^= 1
+    record.write_bytes(bytes(data))
+    (problem,) = verify_checkpoint(one).problems
+    assert problem.file == "2/iter_0000003_2_parity.bin" and "parity checksum mismatch" in str(
+        problem
+    )
+    dc = tmp_path / "dc" / "node1" / "ckpt"  # ('local', 2): node 1 sees its own part and record
+    assert "parts present [1]" in describe(dc, deep=False).parity
 
 
 @pytest.mark.parametrize(

@@ -19,7 +19,8 @@ import torch
 from ...errors import CheckpointCorruptedError, CheckpointingException
 from ...storage import StreamedFile, fsync_dir, read_file
 from .._image import LocalImage, write_image
-from ..replication._parity_math import read_record_info
+from .._parity_math import read_record_info
+from ..memory import is_memory_path
 from ..replication.parity import PARITY
 from ..replication.strategies import CkptID, ReplicationStrategy
 from .base_manager import BaseCheckpointManager, SameMachineReplicationException
@@ -42,7 +43,10 @@ class LocalCheckpointManager(BaseCheckpointManager):
     """Keeps local checkpoints as files under `root_local_ckpt_dir/session_id/rank/`.
 
     Args:
-        root_local_ckpt_dir: node-local directory (SSD, RAM disk); need not be shared.
+        root_local_ckpt_dir: node-local directory (SSD, RAM disk); need not be shared. On a
+            memory file system (a directory in /dev/shm: the host-memory tier, which
+            outlives the training processes but not the machine) parts are written
+            buffered and `fsync` defaults to False (see `dist_checkpointing.local.memory`).
         session_id: subdirectory and id component separating jobs under one root.
         repl_strategy: where copies of each part go (e.g. `CliqueReplicationStrategy`).
         use_replicas, fsync: as for `BaseCheckpointManager`.
@@ -59,6 +63,10 @@ class LocalCheckpointManager(BaseCheckpointManager):
     ) -> None:
         super().__init__(session_id, repl_strategy, use_replicas=use_replicas, fsync=fsync)
         self.root_local_ckpt_dir = Path(root_local_ckpt_dir)
+        #: the root is in host memory (tmpfs, e.g. /dev/shm): buffered writes, no fsync
+        self.in_memory = is_memory_path(self.root_local_ckpt_dir)
+        if self.in_memory and fsync is None:
+            self.fsync = False  # nothing to flush: the files are memory
         if session_id and (os.sep in session_id or session_id in (".", "..")):
             raise CheckpointingException(f"session_id must be a plain name, got {session_id!r}")
         self._spare_lock = threading.Lock()  # the own part and replicas are written at once
@@ -174,7 +182,7 @@ class LocalCheckpointManager(BaseCheckpointManager):
         return self._write_dirty(
             ckpt_id,
             lambda p, reused: StreamedFile(
-                p, nbytes, fsync=self.fsync, direct=True, overwrite=reused
+                p, nbytes, fsync=self.fsync, direct=not self.in_memory, overwrite=reused
             ),
         )
 

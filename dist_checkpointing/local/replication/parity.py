@@ -28,13 +28,15 @@ from ... import _dist
 from ...errors import CheckpointingException, NoReplicasAvailableError, describe_ckpt_id
 from ...integrity import checksum
 from .._image import LocalImage
-from ._parity_math import (
+from .._parity_math import (
     PARITY_CHUNK,
     ParityRecord,
+    Records,
     assignment,
     contribution_ranges,
     padded_range,
     parse_record,
+    plan_rebuild,
     record_trailer,
     segment_size,
     trailer_size,
@@ -43,7 +45,13 @@ from ._parity_math import (
 from ._stream import OpenSink, wait_all
 from .strategies import CkptID, ReplicationStrategy, clique_ranks, host_group
 
-__all__ = ["PARITY", "ParityReplicationStrategy", "parity_groups", "rebuild_lost_parts"]
+__all__ = [
+    "PARITY",
+    "ParityReplicationStrategy",
+    "parity_groups",
+    "rebuild_lost_parts",
+    "rebuildable",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -276,41 +284,6 @@ class ParityReplicationStrategy(ReplicationStrategy):
             _give_back([*bufs, acc])
         if error is not None:
             raise error
-
-
-Records = Sequence[Sequence[Tuple[int, int, Tuple[int, ...]]]]
-
-
-def plan_rebuild(
-    iteration: int, lost: Set[int], present: Set[int], records: Records
-) -> Tuple[Dict[int, List[int]], List[str]]:
-    """Pure: the group of each lost owner that can be rebuilt, and why the others cannot.
-
-    Args:
-        lost: owners of `iteration` whose part no rank holds.
-        present: owners whose part some rank holds.
-        records: per rank, `(iteration, holder, group)` of each parity record it holds.
-    """
-    held = {
-        (it, h): tuple(g) for rank, infos in enumerate(records) for it, h, g in infos if h == rank
-    }
-    groups: Dict[int, List[int]] = {}
-    problems: List[str] = []
-    for m in sorted(lost):
-        group = next((list(g) for (it, _), g in held.items() if it == iteration and m in g), None)
-        if group is None:
-            problems.append(f"rank {m}: no parity record of its group survives")
-            continue
-        others = [r for r in group if r != m]
-        gone = [r for r in others if r not in present]
-        nopar = [r for r in others if held.get((iteration, r)) != tuple(group)]
-        if gone or nopar:
-            why = f"part(s) of rank(s) {gone} also lost" if gone else ""
-            why += ("; " if why else "") + (f"no parity record of rank(s) {nopar}" if nopar else "")
-            problems.append(f"rank {m} (parity group {group}): {why}")
-            continue
-        groups[m] = group
-    return groups, problems
 
 
 def rebuildable(iteration: int, lost: Set[int], present: Set[int], records: Records) -> bool:

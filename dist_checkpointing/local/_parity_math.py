@@ -24,11 +24,10 @@ import json
 import os
 import struct
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
-
-from ...integrity import checksum
+from xxhash import xxh3_64_intdigest
 
 __all__ = [
     "PARITY_CHUNK",
@@ -45,6 +44,8 @@ __all__ = [
     "record_trailer",
     "read_record_info",
     "parse_record",
+    "plan_rebuild",
+    "Records",
 ]
 
 #: bytes per exchanged message and per checksummed piece of a parity record
@@ -54,6 +55,11 @@ _MAGIC = b"DCLPAR01"
 #: magic, segment size S, number of chunk checksums, header length, checksum of both
 _FOOTER = struct.Struct("<8sQQQQ")
 FORMAT_VERSION = 1
+
+
+def checksum(data: Any) -> int:
+    """xxh3-64 of a bytes-like object (as `integrity.checksum`, without importing torch)."""
+    return xxh3_64_intdigest(data)
 
 
 def assignment(i: int, j: int, k: int) -> int:
@@ -271,3 +277,40 @@ def parse_record(data: np.ndarray, where: str) -> Tuple[ParityRecord, np.ndarray
         if checksum(parity[lo:hi]) != expected:
             raise ValueError(f"{where}: parity checksum mismatch (bytes {lo}-{hi})")
     return record, parity
+
+
+#: per rank, `(iteration, holder, group)` of each parity record it holds
+Records = Sequence[Sequence[Tuple[int, int, Tuple[int, ...]]]]
+
+
+def plan_rebuild(
+    iteration: int, lost: Set[int], present: Set[int], records: Records
+) -> Tuple[Dict[int, List[int]], List[str]]:
+    """The group of each lost owner that can be rebuilt, and why the others cannot.
+
+    Args:
+        lost: owners of `iteration` whose part no rank holds.
+        present: owners whose part some rank holds.
+        records: per rank, `(iteration, holder, group)` of each parity record it holds (a
+            record counts only in its holder's list).
+    """
+    held = {
+        (it, h): tuple(g) for rank, infos in enumerate(records) for it, h, g in infos if h == rank
+    }
+    groups: Dict[int, List[int]] = {}
+    problems: List[str] = []
+    for m in sorted(lost):
+        group = next((list(g) for (it, _), g in held.items() if it == iteration and m in g), None)
+        if group is None:
+            problems.append(f"rank {m}: no parity record of its group survives")
+            continue
+        others = [r for r in group if r != m]
+        gone = [r for r in others if r not in present]
+        nopar = [r for r in others if held.get((iteration, r)) != tuple(group)]
+        if gone or nopar:
+            why = [f"part(s) of rank(s) {gone} also lost"] if gone else []
+            why += [f"no parity record of rank(s) {nopar}"] if nopar else []
+            problems.append(f"rank {m} (parity group {group}): {'; '.join(why)}")
+            continue
+        groups[m] = group
+    return groups, problems
