@@ -12,9 +12,9 @@ from typing import Any, Dict, List, Tuple
 import torch
 import torch.distributed as dist
 
+from dist_checkpointing.local import _parity_math
 from dist_checkpointing.local.basic_state_dict import BasicTensorAwareStateDict
 from dist_checkpointing.local.ckpt_managers.local_manager import LocalCheckpointManager
-from dist_checkpointing.local.replication import parity
 from dist_checkpointing.local.replication.strategies import ParityReplicationStrategy
 
 from ._local_fns import error_of, node_root
@@ -26,7 +26,7 @@ CHUNK = 64 << 10
 
 def strategy(k: int) -> ParityReplicationStrategy:
     """One strategy (process groups) per group size and world, reused across tests."""
-    parity.PARITY_CHUNK = CHUNK
+    _parity_math.PARITY_CHUNK = CHUNK
     if k not in _strategies:
         _strategies[k] = ParityReplicationStrategy.from_replication_params(1, k)
     return _strategies[k]

@@ -29,7 +29,7 @@ from ...errors import (
 )
 from .._image import LocalImage, decode_image, finish_image, release_image, start_image
 from ..base_state_dict import TensorAwareStateDict
-from ..replication.parity import rebuild_lost_parts, rebuildable
+from ..replication._parity_rebuild import rebuild_lost_parts, rebuildable
 from ..replication.strategies import (
     CkptID,
     ExchangePlan,

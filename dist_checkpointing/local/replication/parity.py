@@ -6,8 +6,9 @@ its part that member's parity covers, as raw bytes in chunks of `PARITY_CHUNK` (
 part where they can be; a bounded window of sends and receives in flight), and each member
 XORs what it receives chunk by chunk and writes its record as it goes: memory grows by a few
 chunks, not a part. At load, a part that no rank holds is rebuilt by its owner from the k-1
-surviving parts and parities of its group (`rebuild_lost_parts`), then verified by the part's
-own checksums; two lost members of one group raise `NoReplicasAvailableError` on every rank.
+surviving parts and parities of its group (`_parity_rebuild.rebuild_lost_parts`), then
+verified by the part's own checksums; two lost members of one group raise
+`NoReplicasAvailableError` on every rank.
 """
 
 from __future__ import annotations
@@ -18,40 +19,29 @@ import logging
 import mmap
 import threading
 from collections import deque
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from ... import _dist
-from ...errors import CheckpointingException, NoReplicasAvailableError, describe_ckpt_id
+from ...errors import CheckpointingException
 from ...integrity import checksum
+from .. import _parity_math as pm
 from .._image import LocalImage
 from .._parity_math import (
-    PARITY_CHUNK,
-    ParityRecord,
-    Records,
     assignment,
-    contribution_ranges,
     padded_range,
-    parse_record,
-    plan_rebuild,
     record_trailer,
     segment_size,
     trailer_size,
     xor_into,
 )
 from ._stream import OpenSink, wait_all
-from .strategies import CkptID, ReplicationStrategy, clique_ranks, host_group
+from .strategies import CkptID, ReplicationStrategy, clique_ranks
 
-__all__ = [
-    "PARITY",
-    "ParityReplicationStrategy",
-    "parity_groups",
-    "rebuild_lost_parts",
-    "rebuildable",
-]
+__all__ = ["PARITY", "ParityReplicationStrategy", "parity_groups"]
 
 logger = logging.getLogger(__name__)
 
@@ -67,9 +57,11 @@ _lock = threading.Lock()
 def _buffers(n: int) -> List[np.ndarray]:
     """`n` page-aligned buffers of `PARITY_CHUNK` bytes, reused across saves."""
     with _lock:
-        got = [_free.pop() for _ in range(min(n, len(_free)))]
+        fits = [b for b in _free if b.size == pm.PARITY_CHUNK][:n]
+        _free[:] = [b for b in _free if all(b is not f for f in fits)]
+        got = fits
     return got + [
-        np.frombuffer(mmap.mmap(-1, PARITY_CHUNK), dtype=np.uint8) for _ in range(n - len(got))
+        np.frombuffer(mmap.mmap(-1, pm.PARITY_CHUNK), dtype=np.uint8) for _ in range(n - len(got))
     ]
 
 
@@ -184,12 +176,12 @@ class ParityReplicationStrategy(ReplicationStrategy):
             "id": [iteration, me, session],
             "group": self.ranks,
             "segment": seg,
-            "chunk": PARITY_CHUNK,
+            "chunk": pm.PARITY_CHUNK,
             "sizes": sizes,
             "digests": [int(d) for _, _, d in infos],
         }
         record_id = (iteration, me, session, PARITY)
-        total = seg + trailer_size(header, seg, PARITY_CHUNK)
+        total = seg + trailer_size(header, seg, pm.PARITY_CHUNK)
         peers = [(i, r) for i, r in enumerate(self.ranks) if r != me]
         with concurrent.futures.ThreadPoolExecutor(1, "dc-parity-recv") as pool:
             received = pool.submit(
@@ -213,8 +205,8 @@ class ParityReplicationStrategy(ReplicationStrategy):
         """Sends each peer the segment of this part its parity covers, chunk by chunk."""
         inflight: deque = deque()
         try:
-            for c, lo in enumerate(range(0, seg, PARITY_CHUNK)):
-                n = min(PARITY_CHUNK, seg - lo)
+            for c, lo in enumerate(range(0, seg, pm.PARITY_CHUNK)):
+                n = min(pm.PARITY_CHUNK, seg - lo)
                 for i, peer in peers:
                     start = assignment(i, idx, k) * seg + lo
                     msg = padded_range(segs, start, start + n)
@@ -242,14 +234,14 @@ class ParityReplicationStrategy(ReplicationStrategy):
             sink = open_sink(record_id, total)
         except Exception as e:
             error = e
-        starts = list(range(0, seg, PARITY_CHUNK))
+        starts = list(range(0, seg, pm.PARITY_CHUNK))
         slots = min(WINDOW, len(starts))
         bufs = _buffers(slots * len(peers) + 1)
         acc = bufs.pop()
         sums: List[int] = []
 
         def post(c: int) -> List[Any]:
-            n = min(PARITY_CHUNK, seg - starts[c])
+            n = min(pm.PARITY_CHUNK, seg - starts[c])
             base = (c % slots) * len(peers)
             return [
                 dist.irecv(torch.from_numpy(bufs[base + p][:n]), src=peer, group=self.group, tag=c)
@@ -260,7 +252,7 @@ class ParityReplicationStrategy(ReplicationStrategy):
         try:
             for c, lo in enumerate(starts):
                 wait_all(pending.popleft())
-                n = min(PARITY_CHUNK, seg - lo)
+                n = min(pm.PARITY_CHUNK, seg - lo)
                 base = (c % slots) * len(peers)
                 out = acc[:n]
                 out[:] = bufs[base][:n]
@@ -284,167 +276,3 @@ class ParityReplicationStrategy(ReplicationStrategy):
             _give_back([*bufs, acc])
         if error is not None:
             raise error
-
-
-def rebuildable(iteration: int, lost: Set[int], present: Set[int], records: Records) -> bool:
-    """Pure: whether every lost part of `iteration` can be rebuilt from parity."""
-    return not plan_rebuild(iteration, lost, present, records)[1]
-
-
-def rebuild_lost_parts(
-    manager: Any,
-    iteration: int,
-    lost: Set[int],
-    held: Dict[CkptID, torch.Tensor],
-    records: Records,
-) -> None:
-    """Collective (all ranks): rebuilds each lost part of `iteration` on its owner from its
-    group's surviving parts (each survivor's own, verified, in `held`) and parity records,
-    verifies it and puts it into `held`.
-
-    Raises:
-        NoReplicasAvailableError: on every rank, when a lost part cannot be rebuilt (two
-            losses in a group, a damaged or missing parity record, a failed verification).
-    """
-    me, session = _dist.get_rank(), manager.session_id
-    present = set(range(_dist.get_world_size())) - lost
-    groups, problems = plan_rebuild(iteration, lost, present, records)
-    what = f"local checkpoint of iteration {iteration} (session {session!r})"
-    if problems:
-        raise NoReplicasAvailableError(
-            f"Cannot rebuild lost parts of the {what}: " + "; ".join(problems)
-        )
-    target = next((m for m, g in groups.items() if me in g and me != m), None)
-    parity: Optional[np.ndarray] = None
-    error, key = "", None
-    if target is not None:
-        try:
-            image, where = manager._load_image((iteration, me, session, PARITY))
-            record, parity = parse_record(image.numpy(), where)
-            _check_record(record, groups[target], me, held[(iteration, me, session)].numpy())
-            key = (record.sizes, record.digests, record.segment)
-        except (CheckpointingException, OSError, ValueError, KeyError) as e:
-            error = f"rank {me}'s parity record: {e}"
-    reports = _dist.all_gather_object((error, key))
-    bad = [e for e, _ in reports if e]
-    for m, group in groups.items():
-        keys = [reports[r][1] for r in group if r != m]
-        if not bad and any(k != keys[0] for k in keys):
-            bad.append(f"the parity records of group {group} come from different saves")
-    if bad:
-        raise NoReplicasAvailableError(
-            f"Cannot rebuild lost parts of the {what}: " + "; ".join(bad)
-        )
-    keys_of = {m: reports[next(r for r in g if r != m)][1] for m, g in groups.items()}
-    error = _exchange(manager, iteration, groups, held, parity, keys_of)
-    bad = [e for e in _dist.all_gather_object(error) if e]
-    if bad:
-        raise NoReplicasAvailableError(
-            f"Rebuilt parts of the {what} are unusable: " + "; ".join(bad)
-        )
-    if me in groups:
-        logger.info(
-            "rebuilt local checkpoint part %s from parity",
-            describe_ckpt_id((iteration, me, session)),
-        )
-
-
-def _check_record(record: ParityRecord, group: List[int], me: int, own: np.ndarray) -> None:
-    """The record belongs to this group and was made from this rank's part as it is now."""
-    if record.group != group or record.holder != me:
-        raise ValueError(
-            f"record of group {record.group} held by {record.holder}, expected {group}"
-        )
-    i = group.index(me)
-    if record.sizes[i] != own.size or record.digests[i] != _tail_digest(own):
-        raise ValueError("made from another save of this rank's part")
-
-
-def _tail_digest(image: np.ndarray) -> int:
-    """A part's digest: the checksum of its header, checksum table and footer."""
-    from .._image import _FOOTER
-
-    if image.size < _FOOTER.size:
-        return -1
-    h_off = _FOOTER.unpack(image[image.size - _FOOTER.size :].tobytes())[1]
-    return checksum(image[min(h_off, image.size) :])
-
-
-def _exchange(
-    manager: Any,
-    iteration: int,
-    groups: Dict[int, List[int]],
-    held: Dict[CkptID, torch.Tensor],
-    parity: Optional[np.ndarray],
-    keys_of: Dict[int, Any],
-) -> str:
-    """Survivors send their contributions; each lost part's owner XORs them; '' or an error.
-    Messages: each contribution's segments in order, each cut at `PARITY_CHUNK`, tags 0, 1..."""
-    me, session = _dist.get_rank(), manager.session_id
-    pg = host_group()
-    works: List[Any] = []
-    keep: List[np.ndarray] = []
-    for m, group in groups.items():
-        if me == m or me not in group:
-            continue
-        seg = keys_of[m][2]
-        own = held[(iteration, me, session)].numpy()
-        tag = 0
-        for kind, lo, hi in contribution_ranges(group.index(me), group.index(m), len(group), seg):
-            for a in range(lo, hi, PARITY_CHUNK):
-                b = min(hi, a + PARITY_CHUNK)
-                assert parity is not None
-                msg = parity[a:b] if kind == "parity" else padded_range([own], a, b)
-                keep.append(msg)
-                works.append(dist.isend(torch.from_numpy(msg), dst=m, group=pg, tag=tag))
-                tag += 1
-    error = ""
-    if me in groups:
-        try:
-            _receive_rebuild(manager, iteration, groups[me], held, keys_of[me], pg)
-        except (CheckpointingException, ValueError) as e:
-            error = f"rank {me}: {e}"
-    wait_all(works)
-    return error
-
-
-def _receive_rebuild(
-    manager: Any,
-    iteration: int,
-    group: List[int],
-    held: Dict[CkptID, torch.Tensor],
-    key: Any,
-    pg: Any,
-) -> None:
-    """On a lost part's owner: receives and XORs every survivor's contribution, verifies."""
-    me, session = _dist.get_rank(), manager.session_id
-    sizes, digests, seg = key
-    k = len(group)
-    acc = torch.zeros((k - 1) * seg, dtype=torch.uint8)
-    flat = acc.numpy()
-    survivors = [r for r in group if r != me]
-    bufs = _buffers(len(survivors))
-    try:
-        q = 0
-        for t in range(k - 1):
-            for a in range(t * seg, (t + 1) * seg, PARITY_CHUNK):
-                b = min((t + 1) * seg, a + PARITY_CHUNK)
-                works = [
-                    dist.irecv(torch.from_numpy(buf[: b - a]), src=r, group=pg, tag=q)
-                    for r, buf in zip(survivors, bufs)
-                ]
-                wait_all(works)
-                for buf in bufs:
-                    xor_into(flat[a:b], buf[: b - a])
-                q += 1
-    finally:
-        _give_back(bufs)
-    size = sizes[group.index(me)]
-    if _tail_digest(flat[:size]) != digests[group.index(me)]:
-        raise ValueError("the rebuilt part does not match the digest its group recorded")
-    ckpt_id = (iteration, me, session)
-    where = f"local checkpoint part {describe_ckpt_id(ckpt_id)} (rebuilt from parity)"
-    checked = manager._checked(ckpt_id, (acc[:size], where))
-    if not isinstance(checked, torch.Tensor):
-        raise ValueError(str(checked))
-    held[ckpt_id] = checked
