@@ -3,7 +3,10 @@ group; two lost nodes of a group, or a damaged parity segment, reported on every
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 from hypothesis import given, settings
@@ -109,6 +112,16 @@ def _check_tools(tmp_path):
     assert describe(one).parity == status
     report = verify_checkpoint(one)
     assert report.ok and report.parity == status and report.items == 6, report
+    # `dist-ckpt ls` prints it, from the records' headers, without importing torch
+    code = (
+        "import sys\nfrom dist_checkpointing.cli import main\n"
+        f"rc = main(['ls', {str(one)!r}])\n"
+        "assert not [m for m in sys.modules if m.split('.')[0] == 'torch'], 'torch imported'\n"
+        "sys.exit(rc)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.returncode == 0 and status in out.stdout, out.stdout + out.stderr[-2000:]
     lost = tmp_path / "lost"
     shutil.copytree(one, lost)
     shutil.rmtree(lost / "0")  # group [0, 1] lost both nodes
