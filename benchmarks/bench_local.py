@@ -24,11 +24,15 @@ The save rows rotate their order from round to round, each after an untimed `syn
 - with `--nvrx-python PY` (a Python with nvidia-resiliency-ext 0.4.1 and torch, e.g. a side
   venv): its LocalCheckpointManager with replication factor 2, run by
   `benchmarks/nvrx_local_side.py` in that interpreter, in the same run (our package never
-  imports it).
+  imports it);
+- `--phases parity` (not in the default): parity replication against clique factor 2 on
+  `--parity-world` ranks, `--parity-mib` MiB per rank (`benchmarks/_local_parity.py`), with
+  nvidia-resiliency-ext's factor 2 at the same size when `--nvrx-python` is given.
 
 The table gives the ratios that matter next to each row.
 
     python -m benchmarks.bench_local --world-sizes 2 4 --total-mib 1024 --nvrx-python "$NVRX_VENV/bin/python"
+    python -m benchmarks.bench_local --phases parity --parity-world 4 --parity-k 4 --parity-mib 1024
 """
 
 from __future__ import annotations
@@ -350,6 +354,33 @@ def _table(res: Dict[str, Any]) -> List[Dict[str, Any]]:
     return rows
 
 
+def _parity(args: argparse.Namespace) -> Dict[str, Any]:
+    """The parity phase (see `benchmarks/_local_parity.py`): table printed, results returned."""
+    from benchmarks._local_parity import parity_table, parity_worker
+
+    shutil.rmtree(args.dir, ignore_errors=True)
+    before = os.getloadavg()
+    res = run_world(parity_worker, args.parity_world, args)
+    if args.nvrx_python:
+        total = argparse.Namespace(
+            **{**vars(args), "total_mib": args.parity_mib * args.parity_world}
+        )
+        res.update(_nvrx(total, args.parity_world))
+    shutil.rmtree(args.dir, ignore_errors=True)
+    after = os.getloadavg()
+    res["load average before"], res["load average after"] = before, after
+    print_table(
+        f"parity k={args.parity_k} vs clique f2, {args.parity_world} ranks, {args.parity_mib} MiB "
+        f"fp32 per rank, medians of {args.repeats}; load average before {_loads(before)}, "
+        f"after {_loads(after)}",
+        parity_table(res, args.parity_k),
+        ["what", "clique f2", f"parity k{args.parity_k}", "parity / clique"],
+    )
+    print(json.dumps(res, indent=1))
+    sys.stdout.flush()
+    return res
+
+
 def _loads(avg: Any) -> str:
     return "/".join(f"{x:.2f}" for x in avg)
 
@@ -365,7 +396,7 @@ def main() -> None:
     parser.add_argument(
         "--phases",
         nargs="+",
-        choices=["saves", "loads", "async"],
+        choices=["saves", "loads", "async", "parity"],
         default=["saves", "loads", "async"],
         help="what to measure (default all; loads also time the saves they load)",
     )
@@ -374,13 +405,18 @@ def main() -> None:
         default=os.environ.get("DIST_CKPT_NVRX_PYTHON", ""),
         help="Python with nvidia-resiliency-ext 0.4.1 (default $DIST_CKPT_NVRX_PYTHON; empty: skip)",
     )
+    parser.add_argument("--parity-world", type=int, default=4)
+    parser.add_argument("--parity-k", type=int, default=4, help="parity group size")
+    parser.add_argument("--parity-mib", type=int, default=1024, help="state per rank (MiB)")
     parser.add_argument("--json", default="")
     args = parser.parse_args()
     if args.repeats < 3:
         print(f"--repeats {args.repeats}: taking 3, the fewest a median means anything with")
         args.repeats = 3
     results: Dict[str, Any] = {}
-    for world in args.world_sizes:
+    if "parity" in args.phases:
+        results["parity"] = _parity(args)
+    for world in args.world_sizes if set(args.phases) - {"parity"} else ():
         shutil.rmtree(args.dir, ignore_errors=True)
         before = os.getloadavg()
         res = run_world(_worker, world, args)
@@ -399,7 +435,10 @@ def main() -> None:
         print(json.dumps(res, indent=1))
         sys.stdout.flush()
     if args.json:
-        write_json(args.json, {"raw": results, "rows": {w: _table(r) for w, r in results.items()}})
+        write_json(
+            args.json,
+            {"raw": results, "rows": {w: _table(r) for w, r in results.items() if w != "parity"}},
+        )
 
 
 if __name__ == "__main__":

@@ -6,7 +6,9 @@ every tensor is on CUDA and moves tensors back with `.to("cuda")`. A subclass he
 CPU tensors and keeps them on the CPU; its replication (`CliqueReplicationStrategy`, jump
 1, factor 2, gloo) and file writing are used as shipped. Same state as `bench_local`:
 `--total-mib / world` MiB of fp32 per rank in 8 tensors, medians over `--repeats` saves
-(max over ranks). Prints one JSON line: `{"nvrx f2 s": ..., "nvrx load s": ...}`.
+(max over ranks). Prints one JSON line: `{"nvrx f2 s": ..., "nvrx load s": ...}` (the load
+right after the saves, page cache warm), `"nvrx load cold s"` (page cache dropped, as
+`bench_local`'s loads) and `"nvrx bytes kept / state"` (its files per rank over the state).
 
     "$NVRX_VENV/bin/python" benchmarks/nvrx_local_side.py --world-size 2 --total-mib 1024
 """
@@ -92,16 +94,42 @@ def _worker(rank: int, world: int, args: argparse.Namespace, port: int, queue: A
         t0 = time.perf_counter()
         manager.save(CpuStateDict(dict(tensors)), i + 1)
         saves.append(max_over_ranks(time.perf_counter() - t0))
+    kept = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(node) for f in fs) / sum(
+        t.numel() * 4 for t in tensors.values()
+    )
+    kept = max_over_ranks(kept)
+
+    def load() -> float:
+        dist.barrier()
+        t0 = time.perf_counter()
+        fresh = LocalCheckpointManager(node, "f2", repl)
+        fresh.find_latest()
+        state, _ = fresh.load()
+        took = max_over_ranks(time.perf_counter() - t0)
+        assert torch.equal(state.state_dict["t0"], tensors["t0"])
+        return took
+
+    warm = load()  # right after its saves: the files are in the page cache (no fsync)
     dist.barrier()
-    t0 = time.perf_counter()
-    fresh = LocalCheckpointManager(node, "f2", repl)
-    fresh.find_latest()
-    state, _ = fresh.load()
-    load = max_over_ranks(time.perf_counter() - t0)
-    assert torch.equal(state.state_dict["t0"], tensors["t0"])
+    if rank == 0:  # as bench_local's loads: page cache dropped (needs root; else warm)
+        try:
+            os.sync()
+            with open("/proc/sys/vm/drop_caches", "w") as f:
+                f.write("3\n")
+        except OSError:
+            pass
+    cold = load()
     dist.barrier()
     if rank == 0:
-        queue.put({"nvrx f2 s": statistics.median(saves), "nvrx load s": load, "nvrx all": saves})
+        queue.put(
+            {
+                "nvrx f2 s": statistics.median(saves),
+                "nvrx load s": warm,
+                "nvrx load cold s": cold,
+                "nvrx bytes kept / state": kept,
+                "nvrx all": saves,
+            }
+        )
     dist.destroy_process_group()
 
 

@@ -54,6 +54,8 @@ def _ls(args: argparse.Namespace) -> int:
         )
         if i.problem:
             print(f"{'':>12}{i.problem}")
+        if i.parity:
+            print(f"{'':>12}{i.parity}")
     if any(i.latest for i in found):
         print("(* = latest)")
     return EXIT_OK  # incomplete entries are listed, not an error: a save may be running
@@ -88,6 +90,8 @@ def _inspect(args: argparse.Namespace) -> int:
     for key, value in info.objects.items():
         print(f"  value   {key:<40} {value}")
     print(f"  tensor bytes: {info.tensor_bytes:,}")
+    if info.parity:
+        print(f"  parity: {info.parity}")
     c = info.checksums
     if c is None or not c.present:
         print("  checksums: none (written by another tool; loads are not verified)")
@@ -113,7 +117,8 @@ def _verify(args: argparse.Namespace) -> int:
         verdict = f"OK: {report.items} items, {report.bytes:,} bytes read"
     else:
         verdict = f"DAMAGED: {len(report.problems)} problem(s); {report.items} items"
-    print("\n  ".join([f"{at}: {verdict}, {how}", *map(str, report.problems)]))
+    parity = [f"parity: {report.parity}"] if report.parity else []
+    print("\n  ".join([f"{at}: {verdict}, {how}", *map(str, report.problems), *parity]))
     return EXIT_OK if report.ok else EXIT_PROBLEM
 
 

@@ -9,7 +9,7 @@ import reprlib
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Union
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
 
 from ..errors import NotACheckpointError
 
@@ -32,6 +32,8 @@ __all__ = [
     "LocalPart",
     "local_parts",
     "local_tier",
+    "local_parity",
+    "parity_status",
     "tier_step",
     "fill_local",
     "fill_dcp",
@@ -87,6 +89,8 @@ class CheckpointInfo:
         world_size: ranks that wrote it, when known.
         problem: why it is incomplete or unreadable, else ''.
         latest: whether the root's `latest` record names it.
+        parity: for a local checkpoint with parity records (`ParityReplicationStrategy`):
+            its groups and which parts are present, rebuildable and lost, as seen here.
     """
 
     path: str
@@ -102,6 +106,7 @@ class CheckpointInfo:
     world_size: Optional[int] = None
     problem: str = ""
     latest: bool = False
+    parity: str = ""
 
     @property
     def tensor_bytes(self) -> int:
@@ -192,6 +197,7 @@ def date_of(path: Path) -> str:
 
 
 _LOCAL_PART = re.compile(r"iter_(\d{7,})_(\d+)_local(\.dirty)?\.pt")
+_LOCAL_PARITY = re.compile(r"iter_(\d{7,})_(\d+)_parity\.bin")  # committed parity records
 _CKPT_FILES = ("metadata.json", ".metadata", "common.pt", "checksums.json")  # what saves write
 
 
@@ -241,20 +247,67 @@ def local_parts(
     return out
 
 
+def local_parity(ckpt: Path, iteration: Optional[int] = None) -> List[LocalPart]:
+    """Committed parity records under `<ckpt>/<rank>/` [of `iteration`] (`owner`: the holder)."""
+    out = []
+    for sub in sorted(ckpt.iterdir()) if ckpt.is_dir() else []:
+        for f in sorted(sub.iterdir()) if sub.is_dir() and sub.name.isdigit() else []:
+            m = _LOCAL_PARITY.fullmatch(f.name)
+            if m and iteration in (None, int(m[1])):
+                out.append(LocalPart(int(sub.name), int(m[2]), int(m[1]), f))
+    return out
+
+
+def parity_status(
+    ckpt: Path, iteration: int, present: Set[int], world: int
+) -> Tuple[str, Set[int], int]:
+    """`(summary, rebuildable owners, world size)` of `iteration` from the parity records on
+    this machine (their headers only); `("", set(), world)` without any."""
+    from ..local._parity_math import plan_rebuild, read_record_info
+
+    records: Dict[int, List[Any]] = {}
+    groups, unreadable = set(), []
+    for f in local_parity(ckpt, iteration):
+        try:
+            rec = read_record_info(str(f.path))
+            if (rec.iteration, rec.holder) != (iteration, f.owner) or f.holder != f.owner:
+                raise ValueError("misplaced")
+        except (OSError, ValueError):
+            unreadable.append(f.owner)
+            continue
+        records.setdefault(rec.holder, []).append(rec.info())
+        groups.add(tuple(rec.group))
+    if not records and not unreadable:
+        return "", set(), world
+    world = max([world, *(r + 1 for g in groups for r in g)])
+    lost = set(range(world)) - present
+    plan, _ = plan_rebuild(iteration, lost, present, [records.get(r, []) for r in range(world)])
+    text = (
+        f"parity groups {sorted(list(g) for g in groups)}: parts present {sorted(present)}, "
+        f"rebuildable {sorted(plan)}, lost {sorted(lost - set(plan))}"
+    )
+    if unreadable:
+        text += f"; unreadable parity records of rank(s) {sorted(unreadable)}"
+    return text, set(plan), world
+
+
 def local_tier(ckpt: Path) -> Dict[int, CheckpointInfo]:
     """`{step: entry}` of a manager's local tier (`<rank>/iter_<step>_<owner>_local.pt`), from
     file names; else empty. A step is complete when this machine holds a committed part of
-    every rank seen in the tier (on several nodes, each sees its own ranks' parts)."""
+    every rank seen in the tier (on several nodes, each sees its own ranks' parts), or can
+    rebuild the missing ones from the parity records here (their headers are read)."""
     parts = local_parts(ckpt, dirty=True)
     world = max((p.owner for p in parts), default=-1) + 1
     out: Dict[int, CheckpointInfo] = {}
     for it in sorted({p.iteration for p in parts}):
         mine = [p for p in parts if p.iteration == it]
         done = {p.owner for p in mine if not p.dirty}
-        dirty, missing = sorted({p.owner for p in mine} - done), sorted(set(range(world)) - done)
-        size = sum(p.path.stat().st_size for p in mine)
+        text, rebuildable, world_it = parity_status(ckpt, it, done, world)
+        dirty = sorted({p.owner for p in mine} - done)
+        missing = sorted(set(range(world_it)) - done - rebuildable)
+        size = sum(p.path.stat().st_size for p in mine + local_parity(ckpt, it))
         info = out[it] = CheckpointInfo(str(ckpt), "local", True, it, "local tier", size, "")
-        info.date, info.world_size = max(date_of(p.path) for p in mine), world
+        info.date, info.world_size, info.parity = max(date_of(p.path) for p in mine), world_it, text
         if missing:
             info.kind, info.complete = "incomplete", False
             info.problem = f"no committed part of rank(s) {missing} here" + (
@@ -287,14 +340,16 @@ def fill_local(
         raise NotACheckpointError(f"{info.path}: a local checkpoint without any part")
     owners = sorted({p.owner for p in parts})
     info.checksums = ChecksumCoverage(present=True, items=len(owners), items_covered=len(owners))
+    text, _, world = parity_status(Path(info.path), parts[0].iteration, set(owners), owners[-1] + 1)
+    info.parity = info.parity or text
     if not deep:
-        info.world_size = len(owners)
+        info.world_size = max(world, len(owners))
         return
     tensors: Dict[str, TensorInfo] = {}
     for owner in owners:
         mine = [p for p in parts if p.owner == owner]
         sd = rank_state(min(mine, key=lambda p: p.holder != owner))  # its own copy, else a replica
-        info.world_size = sd.get("world_size") or len(owners)
+        info.world_size = sd.get("world_size") or max(world, len(owners))
         for slot, (global_shape, dtype, itemsize) in sd["sharded"].items():
             key = slot.rsplit(" (", 1)[0]
             shape = [int(s) for s in global_shape]

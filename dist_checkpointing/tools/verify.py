@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, List, Optional
 
+import numpy as np
+
 from .._safe_load import torch_load
 from ..core import CONFIG_FNAME, maybe_load_config
 from ..errors import CheckpointingException, NotACheckpointError
@@ -21,7 +23,17 @@ from ..integrity import ALGORITHM, CHECKSUMS_FNAME, Checksums, ItemSum, checksum
 from ..storage import objstore
 from ..storage.fileio import open_read
 from . import _storage
-from ._info import LocalPart, PathArg, check_dir, is_stock_dcp, local_parts, local_tier, tier_step
+from ._info import (
+    LocalPart,
+    PathArg,
+    check_dir,
+    is_stock_dcp,
+    local_parity,
+    local_parts,
+    local_tier,
+    parity_status,
+    tier_step,
+)
 
 __all__ = ["Problem", "VerifyReport", "verify_checkpoint"]
 
@@ -54,6 +66,8 @@ class VerifyReport:
         checksummed: whether checksums were available (else structure only).
         items, bytes: stored items checked, bytes read.
         problems: everything found wrong (empty when clean).
+        parity: for a local checkpoint with parity records: its groups and which parts are
+            present, rebuildable and lost (a damaged record or a lost part is a problem).
     """
 
     path: str
@@ -63,6 +77,7 @@ class VerifyReport:
     bytes: int = 0
     problems: List[Problem] = field(default_factory=list)
     step: Optional[int] = None
+    parity: str = ""
 
     @property
     def ok(self) -> bool:
@@ -275,3 +290,28 @@ def _verify_local(ckpt: Path, parts: List[LocalPart], report: VerifyReport) -> N
             _storage.read_local_part(part)
         except (CheckpointingException, OSError) as e:
             report.problems.append(Problem(str(part.path.relative_to(ckpt)), str(e)))
+    _verify_parity(ckpt, parts, report)
+
+
+def _verify_parity(ckpt: Path, parts: List[LocalPart], report: VerifyReport) -> None:
+    """Checks every parity record of the parts' iteration (each chunk against its checksum)
+    and says which parts are present, rebuildable and lost."""
+    from ..local._parity_math import parse_record
+
+    iteration = parts[0].iteration
+    records = local_parity(ckpt, iteration)
+    for record in records:
+        report.items += 1
+        where = str(record.path.relative_to(ckpt))
+        try:
+            data = np.fromfile(record.path, dtype=np.uint8)
+            report.bytes += int(data.size)
+            parse_record(data, where)
+        except (OSError, ValueError) as e:
+            report.problems.append(Problem(where, str(e)))
+    owners = {p.owner for p in parts}
+    text, rebuildable, world = parity_status(ckpt, iteration, owners, max(owners) + 1)
+    report.parity = text
+    lost = sorted(set(range(world)) - owners - rebuildable)
+    if records and lost and not any(p.file == "." for p in report.problems):
+        report.problems.append(Problem(".", f"part(s) of rank(s) {lost} lost: {text}"))

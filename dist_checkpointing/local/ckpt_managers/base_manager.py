@@ -13,7 +13,7 @@ import concurrent.futures
 import logging
 import time
 from abc import ABC, abstractmethod
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
 
 import numpy as np
 import torch
@@ -29,6 +29,7 @@ from ...errors import (
 )
 from .._image import LocalImage, decode_image, finish_image, release_image, start_image
 from ..base_state_dict import TensorAwareStateDict
+from ..replication._parity_rebuild import rebuild_lost_parts, rebuildable
 from ..replication.strategies import (
     CkptID,
     ExchangePlan,
@@ -115,6 +116,8 @@ class BaseCheckpointManager(ABC):
         self.use_replicas = repl_strategy is not None if use_replicas is None else use_replicas
         self.latest_iteration = -1
         self.globally_available_ids: Optional[List[List[CkptID]]] = None
+        #: per rank, `(iteration, holder, group)` of its parity records (last `find_latest`)
+        self.globally_available_parity: List[List[Tuple[int, int, Tuple[int, ...]]]] = []
         self._newest_committed = -1
         #: False unpickles hollow states without the allowlist (trusted checkpoints only)
         self.weights_only = True
@@ -132,6 +135,10 @@ class BaseCheckpointManager(ABC):
     @abstractmethod
     def _my_ckpt_ids(self) -> Iterable[CkptID]:
         """Committed parts stored here (dirty ones never count)."""
+
+    def _parity_records(self) -> List[Tuple[int, int, Tuple[int, ...]]]:
+        """`(iteration, holder, group)` of each committed parity record stored here."""
+        return []
 
     @abstractmethod
     def _load_image(self, ckpt_id: CkptID) -> Tuple[torch.Tensor, str]:
@@ -173,9 +180,16 @@ class BaseCheckpointManager(ABC):
         local = sorted(set(self._my_ckpt_ids()))
         if not self.use_replicas:
             local = [i for i in local if i[1] == self.rank]
-        self.globally_available_ids = _dist.all_gather_object(local)
+        records = self._parity_records() if self.use_replicas else []
+        gathered = _dist.all_gather_object((local, records))
+        self.globally_available_ids = [ids for ids, _ in gathered]
+        self.globally_available_parity = [recs for _, recs in gathered]
         world = set(range(_dist.get_world_size()))
-        complete = [it for it, o in self._owners_by_iteration().items() if o >= world]
+        complete = [
+            it
+            for it, o in self._owners_by_iteration().items()
+            if o >= world or rebuildable(it, world - o, o, self.globally_available_parity)
+        ]
         self.latest_iteration = max(complete, default=-1)
         return self.latest_iteration
 
@@ -359,12 +373,13 @@ class BaseCheckpointManager(ABC):
                 f"No local checkpoint found on any rank (session {self.session_id!r})"
             )
         if iteration == -1:  # the same message on every rank
-            lost = sorted(set(range(_dist.get_world_size())) - owners[max(owners)])
+            gone = sorted(set(range(_dist.get_world_size())) - owners[max(owners)])
             raise NoReplicasAvailableError(
                 f"No complete local checkpoint: no rank holds a usable copy of iteration "
-                f"{max(owners)}'s part of rank(s) {lost} (session {self.session_id!r})"
+                f"{max(owners)}'s part of rank(s) {gone}, nor parity to rebuild it from "
+                f"(session {self.session_id!r})"
             )
-        wanted = self._ckpt_id(iteration)
+        mine = self._ckpt_id(iteration)
         available = {
             r: [tuple(i) for i in ids if i[0] == iteration]
             for r, ids in enumerate(self.globally_available_ids)
@@ -372,8 +387,15 @@ class BaseCheckpointManager(ABC):
         # every rank wants its own part of the same iteration: no need to ask
         everyone = {r: [(iteration, r, self.session_id)] for r in range(_dist.get_world_size())}
         held: Dict[CkptID, torch.Tensor] = {}  # parts read here or received, verified
+        lost: Set[int] = set()
         while True:
-            plan = plan_retrieval(available, everyone)  # type: ignore[arg-type]
+            # parts without any copy left are rebuilt from parity below (or reported there)
+            copies = {tuple(i) for ids in available.values() for i in ids}
+            lost = {r for r, ids in everyone.items() if tuple(ids[0]) not in copies}
+            if not any(self.globally_available_parity):
+                lost = set()  # nothing to rebuild from: `plan_retrieval` names the part
+            wanted = {r: ids for r, ids in everyone.items() if r not in lost}
+            plan = plan_retrieval(available, wanted)  # type: ignore[arg-type]
             bad = self._retrieve(plan, held)
             reports = _dist.all_gather_object((bad, sorted(held)))
             if not any(b for b, _ in reports):
@@ -385,10 +407,12 @@ class BaseCheckpointManager(ABC):
                 for id_ in got:
                     if tuple(id_) not in available[rank]:
                         available[rank].append(tuple(id_))
-        image = held[wanted]
-        where = f"local checkpoint part {describe_ckpt_id(wanted)}"
+        if lost:
+            rebuild_lost_parts(self, iteration, lost, held, self.globally_available_parity)
+        image = held[mine]
+        where = f"local checkpoint part {describe_ckpt_id(mine)}"
         _, state = decode_image(image, where, verify=False, weights_only=self.weights_only)
         state.restore_tensor_device(non_blocking=False)
         msg = "loaded local checkpoint %s: %.1f MB in %.2f s"
-        logger.info(msg, describe_ckpt_id(wanted), image.numel() / 1e6, time.perf_counter() - start)
-        return state, wanted
+        logger.info(msg, describe_ckpt_id(mine), image.numel() / 1e6, time.perf_counter() - start)
+        return state, mine

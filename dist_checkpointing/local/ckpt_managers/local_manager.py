@@ -19,6 +19,9 @@ import torch
 from ...errors import CheckpointCorruptedError, CheckpointingException
 from ...storage import StreamedFile, fsync_dir, read_file
 from .._image import LocalImage, write_image
+from .._parity_math import read_record_info
+from ..memory import is_memory_path
+from ..replication.parity import PARITY
 from ..replication.strategies import CkptID, ReplicationStrategy
 from .base_manager import BaseCheckpointManager, SameMachineReplicationException
 
@@ -28,6 +31,8 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _NAME = re.compile(r"iter_(\d{7,})_(\d+)_local(\.dirty)?\.pt")
+#: a parity record (`ParityReplicationStrategy`) held by rank <holder>: id (it, holder, session, PARITY)
+_PARITY_NAME = re.compile(r"iter_(\d{7,})_(\d+)_parity(\.dirty)?\.bin")
 #: a superseded part kept for the next save to write over (never a checkpoint)
 _SPARE = re.compile(r"spare_[0-9a-f]{32}\.bin")
 #: a spare being moved to a dirty name by process <pid> (left only by a crash)
@@ -38,7 +43,10 @@ class LocalCheckpointManager(BaseCheckpointManager):
     """Keeps local checkpoints as files under `root_local_ckpt_dir/session_id/rank/`.
 
     Args:
-        root_local_ckpt_dir: node-local directory (SSD, RAM disk); need not be shared.
+        root_local_ckpt_dir: node-local directory (SSD, RAM disk); need not be shared. On a
+            memory file system (a directory in /dev/shm: the host-memory tier, which
+            outlives the training processes but not the machine) parts are written
+            buffered and `fsync` defaults to False (see `dist_checkpointing.local.memory`).
         session_id: subdirectory and id component separating jobs under one root.
         repl_strategy: where copies of each part go (e.g. `CliqueReplicationStrategy`).
         use_replicas, fsync: as for `BaseCheckpointManager`.
@@ -55,6 +63,10 @@ class LocalCheckpointManager(BaseCheckpointManager):
     ) -> None:
         super().__init__(session_id, repl_strategy, use_replicas=use_replicas, fsync=fsync)
         self.root_local_ckpt_dir = Path(root_local_ckpt_dir)
+        #: the root is in host memory (tmpfs, e.g. /dev/shm): buffered writes, no fsync
+        self.in_memory = is_memory_path(self.root_local_ckpt_dir)
+        if self.in_memory and fsync is None:
+            self.fsync = False  # nothing to flush: the files are memory
         if session_id and (os.sep in session_id or session_id in (".", "..")):
             raise CheckpointingException(f"session_id must be a plain name, got {session_id!r}")
         self._spare_lock = threading.Lock()  # the own part and replicas are written at once
@@ -64,25 +76,43 @@ class LocalCheckpointManager(BaseCheckpointManager):
         """This rank's directory."""
         return self.root_local_ckpt_dir / self.session_id / str(self.rank)
 
-    def _path(self, ckpt_id: CkptID, dirty: bool = False) -> Path:
-        iteration, owner, session = ckpt_id
+    def _path(self, ckpt_id: Tuple, dirty: bool = False) -> Path:
+        iteration, owner, session, *kind = ckpt_id
         if session != self.session_id:
             raise CheckpointingException(
                 f"Checkpoint id {ckpt_id} belongs to session {session!r}, not {self.session_id!r}"
             )
         suffix = ".dirty" if dirty else ""
+        if kind == [PARITY]:
+            return self.local_ckpt_dir / f"iter_{iteration:07d}_{owner}_parity{suffix}.bin"
         return self.local_ckpt_dir / f"iter_{iteration:07d}_{owner}_local{suffix}.pt"
 
-    def _scan(self) -> List[Tuple[CkptID, bool, Path]]:
-        """This rank's parts: `(id, dirty, path)`."""
+    def _scan(self) -> List[Tuple[Tuple, bool, Path]]:
+        """This rank's parts and parity records: `(id, dirty, path)` (a record's id has a
+        fourth element, `PARITY`)."""
         return [
-            ((int(m.group(1)), int(m.group(2)), self.session_id), bool(m.group(3)), p)
-            for p, m in self._named(_NAME)
+            ((int(m.group(1)), int(m.group(2)), self.session_id, *extra), bool(m.group(3)), p)
+            for pattern, extra in ((_NAME, ()), (_PARITY_NAME, (PARITY,)))
+            for p, m in self._named(pattern)
             if p.is_file()
         ]
 
     def _my_ckpt_ids(self) -> Iterable[CkptID]:
-        return [ckpt_id for ckpt_id, dirty, _ in self._scan() if not dirty]
+        return [ckpt_id for ckpt_id, dirty, _ in self._scan() if not dirty and len(ckpt_id) == 3]  # type: ignore[misc]
+
+    def _parity_records(self) -> List[Tuple[int, int, Tuple[int, ...]]]:
+        out = []
+        for ckpt_id, dirty, path in self._scan():
+            if dirty or len(ckpt_id) != 4:
+                continue
+            try:
+                record = read_record_info(str(path))
+            except (OSError, ValueError) as e:  # unusable: as if it were missing
+                logger.warning("ignoring parity record %s: %s", path, e)
+                continue
+            if (record.iteration, record.holder, record.session) == tuple(ckpt_id[:3]):
+                out.append(record.info())
+        return out
 
     def _dirty_ids(self, iteration: int) -> List[CkptID]:
         return [ckpt_id for ckpt_id, dirty, _ in self._scan() if dirty and ckpt_id[0] == iteration]
@@ -152,7 +182,7 @@ class LocalCheckpointManager(BaseCheckpointManager):
         return self._write_dirty(
             ckpt_id,
             lambda p, reused: StreamedFile(
-                p, nbytes, fsync=self.fsync, direct=True, overwrite=reused
+                p, nbytes, fsync=self.fsync, direct=not self.in_memory, overwrite=reused
             ),
         )
 

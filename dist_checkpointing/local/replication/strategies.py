@@ -2,6 +2,7 @@
 
 Parts travel as byte images over gloo (host buffers even with NCCL training), never pickled.
 At load any holder may send a part, so parts stay reachable when the replication changes.
+`ParityReplicationStrategy` (module `parity`) keeps XOR parity instead of copies.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ __all__ = [
     "ReplicationStrategy",
     "CliqueReplicationStrategy",
     "LazyCliqueReplicationStrategy",
+    "ParityReplicationStrategy",
     "clique_ranks",
     "plan_retrieval",
     "transfer_parts",
@@ -333,3 +335,7 @@ class LazyCliqueReplicationStrategy(CliqueReplicationStrategy):
                 "LazyCliqueReplicationStrategy.prepare() must run (collectively) before a background exchange"
             )
         return self.ranks
+
+
+# defined in its own module (it builds on the classes above); public under this path too
+from .parity import ParityReplicationStrategy  # noqa: E402
