@@ -1,0 +1,208 @@
+"""Where each row of a `transformers` Llama / Mixtral parameter lives in a megatron-core
+GPTModel checkpoint: pure functions (no I/O, no process group) for `hf_model`.
+
+A stored megatron tensor is global whatever split saved it. A homogeneous decoder stacks its
+layers (and experts) on leading axes of one key; `index_stored` finds, for every
+(megatron name, layer, expert), the stored key and its offsets on those axes. `source`
+maps an HF parameter name to the stored tensor(s) it comes from, and `row_pieces` maps a
+range of the parameter's rows (axis 0, the axis FSDP2 shards) to contiguous row ranges of
+the stored tensor: fused QKV rows are per query group (its query heads, then one key and one
+value head), fc1 is `[gate; up]`. Stored rows past the HF rows (megatron's padded
+vocabulary) are never read.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+
+from .errors import CheckpointingException
+from .tools import hf_map
+
+__all__ = [
+    "LAYER_KEY",
+    "Stored",
+    "Source",
+    "Heads",
+    "index_stored",
+    "source",
+    "row_pieces",
+    "expected_shape",
+]
+
+#: decoder.layers.[<layer>.][mlp.experts.(experts.|local_experts.<expert>.)]<name>
+LAYER_KEY = re.compile(
+    r"decoder\.layers\.(?:(\d+)\.)?(mlp\.experts\.(?:experts\.|local_experts\.(\d+)\.))?(.+)"
+)
+_HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+#: transformers 4 names of one expert's weights, and transformers 5's stacked expert tensors
+_HF_EXPERT = re.compile(r"block_sparse_moe\.experts\.(\d+)\.(w[123]\.weight)")
+_HF_STACKED_EXPERTS = {"mlp.experts.gate_up_proj": "linear_fc1.weight"}
+_HF_STACKED_EXPERTS["mlp.experts.down_proj"] = "linear_fc2.weight"
+#: HF name in a layer -> (megatron names that may hold it, part of the fused tensor)
+_FROM_HF: Dict[str, Tuple[List[str], int]] = {}
+for _meg, _hfs in hf_map.LAYER.items():
+    for _part, _hf in enumerate(_hfs):
+        _FROM_HF.setdefault(_hf, ([], _part))[0].append(_meg)
+_FROM_HF["mlp.gate.weight"] = (["mlp.router.weight"], 0)  # transformers 5's Mixtral router
+_FROM_EXPERT = {
+    hf: (meg, part) for meg, hfs in hf_map.EXPERT.items() for part, hf in enumerate(hfs)
+}
+
+
+@dataclass(frozen=True)
+class Stored:
+    """One layer's (expert's) tensor inside a stored megatron key.
+
+    Attributes:
+        key: the stored key (with any `optimizer.state.<name>.` prefix).
+        lead: offsets on the key's stacked (layer, expert) axes.
+        global_shape: the stored key's whole shape (stacked axes included).
+    """
+
+    key: str
+    lead: Tuple[int, ...]
+    global_shape: Tuple[int, ...]
+
+    @property
+    def shape(self) -> Tuple[int, ...]:
+        """The shape of this layer's (expert's) tensor."""
+        return self.global_shape[len(self.lead) :]
+
+
+@dataclass(frozen=True)
+class Heads:
+    """What the fused QKV layout depends on (HF config names)."""
+
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where an HF parameter comes from.
+
+    Attributes:
+        name: the megatron name (`GLOBAL` key, `LAYER` name or `experts.<EXPERT name>`).
+        part: which of the fused tensor's HF parts (q/k/v, gate/up) the parameter is.
+        stored: the stored tensor; for transformers 5's stacked expert tensors one per expert.
+        stacked: whether the parameter's axis 0 runs over `stored` (experts).
+    """
+
+    name: str
+    part: int
+    stored: Tuple[Stored, ...]
+    stacked: bool = False
+
+
+Index = Dict[Tuple[str, int, int], Stored]
+
+
+def index_stored(shapes: Mapping[str, Sequence[int]], prefix: str = "") -> Index:
+    """`{(megatron name, layer, expert): Stored}` for the stored keys under `prefix`
+    (layer/expert -1 where the name has none; experts' names are `experts.<name>`)."""
+    out: Index = {}
+    for full, shape in shapes.items():
+        if not full.startswith(prefix):
+            continue
+        key, shape = full[len(prefix) :], tuple(int(s) for s in shape)
+        if key in hf_map.GLOBAL:
+            out[(key, -1, -1)] = Stored(full, (), shape)
+            continue
+        m = LAYER_KEY.fullmatch(key)
+        if m is None:
+            continue
+        expert = m[2] is not None
+        name = f"experts.{m[4]}" if expert else m[4]
+        layers = [int(m[1])] if m[1] else range(shape[0])
+        experts = [int(m[3])] if m[3] else range(shape[1 if not m[1] else 0]) if expert else [-1]
+        for i in layers:
+            for e in experts:
+                lead = (() if m[1] else (i,)) + ((e,) if expert and not m[3] else ())
+                out[(name, i, e)] = Stored(full, lead, shape)
+    return out
+
+
+def _find(index: Index, names: Sequence[str], layer: int, expert: int) -> Optional[Stored]:
+    for name in names:
+        if (name, layer, expert) in index:
+            return index[(name, layer, expert)]
+    return None
+
+
+def source(hf_name: str, index: Index, num_experts: int = 0) -> Tuple[Optional[Source], str]:
+    """The source of HF parameter `hf_name`, or None and why (unmapped name, or the
+    checkpoint lacks it). `lm_head.weight` falls back to the (tied) embedding."""
+    glob = {v: k for k, v in hf_map.GLOBAL.items()}
+    if hf_name in glob:
+        names = [glob[hf_name]]
+        if hf_name == "lm_head.weight":  # megatron does not store a tied output layer
+            names.append("embedding.word_embeddings.weight")
+        st = _find(index, names, -1, -1)
+        return (Source(names[0], 0, (st,)), "") if st else (None, f"no stored {names[0]!r}")
+    m = _HF_LAYER.fullmatch(hf_name)
+    if m is None:
+        return None, "no megatron-core GPTModel name"
+    layer, rest = int(m[1]), m[2]
+    e = _HF_EXPERT.fullmatch(rest)
+    if e is not None:
+        meg, part = _FROM_EXPERT[e[2]]
+        st = _find(index, [f"experts.{meg}"], layer, int(e[1]))
+        if st is None:
+            return None, f"no stored expert {e[1]} {meg}"
+        return Source(meg, part, (st,)), ""
+    if rest in _HF_STACKED_EXPERTS:
+        meg = _HF_STACKED_EXPERTS[rest]
+        found = [_find(index, [f"experts.{meg}"], layer, x) for x in range(num_experts)]
+        if not found or any(f is None for f in found):
+            return None, f"no stored experts' {meg} for layer {layer}"
+        return Source(meg, 0, tuple(f for f in found if f is not None), stacked=True), ""
+    if rest not in _FROM_HF:
+        return None, "no megatron-core GPTModel name"
+    names, part = _FROM_HF[rest]
+    st = _find(index, names, layer, -1)
+    return (Source(names[0], part, (st,)), "") if st else (None, f"no stored {names[0]!r}")
+
+
+def expected_shape(src: Source, heads: Heads) -> Tuple[Tuple[int, ...], bool]:
+    """The HF shape `src` gives, and whether axis 0 may be shorter (padded vocabulary)."""
+    shape = src.stored[0].shape
+    if src.stacked:
+        return (len(src.stored), *shape), False
+    if src.name.endswith("linear_qkv.weight"):
+        n = heads.num_attention_heads if src.part == 0 else heads.num_key_value_heads
+        return (n * heads.head_dim, *shape[1:]), False
+    if src.name.endswith("linear_fc1.weight"):
+        return (shape[0] // 2, *shape[1:]), False
+    return shape, src.name in hf_map.GLOBAL and len(shape) == 2
+
+
+def row_pieces(src: Source, heads: Heads, start: int, stop: int) -> List[Tuple[int, int, int]]:
+    """Rows `[start, stop)` of the HF parameter as `(stored row, HF row, count)` ranges of
+    `src.stored[0]` (not for stacked experts, whose rows are whole experts)."""
+    if src.name.endswith("linear_qkv.weight"):
+        d = heads.head_dim
+        per = heads.num_attention_heads // heads.num_key_value_heads
+        width = per * d if src.part == 0 else d  # this part's rows in one group
+        first = (0, per * d, (per + 1) * d)[src.part]  # where they start in the group
+        out = []
+        for g in range(start // width, (stop + width - 1) // width if stop > start else 0):
+            a, b = max(start, g * width), min(stop, (g + 1) * width)
+            out.append((g * (per + 2) * d + first + a - g * width, a, b - a))
+        return out
+    if src.name.endswith("linear_fc1.weight") and not src.stacked and src.part == 1:
+        half = src.stored[0].shape[0] // 2
+        return [(half + start, start, stop - start)] if stop > start else []
+    return [(start, start, stop - start)] if stop > start else []
+
+
+def check_heads(heads: Heads) -> None:
+    """Raises unless the query heads divide into the key/value groups."""
+    h, g = heads.num_attention_heads, heads.num_key_value_heads
+    if g <= 0 or h % g or heads.head_dim <= 0:
+        raise CheckpointingException(
+            f"num_attention_heads={h} is not a multiple of num_key_value_heads={g} "
+            f"(head_dim={heads.head_dim})"
+        )

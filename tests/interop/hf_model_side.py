@@ -1,0 +1,231 @@
+"""megatron-core 0.16's GPTModel checkpoints into transformers models with `hf_model.load`
+(2 gloo ranks, one interpreter with megatron-core and transformers).
+
+Usage: python hf_model_side.py WORKDIR
+
+1. For each scenario in `SCENARIOS` megatron builds a Llama-style GPTModel (grouped-query
+   attention, SwiGLU, RMSNorm, RoPE; vocabulary 130 of which the HF model uses 129, so the
+   stored embedding has one padded row and FSDP2's embedding shards are uneven) at its split,
+   takes one Adam step, and saves model and optimizer state as megatron's optimizer wrappers
+   do (`dist_checkpointing.optimizer` helpers, one `common_step`), with its own `save`; its
+   logits after the step go to `WORKDIR/<name>/logits.pt`.
+2. A transformers `LlamaForCausalLM` of the same config, with other values, loads each
+   checkpoint with `hf_model.load`: sharded by `fully_shard` on both ranks (with an Adam
+   optimizer), and plain (a whole model per rank); its logits must match megatron's within
+   1e-4, and the loaded Adam moments and step must equal the stored ones, split into HF
+   names by `hf_map.split` (the mapping `export-hf` uses).
+3. Mismatched models are refused on both ranks before anything changes: other key/value
+   heads (the error names k_proj, both shapes and num_key_value_heads), attention biases.
+
+Each rank writes `WORKDIR/result.<rank>.json`: `{check name: "ok" | failure}`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any, Dict
+
+#: name -> (tp, pp, description changes)
+SCENARIOS: Dict[str, Any] = {
+    "tp2": (2, 1, {"num_layers": 2}),
+    "pp2": (1, 2, {"num_layers": 4}),
+}
+HF_VOCAB = 129
+
+
+def hf_config(layers: int, **changes: Any) -> Any:
+    import transformers
+
+    fields: Dict[str, Any] = dict(
+        vocab_size=HF_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-5,
+        rope_theta=50000.0,
+        tie_word_embeddings=False,
+    )
+    fields.update(changes)
+    return transformers.LlamaConfig(**fields)
+
+
+def megatron_save(rank: int, workdir: str) -> None:
+    import torch
+    import torch.distributed as dist
+    from mcore_hf_side import BASE, build, forward
+    from megatron.core import dist_checkpointing as mdc
+    from megatron.core.dist_checkpointing import optimizer as m_optimizer
+
+    for name, (tp, pp, extra) in SCENARIOS.items():
+        desc = {**BASE, "vocab_size": 130, **extra}
+        base = os.path.join(workdir, name)
+        mc = os.path.join(base, "mc")
+        if rank == 0:
+            os.makedirs(mc, exist_ok=True)
+        dist.barrier()
+        model = build(desc, tp, pp, 1, seed=11)
+        adam = torch.optim.Adam(model.parameters(), lr=1e-2)
+        loss = sum(
+            (p * torch.linspace(-1, 1, p.numel()).view_as(p)).sum() for p in model.parameters()
+        )
+        loss.backward()
+        adam.step()
+        model_sd = model.sharded_state_dict()
+        params = [p for g in adam.param_groups for p in g["params"]]
+        id_map = m_optimizer.get_param_id_to_sharded_param_map(model_sd, params)
+        optim_sd = adam.state_dict()
+        step = optim_sd["state"][0]["step"]
+        m_optimizer.optim_state_to_sharding_state(optim_sd, id_map, exclude_keys="step")
+        optim_sd["state"]["common_step"] = step  # as megatron's FP32Optimizer stores it
+        mdc.save({"model": model_sd, "optimizer": optim_sd, "iteration": 7}, mc)
+        logits = forward(model, pp)
+        if logits is not None:
+            torch.save(logits[..., :HF_VOCAB], os.path.join(base, "logits.pt"))
+        dist.barrier()
+
+
+def reference(mc: str, layers: int) -> Dict[str, Any]:
+    """The stored Adam moments in HF names (full tensors), through export-hf's mapping."""
+    import dist_checkpointing as ours
+    from dist_checkpointing.tools import hf_map
+
+    stored = ours.load_plain_tensors(mc)
+    out: Dict[str, Any] = {}
+    for moment in ("exp_avg", "exp_avg_sq"):
+        pre = f"optimizer.state.{moment}."
+        for key, hf in hf_map.GLOBAL.items():
+            out[f"{moment}/{hf}"] = (
+                stored[pre + key][:HF_VOCAB] if "norm" not in key else stored[pre + key]
+            )
+        for name, hfs in hf_map.LAYER.items():
+            if pre + "decoder.layers." + name not in stored:
+                continue
+            for i in range(layers):
+                parts = hf_map.split(name, stored[pre + "decoder.layers." + name][i], 4, 2)
+                for hf, part in zip(hfs, parts):
+                    out[f"{moment}/model.layers.{i}.{hf}"] = part
+    return out
+
+
+def hf_checks(rank: int, workdir: str, results: Dict[str, str]) -> None:
+    import torch
+    import transformers
+    from mcore_hf_side import tokens
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from dist_checkpointing import hf_model
+    from dist_checkpointing.errors import CheckpointingException
+
+    mesh = init_device_mesh("cpu", (2,))
+
+    def full(t: torch.Tensor) -> torch.Tensor:
+        return t.full_tensor() if isinstance(t, DTensor) else t
+
+    for name, (_tp, _pp, extra) in SCENARIOS.items():
+        mc = os.path.join(workdir, name, "mc")
+        want = torch.load(os.path.join(workdir, name, "logits.pt"))
+        layers = extra["num_layers"]
+        ref = reference(mc, layers)
+        for how in ("fsdp2", "plain"):
+            torch.manual_seed(100 + rank)  # other values on each rank, nothing like megatron's
+            model = transformers.LlamaForCausalLM(hf_config(layers)).eval()
+            if how == "fsdp2":
+                for layer in model.model.layers:
+                    fully_shard(layer, mesh=mesh)
+                fully_shard(model, mesh=mesh)
+            adam = torch.optim.Adam(model.parameters(), lr=1e-2)
+            out = hf_model.load(model, mc, adam)
+            named = list(model.named_parameters())  # FSDP2 swaps in unsharded ones in forward
+            with torch.no_grad():
+                logits = model(tokens()).logits
+            diff = float((logits - want).abs().max())
+            results[f"{name} {how}: logits equal megatron's"] = (
+                "ok" if diff <= 1e-4 else f"max abs difference {diff}"
+            )
+            bad = []
+            for pname, p in named:
+                state = adam.state[p]
+                if float(state["step"]) != 1.0:
+                    bad.append(f"{pname} step {state['step']}")
+                for moment in ("exp_avg", "exp_avg_sq"):
+                    got = state[moment]
+                    got = full(got) if isinstance(p, DTensor) else got
+                    if (
+                        isinstance(got, DTensor)
+                        or isinstance(state[moment], DTensor) != isinstance(p, DTensor)
+                        or not torch.equal(got, ref[f"{moment}/{pname}"])
+                    ):
+                        bad.append(f"{pname} {moment}")
+            results[f"{name} {how}: Adam state equals megatron's"] = (
+                "ok" if not bad else str(bad[:5])
+            )
+            results[f"{name} {how}: returns the plain values"] = (
+                "ok" if out.get("iteration") == 7 else f"got {sorted(out)}"
+            )
+    # refused before anything is read or changed, on both ranks
+    for label, changes, needles in (
+        (
+            "other kv heads",
+            {"num_key_value_heads": 4},
+            ["k_proj", "(64, 64)", "(32, 64)", "num_key_value_heads"],
+        ),
+        ("attention bias", {"attention_bias": True}, ["attention_bias"]),
+    ):
+        model = transformers.LlamaForCausalLM(hf_config(2, **changes))
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        try:
+            hf_model.load(model, os.path.join(workdir, "tp2", "mc"))
+            results[f"refused: {label}"] = "loaded without an error"
+        except CheckpointingException as e:
+            missing = [n for n in needles if n not in str(e)]
+            same = all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+            results[f"refused: {label}"] = (
+                "ok"
+                if not missing and same
+                else f"message lacks {missing} / changed={not same}: {e}"
+            )
+
+
+def worker(rank: int, world: int, port: int, workdir: str) -> None:
+    import contextlib
+
+    import torch
+    import torch.distributed as dist
+
+    # megatron-core calls these on CPU paths; in this test process only
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.current_device = lambda: "cpu"
+    from megatron.core import parallel_state, tensor_parallel
+
+    no_fork = type("NoFork", (), {"fork": lambda self, *a, **k: contextlib.nullcontext()})()
+    tensor_parallel.get_cuda_rng_tracker = lambda *a, **k: no_fork
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    results: Dict[str, str] = {}
+    try:
+        megatron_save(rank, workdir)
+        parallel_state.destroy_model_parallel()
+        hf_checks(rank, workdir, results)
+    except Exception as e:  # reported by the test
+        import traceback
+
+        results["side script"] = f"raised {type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"
+    with open(os.path.join(workdir, f"result.{rank}.json"), "w") as f:
+        json.dump(results, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    from _side_spawn import spawn_two
+
+    spawn_two(worker, sys.argv[1])

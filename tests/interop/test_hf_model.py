@@ -1,0 +1,114 @@
+"""`dist_checkpointing.hf_model.load`: megatron-core 0.16's GPTModel checkpoints (TP=2, PP=2,
+with Adam state) into transformers Llama models, FSDP2-sharded on 2 ranks and plain.
+
+One side run (`hf_model_side.py` says what it checks) in the side venv that has megatron-core
+and transformers (`DIST_CKPT_MCORE_PYTHON`, .ci/run installs both); the row mapping itself
+is also checked here, in this process, against `hf_map.split` (what `export-hf` uses).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Dict
+
+import pytest
+import torch
+
+from dist_checkpointing import _hf_layout
+from dist_checkpointing.tools import hf_map
+from tests.interop import _launch
+
+PYTHON = _launch.mcore_python()
+_ENV = {"PYTHONPATH": _launch.pythonpath(_launch.REPO)}
+if PYTHON and not _launch.probe(PYTHON, "import transformers, dist_checkpointing", _ENV):
+    PYTHON = None
+requires_side_venv = pytest.mark.skipif(
+    PYTHON is None,
+    reason="needs a python with megatron-core==0.16.1 and transformers that imports this "
+    "checkout (DIST_CKPT_MCORE_PYTHON; .ci/run makes one)",
+)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, str]:
+    if PYTHON is None:
+        pytest.skip("no side venv (see requires_side_venv)")
+    work = str(tmp_path_factory.mktemp("hf_model"))
+    env = {**_ENV, "OMP_NUM_THREADS": "1"}
+    script = _launch.side_script("hf_model_side.py")
+    _launch.run_side(PYTHON, [script, work], timeout=600, env=env)
+    got = [_launch.read_json(os.path.join(work, f"result.{r}.json")) for r in (0, 1)]
+    return {f"rank {r}: {k}": v for r, res in enumerate(got) for k, v in res.items()}
+
+
+def _check(results: Dict[str, str], needles: list) -> None:
+    for needle in needles:
+        hits = [k for k in results if needle in k]
+        assert len(hits) == 2, f"no check like {needle!r} on both ranks: {sorted(results)}"
+    bad = {k: v for k, v in results.items() if any(n in k for n in needles) and v != "ok"}
+    assert not bad, bad
+
+
+@pytest.mark.interop
+@pytest.mark.timeout(900)
+@requires_side_venv
+@pytest.mark.parametrize("scenario", ["tp2", "pp2"])
+@pytest.mark.parametrize("how", ["fsdp2", "plain"])
+def test_load_into_transformers_model_gives_megatrons_logits_and_adam_state(results, scenario, how):
+    _check(
+        results,
+        [
+            f"{scenario} {how}: logits equal megatron's",
+            f"{scenario} {how}: Adam state equals megatron's",
+            f"{scenario} {how}: returns the plain values",
+        ],
+    )
+
+
+@pytest.mark.interop
+@pytest.mark.timeout(900)
+@requires_side_venv
+def test_load_refuses_mismatched_models_on_every_rank_before_reading(results):
+    _check(results, ["refused: other kv heads", "refused: attention bias"])
+
+
+@pytest.mark.parametrize("heads,groups,d", [(4, 2, 3), (6, 3, 2), (4, 4, 2), (8, 1, 2)])
+def test_row_pieces_of_any_row_range_equal_export_hf_split(heads, groups, d):
+    hidden, ffn, vocab, padded = 5, 6, 7, 9
+    shapes = {
+        "embedding.word_embeddings.weight": (padded, hidden),
+        "decoder.layers.self_attention.linear_qkv.weight": (2, (heads + 2 * groups) * d, hidden),
+        "decoder.layers.mlp.linear_fc1.weight": (2, 2 * ffn, hidden),
+        "decoder.layers.1.mlp.linear_fc2.weight": (hidden, ffn),
+    }
+    stored = {k: torch.randn(s) for k, s in shapes.items()}
+    index = _hf_layout.index_stored(shapes)
+    layout = _hf_layout.Heads(heads, groups, d)
+    want = {"model.embed_tokens.weight": stored["embedding.word_embeddings.weight"][:vocab]}
+    want["model.layers.1.mlp.down_proj.weight"] = stored["decoder.layers.1.mlp.linear_fc2.weight"]
+    for name in ("self_attention.linear_qkv.weight", "mlp.linear_fc1.weight"):
+        parts = hf_map.split(name, stored[f"decoder.layers.{name}"][1], heads, groups)
+        for hf, part in zip(hf_map.LAYER[name], parts):
+            want[f"model.layers.1.{hf}"] = part
+    for hf_name, full in want.items():
+        src, why = _hf_layout.source(hf_name, index)
+        assert src is not None, why
+        shape, shorter = _hf_layout.expected_shape(src, layout)
+        assert shape[1:] == full.shape[1:] and (shape[0] == full.shape[0] or shorter)
+        st = src.stored[0]
+        rows = full.shape[0]
+        for start in range(rows):
+            for stop in range(start, rows + 1):
+                got = torch.zeros(stop - start, *full.shape[1:])
+                for srow, hrow, n in _hf_layout.row_pieces(src, layout, start, stop):
+                    whole = stored[st.key][st.lead] if st.lead else stored[st.key]
+                    got[hrow - start : hrow - start + n] = whole[srow : srow + n]
+                assert torch.equal(got, full[start:stop]), (hf_name, start, stop)
+
+
+def test_unmapped_parameter_names_say_why():
+    index = _hf_layout.index_stored({"embedding.word_embeddings.weight": (4, 2)})
+    src, why = _hf_layout.source("model.layers.0.self_attn.q_proj.bias", index)
+    assert src is None and "no megatron-core GPTModel name" in why
+    src, why = _hf_layout.source("model.norm.weight", index)
+    assert src is None and "decoder.final_layernorm.weight" in why
