@@ -31,11 +31,12 @@ from typing import Any, Dict
 SCENARIOS: Dict[str, Any] = {
     "tp2": (2, 1, {"num_layers": 2}),
     "pp2": (1, 2, {"num_layers": 4}),
+    "moe_tp2": (2, 1, {"num_layers": 2, "num_moe_experts": 4, "moe_router_topk": 2}),
 }
 HF_VOCAB = 129
 
 
-def hf_config(layers: int, **changes: Any) -> Any:
+def hf_config(layers: int, experts: int = 0, **changes: Any) -> Any:
     import transformers
 
     fields: Dict[str, Any] = dict(
@@ -52,6 +53,10 @@ def hf_config(layers: int, **changes: Any) -> Any:
         tie_word_embeddings=False,
     )
     fields.update(changes)
+    if experts:
+        return transformers.MixtralConfig(
+            **fields, num_local_experts=experts, num_experts_per_tok=2
+        )
     return transformers.LlamaConfig(**fields)
 
 
@@ -110,6 +115,14 @@ def reference(mc: str, layers: int) -> Dict[str, Any]:
                 parts = hf_map.split(name, stored[pre + "decoder.layers." + name][i], 4, 2)
                 for hf, part in zip(hfs, parts):
                     out[f"{moment}/model.layers.{i}.{hf}"] = part
+        # transformers 5's Mixtral: the router, and every expert's [gate; up] / down stacked
+        for name, hf in (
+            ("mlp.router.weight", "mlp.gate.weight"),
+            ("mlp.experts.experts.linear_fc1.weight", "mlp.experts.gate_up_proj"),
+            ("mlp.experts.experts.linear_fc2.weight", "mlp.experts.down_proj"),
+        ):
+            for i in range(layers if pre + "decoder.layers." + name in stored else 0):
+                out[f"{moment}/model.layers.{i}.{hf}"] = stored[pre + "decoder.layers." + name][i]
     return out
 
 
@@ -130,13 +143,15 @@ def hf_checks(rank: int, workdir: str, results: Dict[str, str]) -> None:
         return t.full_tensor() if isinstance(t, DTensor) else t
 
     for name, (_tp, _pp, extra) in SCENARIOS.items():
+        experts = extra.get("num_moe_experts", 0)
         mc = os.path.join(workdir, name, "mc")
         want = torch.load(os.path.join(workdir, name, "logits.pt"))
         layers = extra["num_layers"]
         ref = reference(mc, layers)
         for how in ("fsdp2", "plain"):
             torch.manual_seed(100 + rank)  # other values on each rank, nothing like megatron's
-            model = transformers.LlamaForCausalLM(hf_config(layers)).eval()
+            config = hf_config(layers, experts)
+            model = transformers.AutoModelForCausalLM.from_config(config).eval()
             if how == "fsdp2":
                 for layer in model.model.layers:
                     fully_shard(layer, mesh=mesh)
@@ -179,7 +194,7 @@ def hf_checks(rank: int, workdir: str, results: Dict[str, str]) -> None:
         ),
         ("attention bias", {"attention_bias": True}, ["attention_bias"]),
     ):
-        model = transformers.LlamaForCausalLM(hf_config(2, **changes))
+        model = transformers.AutoModelForCausalLM.from_config(hf_config(2, **changes))
         before = {k: v.clone() for k, v in model.state_dict().items()}
         try:
             hf_model.load(model, os.path.join(workdir, "tp2", "mc"))
@@ -207,6 +222,9 @@ def worker(rank: int, world: int, port: int, workdir: str) -> None:
 
     no_fork = type("NoFork", (), {"fork": lambda self, *a, **k: contextlib.nullcontext()})()
     tensor_parallel.get_cuda_rng_tracker = lambda *a, **k: no_fork
+    from megatron.core.transformer.moe import moe_utils
+
+    moe_utils.te_general_gemm = None  # 0.16.1 names it only when Transformer Engine imports
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )

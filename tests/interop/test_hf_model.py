@@ -1,4 +1,4 @@
-"""`dist_checkpointing.hf_model.load`: megatron-core 0.16's GPTModel checkpoints (TP=2, PP=2,
+"""`dist_checkpointing.hf_model.load`: megatron-core 0.16's GPTModel checkpoints (TP=2, PP=2, MoE,
 with Adam state) into transformers Llama models, FSDP2-sharded on 2 ranks and plain.
 
 One side run (`hf_model_side.py` says what it checks) in the side venv that has megatron-core
@@ -52,7 +52,7 @@ def _check(results: Dict[str, str], needles: list) -> None:
 @pytest.mark.interop
 @pytest.mark.timeout(900)
 @requires_side_venv
-@pytest.mark.parametrize("scenario", ["tp2", "pp2"])
+@pytest.mark.parametrize("scenario", ["tp2", "pp2", "moe_tp2"])
 @pytest.mark.parametrize("how", ["fsdp2", "plain"])
 def test_load_into_transformers_model_gives_megatrons_logits_and_adam_state(results, scenario, how):
     _check(
