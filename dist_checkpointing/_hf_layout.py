@@ -21,7 +21,6 @@ from .errors import CheckpointingException
 from .tools import hf_map
 
 __all__ = [
-    "LAYER_KEY",
     "Stored",
     "Source",
     "Heads",
@@ -31,10 +30,6 @@ __all__ = [
     "expected_shape",
 ]
 
-#: decoder.layers.[<layer>.][mlp.experts.(experts.|local_experts.<expert>.)]<name>
-LAYER_KEY = re.compile(
-    r"decoder\.layers\.(?:(\d+)\.)?(mlp\.experts\.(?:experts\.|local_experts\.(\d+)\.))?(.+)"
-)
 _HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 #: transformers 4 names of one expert's weights, and transformers 5's stacked expert tensors
 _HF_EXPERT = re.compile(r"block_sparse_moe\.experts\.(\d+)\.(w[123]\.weight)")
@@ -105,23 +100,10 @@ def index_stored(shapes: Mapping[str, Sequence[int]], prefix: str = "") -> Index
     (layer/expert -1 where the name has none; experts' names are `experts.<name>`)."""
     out: Index = {}
     for full, shape in shapes.items():
-        if not full.startswith(prefix):
-            continue
-        key, shape = full[len(prefix) :], tuple(int(s) for s in shape)
-        if key in hf_map.GLOBAL:
-            out[(key, -1, -1)] = Stored(full, (), shape)
-            continue
-        m = LAYER_KEY.fullmatch(key)
-        if m is None:
-            continue
-        expert = m[2] is not None
-        name = f"experts.{m[4]}" if expert else m[4]
-        layers = [int(m[1])] if m[1] else range(shape[0])
-        experts = [int(m[3])] if m[3] else range(shape[1 if not m[1] else 0]) if expert else [-1]
-        for i in layers:
-            for e in experts:
-                lead = (() if m[1] else (i,)) + ((e,) if expert and not m[3] else ())
-                out[(name, i, e)] = Stored(full, lead, shape)
+        if full.startswith(prefix):
+            shape = tuple(int(s) for s in shape)
+            for name, layer, expert, lead in hf_map.stored_layers(full[len(prefix) :], shape) or []:
+                out[(name, layer, expert)] = Stored(full, lead, shape)
     return out
 
 

@@ -9,13 +9,24 @@ layer-stacked key `decoder.layers.<name>` (layer axis, then expert axis); others
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, List, Sequence, Tuple
+import re
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from ..errors import CheckpointingException
 
-__all__ = ["GLOBAL", "LAYER", "EXPERT", "hf_config", "megatron_description", "split", "fuse"]
+__all__ = [
+    "GLOBAL",
+    "LAYER",
+    "EXPERT",
+    "LAYER_KEY",
+    "stored_layers",
+    "hf_config",
+    "megatron_description",
+    "split",
+    "fuse",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +55,10 @@ EXPERT: Dict[str, Tuple[str, ...]] = {
     "linear_fc2.weight": ("w2.weight",),
 }
 DENSE_ONLY = ("mlp.linear_fc1.weight", "mlp.linear_fc2.weight")
+#: decoder.layers.[<layer>.][mlp.experts.(experts.|local_experts.<expert>.)]<name>
+LAYER_KEY = re.compile(
+    r"decoder\.layers\.(?:(\d+)\.)?(mlp\.experts\.(?:experts\.|local_experts\.(\d+)\.))?(.+)"
+)
 #: what makes a GPTModel a Llama / Mixtral, in megatron's fields (also their defaults here)
 _LLAMA_LIKE: Dict[str, Any] = {
     **dict(normalization="RMSNorm", gated_linear_unit=True, activation_func="silu"),
@@ -52,6 +67,32 @@ _LLAMA_LIKE: Dict[str, Any] = {
     **dict(moe_router_pre_softmax=False, moe_router_score_function="softmax"),
     "moe_shared_expert_intermediate_size": None,
 }
+
+
+def stored_layers(
+    key: str, shape: Sequence[int]
+) -> Optional[List[Tuple[str, int, int, Tuple[int, ...]]]]:
+    """`(name, layer, expert, lead)` of every layer's (expert's) tensor in stored `key` of
+    `shape`: `name` a `GLOBAL` key (layer and expert -1), a name in a layer, or
+    `experts.<name>` (expert -1 outside experts); `lead` its offsets on the key's stacked
+    (layer, then expert) axes. None for a key outside `GLOBAL` and the decoder layers."""
+    if key in GLOBAL:
+        return [(key, -1, -1, ())]
+    m = LAYER_KEY.fullmatch(key)
+    if m is None:
+        return None
+    expert = m[2] is not None
+    name = f"experts.{m[4]}" if expert else m[4]
+    layers = [int(m[1])] if m[1] else range(shape[0])
+    experts: Sequence[int] = [-1]
+    if expert:  # stacked experts: the axis after the layer axis (if the key has one)
+        experts = [int(m[3])] if m[3] else range(shape[0 if m[1] else 1])
+    out = []
+    for i in layers:
+        for e in experts:
+            lead = (() if m[1] else (i,)) + ((e,) if expert and not m[3] else ())
+            out.append((name, i, e, lead))
+    return out
 
 
 def split(name: str, t: torch.Tensor, heads: int, groups: int) -> List[torch.Tensor]:
