@@ -15,9 +15,12 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import torch
 
 from .errors import CheckpointingException
+from .mapping import ShardedTensor
 from .tools import hf_map
 
 __all__ = [
@@ -28,6 +31,9 @@ __all__ = [
     "source",
     "row_pieces",
     "expected_shape",
+    "local_rows",
+    "resharded",
+    "requests",
 ]
 
 _HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
@@ -188,3 +194,75 @@ def check_heads(heads: Heads) -> None:
             f"num_attention_heads={h} is not a multiple of num_key_value_heads={g} "
             f"(head_dim={heads.head_dim})"
         )
+
+
+def local_rows(name: str, t: torch.Tensor) -> Tuple[torch.Tensor, int]:
+    """This rank's rows of parameter (or state) `t` and the global index of the first."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    if not isinstance(t, DTensor):
+        return t.detach(), 0
+    shards = [p for p in t.placements if isinstance(p, Shard)]
+    others = [p for p in t.placements if not isinstance(p, (Shard, Replicate))]
+    if others or len(shards) > 1 or any(p.dim != 0 for p in shards):
+        raise CheckpointingException(
+            f"parameter {name!r}: placements {t.placements} are not supported "
+            "(Shard(0) on one mesh dimension, Replicate on others, as fully_shard makes)"
+        )
+    local = t.to_local().detach()
+    if local.dim() == 0 or local.shape[0] == 0:
+        return local, 0
+    chunks = t.__create_chunk_list__()  # the public description DCP plans with
+    if len(chunks) != 1 or any(chunks[0].offsets[1:]) or tuple(chunks[0].sizes) != local.shape:
+        raise CheckpointingException(f"parameter {name!r}: unexpected local chunks {chunks}")
+    return local, int(chunks[0].offsets[0])
+
+
+def resharded(model: torch.nn.Module) -> None:
+    """Puts FSDP2's sharded parameters back in place (a forward without backward leaves the
+    root's unsharded), so `named_parameters` gives the DTensors the optimizer holds."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
+def requests(
+    prefix: str,
+    name: str,
+    src: Source,
+    heads: Heads,
+    t: torch.Tensor,
+    replica_id: Any = 0,
+) -> Dict[str, ShardedTensor]:
+    """One request per stored row range of this rank's rows of `t` (views of its data)."""
+    local, row0 = local_rows(name, t)
+    out: Dict[str, ShardedTensor] = {}
+    if local.dim() == 0 or local.shape[0] == 0:
+        return out
+    n = local.shape[0]
+    if src.stacked:  # axis 0 runs over experts, each a whole stored tensor
+        parts = [(src.stored[row0 + j], 0, j, 1) for j in range(n)]
+        squeeze = True
+    else:
+        st = src.stored[0]
+        parts = [(st, s, h - row0, c) for s, h, c in row_pieces(src, heads, row0, row0 + n)]
+        squeeze = False
+    for i, (st, srow, lrow, count) in enumerate(parts):
+        st = st if prefix == "" else Stored(prefix + st.key, st.lead, st.global_shape)
+        data = local[lrow] if squeeze else local.narrow(0, lrow, count)
+        rest = (0,) * (data.dim() - 1)
+        offset = (*st.lead, srow, *rest) if data.dim() else st.lead
+        out[f"{prefix}{name}/{i}"] = ShardedTensor(
+            st.key,
+            data,
+            data.dtype,
+            tuple(data.shape),
+            st.global_shape,
+            offset,
+            None,
+            replica_id,
+            prepend_axis_num=len(st.lead),
+        )
+    return out

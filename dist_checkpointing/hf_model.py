@@ -25,7 +25,7 @@ from .errors import CheckpointingException
 from .mapping import ShardedObject, ShardedTensor
 from .tools import hf_map
 
-__all__ = ["load"]
+__all__ = ["load", "save"]
 
 logger = logging.getLogger(__name__)
 
@@ -145,73 +145,11 @@ def _heads(cfg: Dict[str, Any], desc: Dict[str, Any], index: _hf_layout.Index) -
     return heads
 
 
-def _local_rows(name: str, t: torch.Tensor) -> Tuple[torch.Tensor, int]:
-    """This rank's rows of parameter (or state) `t` and the global index of the first."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-
-    if not isinstance(t, DTensor):
-        return t.detach(), 0
-    shards = [p for p in t.placements if isinstance(p, Shard)]
-    others = [p for p in t.placements if not isinstance(p, (Shard, Replicate))]
-    if others or len(shards) > 1 or any(p.dim != 0 for p in shards):
-        raise CheckpointingException(
-            f"parameter {name!r}: placements {t.placements} are not supported "
-            "(Shard(0) on one mesh dimension, Replicate on others, as fully_shard makes)"
-        )
-    local = t.to_local().detach()
-    if local.dim() == 0 or local.shape[0] == 0:
-        return local, 0
-    chunks = t.__create_chunk_list__()  # the public description DCP plans with
-    if len(chunks) != 1 or any(chunks[0].offsets[1:]) or tuple(chunks[0].sizes) != local.shape:
-        raise CheckpointingException(f"parameter {name!r}: unexpected local chunks {chunks}")
-    return local, int(chunks[0].offsets[0])
-
-
 def _field(name: str, axis: int) -> str:
     for suffix, fields in _FIELDS.items():
         if name.endswith(suffix) and axis < len(fields):
             return fields[axis]
     return "num_hidden_layers" if axis < 0 else f"axis {axis}"
-
-
-def _requests(
-    prefix: str,
-    name: str,
-    src: _hf_layout.Source,
-    heads: _hf_layout.Heads,
-    t: torch.Tensor,
-) -> Dict[str, ShardedTensor]:
-    """One request per stored row range of this rank's rows of `t` (views of its data)."""
-    local, row0 = _local_rows(name, t)
-    out: Dict[str, ShardedTensor] = {}
-    if local.dim() == 0 or local.shape[0] == 0:
-        return out
-    n = local.shape[0]
-    if src.stacked:  # axis 0 runs over experts, each a whole stored tensor
-        parts = [(src.stored[row0 + j], 0, j, 1) for j in range(n)]
-        squeeze = True
-    else:
-        st = src.stored[0]
-        parts = [
-            (st, s, h - row0, c) for s, h, c in _hf_layout.row_pieces(src, heads, row0, row0 + n)
-        ]
-        squeeze = False
-    for i, (st, srow, lrow, count) in enumerate(parts):
-        st = st if prefix == "" else _hf_layout.Stored(prefix + st.key, st.lead, st.global_shape)
-        data = local[lrow] if squeeze else local.narrow(0, lrow, count)
-        rest = (0,) * (data.dim() - 1)
-        offset = (*st.lead, srow, *rest) if data.dim() else st.lead
-        out[f"{prefix}{name}/{i}"] = ShardedTensor(
-            st.key,
-            data,
-            data.dtype,
-            tuple(data.shape),
-            st.global_shape,
-            offset,
-            None,
-            prepend_axis_num=len(st.lead),
-        )
-    return out
 
 
 def _plan(
@@ -225,6 +163,7 @@ def _plan(
     every mismatch (all of them listed) before anything is read or changed."""
     cfg = _config(model)
     _check_architecture(cfg)
+    _hf_layout.resharded(model)
     index = _hf_layout.index_stored({k: s for k, (s, _) in shapes.items()})
     heads = _heads(cfg, _description(common, stored_desc), index)
     experts = int(cfg.get("num_local_experts") or 0)
@@ -262,7 +201,7 @@ def _plan(
         raise CheckpointingException("parameter shapes do not fit: " + "; ".join(wrong))
     requests: Dict[str, ShardedTensor] = {}
     for name, src in sources.items():
-        requests.update(_requests("", name, src, heads, params[name]))
+        requests.update(_hf_layout.requests("", name, src, heads, params[name]))
     states: List[Any] = []
     if optimizer is not None:
         states = _optimizer_plan(optimizer, params, sources, shapes, common)
@@ -270,7 +209,9 @@ def _plan(
         for p, moments, _ in states:
             for moment, t in moments.items():
                 prefix = f"optimizer.state.{moment}."
-                requests.update(_requests(prefix, names[id(p)], sources[names[id(p)]], heads, t))
+                requests.update(
+                    _hf_layout.requests(prefix, names[id(p)], sources[names[id(p)]], heads, t)
+                )
     return requests, states
 
 
@@ -390,3 +331,52 @@ def load(
             optimizer.state[p] = {"step": step, **moments}
     logger.info("hf_model.load: %d tensor pieces from %s", len(requests), ckpt)
     return common
+
+
+def save(
+    model: torch.nn.Module,
+    checkpoint_dir: Union[str, Path],
+    optimizer: Optional[torch.optim.Optimizer] = None,
+    *,
+    common_state: Optional[Dict[str, Any]] = None,
+    tp: int = 1,
+    pp: int = 1,
+    ep: int = 1,
+    **megatron_layout: Any,
+) -> None:
+    """Collective: writes a transformers model (and Adam state) as a megatron-core GPTModel
+    checkpoint, each rank its own rows (`load` in reverse).
+
+    The checkpoint holds megatron-core 0.16's layer-stacked keys with global shapes (so
+    megatron loads it at any TP/PP/EP its sizes divide), the `_extra_state` objects
+    megatron's load asks for, the description (`megatron_config`, as `import-hf` stores
+    it) and, with `optimizer`, `optimizer.state.exp_avg.<key>` / `exp_avg_sq`, one
+    `common_step` and the param groups with megatron's fields (`wd_mult`, `lr_mult`,
+    `is_expert_parallel`, `is_decoupled_lr`: their defaults where the group lacks them).
+    The vocabulary is not padded.
+
+    Args:
+        model: a transformers Llama / Mistral / Mixtral-style causal LM, plain or FSDP2.
+        checkpoint_dir: the checkpoint directory to write.
+        optimizer: a `torch.optim.Adam` / `AdamW` over the model's parameters, stepped
+            (every parameter with state, one step).
+        common_state: plain values to store beside (e.g. `{"iteration": 100}`).
+        tp, pp, ep: the split the description records (its sizes must divide).
+        **megatron_layout: further description fields (megatron's names).
+
+    Raises:
+        CheckpointingException: another architecture, a parameter without a megatron name,
+            an optimizer or state that megatron's layout cannot hold; on every rank.
+    """
+    from . import _hf_save  # it builds on this module's helpers
+
+    _hf_save.save(
+        model,
+        checkpoint_dir,
+        optimizer,
+        common_state=common_state,
+        tp=tp,
+        pp=pp,
+        ep=ep,
+        **megatron_layout,
+    )

@@ -14,7 +14,11 @@ Usage: python hf_model_side.py WORKDIR
    optimizer), and plain (a whole model per rank); its logits must match megatron's within
    1e-4, and the loaded Adam moments and step must equal the stored ones, split into HF
    names by `hf_map.split` (the mapping `export-hf` uses).
-3. Mismatched models are refused on both ranks before anything changes: other key/value
+3. `hf_model.save` writes the FSDP2 and the plain model of `SAVED` (with Adam state) back in
+   megatron's layout; our `load` of it gives the same logits, and megatron-core loads it
+   at TP=2 and TP=1 with its own model's sharded state dict: every model and optimizer
+   tensor equals its load of the original checkpoint.
+4. Mismatched models are refused on both ranks before anything changes: other key/value
    heads (the error names k_proj, both shapes and num_key_value_heads), attention biases.
 
 Each rank writes `WORKDIR/result.<rank>.json`: `{check name: "ok" | failure}`.
@@ -30,17 +34,24 @@ from typing import Any, Dict
 #: name -> (tp, pp, description changes)
 SCENARIOS: Dict[str, Any] = {
     "tp2": (2, 1, {"num_layers": 2}),
-    "pp2": (1, 2, {"num_layers": 4}),
+    "pp2": (1, 2, {"num_layers": 4, "vocab_size": 128}),
     "moe_tp2": (2, 1, {"num_layers": 2, "num_moe_experts": 4, "moe_router_topk": 2}),
 }
+#: the HF model's vocabulary (megatron's is 130 unless the scenario says otherwise)
 HF_VOCAB = 129
+#: the scenario whose FSDP2 and plain models `hf_model.save` writes for megatron to load
+SAVED = "pp2"
 
 
-def hf_config(layers: int, experts: int = 0, **changes: Any) -> Any:
+def hf_vocab(name: str) -> int:
+    return min(HF_VOCAB, SCENARIOS[name][2].get("vocab_size", 130))
+
+
+def hf_config(layers: int, experts: int = 0, vocab: int = HF_VOCAB, **changes: Any) -> Any:
     import transformers
 
     fields: Dict[str, Any] = dict(
-        vocab_size=HF_VOCAB,
+        vocab_size=vocab,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=layers,
@@ -91,11 +102,11 @@ def megatron_save(rank: int, workdir: str) -> None:
         mdc.save({"model": model_sd, "optimizer": optim_sd, "iteration": 7}, mc)
         logits = forward(model, pp)
         if logits is not None:
-            torch.save(logits[..., :HF_VOCAB], os.path.join(base, "logits.pt"))
+            torch.save(logits[..., : hf_vocab(name)], os.path.join(base, "logits.pt"))
         dist.barrier()
 
 
-def reference(mc: str, layers: int) -> Dict[str, Any]:
+def reference(mc: str, layers: int, vocab: int) -> Dict[str, Any]:
     """The stored Adam moments in HF names (full tensors), through export-hf's mapping."""
     import dist_checkpointing as ours
     from dist_checkpointing.tools import hf_map
@@ -106,7 +117,7 @@ def reference(mc: str, layers: int) -> Dict[str, Any]:
         pre = f"optimizer.state.{moment}."
         for key, hf in hf_map.GLOBAL.items():
             out[f"{moment}/{hf}"] = (
-                stored[pre + key][:HF_VOCAB] if "norm" not in key else stored[pre + key]
+                stored[pre + key][:vocab] if "norm" not in key else stored[pre + key]
             )
         for name, hfs in hf_map.LAYER.items():
             if pre + "decoder.layers." + name not in stored:
@@ -147,10 +158,10 @@ def hf_checks(rank: int, workdir: str, results: Dict[str, str]) -> None:
         mc = os.path.join(workdir, name, "mc")
         want = torch.load(os.path.join(workdir, name, "logits.pt"))
         layers = extra["num_layers"]
-        ref = reference(mc, layers)
+        ref = reference(mc, layers, hf_vocab(name))
         for how in ("fsdp2", "plain"):
             torch.manual_seed(100 + rank)  # other values on each rank, nothing like megatron's
-            config = hf_config(layers, experts)
+            config = hf_config(layers, experts, hf_vocab(name))
             model = transformers.AutoModelForCausalLM.from_config(config).eval()
             if how == "fsdp2":
                 for layer in model.model.layers:
@@ -185,6 +196,18 @@ def hf_checks(rank: int, workdir: str, results: Dict[str, str]) -> None:
             results[f"{name} {how}: returns the plain values"] = (
                 "ok" if out.get("iteration") == 7 else f"got {sorted(out)}"
             )
+            if name == SAVED:  # back to megatron's layout, checked by megatron_loads
+                ours = os.path.join(workdir, name, f"ours_{how}")
+                hf_model.save(model, ours, adam, common_state={"iteration": 7}, pp=2)
+                # and our load of it gives the same model again
+                torch.manual_seed(200 + rank)
+                again = transformers.AutoModelForCausalLM.from_config(config).eval()
+                hf_model.load(again, ours)
+                with torch.no_grad():
+                    diff = float((again(tokens()).logits - want).abs().max())
+                results[f"{name} {how}: save, then load, gives the same logits"] = (
+                    "ok" if diff <= 1e-4 else f"max abs difference {diff}"
+                )
     # refused before anything is read or changed, on both ranks
     for label, changes, needles in (
         (
@@ -206,6 +229,51 @@ def hf_checks(rank: int, workdir: str, results: Dict[str, str]) -> None:
                 "ok"
                 if not missing and same
                 else f"message lacks {missing} / changed={not same}: {e}"
+            )
+
+
+def megatron_loads(rank: int, workdir: str, results: Dict[str, str]) -> None:
+    """megatron-core loads what `hf_model.save` wrote at TP=2 and TP=1 with its own model's
+    sharded state dict (Adam state built as its optimizer wrappers do): every model and
+    optimizer tensor equals its load of the original checkpoint."""
+    import torch
+    from mcore_hf_side import BASE, build
+    from mcore_model_side import flatten
+    from megatron.core import dist_checkpointing as mdc
+    from megatron.core.dist_checkpointing import optimizer as m_optimizer
+
+    _tp, _pp, extra = SCENARIOS[SAVED]
+    desc = {**BASE, **extra}
+    base = os.path.join(workdir, SAVED)
+
+    def request(tp: int) -> Dict[str, Any]:
+        model = build(desc, tp, 1, 1, seed=500 + tp)
+        adam = torch.optim.Adam(model.parameters(), lr=1e-2)
+        for p in model.parameters():
+            adam.state[p] = {
+                "step": torch.tensor(0.0),
+                "exp_avg": torch.full_like(p, -7.0),
+                "exp_avg_sq": torch.full_like(p, -7.0),
+            }
+        model_sd = model.sharded_state_dict()
+        id_map = m_optimizer.get_param_id_to_sharded_param_map(model_sd, list(model.parameters()))
+        optim_sd = adam.state_dict()
+        m_optimizer.optim_state_to_sharding_state(optim_sd, id_map, exclude_keys="step")
+        return {"model": model_sd, "optimizer": optim_sd}
+
+    def tensors(loaded: Dict[str, Any]) -> Dict[str, Any]:
+        flat = flatten(loaded)
+        return {k: v for k, v in flat.items() if isinstance(v, torch.Tensor)}
+
+    for tp in (2, 1):
+        ref = tensors(mdc.load(request(tp), os.path.join(base, "mc")))
+        for how in ("fsdp2", "plain"):
+            got = tensors(mdc.load(request(tp), os.path.join(base, f"ours_{how}")))
+            bad = sorted(k for k in ref if k not in got or not torch.equal(got[k], ref[k]))
+            results[f"megatron loads our save of the {how} model at tp{tp}"] = (
+                "ok"
+                if not bad and len(ref) > 20 and any("exp_avg_sq" in k for k in ref)
+                else f"{len(bad)} of {len(ref)} differ: {bad[:4]}"
             )
 
 
@@ -233,6 +301,7 @@ def worker(rank: int, world: int, port: int, workdir: str) -> None:
         megatron_save(rank, workdir)
         parallel_state.destroy_model_parallel()
         hf_checks(rank, workdir, results)
+        megatron_loads(rank, workdir, results)
     except Exception as e:  # reported by the test
         import traceback
 

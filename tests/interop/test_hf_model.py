@@ -1,5 +1,5 @@
-"""`dist_checkpointing.hf_model.load`: megatron-core 0.16's GPTModel checkpoints (TP=2, PP=2, MoE,
-with Adam state) into transformers Llama models, FSDP2-sharded on 2 ranks and plain.
+"""`dist_checkpointing.hf_model`: megatron-core 0.16's GPTModel checkpoints (TP=2, PP=2, MoE,
+with Adam state) into transformers models, FSDP2-sharded on 2 ranks and plain, and back.
 
 One side run (`hf_model_side.py` says what it checks) in the side venv that has megatron-core
 and transformers (`DIST_CKPT_MCORE_PYTHON`, .ci/run installs both); the row mapping itself
@@ -41,12 +41,12 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, str]:
     return {f"rank {r}: {k}": v for r, res in enumerate(got) for k, v in res.items()}
 
 
-def _check(results: Dict[str, str], needles: list) -> None:
-    for needle in needles:
-        hits = [k for k in results if needle in k]
-        assert len(hits) == 2, f"no check like {needle!r} on both ranks: {sorted(results)}"
-    bad = {k: v for k, v in results.items() if any(n in k for n in needles) and v != "ok"}
-    assert not bad, bad
+def _check(results: Dict[str, str], checks: list) -> None:
+    """Each named check ran on both ranks and passed."""
+    for check in checks:
+        for rank in (0, 1):
+            got = results.get(f"rank {rank}: {check}")
+            assert got == "ok", f"rank {rank}: {check}: {got or 'not run'}"
 
 
 @pytest.mark.interop
@@ -62,6 +62,21 @@ def test_load_into_transformers_model_gives_megatrons_logits_and_adam_state(resu
             f"{scenario} {how}: Adam state equals megatron's",
             f"{scenario} {how}: returns the plain values",
         ],
+    )
+
+
+@pytest.mark.interop
+@pytest.mark.timeout(900)
+@requires_side_venv
+def test_save_of_fsdp2_and_plain_models_loads_in_megatron_bit_exactly_at_tp2_and_tp1(results):
+    _check(
+        results,
+        [
+            f"megatron loads our save of the {how} model at tp{tp}"
+            for how in ("fsdp2", "plain")
+            for tp in (2, 1)
+        ]
+        + [f"pp2 {how}: save, then load, gives the same logits" for how in ("fsdp2", "plain")],
     )
 
 
