@@ -13,6 +13,7 @@ checkpoint is found before any tensor byte is read, and raised on every rank.
 from __future__ import annotations
 
 import argparse
+import itertools
 import logging
 import math
 from pathlib import Path
@@ -241,37 +242,40 @@ def _optimizer_plan(
         )
     if any(g.get("amsgrad") for g in optimizer.param_groups):
         raise CheckpointingException("amsgrad=True: megatron's checkpoints hold no max_exp_avg_sq")
+    names = {id(p): n for n, p in params.items()}
+    missing = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            name = names.get(id(p))
+            if name is None:
+                raise CheckpointingException("the optimizer holds a tensor that is no parameter")
+            for moment, st in itertools.product(_MOMENTS, sources[name].stored):
+                if f"optimizer.state.{moment}.{st.key}" not in shapes:
+                    missing.append(f"optimizer.state.{moment}.{st.key}")
+    if missing:
+        keys = sorted(set(missing))
+        raise CheckpointingException(
+            f"the checkpoint lacks {len(keys)} optimizer state tensor(s) the optimizer needs, "
+            "e.g. " + ", ".join(keys[:3])
+        )
     steps = {float(s) for s in _common_step(common)}
     if len(steps) != 1:
         raise CheckpointingException(
             f"the checkpoint holds {len(steps)} distinct Adam steps {sorted(steps)} "
             "(megatron's optimizer wrappers store one `common_step`); cannot restore Adam's step"
         )
-    names = {id(p): n for n, p in params.items()}
     out = []
-    missing = []
     for group in optimizer.param_groups:
+        on = "cpu"  # where torch's Adam keeps `step`, unless capturable or fused
         for p in group["params"]:
-            name = names.get(id(p))
-            if name is None:
-                raise CheckpointingException(
-                    "the optimizer holds a tensor that is no model parameter"
-                )
-            for moment in _MOMENTS:
-                for st in sources[name].stored:
-                    if f"optimizer.state.{moment}.{st.key}" not in shapes:
-                        missing.append(f"optimizer.state.{moment}.{st.key} (for {name})")
+            if group.get("capturable") or group.get("fused"):
+                on = p.device
             moments = {
                 m: torch.zeros_like(p, memory_format=torch.preserve_format) for m in _MOMENTS
             }
-            on = p.device if group.get("capturable") or group.get("fused") else "cpu"
-            step = torch.tensor(next(iter(steps)), dtype=torch.float32, device=on)
-            out.append((p, moments, step))
-    if missing:
-        raise CheckpointingException(
-            f"the checkpoint has no optimizer state for {len(missing)} tensor(s): "
-            + ", ".join(sorted(set(missing))[:20])
-        )
+            out.append(
+                (p, moments, torch.tensor(steps.copy().pop(), dtype=torch.float32, device=on))
+            )
     return out
 
 
