@@ -34,6 +34,7 @@ __all__ = [
     "local_rows",
     "resharded",
     "requests",
+    "by_layer",
 ]
 
 _HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
@@ -266,3 +267,27 @@ def requests(
             prepend_axis_num=len(st.lead),
         )
     return out
+
+
+def by_layer(
+    requests: Dict[str, ShardedTensor], shapes: Dict[str, Any]
+) -> List[Dict[str, ShardedTensor]]:
+    """The requests in one batch per layer of the layer-stacked keys (then the rest).
+
+    The reader reads, per stored chunk, the span of axis-0 indices its reads touch; axis 0
+    of a layer-stacked key is the layer, so one batch for all layers would read (and stage)
+    whole stacked tensors. One layer per batch bounds that to one layer; the count of
+    batches comes from the stored shapes, the same on every rank.
+    """
+
+    def layer_axis(key: str) -> bool:  # whether axis 0 of stored `key` is the layer
+        rest = re.sub(r"^optimizer\.state\.[^.]+\.", "", key)
+        m = hf_map.LAYER_KEY.fullmatch(rest)
+        return m is not None and m[1] is None
+
+    layers = max((s[0] for k, (s, _) in shapes.items() if layer_axis(k) and s), default=0)
+    batches: List[Dict[str, ShardedTensor]] = [{} for _ in range(layers + 1)]
+    for name, sh in requests.items():
+        stacked = sh.prepend_axis_num > 0 and layer_axis(sh.key)
+        batches[sh.global_offset[0] if stacked else layers][name] = sh
+    return batches

@@ -329,7 +329,10 @@ def load(
             common,
             stored_desc,
         )
-        serialization.load(requests, ckpt, validate_access_integrity=False)
+        for batch in _hf_layout.by_layer(
+            requests, shapes
+        ):  # the same number of calls on every rank
+            serialization.load(batch, ckpt, validate_access_integrity=False)
     if optimizer is not None:
         for p, moments, step in states:
             optimizer.state[p] = {"step": step, **moments}
