@@ -4,6 +4,7 @@ thing, tests/interop/test_hf_model.py)."""
 
 from __future__ import annotations
 
+import argparse
 from typing import Any, Dict
 
 import pytest
@@ -166,3 +167,18 @@ def test_save_refuses_an_optimizer_without_state(tmp_path):
     model = _model(1)
     with pytest.raises(CheckpointingException, match="no Adam state"):
         hf_model.save(model, tmp_path / "mc", torch.optim.Adam(model.parameters()))
+
+
+def test_load_reads_the_description_from_megatron_lm_args(saved, tmp_path):
+    # as Megatron-LM writes it: global tensors and its arguments in the common state
+    tensors = dc.load_plain_tensors(saved)
+    sd: Dict[str, Any] = {k: dc.ShardedTensor.from_rank_offsets(k, t) for k, t in tensors.items()}
+    sd["args"] = argparse.Namespace(
+        num_attention_heads=HEADS, normalization="RMSNorm", rotary_base=500000.0
+    )
+    dc.save(sd, tmp_path / "lm")
+    assert "rope_theta: model 10000.0, checkpoint 500000.0" in _refused(_model(2), tmp_path / "lm")
+    model = _model(2, rope_theta=500000.0)
+    assert hf_model.load(model, tmp_path / "lm")["args"].rotary_base == 500000.0
+    for name, p in model.named_parameters():
+        assert torch.equal(p, _model(1).get_parameter(name)), name
