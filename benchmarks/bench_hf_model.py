@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import time
@@ -100,7 +101,8 @@ def main() -> None:
     size = sum(os.path.getsize(os.path.join(ckpt, f)) for f in os.listdir(ckpt))
     stored = dc.load_tensors_metadata(ckpt)
     layers = stored["decoder.layers.mlp.linear_fc1.weight"].global_shape[0]
-    layer_bytes = size // max(layers, 1)  # an upper bound: embeddings count in it too
+    stacked = [t for k, t in stored.items() if k.startswith("decoder.layers.")]
+    layer_bytes = sum(4 * math.prod(t.global_shape[1:]) for t in stacked)  # fp32
     rows = []
     for method in ("online", "offline"):
         cold = drop_page_cache()

@@ -1,12 +1,14 @@
 """A megatron-core GPTModel `torch_dist` checkpoint straight into a live `transformers`
 Llama / Mistral / Mixtral-style causal LM, plain or sharded by FSDP2 (`fully_shard`).
 
-Trade-off taken: every rank reads only the rows of its own parameter shards. For each
+Trade-off taken: every rank asks only for the rows of its own parameter shards. For each
 parameter (and Adam moment) the rows this rank holds are mapped to contiguous row ranges of
 the stored megatron tensors (`_hf_layout`), one `ShardedTensor` request per range whose data
-is a view of the local tensor, and one `dist_checkpointing.load` fills them in place: no
-full tensor, no intermediate files. The price is many small requests for fused QKV tensors
-(one per query group a shard touches). Everything that can be wrong with the model or the
+is a view of the local tensor, and one `dist_checkpointing.load` per layer fills them in
+place: no full tensor, no intermediate files, memory at the rank's shard plus one layer.
+The price is many small requests for fused QKV tensors (one per query group a shard
+touches) and one load call per layer; the reader still reads whole layer slabs of the
+stored chunks a rank's rows overlap. Everything that can be wrong with the model or the
 checkpoint is found before any tensor byte is read, and raised on every rank.
 """
 
