@@ -285,6 +285,8 @@ def load(
     model: torch.nn.Module,
     checkpoint_dir: Union[str, Path],
     optimizer: Optional[torch.optim.Optimizer] = None,
+    *,
+    allow_lossy_dtype_conversion: bool = False,
 ) -> Dict[str, Any]:
     """Collective: loads a megatron-core GPTModel checkpoint into a transformers model.
 
@@ -302,6 +304,10 @@ def load(
             replaced by the checkpoint's (`optimizer.state.exp_avg.<key>`, `exp_avg_sq`,
             and the `common_step` megatron's optimizer wrappers store); its param groups
             (learning rate, ...) are kept.
+        allow_lossy_dtype_conversion: load into parameters of a narrower dtype (a bf16
+            model from fp32 tensors) rounding; without it such a load succeeds only where
+            every value converts exactly, else raises `LossyDtypeConversionError` naming
+            the key (possibly after earlier layers were filled).
 
     Returns:
         The checkpoint's common state (plain values: iteration, megatron's args, ...).
@@ -334,7 +340,12 @@ def load(
         for batch in _hf_layout.by_layer(
             requests, shapes
         ):  # the same number of calls on every rank
-            serialization.load(batch, ckpt, validate_access_integrity=False)
+            serialization.load(
+                batch,
+                ckpt,
+                validate_access_integrity=False,
+                allow_lossy_dtype_conversion=allow_lossy_dtype_conversion,
+            )
     if optimizer is not None:
         for p, moments, step in states:
             optimizer.state[p] = {"step": step, **moments}

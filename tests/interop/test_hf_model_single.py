@@ -13,7 +13,7 @@ from torch import nn
 
 import dist_checkpointing as dc
 from dist_checkpointing import hf_model
-from dist_checkpointing.errors import CheckpointingException
+from dist_checkpointing.errors import CheckpointingException, LossyDtypeConversionError
 from dist_checkpointing.tools import hf_map
 
 LAYERS, HIDDEN, HEADS, GROUPS, D, FFN, VOCAB = 2, 8, 4, 2, 2, 12, 10
@@ -209,3 +209,12 @@ def test_load_reads_the_description_from_megatron_lm_args(saved, tmp_path):
     assert hf_model.load(model, tmp_path / "lm")["args"].rotary_base == 500000.0
     for name, p in model.named_parameters():
         assert torch.equal(p, _model(1).get_parameter(name)), name
+
+
+def test_load_into_a_narrower_dtype_rounds_only_when_allowed(saved):
+    model = _model(2).to(torch.bfloat16)
+    with pytest.raises(LossyDtypeConversionError, match="weight"):
+        hf_model.load(model, saved)
+    hf_model.load(model, saved, allow_lossy_dtype_conversion=True)
+    for name, p in model.named_parameters():
+        assert torch.equal(p, _model(1).get_parameter(name).to(torch.bfloat16)), name
