@@ -11,10 +11,10 @@ Usage: python hf_model_side.py WORKDIR
    logits after the step go to `WORKDIR/<name>/logits.pt`.
 2. A transformers `LlamaForCausalLM` of the same config, with other values, loads each
    checkpoint with `hf_model.load`: sharded by `fully_shard` on both ranks (with an Adam
-   optimizer), and plain (a whole model per rank); its logits must match megatron's within
+   optimizer), plain (a whole model per rank), and for `SAVED` also HSDP (a 2 x 1 mesh); its logits must match megatron's within
    1e-4, and the loaded Adam moments and step must equal the stored ones, split into HF
    names by `hf_map.split` (the mapping `export-hf` uses).
-3. `hf_model.save` writes the FSDP2 and the plain model of `SAVED` (with Adam state) back in
+3. `hf_model.save` writes each model of `SAVED` (with Adam state) back in
    megatron's layout; our `load` of it gives the same logits, and megatron-core loads it
    at TP=2 and TP=1 with its own model's sharded state dict: every model and optimizer
    tensor equals its load of the original checkpoint.
@@ -39,7 +39,10 @@ SCENARIOS: Dict[str, Any] = {
 }
 #: the HF model's vocabulary (megatron's is 130 unless the scenario says otherwise)
 HF_VOCAB = 129
-#: the scenario whose FSDP2 and plain models `hf_model.save` writes for megatron to load
+#: how the transformers model is sharded: FSDP2 on 2 ranks, plain (a whole model per rank),
+#: HSDP on a 2 x 1 mesh (only for `SAVED`)
+HOWS = ("fsdp2", "plain", "hsdp")
+#: the scenario whose models `hf_model.save` writes for megatron to load
 SAVED = "pp2"
 
 
@@ -149,6 +152,8 @@ def hf_checks(rank: int, workdir: str, results: Dict[str, str]) -> None:
     from dist_checkpointing.errors import CheckpointingException
 
     mesh = init_device_mesh("cpu", (2,))
+    # HSDP as fully_shard makes it on a 2-D mesh: (Replicate(), Shard(0)), here 2 x 1
+    hsdp = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
 
     def full(t: torch.Tensor) -> torch.Tensor:
         return t.full_tensor() if isinstance(t, DTensor) else t
@@ -159,14 +164,14 @@ def hf_checks(rank: int, workdir: str, results: Dict[str, str]) -> None:
         want = torch.load(os.path.join(workdir, name, "logits.pt"))
         layers = extra["num_layers"]
         ref = reference(mc, layers, hf_vocab(name))
-        for how in ("fsdp2", "plain"):
+        for how in HOWS if name == SAVED else HOWS[:2]:
             torch.manual_seed(100 + rank)  # other values on each rank, nothing like megatron's
             config = hf_config(layers, experts, hf_vocab(name))
             model = transformers.AutoModelForCausalLM.from_config(config).eval()
-            if how == "fsdp2":
+            if how != "plain":
                 for layer in model.model.layers:
-                    fully_shard(layer, mesh=mesh)
-                fully_shard(model, mesh=mesh)
+                    fully_shard(layer, mesh=mesh if how == "fsdp2" else hsdp)
+                fully_shard(model, mesh=mesh if how == "fsdp2" else hsdp)
             adam = torch.optim.Adam(model.parameters(), lr=1e-2)
             out = hf_model.load(model, mc, adam)
             named = list(model.named_parameters())  # FSDP2 swaps in unsharded ones in forward
@@ -267,7 +272,7 @@ def megatron_loads(rank: int, workdir: str, results: Dict[str, str]) -> None:
 
     for tp in (2, 1):
         ref = tensors(mdc.load(request(tp), os.path.join(base, "mc")))
-        for how in ("fsdp2", "plain"):
+        for how in HOWS:
             got = tensors(mdc.load(request(tp), os.path.join(base, f"ours_{how}")))
             bad = sorted(k for k in ref if k not in got or not torch.equal(got[k], ref[k]))
             results[f"megatron loads our save of the {how} model at tp{tp}"] = (

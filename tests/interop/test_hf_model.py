@@ -68,15 +68,34 @@ def test_load_into_transformers_model_gives_megatrons_logits_and_adam_state(resu
 @pytest.mark.interop
 @pytest.mark.timeout(900)
 @requires_side_venv
-def test_save_of_fsdp2_and_plain_models_loads_in_megatron_bit_exactly_at_tp2_and_tp1(results):
+def test_save_of_fsdp2_hsdp_and_plain_models_loads_in_megatron_bit_exactly_at_tp2_and_tp1(
+    results,
+):
     _check(
         results,
         [
             f"megatron loads our save of the {how} model at tp{tp}"
-            for how in ("fsdp2", "plain")
+            for how in ("fsdp2", "plain", "hsdp")
             for tp in (2, 1)
         ]
-        + [f"pp2 {how}: save, then load, gives the same logits" for how in ("fsdp2", "plain")],
+        + [
+            f"pp2 {how}: save, then load, gives the same logits"
+            for how in ("fsdp2", "plain", "hsdp")
+        ],
+    )
+
+
+@pytest.mark.interop
+@pytest.mark.timeout(900)
+@requires_side_venv
+def test_load_into_hsdp_model_gives_megatrons_logits_and_adam_state(results):
+    _check(
+        results,
+        [
+            "pp2 hsdp: logits equal megatron's",
+            "pp2 hsdp: Adam state equals megatron's",
+            "pp2 hsdp: returns the plain values",
+        ],
     )
 
 
