@@ -11,10 +11,10 @@ Usage: python hf_model_side.py WORKDIR
    logits after the step go to `WORKDIR/<name>/logits.pt`.
 2. A transformers `LlamaForCausalLM` of the same config, with other values, loads each
    checkpoint with `hf_model.load`: sharded by `fully_shard` on both ranks (with an Adam
-   optimizer), plain (a whole model per rank), and for `SAVED` also HSDP (a 2 x 1 mesh); its logits must match megatron's within
+   optimizer), plain (a whole model per rank), and for pp2 also HSDP (a 2 x 1 mesh); its logits must match megatron's within
    1e-4, and the loaded Adam moments and step must equal the stored ones, split into HF
    names by `hf_map.split` (the mapping `export-hf` uses).
-3. `hf_model.save` writes each model of `SAVED` (with Adam state) back in
+3. `hf_model.save` writes the models `SAVED` names (with Adam state) back in
    megatron's layout; our `load` of it gives the same logits, and megatron-core loads it
    at TP=2 and TP=1 with its own model's sharded state dict: every model and optimizer
    tensor equals its load of the original checkpoint.
@@ -35,15 +35,19 @@ from typing import Any, Dict
 SCENARIOS: Dict[str, Any] = {
     "tp2": (2, 1, {"num_layers": 2}),
     "pp2": (1, 2, {"num_layers": 4, "vocab_size": 128}),
-    "moe_tp2": (2, 1, {"num_layers": 2, "num_moe_experts": 4, "moe_router_topk": 2}),
+    "moe_tp2": (
+        2,
+        1,
+        {"num_layers": 2, "num_moe_experts": 4, "moe_router_topk": 2, "vocab_size": 128},
+    ),
 }
 #: the HF model's vocabulary (megatron's is 130 unless the scenario says otherwise)
 HF_VOCAB = 129
 #: how the transformers model is sharded: FSDP2 on 2 ranks, plain (a whole model per rank),
-#: HSDP on a 2 x 1 mesh (only for `SAVED`)
+#: HSDP on a 2 x 1 mesh (only for pp2)
 HOWS = ("fsdp2", "plain", "hsdp")
-#: the scenario whose models `hf_model.save` writes for megatron to load
-SAVED = "pp2"
+#: scenario -> its models that `hf_model.save` writes back for megatron to load
+SAVED = {"pp2": HOWS, "moe_tp2": ("fsdp2",)}
 
 
 def hf_vocab(name: str) -> int:
@@ -164,7 +168,7 @@ def hf_checks(rank: int, workdir: str, results: Dict[str, str]) -> None:
         want = torch.load(os.path.join(workdir, name, "logits.pt"))
         layers = extra["num_layers"]
         ref = reference(mc, layers, hf_vocab(name))
-        for how in HOWS if name == SAVED else HOWS[:2]:
+        for how in HOWS if name == "pp2" else HOWS[:2]:
             torch.manual_seed(100 + rank)  # other values on each rank, nothing like megatron's
             config = hf_config(layers, experts, hf_vocab(name))
             model = transformers.AutoModelForCausalLM.from_config(config).eval()
@@ -201,9 +205,10 @@ def hf_checks(rank: int, workdir: str, results: Dict[str, str]) -> None:
             results[f"{name} {how}: returns the plain values"] = (
                 "ok" if out.get("iteration") == 7 else f"got {sorted(out)}"
             )
-            if name == SAVED:  # back to megatron's layout, checked by megatron_loads
+            if how in SAVED.get(name, ()):  # back to megatron's layout, see megatron_loads
                 ours = os.path.join(workdir, name, f"ours_{how}")
-                hf_model.save(model, ours, adam, common_state={"iteration": 7}, pp=2)
+                split = dict(tp=SCENARIOS[name][0], pp=SCENARIOS[name][1])
+                hf_model.save(model, ours, adam, common_state={"iteration": 7}, **split)
                 # and our load of it gives the same model again
                 torch.manual_seed(200 + rank)
                 again = transformers.AutoModelForCausalLM.from_config(config).eval()
@@ -247,11 +252,7 @@ def megatron_loads(rank: int, workdir: str, results: Dict[str, str]) -> None:
     from megatron.core import dist_checkpointing as mdc
     from megatron.core.dist_checkpointing import optimizer as m_optimizer
 
-    _tp, _pp, extra = SCENARIOS[SAVED]
-    desc = {**BASE, **extra}
-    base = os.path.join(workdir, SAVED)
-
-    def request(tp: int) -> Dict[str, Any]:
+    def request(desc: Dict[str, Any], tp: int) -> Dict[str, Any]:
         model = build(desc, tp, 1, 1, seed=500 + tp)
         adam = torch.optim.Adam(model.parameters(), lr=1e-2)
         for p in model.parameters():
@@ -270,16 +271,19 @@ def megatron_loads(rank: int, workdir: str, results: Dict[str, str]) -> None:
         flat = flatten(loaded)
         return {k: v for k, v in flat.items() if isinstance(v, torch.Tensor)}
 
-    for tp in (2, 1):
-        ref = tensors(mdc.load(request(tp), os.path.join(base, "mc")))
-        for how in HOWS:
-            got = tensors(mdc.load(request(tp), os.path.join(base, f"ours_{how}")))
-            bad = sorted(k for k in ref if k not in got or not torch.equal(got[k], ref[k]))
-            results[f"megatron loads our save of the {how} model at tp{tp}"] = (
-                "ok"
-                if not bad and len(ref) > 20 and any("exp_avg_sq" in k for k in ref)
-                else f"{len(bad)} of {len(ref)} differ: {bad[:4]}"
-            )
+    for name, hows in SAVED.items():
+        desc = {**BASE, **SCENARIOS[name][2]}
+        base = os.path.join(workdir, name)
+        for tp in (2, 1):
+            ref = tensors(mdc.load(request(desc, tp), os.path.join(base, "mc")))
+            for how in hows:
+                got = tensors(mdc.load(request(desc, tp), os.path.join(base, f"ours_{how}")))
+                bad = sorted(k for k in ref if k not in got or not torch.equal(got[k], ref[k]))
+                results[f"megatron loads our save of {name} {how} at tp{tp}"] = (
+                    "ok"
+                    if not bad and len(ref) > 20 and any("exp_avg_sq" in k for k in ref)
+                    else f"{len(bad)} of {len(ref)} differ: {bad[:4]}"
+                )
 
 
 def worker(rank: int, world: int, port: int, workdir: str) -> None:
