@@ -294,7 +294,7 @@ def load(
     (what `import-hf` stored, else megatron's `args`, else the model's config alone); map
     every parameter to its stored rows and check every shape (all mismatches named, on
     every rank, before anything is read); load this rank's rows, in place, with one
-    `dist_checkpointing.load`; with `optimizer`, Adam's moments and step alike.
+    `dist_checkpointing.load` per layer; with `optimizer`, Adam's moments and step alike.
 
     Args:
         model: a transformers Llama / Mistral / Mixtral-style causal LM, its parameters plain
