@@ -173,9 +173,10 @@ def hf_checks(rank: int, workdir: str, results: Dict[str, str]) -> None:
             config = hf_config(layers, experts, hf_vocab(name))
             model = transformers.AutoModelForCausalLM.from_config(config).eval()
             if how != "plain":
+                shard_mesh = mesh if how == "fsdp2" else hsdp
                 for layer in model.model.layers:
-                    fully_shard(layer, mesh=mesh if how == "fsdp2" else hsdp)
-                fully_shard(model, mesh=mesh if how == "fsdp2" else hsdp)
+                    fully_shard(layer, mesh=shard_mesh)
+                fully_shard(model, mesh=shard_mesh)
             adam = torch.optim.Adam(model.parameters(), lr=1e-2)
             out = hf_model.load(model, mc, adam)
             named = list(model.named_parameters())  # FSDP2 swaps in unsharded ones in forward
@@ -207,8 +208,8 @@ def hf_checks(rank: int, workdir: str, results: Dict[str, str]) -> None:
             )
             if how in SAVED.get(name, ()):  # back to megatron's layout, see megatron_loads
                 ours = os.path.join(workdir, name, f"ours_{how}")
-                split = dict(tp=SCENARIOS[name][0], pp=SCENARIOS[name][1])
-                hf_model.save(model, ours, adam, common_state={"iteration": 7}, **split)
+                tp, pp = SCENARIOS[name][:2]  # recorded in the description
+                hf_model.save(model, ours, adam, common_state={"iteration": 7}, tp=tp, pp=pp)
                 # and our load of it gives the same model again
                 torch.manual_seed(200 + rank)
                 again = transformers.AutoModelForCausalLM.from_config(config).eval()
