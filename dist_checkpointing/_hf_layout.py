@@ -35,6 +35,8 @@ __all__ = [
     "resharded",
     "requests",
     "by_layer",
+    "split",
+    "fuse",
 ]
 
 _HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
@@ -185,6 +187,36 @@ def row_pieces(src: Source, heads: Heads, start: int, stop: int) -> List[Tuple[i
         half = src.stored[0].shape[0] // 2
         return [(half + start, start, stop - start)] if stop > start else []
     return [(start, start, stop - start)] if stop > start else []
+
+
+def split(name: str, t: torch.Tensor, heads: int, groups: int) -> List[torch.Tensor]:
+    """megatron's fused `t` (one layer, one expert) -> its HF tensors (q, k, v; gate, up;
+    else `t` itself), by `row_pieces`: the one place that knows the fused layouts."""
+    n = 3 if name.endswith("linear_qkv.weight") else 2 if name.endswith("linear_fc1.weight") else 1
+    if n == 1:
+        return [t]
+    layout = Heads(heads, groups, t.shape[0] // (heads + 2 * groups))
+    out = []
+    for part in range(n):
+        src = Source(name, part, (Stored("", (), tuple(t.shape)),))
+        rows = expected_shape(src, layout)[0][0]
+        pieces = [t.narrow(0, s, c) for s, _, c in row_pieces(src, layout, 0, rows)]
+        out.append(pieces[0] if len(pieces) == 1 else torch.cat(pieces))
+    return out
+
+
+def fuse(name: str, parts: Sequence[torch.Tensor], heads: int, groups: int) -> torch.Tensor:
+    """The inverse of `split`: HF tensors -> megatron's fused tensor."""
+    if len(parts) == 1:
+        return parts[0]
+    total = sum(p.shape[0] for p in parts)
+    layout = Heads(heads, groups, total // (heads + 2 * groups))
+    out = parts[0].new_empty((total, *parts[0].shape[1:]))
+    for part, p in enumerate(parts):
+        src = Source(name, part, (Stored("", (), tuple(out.shape)),))
+        for s, h, c in row_pieces(src, layout, 0, p.shape[0]):
+            out[s : s + c] = p[h : h + c]
+    return out
 
 
 def check_heads(heads: Heads) -> None:

@@ -4,6 +4,7 @@ layer-stacked key `decoder.layers.<name>` (layer axis, then expert axis); others
 `decoder.layers.<i>.<name>`. Fused layouts that transformers keeps apart:
 - QKV: one `linear_qkv`; per query group its query heads, then its key and value heads.
 - SwiGLU: one `linear_fc1` `[gate; up]` (any TP size) vs `gate_proj` / `up_proj` (`w1` / `w3`).
+Which rows go where is `_hf_layout.row_pieces`'s job (`split` / `fuse` here use it).
 """
 
 from __future__ import annotations
@@ -96,25 +97,18 @@ def stored_layers(
 
 
 def split(name: str, t: torch.Tensor, heads: int, groups: int) -> List[torch.Tensor]:
-    """megatron's fused `t` (one layer, one expert) -> the HF tensors of `LAYER`/`EXPERT`."""
-    if name.endswith("linear_qkv.weight"):
-        per = heads // groups  # query heads per group
-        g = t.view(groups, per + 2, -1, t.shape[-1])
-        q, k, v = g[:, :per], g[:, per], g[:, per + 1]
-        return [x.reshape(-1, t.shape[-1]) for x in (q, k, v)]
-    if name.endswith("linear_fc1.weight"):
-        return list(t.chunk(2))
-    return [t]
+    """megatron's fused `t` (one layer, one expert) -> the HF tensors of `LAYER`/`EXPERT`
+    (the layouts live in `_hf_layout`, which `hf_model` maps rows with)."""
+    from .. import _hf_layout  # imported here: `_hf_layout` builds on this module's tables
+
+    return _hf_layout.split(name, t, heads, groups)
 
 
 def fuse(name: str, parts: Sequence[torch.Tensor], heads: int, groups: int) -> torch.Tensor:
     """The inverse of `split`: HF tensors -> megatron's fused tensor."""
-    if name.endswith("linear_qkv.weight"):
-        q, k, v = parts
-        cols = q.shape[-1]
-        g = (q.view(groups, -1, cols), k.view(groups, -1, cols), v.view(groups, -1, cols))
-        return torch.cat(g, dim=1).view(-1, cols)
-    return parts[0] if len(parts) == 1 else torch.cat(list(parts))
+    from .. import _hf_layout
+
+    return _hf_layout.fuse(name, parts, heads, groups)
 
 
 def _get(desc: Dict[str, Any], field: str, default: Any = None) -> Any:

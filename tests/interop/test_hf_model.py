@@ -3,7 +3,7 @@ with Adam state) into transformers models, FSDP2-sharded on 2 ranks and plain, a
 
 One side run (`hf_model_side.py` says what it checks) in the side venv that has megatron-core
 and transformers (`DIST_CKPT_MCORE_PYTHON`, .ci/run installs both); the row mapping itself
-is also checked here, in this process, against `hf_map.split` (what `export-hf` uses).
+is also checked here, in this process, against megatron's layouts written out.
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ def test_load_refuses_mismatched_models_on_every_rank_before_reading(results):
 
 
 @pytest.mark.parametrize("heads,groups,d", [(4, 2, 3), (6, 3, 2), (4, 4, 2), (8, 1, 2)])
-def test_row_pieces_of_any_row_range_equal_export_hf_split(heads, groups, d):
+def test_row_pieces_of_any_row_range_follow_megatrons_fused_layouts(heads, groups, d):
     hidden, ffn, vocab, padded = 5, 6, 7, 9
     shapes = {
         "embedding.word_embeddings.weight": (padded, hidden),
@@ -111,10 +111,15 @@ def test_row_pieces_of_any_row_range_equal_export_hf_split(heads, groups, d):
     layout = _hf_layout.Heads(heads, groups, d)
     want = {"model.embed_tokens.weight": stored["embedding.word_embeddings.weight"][:vocab]}
     want["model.layers.1.mlp.down_proj.weight"] = stored["decoder.layers.1.mlp.linear_fc2.weight"]
-    for name in ("self_attention.linear_qkv.weight", "mlp.linear_fc1.weight"):
-        parts = hf_map.split(name, stored[f"decoder.layers.{name}"][1], heads, groups)
-        for hf, part in zip(hf_map.LAYER[name], parts):
-            want[f"model.layers.1.{hf}"] = part
+    # megatron's layouts written out: per query group its query heads, its key head, its
+    # value head; fc1 = [gate; up]
+    qkv = stored["decoder.layers.self_attention.linear_qkv.weight"][1].view(groups, -1, d, hidden)
+    per = heads // groups
+    for hf, rows in (("q", slice(0, per)), ("k", slice(per, per + 1)), ("v", slice(per + 1, None))):
+        want[f"model.layers.1.self_attn.{hf}_proj.weight"] = qkv[:, rows].reshape(-1, hidden)
+    fc1 = stored["decoder.layers.mlp.linear_fc1.weight"][1]
+    want["model.layers.1.mlp.gate_proj.weight"] = fc1[:ffn]
+    want["model.layers.1.mlp.up_proj.weight"] = fc1[ffn:]
     for hf_name, full in want.items():
         src, why = _hf_layout.source(hf_name, index)
         assert src is not None, why
@@ -129,6 +134,13 @@ def test_row_pieces_of_any_row_range_equal_export_hf_split(heads, groups, d):
                     whole = stored[st.key][st.lead] if st.lead else stored[st.key]
                     got[hrow - start : hrow - start + n] = whole[srow : srow + n]
                 assert torch.equal(got, full[start:stop]), (hf_name, start, stop)
+    # export-hf's split and import-hf's fuse (built on row_pieces) agree
+    for name in ("self_attention.linear_qkv.weight", "mlp.linear_fc1.weight"):
+        fused = stored[f"decoder.layers.{name}"][1]
+        hf = [want[f"model.layers.1.{n}"] for n in hf_map.LAYER[name]]
+        parts = hf_map.split(name, fused, heads, groups)
+        assert len(parts) == len(hf) and all(torch.equal(a, b) for a, b in zip(parts, hf))
+        assert torch.equal(hf_map.fuse(name, hf, heads, groups), fused)
 
 
 def test_unmapped_parameter_names_say_why():
