@@ -10,7 +10,6 @@ import itertools
 import json
 import logging
 import mmap
-import re
 import struct
 from pathlib import Path
 from typing import Any, Dict, List, Tuple, Union
@@ -21,18 +20,16 @@ from ..errors import CheckpointExistsError, CheckpointingException
 from . import _storage, convert, hf_map
 from ._info import PathArg
 
-__all__ = ["export_hf", "import_hf", "DESCRIPTION_KEY"]
+__all__ = ["export_hf", "import_hf", "DESCRIPTION_KEY", "GENERATION_KEY"]
 
 logger = logging.getLogger(__name__)
 
 #: the ShardedObject in which `import_hf` stores the model's description (megatron's fields)
 DESCRIPTION_KEY = "megatron_config"
-#: decoder.layers.[<layer>.][mlp.experts.(experts.|local_experts.<expert>.)]<name>
-_LAYER_KEY = re.compile(
-    r"decoder\.layers\.(?:(\d+)\.)?(mlp\.experts\.(?:experts\.|local_experts\.(\d+)\.))?(.+)"
-)
-
-
+#: the ShardedObject in which `import_hf` keeps the special token ids and the model's
+#: `generation_config.json` (megatron has no field for them; `export_hf` writes them back)
+GENERATION_KEY = "hf_generation"
+TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 #: `key[index]` (a layer / expert) -> HF tensors; `name`: GLOBAL key, LAYER or EXPERT name
 _Unit = collections.namedtuple("_Unit", "key index name hf shape dtype")
 
@@ -50,24 +47,21 @@ def _plan_export(entries: Dict[str, Any]) -> Tuple[List[_Unit], int]:
         if key in hf_map.GLOBAL:
             units.append(_Unit(key, (), key, [hf_map.GLOBAL[key]], shape, dtype))
             continue
-        m = _LAYER_KEY.fullmatch(key)
-        expert = m is not None and m[2] is not None
+        pieces = hf_map.stored_layers(key, shape)
+        name = pieces[0][0] if pieces else ""
+        expert = name.startswith("experts.")
         table = hf_map.EXPERT if expert else hf_map.LAYER
+        local = name[len("experts.") :] if expert else name
         # experts only in a mixture-of-experts model, a dense MLP only in a dense one
-        fits = moe if expert else not (moe and m is not None and m[4] in hf_map.DENSE_ONLY)
-        if not m or m[4] not in table or not fits:
+        fits = moe if expert else not (moe and local in hf_map.DENSE_ONLY)
+        if not pieces or local not in table or not fits:
             unmapped.append(key)
             continue
-        # a stacked key has a layer axis first, then (stacked experts) an expert axis
-        axes = (0 if m[1] else 1) + (1 if expert and not m[3] else 0)
-        for index in itertools.product(*(range(n) for n in shape[:axes])):
-            i = int(m[1]) if m[1] else index[0]
-            base = f"model.layers.{i}."
-            if expert:
-                base += f"block_sparse_moe.experts.{m[3] or index[-1]}."
-            name = f"experts.{m[4]}" if expert else m[4]
-            hf = [base + n for n in table[m[4]]]
-            units.append(_Unit(key, index, name, hf, shape[axes:], dtype))
+        for _, i, e, lead in pieces:
+            base = f"model.layers.{i}." + (f"block_sparse_moe.experts.{e}." if expert else "")
+            units.append(
+                _Unit(key, lead, name, [base + n for n in table[local]], shape[len(lead) :], dtype)
+            )
             layers.add(i)
     if unmapped:
         raise CheckpointingException(
@@ -100,6 +94,27 @@ def _description(
     )
 
 
+def _generation(
+    ckpt: Path, metadata: Any, checksums: Any, desc: Dict[str, Any]
+) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    """The special token ids for `config.json` and the `generation_config.json` contents:
+    what `import_hf` stored, updated by token ids the description gives; empty when
+    neither tells them (they depend on the tokenizer: never guessed)."""
+    stored: Dict[str, Any] = {}
+    if GENERATION_KEY in {k.split("/")[0] for k in _storage.object_keys(metadata)}:
+        stored = _storage.read_object(ckpt, metadata, f"{GENERATION_KEY}/shard_0_1", checksums)
+        if not isinstance(stored, dict):
+            raise CheckpointingException(f"{ckpt}: {GENERATION_KEY} is not a dict")
+    tokens = {k: stored[k] for k in TOKEN_IDS if stored.get(k) is not None}
+    tokens.update({k: desc[k] for k in TOKEN_IDS if desc.get(k) is not None})
+    if not tokens:
+        logger.warning("%s: no bos/eos token ids known; give them in the description", ckpt)
+    generation = dict(stored.get("generation_config") or {})  # as the model had it
+    for k, v in tokens.items():
+        generation.setdefault(k, v)
+    return tokens, generation
+
+
 def export_hf(
     ckpt: PathArg,
     out: PathArg,
@@ -116,7 +131,9 @@ def export_hf(
         ckpt: a `torch_dist` GPTModel checkpoint (any TP/PP/EP); `optimizer.` keys are skipped.
         out: a new directory for `config.json` and safetensors files with their index.
         config: megatron `TransformerConfig` / GPTModel fields as a dict, JSON file or JSON
-            text (default: the description `import_hf` stored).
+            text (default: the description `import_hf` stored); `bos_token_id`,
+            `eos_token_id` and `pad_token_id` in it go to `config.json` and
+            `generation_config.json` (besides what `import_hf` stored of them).
         max_shard_size: bytes (or e.g. "5GB") per safetensors file.
 
     Raises:
@@ -131,7 +148,10 @@ def export_hf(
     missing = {"embedding.word_embeddings.weight", "self_attention.linear_qkv.weight"} - set(shapes)
     if missing:
         raise CheckpointingException(f"{ckpt}: not a GPTModel checkpoint: no {sorted(missing)}")
-    cfg = hf_map.hf_config(_description(ckpt, metadata, checksums, config), shapes, num_layers)
+    desc = _description(ckpt, metadata, checksums, config)
+    cfg = hf_map.hf_config(desc, shapes, num_layers)
+    tokens, generation = _generation(ckpt, metadata, checksums, desc)
+    cfg.update(tokens)
     heads, groups, d = (cfg[k] for k in ("num_attention_heads", "num_key_value_heads", "head_dim"))
     vocab = cfg["vocab_size"]
 
@@ -160,8 +180,12 @@ def export_hf(
         raise CheckpointExistsError(f"{dest} already holds a model; choose another directory")
     files = convert._write_safetensors(entries, dest, limit, read)
     (dest / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    written = [*files, str(dest / "config.json")]
+    if generation:
+        (dest / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+        written.append(str(dest / "generation_config.json"))
     nbytes = sum(map(convert._nbytes, entries))
-    result = convert.ConvertResult([*files, str(dest / "config.json")], len(entries), nbytes)
+    result = convert.ConvertResult(written, len(entries), nbytes)
     logger.info("exported %d tensors (%d bytes) to %s", result.tensors, result.bytes, dest)
     return result
 
@@ -272,6 +296,16 @@ def import_hf(
             key = f"decoder.layers.{name}._extra_state"
             sd[f"{key} {pos}"] = ShardedObject(key, [None] if len(grid) > 1 else None, grid, pos)
     sd[DESCRIPTION_KEY] = ShardedObject(DESCRIPTION_KEY, desc, (1,), (0,))
+    generation = {k: hf_config[k] for k in TOKEN_IDS if hf_config.get(k) is not None}
+    if (src / "generation_config.json").is_file():
+        try:
+            generation["generation_config"] = json.loads(
+                (src / "generation_config.json").read_text()
+            )
+        except ValueError as e:
+            raise CheckpointingException(f"{src}/generation_config.json: not JSON: {e}") from e
+    if generation:
+        sd[GENERATION_KEY] = ShardedObject(GENERATION_KEY, generation, (1,), (0,))
     serialization.save(sd, str(ckpt))
     tensors = [v.data for v in sd.values() if isinstance(v, ShardedTensor)]
     nbytes = sum(int(t.nbytes) for t in tensors if t is not None)

@@ -4,18 +4,30 @@ layer-stacked key `decoder.layers.<name>` (layer axis, then expert axis); others
 `decoder.layers.<i>.<name>`. Fused layouts that transformers keeps apart:
 - QKV: one `linear_qkv`; per query group its query heads, then its key and value heads.
 - SwiGLU: one `linear_fc1` `[gate; up]` (any TP size) vs `gate_proj` / `up_proj` (`w1` / `w3`).
+Which rows go where is `_hf_layout.row_pieces`'s job (`split` / `fuse` here use it).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, List, Sequence, Tuple
+import re
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from ..errors import CheckpointingException
 
-__all__ = ["GLOBAL", "LAYER", "EXPERT", "hf_config", "megatron_description", "split", "fuse"]
+__all__ = [
+    "GLOBAL",
+    "LAYER",
+    "EXPERT",
+    "LAYER_KEY",
+    "stored_layers",
+    "hf_config",
+    "megatron_description",
+    "split",
+    "fuse",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +56,10 @@ EXPERT: Dict[str, Tuple[str, ...]] = {
     "linear_fc2.weight": ("w2.weight",),
 }
 DENSE_ONLY = ("mlp.linear_fc1.weight", "mlp.linear_fc2.weight")
+#: decoder.layers.[<layer>.][mlp.experts.(experts.|local_experts.<expert>.)]<name>
+LAYER_KEY = re.compile(
+    r"decoder\.layers\.(?:(\d+)\.)?(mlp\.experts\.(?:experts\.|local_experts\.(\d+)\.))?(.+)"
+)
 #: what makes a GPTModel a Llama / Mixtral, in megatron's fields (also their defaults here)
 _LLAMA_LIKE: Dict[str, Any] = {
     **dict(normalization="RMSNorm", gated_linear_unit=True, activation_func="silu"),
@@ -54,26 +70,45 @@ _LLAMA_LIKE: Dict[str, Any] = {
 }
 
 
+def stored_layers(
+    key: str, shape: Sequence[int]
+) -> Optional[List[Tuple[str, int, int, Tuple[int, ...]]]]:
+    """`(name, layer, expert, lead)` of every layer's (expert's) tensor in stored `key` of
+    `shape`: `name` a `GLOBAL` key (layer and expert -1), a name in a layer, or
+    `experts.<name>` (expert -1 outside experts); `lead` its offsets on the key's stacked
+    (layer, then expert) axes. None for a key outside `GLOBAL` and the decoder layers."""
+    if key in GLOBAL:
+        return [(key, -1, -1, ())]
+    m = LAYER_KEY.fullmatch(key)
+    if m is None:
+        return None
+    expert = m[2] is not None
+    name = f"experts.{m[4]}" if expert else m[4]
+    layers = [int(m[1])] if m[1] else range(shape[0])
+    experts: Sequence[int] = [-1]
+    if expert:  # stacked experts: the axis after the layer axis (if the key has one)
+        experts = [int(m[3])] if m[3] else range(shape[0 if m[1] else 1])
+    out = []
+    for i in layers:
+        for e in experts:
+            lead = (() if m[1] else (i,)) + ((e,) if expert and not m[3] else ())
+            out.append((name, i, e, lead))
+    return out
+
+
 def split(name: str, t: torch.Tensor, heads: int, groups: int) -> List[torch.Tensor]:
-    """megatron's fused `t` (one layer, one expert) -> the HF tensors of `LAYER`/`EXPERT`."""
-    if name.endswith("linear_qkv.weight"):
-        per = heads // groups  # query heads per group
-        g = t.view(groups, per + 2, -1, t.shape[-1])
-        q, k, v = g[:, :per], g[:, per], g[:, per + 1]
-        return [x.reshape(-1, t.shape[-1]) for x in (q, k, v)]
-    if name.endswith("linear_fc1.weight"):
-        return list(t.chunk(2))
-    return [t]
+    """megatron's fused `t` (one layer, one expert) -> the HF tensors of `LAYER`/`EXPERT`
+    (the layouts live in `_hf_layout`, which `hf_model` maps rows with)."""
+    from .. import _hf_layout  # imported here: `_hf_layout` builds on this module's tables
+
+    return _hf_layout.split(name, t, heads, groups)
 
 
 def fuse(name: str, parts: Sequence[torch.Tensor], heads: int, groups: int) -> torch.Tensor:
     """The inverse of `split`: HF tensors -> megatron's fused tensor."""
-    if name.endswith("linear_qkv.weight"):
-        q, k, v = parts
-        cols = q.shape[-1]
-        g = (q.view(groups, -1, cols), k.view(groups, -1, cols), v.view(groups, -1, cols))
-        return torch.cat(g, dim=1).view(-1, cols)
-    return parts[0] if len(parts) == 1 else torch.cat(list(parts))
+    from .. import _hf_layout
+
+    return _hf_layout.fuse(name, parts, heads, groups)
 
 
 def _get(desc: Dict[str, Any], field: str, default: Any = None) -> Any:
