@@ -20,7 +20,7 @@ from .._safe_load import torch_load
 from ..errors import CheckpointCorruptedError, CheckpointingException
 from ..integrity import Checksums
 from ..integrity import read_checksums as maybe_checksums
-from ..strategies.torch_dist.metadata_file import DCP_METADATA_FNAME
+from ..strategies.torch_dist.metadata_file import DCP_METADATA_FNAME, INDEX_FNAME, check_index
 from ..strategies.torch_dist.metadata_file import read_metadata as read_dcp_metadata
 from ..strategies.torch_dist.plan import TensorRequest, plan_tensor_reads
 from ..strategies.torch_dist.reader import read_byte_items, read_tensor_items
@@ -28,6 +28,8 @@ from ._info import LocalPart, unwrap_object
 
 __all__ = [
     "DCP_METADATA_FNAME",
+    "INDEX_FNAME",
+    "check_index",
     "COMMON_FNAME",
     "StoredItem",
     "read_dcp_metadata",

@@ -1,8 +1,11 @@
-"""`verify_checkpoint`: read every byte of a checkpoint and check every checksum.
+"""`verify_checkpoint`: every check a load runs, plus reading every byte.
 
-With `checksums.json` (ours), items and whole files are checked against their digests (tensor
-data per block, to locate damage to a byte range); without (megatron-core, stock DCP), every
-file must be long enough and every item decode. Local parts: their images' checksums.
+The checks `load` runs are called, not copied: the strategy selection (`metadata.json`), the
+seal (`seal.check_seal`: every file the commit record binds present, its own and not a link, no
+file of another save), the load index (`check_index`). Then, with `checksums.json` (ours),
+items and whole files are checked against their digests (tensor data per block, to locate
+damage to a byte range); without (megatron-core, stock DCP), every file must be long enough
+and every item decode. Local parts: their images' checksums.
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ from typing import Any, List, Optional
 from .._safe_load import torch_load
 from ..core import CONFIG_FNAME, maybe_load_config
 from ..errors import CheckpointingException, NotACheckpointError
-from ..integrity import ALGORITHM, CHECKSUMS_FNAME, Checksums, ItemSum, checksum, new_hasher
+from ..integrity import ALGORITHM, SUMS_SUFFIX, ItemSum, checksum, new_hasher
+from ..seal import MISMATCH, check_seal
 from ..storage import objstore
 from ..storage.fileio import open_read
 from . import _storage
@@ -136,21 +140,26 @@ def _verify(ckpt: Path, step: Optional[int], report: VerifyReport) -> None:
 
 
 def _verify_dcp(ckpt: Path, report: VerifyReport) -> None:
-    checksums: Optional[Checksums] = None
-    try:
-        checksums = _storage.maybe_checksums(ckpt)
-    except CheckpointingException as e:
-        report.problems.append(Problem(CHECKSUMS_FNAME, str(e)))
+    findings, checksums = check_seal(ckpt)  # what a load checks, on its first rank
+    for name, message in findings:
+        if name not in {p.file for p in report.problems}:  # a damaged file is reported once
+            report.problems.append(Problem(name, message))
     report.checksummed = checksums is not None
     for name, digest in sorted(checksums.files.items()) if checksums is not None else []:
-        _verify_whole_file(ckpt / name, name, digest, report)
-    reported = {p.file for p in report.problems}  # a damaged file is reported once
+        if name not in {p.file for p in report.problems}:
+            _verify_whole_file(ckpt / name, name, digest, report)
+    reported = {p.file for p in report.problems}
     try:
         metadata = _storage.read_dcp_metadata(ckpt)
     except CheckpointingException as e:
         if _storage.DCP_METADATA_FNAME not in reported:
             report.problems.append(Problem(_storage.DCP_METADATA_FNAME, str(e)))
         return
+    try:
+        _storage.check_index(ckpt, metadata)  # the file loads plan from
+    except CheckpointingException as e:
+        if _storage.INDEX_FNAME not in reported:
+            report.problems.append(Problem(_storage.INDEX_FNAME, str(e)))
     common = ckpt / _storage.COMMON_FNAME
     if objstore.exists(common) and _storage.COMMON_FNAME not in reported:
         try:
@@ -161,6 +170,8 @@ def _verify_dcp(ckpt: Path, report: VerifyReport) -> None:
     tensors = _storage.tensor_entries(metadata)
     for item in sorted(_storage.stored_items(metadata), key=lambda i: (i.file, i.offset)):
         report.items += 1
+        if {item.file, item.file + SUMS_SUFFIX} & reported:  # missing, linked, swapped: said once
+            continue
         expected = None
         if checksums is not None:
             try:
@@ -195,8 +206,7 @@ def _verify_whole_file(path: Path, name: str, digest: int, report: VerifyReport)
         report.problems.append(Problem(name, f"cannot be read ({e.strerror or e})"))
         return
     if not ok:
-        msg = f"checksum mismatch ({ALGORITHM}): file damaged"
-        report.problems.append(Problem(name, msg, "", 0, size))
+        report.problems.append(Problem(name, MISMATCH, "", 0, size))
 
 
 def _verify_item(
