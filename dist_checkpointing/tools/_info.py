@@ -35,15 +35,31 @@ __all__ = [
     "tier_step",
     "fill_local",
     "fill_dcp",
+    "TOOLS_READ",
+    "unreadable_backend",
 ]
 
 PathArg = Union[str, "os.PathLike[str]"]
+#: the sharded backends whose contents the tools read (besides stock DCP checkpoints)
+TOOLS_READ = ("torch_dist", "local")
 _SMALL_OBJECT = 64 << 10  # stored objects up to this size are read to show their value
 _SHARDED_OBJECT = re.compile(r"/shard_\d+(_\d+)*$")
 _repr = reprlib.Repr()
 _repr.maxstring = 40
 _repr.maxother = 40
 _repr.maxdict = _repr.maxlist = _repr.maxtuple = 4
+
+
+def unreadable_backend(backend: str, version: int, verb: str) -> str:
+    """What a tool (`verb`) says of a committed checkpoint of a backend it does not read."""
+    reads = "read" if " and " in verb else "reads"
+    local = ", and local ones" if verb in ("ls and inspect", "verify") else ""
+    return (
+        f"a checkpoint of backend {backend!r} v{version} (committed: it has metadata.json); "
+        f"{verb} {reads} torch_dist and stock DCP checkpoints{local}: dist_checkpointing.load "
+        f"reads this one in a process that registers ({backend!r}, {version}) with "
+        "strategies.base.register_default_strategy"
+    )
 
 
 @dataclass
@@ -87,6 +103,8 @@ class CheckpointInfo:
         world_size: ranks that wrote it, when known.
         problem: why it is incomplete or unreadable, else ''.
         latest: whether the root's `latest` record names it.
+        note: what reads it, when the tools show it only in part (a backend they do not
+            read, a user's `TensorAwareStateDict`), else ''.
     """
 
     path: str
@@ -102,6 +120,7 @@ class CheckpointInfo:
     world_size: Optional[int] = None
     problem: str = ""
     latest: bool = False
+    note: str = ""
 
     @property
     def tensor_bytes(self) -> int:
@@ -295,6 +314,10 @@ def fill_local(
         mine = [p for p in parts if p.owner == owner]
         sd = rank_state(min(mine, key=lambda p: p.holder != owner))  # its own copy, else a replica
         info.world_size = sd.get("world_size") or len(owners)
+        if sd.get(
+            "state_class"
+        ):  # a user's TensorAwareStateDict: LocalCheckpointManager.load reads it
+            info.backend = f"{info.backend or 'local'} of {sd['state_class']}"
         for slot, (global_shape, dtype, itemsize) in sd["sharded"].items():
             key = slot.rsplit(" (", 1)[0]
             shape = [int(s) for s in global_shape]

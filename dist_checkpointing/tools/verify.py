@@ -25,7 +25,17 @@ from ..seal import MISMATCH, check_seal
 from ..storage import objstore
 from ..storage.fileio import open_read
 from . import _storage
-from ._info import LocalPart, PathArg, check_dir, is_stock_dcp, local_parts, local_tier, tier_step
+from ._info import (
+    TOOLS_READ,
+    LocalPart,
+    PathArg,
+    check_dir,
+    is_stock_dcp,
+    local_parts,
+    local_tier,
+    tier_step,
+    unreadable_backend,
+)
 
 __all__ = ["Problem", "VerifyReport", "verify_checkpoint"]
 
@@ -87,6 +97,8 @@ def verify_checkpoint(path: PathArg, step: Optional[int] = None) -> VerifyReport
     Raises:
         NotACheckpointError: `path` does not exist or holds no checkpoint files, or `step` is
             given for anything but a local tier holding it.
+        CheckpointingException: a committed checkpoint of a backend the tools do not read
+            (named, with what reads it).
     """
     ckpt = Path(path)
     check_dir(ckpt)
@@ -128,6 +140,9 @@ def _verify(ckpt: Path, step: Optional[int], report: VerifyReport) -> None:
             )
         return
     report.kind = "dcp" if is_stock_dcp(ckpt) else "incomplete"
+    if config is not None and not has_dcp and config.sharded_backend not in TOOLS_READ:
+        b, v = config.sharded_backend, config.sharded_backend_version
+        raise CheckpointingException(f"{ckpt}: {unreadable_backend(b, v, 'verify')}")
     if config is not None:
         report.kind = config.sharded_backend
         try:

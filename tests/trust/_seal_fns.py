@@ -37,3 +37,13 @@ def save_pair(dir_a: str, dir_b: str, dir_plain: str) -> None:
         }
         strategy = TorchDistSaveShardedStrategy(checksums=checksums)  # (not the shared default)
         dc.save(sd, ckpt, sharded_strategy=strategy)
+
+
+def load_whole(ckpt: str) -> Dict[str, object]:
+    """One process: loads every tensor of a checkpoint whole (planned from the load index,
+    as any `load` is) and its common state."""
+    request = {
+        key: ShardedTensor.from_rank_offsets(key, torch.empty_like(t))
+        for key, t in full_tensors(1.0).items()
+    }
+    return dc.load(request, ckpt)

@@ -58,7 +58,7 @@ def _copy(pair: Dict[str, Path], tmp_path: Path, which: str = "a") -> Path:
 def _assert_detected(ckpt: Path, *names: str) -> None:
     """`load` raises and `verify` reports a problem, each naming one of `names`."""
     with pytest.raises(CheckpointingException) as info:
-        dc.load_plain_tensors(ckpt)
+        F.load_whole(str(ckpt))
     assert any(n in str(info.value) for n in names), str(info.value)
     report = verify_checkpoint(ckpt)
     assert not report.ok
@@ -66,9 +66,10 @@ def _assert_detected(ckpt: Path, *names: str) -> None:
 
 
 def _assert_loads_a(ckpt: Path) -> None:
-    loaded = dc.load_plain_tensors(ckpt)
+    loaded = F.load_whole(str(ckpt))
     for key, value in F.full_tensors(1.0).items():
         assert torch.equal(loaded[key], value), key
+    assert loaded["step"] == 1
     assert verify_checkpoint(ckpt).ok
 
 
@@ -125,7 +126,7 @@ def test_a_bit_flip_in_the_backend_name_is_a_damaged_metadata_json(pair, tmp_pat
     at = raw.index(b'"torch"')  # the common backend
     (ckpt / "metadata.json").write_bytes(raw[: at + 1] + b"u" + raw[at + 2 :])  # 't' ^ 1 = 'u'
     with pytest.raises(dc.errors.CheckpointCorruptedError, match="metadata.json is damaged"):
-        dc.load_plain_tensors(ckpt)
+        F.load_whole(str(ckpt))
     problems = verify_checkpoint(ckpt).problems
     assert [p.file for p in problems] == ["metadata.json"] and "damaged" in problems[0].message
 
