@@ -314,10 +314,13 @@ def fill_local(
         mine = [p for p in parts if p.owner == owner]
         sd = rank_state(min(mine, key=lambda p: p.holder != owner))  # its own copy, else a replica
         info.world_size = sd.get("world_size") or len(owners)
-        if sd.get(
-            "state_class"
-        ):  # a user's TensorAwareStateDict: LocalCheckpointManager.load reads it
-            info.backend = f"{info.backend or 'local'} of {sd['state_class']}"
+        cls = sd.get("state_class")
+        if cls:  # a user's TensorAwareStateDict: no global layout stored
+            info.backend = f"{info.backend or 'local'} of {cls}"
+            info.note = (
+                f"a {cls} per rank (shapes are each rank's own); LocalCheckpointManager.load "
+                "restores it"
+            )
         for slot, (global_shape, dtype, itemsize) in sd["sharded"].items():
             key = slot.rsplit(" (", 1)[0]
             shape = [int(s) for s in global_shape]
