@@ -84,12 +84,13 @@ def seal_record(checkpoint_dir: PathArg, config_payload: bytes) -> None:
     write_checksums(ckpt, sums)
 
 
-def config_damage(checkpoint_dir: PathArg) -> Optional[str]:
-    """Why `metadata.json` is damaged, when a sealed record says so (its digest differs
-    from the one recorded at the commit); None otherwise (no record, or it matches)."""
+def config_damage(checkpoint_dir: PathArg, sums: Optional[Checksums] = None) -> Optional[str]:
+    """Why `metadata.json` is damaged, when a sealed record (`sums`, else read) says so (its
+    digest differs from the one recorded at the commit); None otherwise (no record, or it
+    matches)."""
     ckpt = Path(checkpoint_dir)
     try:
-        sums = read_checksums(ckpt)
+        sums = read_checksums(ckpt) if sums is None else sums
         raw = read_capped(ckpt / CONFIG_FNAME, _MAX_CONFIG_BYTES)
     except CheckpointingException:
         return None  # the record itself is reported where it is read
@@ -163,7 +164,7 @@ def check_seal(
     if sums.save_id is None:  # a record written before sealing: files only, as then
         return [], sums
     findings: List[Finding] = []
-    damage = config_damage(ckpt)
+    damage = config_damage(ckpt, sums)
     if damage is not None:
         findings.append((CONFIG_FNAME, damage.replace(f"{ckpt / CONFIG_FNAME} is ", "")))
     data_files = {n[: -len(SUMS_SUFFIX)] for n in sums.files if n.endswith(SUMS_SUFFIX)}
@@ -192,10 +193,11 @@ def check_seal(
 
 def raise_findings(checkpoint_dir: PathArg, findings: List[Finding]) -> None:
     """Raises `CheckpointCorruptedError` naming every file of `findings` (if any)."""
-    if findings:
-        listed = "; ".join(f"{name}: {msg}" for name, msg in findings[:8])
+    if findings:  # (each file by its path: a load's message names them relative to the dir)
+        at = os.fspath(checkpoint_dir)
+        listed = "; ".join(f"{os.path.join(at, name)}: {msg}" for name, msg in findings[:8])
         more = f" (and {len(findings) - 8} more)" if len(findings) > 8 else ""
-        raise CheckpointCorruptedError(f"{checkpoint_dir}: {listed}{more}")
+        raise CheckpointCorruptedError(f"{listed}{more}")
 
 
 def warn_unverified(checkpoint_dir: PathArg) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Dict
+from typing import Dict, Tuple
 
 import torch
 import torch.distributed as dist
@@ -47,3 +47,15 @@ def load_whole(ckpt: str) -> Dict[str, object]:
         for key, t in full_tensors(1.0).items()
     }
     return dc.load(request, ckpt)
+
+
+def load_outcome(ckpt: str) -> Tuple[str, str]:
+    """Each rank loads its rows of `w` (a resharded request): `('', '')`, or the error raised
+    as (class name, message)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rows = ShardedTensor.from_rank_offsets("w", torch.empty(8 // world, 4), (0, rank, world))
+    try:
+        dc.load({"w": rows}, ckpt)
+    except Exception as e:  # the test compares every rank's
+        return type(e).__name__, str(e)
+    return "", ""

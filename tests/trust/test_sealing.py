@@ -156,7 +156,8 @@ def _strip_record(ckpt: Path, edit) -> None:
     edit(body)
     canonical = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
     body["digest"] = f"{checksum(canonical):016x}"
-    (ckpt / "checksums.json").write_bytes(json.dumps(body, sort_keys=True).encode())
+    compact = json.dumps(body, sort_keys=True, separators=(",", ":"))  # as rank 0 writes it
+    (ckpt / "checksums.json").write_bytes(compact.encode())
 
 
 def test_a_checkpoint_written_before_sealing_still_loads(pair, tmp_path):
@@ -205,3 +206,19 @@ def test_a_checkpoint_without_checksums_loads_with_one_warning(pair, tmp_path, c
             _assert_loads_a(ckpt)
     warned = [r for r in caplog.records if "without verification" in r.getMessage()]
     assert len(warned) == 1 and "checksums.json" in warned[0].getMessage()
+
+
+def test_every_rank_of_a_load_raises_what_the_one_checking_rank_found(pair, tmp_path):
+    swapped = _copy(pair, tmp_path)
+    for n in ("__1_0.distcp", "__1_0.distcp.sums"):  # rank 0 reads neither file
+        shutil.copyfile(pair["b"] / n, swapped / n)
+    flipped = tmp_path / "flipped"
+    shutil.copytree(pair["a"], flipped)
+    raw = (flipped / "metadata.json").read_bytes()
+    at = raw.index(b'"torch"')
+    (flipped / "metadata.json").write_bytes(raw[: at + 1] + b"u" + raw[at + 2 :])
+    for ckpt, names in ((swapped, ("__1_0.distcp",)), (flipped, ("metadata.json", "damaged"))):
+        outcomes = get_world(2).run_ok(F.load_outcome, str(ckpt), timeout=120)
+        for cls, message in outcomes:
+            assert cls == "CheckpointCorruptedError", message
+            assert all(n in message for n in names), message
