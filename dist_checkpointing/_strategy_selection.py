@@ -9,7 +9,8 @@ from typing import Any, Optional, Tuple, Union
 from . import _dist
 from ._types import StateDict
 from .core import CheckpointingConfig, PathArg, maybe_load_config
-from .errors import CheckpointingException, NotACheckpointError
+from .errors import CheckpointCorruptedError, CheckpointingException, NotACheckpointError
+from .seal import check_seal, config_damage, raise_findings, warn_unverified
 from .storage import objstore
 from .strategies.base import (
     LoadCommonStrategy,
@@ -19,7 +20,12 @@ from .strategies.base import (
     resolve_strategy,
 )
 
-__all__ = ["verify_checkpoint_and_load_strategy", "compatible_strategies", "select_load_strategies"]
+__all__ = [
+    "verify_checkpoint_and_load_strategy",
+    "check_sealed_checkpoint",
+    "compatible_strategies",
+    "select_load_strategies",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +40,9 @@ def verify_checkpoint_and_load_strategy(
 
     Raises:
         NotACheckpointError: no such directory, or no `metadata.json` in it.
-        CheckpointingException: invalid `metadata.json`, or no compatible strategy.
+        CheckpointCorruptedError: `metadata.json` is invalid, or differs from what the
+            commit record (`checksums.json`) bound.
+        CheckpointingException: no compatible strategy.
     """
     path = Path(checkpoint_dir)
     if not objstore.is_dir(path):
@@ -44,7 +52,27 @@ def verify_checkpoint_and_load_strategy(
     config = maybe_load_config(path)
     if config is None:
         raise NotACheckpointError(f"{path} is not a distributed checkpoint: no metadata.json")
-    return compatible_strategies(config, sharded_strategy, common_strategy)
+    try:
+        return compatible_strategies(config, sharded_strategy, common_strategy)
+    except CheckpointingException as e:
+        # a flipped bit in a backend name reads as an unknown backend: say what it is
+        damage = config_damage(path)
+        if damage is not None:
+            raise CheckpointCorruptedError(damage) from e
+        raise
+
+
+def check_sealed_checkpoint(ckpt: Path) -> None:
+    """The checks of a checkpoint's files against its commit record (`seal.check_seal`,
+    whole files hashed) that a load runs on one rank; warns once when it has no checksums.
+
+    Raises:
+        CheckpointCorruptedError: naming each missing, extra, linked or damaged file.
+    """
+    findings, record = check_seal(ckpt, hash_files=True)
+    raise_findings(ckpt, findings)
+    if record is None:
+        warn_unverified(ckpt)
 
 
 def compatible_strategies(c: CheckpointingConfig, sharded: Any, common: Any) -> Tuple[Any, Any]:
@@ -77,6 +105,8 @@ def select_load_strategies(
         if isinstance(found[0], NodeLocalLoadShardedStrategy):
             config = maybe_load_config(ckpt)
         else:
+            if _dist.get_rank() == 0 and getattr(found[0], "verify_checksums", True):
+                check_sealed_checkpoint(ckpt)  # one rank: its error is agreed on below
             try:
                 common_state = found[1].load_common(ckpt)
                 if common_state is None:

@@ -47,13 +47,14 @@ def _ls(args: argparse.Namespace) -> int:
     for i in found:
         step = "-" if i.step is None else str(i.step)
         state = i.state if i.complete else i.state.upper()
-        tensors = str(len(i.tensors)) if i.complete and i.kind != "local" else "-"
+        listed = i.complete and i.kind != "local" and (i.tensors or not i.note)
+        tensors = str(len(i.tensors)) if listed else "-"
         print(
             f"{'*' if i.latest else ' '} {step:>8}  {state:<10}  {i.backend or '-':<15} "
             f"{_size(i.size):>10}  {tensors:>7} tensors  {i.date:<25}  {i.path}"
         )
-        if i.problem:
-            print(f"{'':>12}{i.problem}")
+        if i.problem or i.note:
+            print(f"{'':>12}{i.problem or i.note}")
         if i.parity:
             print(f"{'':>12}{i.parity}")
     if any(i.latest for i in found):
@@ -81,6 +82,10 @@ def _inspect(args: argparse.Namespace) -> int:
     print(
         f"{info.path}{at}: {info.backend}{where}, {_size(info.size)} on disk, written {info.date}"
     )
+    if info.note:
+        print(f"  note: {info.note}")
+        if not info.tensors and info.kind != "local":
+            return EXIT_OK  # nothing the tools read: no tensor or checksum lines
     if info.tensors:
         print(f"  {'tensor':<40} {'shape':<20} {'dtype':<22} {'bytes':>14} {'shards':>6}")
     for t in info.tensors:

@@ -107,7 +107,12 @@ def check_is_distributed_checkpoint(checkpoint_dir: PathArg) -> bool:
 def save_config(config: CheckpointingConfig, checkpoint_dir: PathArg) -> None:
     """Writes `metadata.json` atomically (temp file, fsync, rename, fsync of the directory).
 
-    This is the commit of a checkpoint: call it only once all data is durable.
+    This is the commit of a checkpoint: call it only once all data is durable. It first
+    seals the checkpoint's `checksums.json`, when it has one, binding these exact bytes and a
+    new save id (`seal`): the file keeps its four fields, which megatron-core reads.
     """
+    from .seal import seal_record  # (seal builds on this module)
+
     payload = json.dumps(asdict(config), sort_keys=True).encode("utf-8")
+    seal_record(checkpoint_dir, payload)
     atomic_write(Path(checkpoint_dir) / CONFIG_FNAME, lambda f: f.write(payload))

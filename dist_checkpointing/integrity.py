@@ -2,9 +2,11 @@
 
 `checksums.json` records xxh3-64 digests of whole small files (`.metadata`, its index,
 `common.pt`) and of itself; each data file's sidecar `<file>.sums`, written by its rank, those
-of its items (format 1 `checksums.json`, written before, held them all). xxh3-64 is fast and
-catches accidental corruption (bit flips, truncation, torn writes), not an attacker. A
-checkpoint without `checksums.json` (megatron-core, stock DCP) loads unverified.
+of its items (format 1 `checksums.json`, written before, held them all). Sealed at the commit
+(`seal`), it is the commit record: it also binds every sidecar and `metadata.json` by digest
+and names the save (`save_id`). xxh3-64 is fast and catches accidental corruption (bit flips,
+truncation, torn writes) and files of another checkpoint, not an attacker. A checkpoint
+without `checksums.json` (megatron-core, stock DCP) loads unverified, with a warning.
 """
 
 from __future__ import annotations
@@ -162,6 +164,9 @@ class Checksums:
     files: Dict[str, int] = field(default_factory=dict)
     ranges: Dict[str, Dict[int, ItemSum]] = field(default_factory=dict)
     directory: Optional[Path] = None
+    #: the identity of the save, set when the commit sealed the record (None: not sealed,
+    #: written before sealing existed)
+    save_id: Optional[str] = None
 
     def item_sums(self, name: str) -> Optional[Dict[int, ItemSum]]:
         """The item digests of data file `name` (None: not recorded); raises
@@ -171,6 +176,12 @@ class Checksums:
             raw = read_capped(path, _MAX_BYTES)
             if raw is None:
                 raise CheckpointCorruptedError(f"{path}: item checksums of {name} missing")
+            bound = self.files.get(name + SUMS_SUFFIX)  # sealed records bind each sidecar
+            if bound is not None and checksum(raw) != bound:
+                raise CheckpointCorruptedError(
+                    f"{path}: does not match the digest {CHECKSUMS_FNAME} records: a file of "
+                    "another checkpoint (or of another save into this directory), or damaged"
+                )
             self.ranges[name] = Checksums.from_json(raw, str(path)).ranges.get(name, {})
         return self.ranges.get(name)
 
@@ -204,6 +215,8 @@ class Checksums:
             "algorithm": ALGORITHM,
             "files": {k: f"{v:016x}" for k, v in sorted(self.files.items())},
         }
+        if self.save_id is not None:
+            body["save_id"] = self.save_id
         if inline:
             body["ranges"] = {
                 name: {str(off): _encode_item(item) for off, item in sorted(table.items())}
@@ -232,6 +245,10 @@ class Checksums:
                     f"{body.get('algorithm')!r} (written by a newer version?)"
                 )
             out = cls(directory=directory if body["format"] == 2 else None)
+            save_id = body.get("save_id")
+            if save_id is not None and not isinstance(save_id, str):
+                raise ValueError(f"save_id {save_id!r} is not a string")
+            out.save_id = save_id
             for name, d in body["files"].items():
                 out.files[_name(name)] = int(d, 16)
             for name, table in body["ranges"].items() if body["format"] == 1 else ():

@@ -37,15 +37,31 @@ __all__ = [
     "tier_step",
     "fill_local",
     "fill_dcp",
+    "TOOLS_READ",
+    "unreadable_backend",
 ]
 
 PathArg = Union[str, "os.PathLike[str]"]
+#: the sharded backends whose contents the tools read (besides stock DCP checkpoints)
+TOOLS_READ = ("torch_dist", "local")
 _SMALL_OBJECT = 64 << 10  # stored objects up to this size are read to show their value
 _SHARDED_OBJECT = re.compile(r"/shard_\d+(_\d+)*$")
 _repr = reprlib.Repr()
 _repr.maxstring = 40
 _repr.maxother = 40
 _repr.maxdict = _repr.maxlist = _repr.maxtuple = 4
+
+
+def unreadable_backend(backend: str, version: int, verb: str) -> str:
+    """What a tool (`verb`) says of a committed checkpoint of a backend it does not read."""
+    reads = "read" if " and " in verb else "reads"
+    local = ", and local ones" if verb in ("ls and inspect", "verify") else ""
+    return (
+        f"a checkpoint of backend {backend!r} v{version} (committed: it has metadata.json); "
+        f"{verb} {reads} torch_dist and stock DCP checkpoints{local}: dist_checkpointing.load "
+        f"reads this one in a process that registers ({backend!r}, {version}) with "
+        "strategies.base.register_default_strategy"
+    )
 
 
 @dataclass
@@ -91,6 +107,8 @@ class CheckpointInfo:
         latest: whether the root's `latest` record names it.
         parity: for a local checkpoint with parity records (`ParityReplicationStrategy`):
             its groups and which parts are present, rebuildable and lost, as seen here.
+        note: what reads it, when the tools show it only in part (a backend they do not
+            read, a user's `TensorAwareStateDict`), else ''.
     """
 
     path: str
@@ -107,6 +125,7 @@ class CheckpointInfo:
     problem: str = ""
     latest: bool = False
     parity: str = ""
+    note: str = ""
 
     @property
     def tensor_bytes(self) -> int:
@@ -350,6 +369,13 @@ def fill_local(
         mine = [p for p in parts if p.owner == owner]
         sd = rank_state(min(mine, key=lambda p: p.holder != owner))  # its own copy, else a replica
         info.world_size = sd.get("world_size") or max(world, len(owners))
+        cls = sd.get("state_class")
+        if cls:  # a user's TensorAwareStateDict: no global layout stored
+            info.backend = f"{info.backend or 'local'} of {cls}"
+            info.note = (
+                f"a {cls} per rank (shapes are each rank's own); LocalCheckpointManager.load "
+                "restores it"
+            )
         for slot, (global_shape, dtype, itemsize) in sd["sharded"].items():
             key = slot.rsplit(" (", 1)[0]
             shape = [int(s) for s in global_shape]

@@ -20,7 +20,7 @@ from .._safe_load import torch_load
 from ..errors import CheckpointCorruptedError, CheckpointingException
 from ..integrity import Checksums
 from ..integrity import read_checksums as maybe_checksums
-from ..strategies.torch_dist.metadata_file import DCP_METADATA_FNAME
+from ..strategies.torch_dist.metadata_file import DCP_METADATA_FNAME, INDEX_FNAME, check_index
 from ..strategies.torch_dist.metadata_file import read_metadata as read_dcp_metadata
 from ..strategies.torch_dist.plan import TensorRequest, plan_tensor_reads
 from ..strategies.torch_dist.reader import read_byte_items, read_tensor_items
@@ -28,6 +28,8 @@ from ._info import LocalPart, unwrap_object
 
 __all__ = [
     "DCP_METADATA_FNAME",
+    "INDEX_FNAME",
+    "check_index",
     "COMMON_FNAME",
     "StoredItem",
     "read_dcp_metadata",
@@ -112,6 +114,7 @@ def read_local_part(part: LocalPart) -> Dict[str, Any]:
     """The verified rank state of a local part, in the shape `_info.fill_local` reads."""
     from ..dict_utils import nested_values
     from ..local._image import decode_image, read_image
+    from ..local.base_state_dict import TensorAwareStateDict
     from ..mapping import ShardedObject, ShardedTensor
     from ..tensor_aware_state_dict import MCoreTensorAwareStateDict
 
@@ -129,14 +132,32 @@ def read_local_part(part: LocalPart) -> Dict[str, Any]:
             elif isinstance(sh, ShardedObject):
                 objects[sh.unique_key] = sh.data
         sd: Dict[str, Any] = {"world_size": None, "common": state.common, "objects": objects}
-    else:
-        sd = getattr(state, "state_dict", {})
-        if not isinstance(sd, dict) or not isinstance(sd.get("sharded"), dict):
-            raise CheckpointCorruptedError(
-                f"{part.path}: not a ('local', 1) or ('local', 2) rank state"
-            )
+    elif _is_local_backend_state(state):
+        sd = getattr(state, "state_dict")  # noqa: B009  (checked there; not in the interface)
         tensors = {slot: (e["global_shape"], e["data"]) for slot, e in sd["sharded"].items()}
+    elif isinstance(state, TensorAwareStateDict):
+        # a user's state (BasicTensorAwareStateDict, ...): intact (its image verified) but
+        # without a global layout; its tensors are listed with each rank's own shape
+        data = list(state.tensors)
+        names = list(state.tensor_names() or [])
+        names += [f"tensor {i}" for i in range(len(names), len(data))]
+        tensors = {f"{n} (rank {part.owner})": (tuple(t.shape), t) for n, t in zip(names, data)}
+        sd = {"world_size": None, "common": {}, "objects": {}, "state_class": type(state).__name__}
+    else:
+        raise CheckpointCorruptedError(
+            f"{part.path}: holds a {type(state).__name__}, not a TensorAwareStateDict"
+        )
     sharded = {
         slot: (tuple(shape), str(t.dtype), t.element_size()) for slot, (shape, t) in tensors.items()
     }
     return {**sd, "sharded": sharded}
+
+
+def _is_local_backend_state(state: Any) -> bool:
+    """Whether a local part holds the rank state of a ('local', 1) or ('local', 2) save."""
+    sd = getattr(state, "state_dict", None)
+    if not isinstance(sd, dict) or not isinstance(sd.get("sharded"), dict):
+        return False
+    return all(
+        isinstance(e, dict) and {"global_shape", "data"} <= e.keys() for e in sd["sharded"].values()
+    )

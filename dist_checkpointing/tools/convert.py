@@ -27,7 +27,7 @@ from ..core import maybe_load_config
 from ..errors import CheckpointExistsError, CheckpointingException, NotACheckpointError
 from ..strategies.torch_dist.zipformat import STORAGE_CLASS
 from . import _storage
-from ._info import PathArg, check_dir, is_stock_dcp
+from ._info import PathArg, check_dir, is_stock_dcp, local_tier, unreadable_backend
 
 __all__ = ["ConvertResult", "convert_checkpoint", "parse_size", "SAFETENSORS_INDEX"]
 
@@ -123,17 +123,26 @@ def parse_size(text: Union[str, int]) -> int:
     return value
 
 
-def _source(ckpt: Path) -> Tuple[Any, Any]:
-    """Metadata and checksums of a convertible checkpoint."""
+def _source(ckpt: Path, verb: str = "convert") -> Tuple[Any, Any]:
+    """Metadata and checksums of a checkpoint `verb` (the tool's name) reads: torch_dist or
+    stock DCP; anything else is named with what reads it."""
     check_dir(ckpt)
     config = maybe_load_config(ckpt)
     if config is not None and config.sharded_backend != "torch_dist":
         raise CheckpointingException(
-            f"{ckpt}: backend {config.sharded_backend!r}; convert reads torch_dist and DCP "
-            "checkpoints (save with ('torch_dist', 1) to convert)"
+            f"{ckpt}: {unreadable_backend(config.sharded_backend, config.sharded_backend_version, verb)}"
+        )
+    if config is None and local_tier(ckpt):
+        raise NotACheckpointError(
+            f"{ckpt}: a checkpoint manager's local tier (LocalCheckpointManager parts); {verb} "
+            "reads torch_dist and stock DCP checkpoints: `dist-ckpt inspect` and `verify` read "
+            "local tiers, LocalCheckpointManager.load restores them"
         )
     if config is None and not is_stock_dcp(ckpt):
-        raise NotACheckpointError(f"{ckpt}: not a complete checkpoint (no metadata.json)")
+        raise NotACheckpointError(
+            f"{ckpt}: {verb} found no metadata.json (the commit record) nor a stock DCP "
+            "checkpoint: a save that did not finish, or not a checkpoint"
+        )
     checksums = _storage.maybe_checksums(ckpt)
     return _storage.read_dcp_metadata(ckpt, checksums), checksums
 

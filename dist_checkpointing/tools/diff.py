@@ -117,7 +117,7 @@ def diff_checkpoints(a: PathArg, b: PathArg, *, rtol: float = 0.0, atol: float =
     if rtol < 0 or atol < 0:
         raise CheckpointingException(f"tolerances must be >= 0, got rtol={rtol}, atol={atol}")
     pa, pb = Path(a), Path(b)
-    (ma, sa), (mb, sb) = _source(pa), _source(pb)
+    (ma, sa), (mb, sb) = _source(pa, "diff"), _source(pb, "diff")
     report = DiffReport()
     ta, tb = _storage.tensor_entries(ma), _storage.tensor_entries(mb)
     va, vb = _values(pa, ma, sa), _values(pb, mb, sb)

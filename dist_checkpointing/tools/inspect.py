@@ -74,6 +74,10 @@ def describe(path: PathArg, deep: bool = True, step: Optional[int] = None) -> Ch
         _fill_or_explain(info, lambda: _info.fill_local(info, parts, read_local_part, deep))
     elif has_dcp:
         _fill_or_explain(info, lambda: _describe_dcp(ckpt, info, deep))
+    elif config is not None and config.sharded_backend not in _info.TOOLS_READ:
+        info.complete = True  # committed; its contents are its backend's to read
+        b, v = config.sharded_backend, config.sharded_backend_version
+        info.note = _info.unreadable_backend(b, v, "ls and inspect")
     else:
         info.problem = f"backend {info.backend} has no {_storage.DCP_METADATA_FNAME}"
     return info

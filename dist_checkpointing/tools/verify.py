@@ -1,8 +1,11 @@
-"""`verify_checkpoint`: read every byte of a checkpoint and check every checksum.
+"""`verify_checkpoint`: every check a load runs, plus reading every byte.
 
-With `checksums.json` (ours), items and whole files are checked against their digests (tensor
-data per block, to locate damage to a byte range); without (megatron-core, stock DCP), every
-file must be long enough and every item decode. Local parts: their images' checksums.
+The checks `load` runs are called, not copied: the strategy selection (`metadata.json`), the
+seal (`seal.check_seal`: every file the commit record binds present, its own and not a link, no
+file of another save), the load index (`check_index`). Then, with `checksums.json` (ours),
+items and whole files are checked against their digests (tensor data per block, to locate
+damage to a byte range); without (megatron-core, stock DCP), every file must be long enough
+and every item decode. Local parts: their images' checksums.
 """
 
 from __future__ import annotations
@@ -19,11 +22,13 @@ import numpy as np
 from .._safe_load import torch_load
 from ..core import CONFIG_FNAME, maybe_load_config
 from ..errors import CheckpointingException, NotACheckpointError
-from ..integrity import ALGORITHM, CHECKSUMS_FNAME, Checksums, ItemSum, checksum, new_hasher
+from ..integrity import ALGORITHM, SUMS_SUFFIX, ItemSum, checksum, new_hasher
+from ..seal import MISMATCH, check_seal
 from ..storage import objstore
 from ..storage.fileio import open_read
 from . import _storage
 from ._info import (
+    TOOLS_READ,
     LocalPart,
     PathArg,
     check_dir,
@@ -33,6 +38,7 @@ from ._info import (
     local_tier,
     parity_status,
     tier_step,
+    unreadable_backend,
 )
 
 __all__ = ["Problem", "VerifyReport", "verify_checkpoint"]
@@ -98,6 +104,8 @@ def verify_checkpoint(path: PathArg, step: Optional[int] = None) -> VerifyReport
     Raises:
         NotACheckpointError: `path` does not exist or holds no checkpoint files, or `step` is
             given for anything but a local tier holding it.
+        CheckpointingException: a committed checkpoint of a backend the tools do not read
+            (named, with what reads it).
     """
     ckpt = Path(path)
     check_dir(ckpt)
@@ -139,6 +147,9 @@ def _verify(ckpt: Path, step: Optional[int], report: VerifyReport) -> None:
             )
         return
     report.kind = "dcp" if is_stock_dcp(ckpt) else "incomplete"
+    if config is not None and not has_dcp and config.sharded_backend not in TOOLS_READ:
+        b, v = config.sharded_backend, config.sharded_backend_version
+        raise CheckpointingException(f"{ckpt}: {unreadable_backend(b, v, 'verify')}")
     if config is not None:
         report.kind = config.sharded_backend
         try:
@@ -151,21 +162,26 @@ def _verify(ckpt: Path, step: Optional[int], report: VerifyReport) -> None:
 
 
 def _verify_dcp(ckpt: Path, report: VerifyReport) -> None:
-    checksums: Optional[Checksums] = None
-    try:
-        checksums = _storage.maybe_checksums(ckpt)
-    except CheckpointingException as e:
-        report.problems.append(Problem(CHECKSUMS_FNAME, str(e)))
+    findings, checksums = check_seal(ckpt)  # what a load checks, on its first rank
+    for name, message in findings:
+        if name not in {p.file for p in report.problems}:  # a damaged file is reported once
+            report.problems.append(Problem(name, message))
     report.checksummed = checksums is not None
     for name, digest in sorted(checksums.files.items()) if checksums is not None else []:
-        _verify_whole_file(ckpt / name, name, digest, report)
-    reported = {p.file for p in report.problems}  # a damaged file is reported once
+        if name not in {p.file for p in report.problems}:
+            _verify_whole_file(ckpt / name, name, digest, report)
+    reported = {p.file for p in report.problems}
     try:
         metadata = _storage.read_dcp_metadata(ckpt)
     except CheckpointingException as e:
         if _storage.DCP_METADATA_FNAME not in reported:
             report.problems.append(Problem(_storage.DCP_METADATA_FNAME, str(e)))
         return
+    try:
+        _storage.check_index(ckpt, metadata)  # the file loads plan from
+    except CheckpointingException as e:
+        if _storage.INDEX_FNAME not in reported:
+            report.problems.append(Problem(_storage.INDEX_FNAME, str(e)))
     common = ckpt / _storage.COMMON_FNAME
     if objstore.exists(common) and _storage.COMMON_FNAME not in reported:
         try:
@@ -176,6 +192,8 @@ def _verify_dcp(ckpt: Path, report: VerifyReport) -> None:
     tensors = _storage.tensor_entries(metadata)
     for item in sorted(_storage.stored_items(metadata), key=lambda i: (i.file, i.offset)):
         report.items += 1
+        if {item.file, item.file + SUMS_SUFFIX} & reported:  # missing, linked, swapped: said once
+            continue
         expected = None
         if checksums is not None:
             try:
@@ -210,8 +228,7 @@ def _verify_whole_file(path: Path, name: str, digest: int, report: VerifyReport)
         report.problems.append(Problem(name, f"cannot be read ({e.strerror or e})"))
         return
     if not ok:
-        msg = f"checksum mismatch ({ALGORITHM}): file damaged"
-        report.problems.append(Problem(name, msg, "", 0, size))
+        report.problems.append(Problem(name, MISMATCH, "", 0, size))
 
 
 def _verify_item(

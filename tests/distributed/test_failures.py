@@ -12,6 +12,7 @@ import torch
 
 import dist_checkpointing as dc
 from dist_checkpointing import ShardedObject
+from dist_checkpointing.core import CheckpointingConfig, save_config
 from dist_checkpointing.errors import (
     CheckpointCorruptedError,
     CheckpointExistsError,
@@ -84,12 +85,13 @@ def test_save_with_unknown_backend_or_version_raises_naming_it(world, tmp_path, 
 
 
 def _rewrite_config(ckpt: str, **fields: Any) -> None:
+    """As if the checkpoint had been committed with these fields (its record sealed to
+    match: an edited metadata.json alone is reported as damaged)."""
     path = os.path.join(ckpt, "metadata.json")
     with open(path) as f:
         config = json.load(f)
     config.update(fields)
-    with open(path, "w") as f:
-        json.dump(config, f)
+    save_config(CheckpointingConfig(**config), ckpt)
 
 
 @pytest.mark.parametrize(

@@ -138,6 +138,8 @@ def _check(out):
 
 
 def test_loads_read_the_index_not_the_pickled_metadata(ckpt):
+    for path in [*ckpt.glob("*.sums"), ckpt / "checksums.json"]:  # no record: nothing checks it
+        path.unlink()
     (ckpt / ".metadata").write_bytes(b"\x80\x04garbage")  # only the index can serve the load
     _check(dc.load(_state(fill=False), ckpt))
     rows = ShardedTensor.from_rank_offsets("w", torch.zeros(6, 8), (0, 1, 2))  # a reshard
@@ -147,12 +149,20 @@ def test_loads_read_the_index_not_the_pickled_metadata(ckpt):
         dc.load_tensors_metadata(ckpt)  # asks for every key: reads .metadata
 
 
+def test_a_damaged_pickled_metadata_fails_the_load_that_plans_from_the_index(ckpt):
+    (ckpt / ".metadata").write_bytes(b"\x80\x04garbage")  # the sealed record's digest differs
+    with pytest.raises(CheckpointCorruptedError, match=r"\.metadata: checksum mismatch"):
+        dc.load(_state(fill=False), ckpt)
+
+
 def test_item_checksums_live_beside_the_data_files_not_in_checksums_json(ckpt):
     body = json.loads((ckpt / "checksums.json").read_bytes())
     assert body["format"] == 2 and "ranges" not in body
-    assert set(body["files"]) == {".metadata", INDEX_FNAME, "common.pt"}
     data = sorted(p.name for p in ckpt.iterdir() if p.suffix == ".distcp")
     assert data and all((ckpt / f"{name}.sums").is_file() for name in data)
+    # whole files only: the metadata, and the sidecars and metadata.json that the commit seals
+    sidecars = {f"{name}.sums" for name in data}
+    assert set(body["files"]) == {".metadata", INDEX_FNAME, "common.pt", "metadata.json"} | sidecars
 
 
 def _make_old_style(ckpt):
@@ -162,7 +172,8 @@ def _make_old_style(ckpt):
         sums.item_sums(name)
         (ckpt / f"{name}.sums").unlink()
     sums.directory = None
-    sums.files.pop(INDEX_FNAME)
+    sums.save_id = None  # nor the fields of the sealed record
+    sums.files = {k: v for k, v in sums.files.items() if k in (".metadata", "common.pt")}
     (ckpt / INDEX_FNAME).unlink()
     write_checksums(ckpt, sums)
     assert json.loads((ckpt / "checksums.json").read_bytes())["format"] == 1

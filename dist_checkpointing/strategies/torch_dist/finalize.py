@@ -1,6 +1,7 @@
 """Finalizing a torch_dist save: each rank sends rank 0 its compact report (`encode_report`),
-or only its digest while unchanged; rank 0 builds and writes `.metadata` (no work while no
-report changed) and broadcasts the outcome: a failure anywhere raises on every rank."""
+or only its digest while unchanged, and the digests of its sidecars; rank 0 builds and writes
+`.metadata` (no work while no report changed) and `checksums.json` (binding every sidecar),
+and broadcasts the outcome: a failure anywhere raises on every rank."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from ..._dist import broadcast_object, describe_rank_failures, gather_object
 from ...errors import CheckpointCorruptedError, CheckpointingException, ShardingIntegrityError
-from ...integrity import Checksums, checksum, file_checksum, write_checksums
+from ...integrity import SUMS_SUFFIX, Checksums, checksum, file_checksum, write_checksums
 from ...storage import objstore
 from ..common import COMMON_STATE_FNAME
 from .metadata_file import serialize_metadata, write_metadata_files
@@ -214,20 +215,25 @@ class SaveFinalizer:
         files = {str(r.storage_data.relative_path) for r in results}
         stats = (len(results), sum(r.size_in_bytes for r in results), len(files))
         report = digest = b""
+        sidecars: Dict[str, int] = {}  # what binds this rank's data files into the record
         if error is None:
             try:
                 report = encode_report(items, results, full_keys=self.full_keys)
                 digest = hashlib.blake2b(report, digest_size=16).digest()
+                for name in sorted(files) if checksums else ():
+                    sidecar = name + SUMS_SUFFIX
+                    sidecars[sidecar] = file_checksum(ckpt / sidecar)
             except Exception as e:  # reported to rank 0 and re-raised on every rank
                 error = e
         send = None if digest == self.sent_digest else report
-        outcome = self._gather_and_finish(ckpt, error, (digest, send, stats), opts)
+        outcome = self._gather_and_finish(ckpt, error, (digest, send, stats, sidecars), opts)
         if outcome in (_RESEND, _RESEND_WHOLE):  # everyone sends its report
             if outcome == _RESEND_WHOLE and not self.full_keys:
                 self.full_keys = True
                 report = encode_report(items, results, full_keys=True)
                 digest = hashlib.blake2b(report, digest_size=16).digest()
-            outcome = self._gather_and_finish(ckpt, error, (digest, report, stats), opts)
+            message = (digest, report, stats, sidecars)
+            outcome = self._gather_and_finish(ckpt, error, message, opts)
         if outcome is not None:  # the same outcome on every rank: all raise, no more collectives
             msg = f"torch_dist save to {ckpt} failed on {outcome}"
             cls = type(error) if isinstance(error, CheckpointingException) else None
@@ -255,7 +261,7 @@ class SaveFinalizer:
             return describe_rank_failures(failed)
         try:
             reports = []
-            for rank, (digest, report, _) in enumerate(gathered):
+            for rank, (digest, report, _, _) in enumerate(gathered):
                 if report is None:
                     if self.reports.get(rank, (None,))[0] != digest:
                         return _RESEND
@@ -274,6 +280,8 @@ class SaveFinalizer:
             if checksums and objstore.is_file(common):  # written before the sharded part
                 digests[COMMON_STATE_FNAME] = file_checksum(common)
             if checksums:
+                for g in gathered:
+                    digests.update(g[3])
                 write_checksums(ckpt, Checksums(files=digests))
         except Exception as e:  # turned into an error on every rank by the caller
             return f"rank 0 (metadata): {type(e).__name__}: {e}"

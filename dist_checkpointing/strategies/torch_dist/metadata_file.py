@@ -41,6 +41,7 @@ __all__ = [
     "write_metadata_files",
     "read_metadata",
     "open_for_load",
+    "check_index",
     "remove_sharded_tensors",
 ]
 
@@ -297,6 +298,42 @@ def open_for_load(
     return metadata
 
 
+def check_index(checkpoint_dir: Path, metadata: Metadata) -> None:
+    """The load's checks of the load index (`open_for_load`, every key), and that each
+    entry says what `.metadata` (`metadata`) says: `verify` judges the file loads plan from.
+
+    Raises:
+        CheckpointCorruptedError: the index is malformed, points outside the checkpoint, or
+            differs from `.metadata` (naming the key).
+    """
+    path = Path(checkpoint_dir) / INDEX_FNAME
+    if not objstore.exists(path):
+        return
+    indexed = open_for_load(Path(checkpoint_dir), list(metadata.state_dict_metadata))
+    for key, entry in indexed.state_dict_metadata.items():
+        stored = metadata.state_dict_metadata.get(key)
+        same = type(entry) is type(stored)
+        if same and isinstance(entry, TensorStorageMetadata):
+            chunks = [(tuple(c.offsets), tuple(c.sizes)) for c in entry.chunks]
+            same = (
+                entry.properties.dtype == stored.properties.dtype  # type: ignore[union-attr]
+                and tuple(entry.size) == tuple(stored.size)  # type: ignore[union-attr]
+                and chunks == [(tuple(c.offsets), tuple(c.sizes)) for c in stored.chunks]  # type: ignore[union-attr]
+            )
+        for index, info in indexed.storage_data.items() if same else ():
+            if index.fqn != key:
+                continue
+            other = metadata.storage_data.get(MetadataIndex(key, index.offset))
+            where = (str(info.relative_path), info.offset, info.length)
+            if other is None or where != (str(other.relative_path), other.offset, other.length):
+                same = False
+        if not same:
+            raise CheckpointCorruptedError(
+                f"{path}: the entry of {key!r} differs from {DCP_METADATA_FNAME}'s (damaged or "
+                "edited)"
+            )
+
+
 def remove_sharded_tensors(ckpt: Path, key_prefix: str) -> None:
     """Drops every key starting with `key_prefix` (a save's `separation_hint`) and the data
     files named with it, rewriting `.metadata`, its index and `checksums.json` first (not
@@ -337,6 +374,7 @@ def remove_sharded_tensors(ckpt: Path, key_prefix: str) -> None:
         sums.files.update(digests)
         for name in doomed:
             sums.ranges.pop(name, None)
+            sums.files.pop(name + SUMS_SUFFIX, None)  # (the sealed record binds sidecars)
         write_checksums(ckpt, sums)
     for name in doomed:
         objstore.remove(ckpt / name)
