@@ -10,7 +10,7 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 import torch
 from torch.distributed.checkpoint.metadata import (
@@ -36,7 +36,9 @@ from ...errors import (
 from ...integrity import Checksums, read_checksums
 from ...mapping import ShardedBase, ShardedObject, ShardedTensor
 from ...quantized import block_hint, stored_form_hint
+from ...storage import objstore
 from ..base import CheckpointDir, LoadShardedStrategy, require_backend, require_version
+from ..common import COMMON_STATE_FNAME
 from .finalize import gbps
 from .legacy_flat import FlatCopy, apply_copies, plan_reformulated_reads, reformulated_shapes
 from .metadata_file import open_for_load, read_metadata, remove_sharded_tensors
@@ -78,6 +80,17 @@ def _log_load(ckpt: Path, stats: List[_LoadStats]) -> None:
     files, most = max(s[2] for s in stats), max(s[0] for s in stats) / 1e9
     rate = gbps(total, slowest)
     logger.info(msg, ckpt, total / 1e9, total, len(stats), files, slowest, rate, most)
+
+
+def _plain_value_keys(ckpt: Path, metadata: Metadata) -> Set[str]:
+    """Keys of the common state's plain values that our saves also record as DCP items
+    (`_dcp_plain`): those `planner_data` names where `common.pt` holds the common state.
+    (Stock DCP records every key there and has no `common.pt`; megatron-core records none.)"""
+    if not isinstance(metadata.planner_data, dict) or not metadata.planner_data:
+        return set()
+    if not objstore.is_file(ckpt / COMMON_STATE_FNAME):
+        return set()
+    return set(metadata.planner_data)
 
 
 class TorchDistLoadShardedStrategy(LoadShardedStrategy):
@@ -312,13 +325,14 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         self, checkpoint_dir: CheckpointDir, metadata: Optional[Metadata] = None
     ) -> ShardedStateDict:
         """Returns `{key: ShardedTensor}` of the stored tensors: whole, metadata only."""
+        ckpt = Path(checkpoint_dir)
         if metadata is None:
-            ckpt = Path(checkpoint_dir)
             metadata = read_metadata(ckpt, self._checksums(ckpt))
         out: ShardedStateDict = {}
         flat_layout = reformulated_shapes(metadata)
+        plain = _plain_value_keys(ckpt, metadata)
         for key, md in metadata.state_dict_metadata.items():
-            if isinstance(md, TensorStorageMetadata):
+            if isinstance(md, TensorStorageMetadata) and key not in plain:
                 # megatron <= 0.13 flat tensors: their original (unflattened) shape
                 shape = flat_layout.get(key, tuple(md.size))
                 zeros, ones = (0,) * len(shape), (1,) * len(shape)
@@ -330,8 +344,9 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         ckpt = Path(checkpoint_dir)
         metadata = read_metadata(ckpt, self._checksums(ckpt))
         out: ShardedStateDict = {}
+        plain = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
         for key, md in metadata.state_dict_metadata.items():
-            if isinstance(md, BytesStorageMetadata):
+            if isinstance(md, BytesStorageMetadata) and key not in plain:  # else a plain value
                 try:
                     sh_obj = ShardedObject.empty_from_unique_key(key)
                 except CheckpointingException:

@@ -52,8 +52,10 @@ _MAX_METADATA_BYTES = 1 << 31
 
 
 def _encode_index(md: Metadata) -> Optional[bytes]:
-    """The load index of `md`; None where it cannot say everything `.metadata` does."""
-    if md.planner_data is not None or getattr(md, "mcore_data", None) is not None:
+    """The load index of `md`; None where it cannot say everything a load needs of
+    `.metadata` (`planner_data`, which only nests a stock DCP checkpoint's common state, is
+    left out: our common state is in `common.pt`)."""
+    if getattr(md, "mcore_data", None) is not None:
         return None
     files: Dict[str, int] = {}
     lines: List[bytes] = []
