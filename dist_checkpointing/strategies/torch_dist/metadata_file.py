@@ -99,6 +99,24 @@ def write_metadata_files(checkpoint_dir: Path, files: Dict[str, bytes]) -> Dict[
     return {name: checksum(payload) for name, payload in files.items()}
 
 
+class _AnyReleaseTensorProperties(TensorProperties):
+    """Unpickles `TensorProperties` as any torch release pickles them, into a plain
+    `TensorProperties`: the 5-tuple state of torch <= 2.14, or the 6-tuple of newer releases
+    (a `strides` field after the five). Strides are not kept: every chunk is read from its
+    own stored layout."""
+
+    def __setstate__(self, state: Any) -> None:
+        if isinstance(state, tuple) and len(state) == 6:
+            strides = state[5]
+            if strides is not None and not (
+                isinstance(strides, (tuple, list)) and all(isinstance(s, int) for s in strides)
+            ):
+                raise ValueError(f"TensorProperties: strides {strides!r} are not ints")
+            state = state[:5]
+        TensorProperties.__setstate__(self, state)
+        self.__class__ = TensorProperties  # type: ignore[assignment]
+
+
 def _allowed_globals() -> Dict[Tuple[str, str], Any]:
     import pathlib
 
@@ -134,6 +152,7 @@ def _allowed_globals() -> Dict[Tuple[str, str], Any]:
         for name in names
         if hasattr(module, name)
     }
+    allowed[(md.__name__, "TensorProperties")] = _AnyReleaseTensorProperties
     allowed[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = _StorageInfo
     # megatron-core <= 0.13 also pickles each rank's plan (a SavePlan subclass adding a dict of
     # plain values); read as DCP's own SavePlan, whose state is set without running code
