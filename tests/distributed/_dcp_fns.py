@@ -108,7 +108,7 @@ def load_ours(ckpt: str, stock: bool) -> Dict[str, Any]:
     }
 
 
-def save_ours(ckpt: str, async_save: bool) -> None:
+def save_ours(ckpt: str, how: str) -> None:
     """Our `save` of the same state: ShardedTensors keyed by their flat names (columns split),
     the plain tensor `step` and plain values in the common state."""
     rank = dist.get_rank()
@@ -120,7 +120,14 @@ def save_ours(ckpt: str, async_save: bool) -> None:
     tensors["model.b"] = ShardedTensor.from_rank_offsets(
         "model.b", full["model.b"].clone(), replica_id=rank
     )
-    request = dc.save(_nested(tensors), ckpt, async_sharded_save=async_save)
+    strategy = None
+    if how == "fully_parallel":
+        from dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+        from dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+        strategy = FullyParallelSaveStrategyWrapper(TorchDistSaveShardedStrategy())
+    async_save = how == "async"
+    request = dc.save(_nested(tensors), ckpt, strategy, async_sharded_save=async_save)
     if request is not None:
         from dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 

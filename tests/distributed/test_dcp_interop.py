@@ -44,10 +44,10 @@ def test_stock_dcp_checkpoint_loads_resharded_with_its_plain_values(world, tmp_p
         assert result["is_checkpoint"]
 
 
-@pytest.mark.parametrize("async_save", [False, True])
-def test_stock_dcp_load_restores_every_value_of_our_checkpoint(world, tmp_path, async_save):
+@pytest.mark.parametrize("how", ["sync", "async", "fully_parallel"])
+def test_stock_dcp_load_restores_every_value_of_our_checkpoint(world, tmp_path, how):
     ckpt = str(tmp_path / "ours")
-    world.run_ok(fns.save_ours, ckpt, async_save)
+    world.run_ok(fns.save_ours, ckpt, how)
     full = fns.full_tensors()
     for state in world.run_ok(fns.load_stock, ckpt):
         assert bitwise_equal(state["model"]["w"], full["model.w"])

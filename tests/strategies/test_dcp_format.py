@@ -163,6 +163,17 @@ def test_stock_dcp_directory_without_its_metadata_is_refused(tmp_path):
         dc.load_common_state_dict(ckpt)
 
 
+def test_stock_dcp_checkpoint_is_never_modified(tmp_path):
+    ckpt = tmp_path / "c"
+    dcp.save({"w": torch.ones(2)}, checkpoint_id=str(ckpt), no_dist=True)
+    before = {p.name: p.read_bytes() for p in ckpt.iterdir()}
+    with pytest.raises(CheckpointingException, match="stock PyTorch DCP"):
+        dc.remove_sharded_tensors(ckpt, "__")
+    with pytest.raises(CheckpointingException, match="complete checkpoint"):
+        dc.save({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(2))}, ckpt)
+    assert {p.name: p.read_bytes() for p in ckpt.iterdir()} == before
+
+
 @dataclass
 class Recipe:
     """A value of a class no allowlist names."""
