@@ -73,7 +73,7 @@ def test_our_metadata_pickles_only_dcp_classes_and_plain_values(tmp_path):
     assert metadata.planner_data["groups.0.params"] == ("groups", 0, "params")
 
 
-def test_plain_values_are_recorded_where_stock_dcp_loads_them(tmp_path):
+def test_plain_values_are_recorded_where_stock_dcp_loads_them(tmp_path, capsys):
     saved = _save_varied(tmp_path / "c")
     target = {
         "model": {"w": torch.zeros(4, 3)},
@@ -94,6 +94,11 @@ def test_plain_values_are_recorded_where_stock_dcp_loads_them(tmp_path):
         "model.w", "model.h", "model.i", "model.s", "rng/shard_0_1",
     }  # fmt: skip
     assert dc.load_common_state_dict(tmp_path / "c")["groups"] == [{"params": [], "lr": 1e-3}]
+    capsys.readouterr()
+    assert main(["inspect", "--json", str(tmp_path / "c")]) == 0  # nor by the tools
+    info = json.loads(capsys.readouterr().out)
+    assert {t["key"] for t in info["tensors"]} == {"model.w", "model.h", "model.i", "model.s"}
+    assert "args.betas" not in info["objects"] and "scale" in info["objects"]
 
 
 def test_plain_values_are_not_recorded_when_the_strategy_says_so(tmp_path):

@@ -10,7 +10,7 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch.distributed.checkpoint.metadata import (
@@ -36,12 +36,10 @@ from ...errors import (
 from ...integrity import Checksums, read_checksums
 from ...mapping import ShardedBase, ShardedObject, ShardedTensor
 from ...quantized import block_hint, stored_form_hint
-from ...storage import objstore
 from ..base import CheckpointDir, LoadShardedStrategy, require_backend, require_version
-from ..common import COMMON_STATE_FNAME
 from .finalize import gbps
 from .legacy_flat import FlatCopy, apply_copies, plan_reformulated_reads, reformulated_shapes
-from .metadata_file import open_for_load, read_metadata, remove_sharded_tensors
+from .metadata_file import open_for_load, plain_value_keys, read_metadata, remove_sharded_tensors
 from .plan import BACKEND, SUPPORTED_VERSIONS, ChunkIndex, TensorRequest, plan_tensor_reads
 from .reader import read_byte_items, read_tensor_items
 
@@ -80,17 +78,6 @@ def _log_load(ckpt: Path, stats: List[_LoadStats]) -> None:
     files, most = max(s[2] for s in stats), max(s[0] for s in stats) / 1e9
     rate = gbps(total, slowest)
     logger.info(msg, ckpt, total / 1e9, total, len(stats), files, slowest, rate, most)
-
-
-def _plain_value_keys(ckpt: Path, metadata: Metadata) -> Set[str]:
-    """Keys of the common state's plain values that our saves also record as DCP items
-    (`_dcp_plain`): those `planner_data` names where `common.pt` holds the common state.
-    (Stock DCP records every key there and has no `common.pt`; megatron-core records none.)"""
-    if not isinstance(metadata.planner_data, dict) or not metadata.planner_data:
-        return set()
-    if not objstore.is_file(ckpt / COMMON_STATE_FNAME):
-        return set()
-    return set(metadata.planner_data)
 
 
 class TorchDistLoadShardedStrategy(LoadShardedStrategy):
@@ -330,7 +317,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             metadata = read_metadata(ckpt, self._checksums(ckpt))
         out: ShardedStateDict = {}
         flat_layout = reformulated_shapes(metadata)
-        plain = _plain_value_keys(ckpt, metadata)
+        plain = plain_value_keys(ckpt, metadata)
         for key, md in metadata.state_dict_metadata.items():
             if isinstance(md, TensorStorageMetadata) and key not in plain:
                 # megatron <= 0.13 flat tensors: their original (unflattened) shape

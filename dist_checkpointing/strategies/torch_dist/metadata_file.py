@@ -13,7 +13,18 @@ import json
 import logging
 import pickle
 from pathlib import Path
-from typing import Any, Callable, Collection, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import (
+    Any,
+    Callable,
+    Collection,
+    Dict,
+    List,
+    Mapping,
+    Optional,
+    Sequence,
+    Set,
+    Tuple,
+)
 
 import numpy as np
 import torch
@@ -31,7 +42,7 @@ from ...errors import CheckpointCorruptedError, CheckpointingException, UnsafeCh
 from ...integrity import SUMS_SUFFIX, Checksums, checksum, read_checksums, write_checksums
 from ...storage import objstore
 from ...storage.fileio import read_capped
-from ..common import write_bytes_atomically
+from ..common import COMMON_STATE_FNAME, write_bytes_atomically
 from .plan import DATA_SUFFIX, overlapping
 
 __all__ = [
@@ -41,6 +52,7 @@ __all__ = [
     "write_metadata_files",
     "read_metadata",
     "open_for_load",
+    "plain_value_keys",
     "remove_sharded_tensors",
 ]
 
@@ -316,6 +328,17 @@ def open_for_load(
             f"{path}: malformed load index ({type(e).__name__}: {e})"
         ) from e
     return metadata
+
+
+def plain_value_keys(ckpt: Path, metadata: Metadata) -> Set[str]:
+    """Keys of the common state's plain values that our saves also record as DCP items
+    (`_dcp_plain`): those `planner_data` names where `common.pt` holds the common state.
+    (Stock DCP records every key there and has no `common.pt`; megatron-core records none.)"""
+    if not isinstance(metadata.planner_data, dict) or not metadata.planner_data:
+        return set()
+    if not objstore.is_file(Path(ckpt) / COMMON_STATE_FNAME):
+        return set()
+    return set(metadata.planner_data)
 
 
 def remove_sharded_tensors(ckpt: Path, key_prefix: str) -> None:
