@@ -65,13 +65,10 @@ CONTENT_METADATA_KEY = "content_metadata"
 
 
 def _shallow_copy(tree: Any) -> Any:
-    """Copies the dict/list containers (not the leaves) so preprocessing never edits the
-    caller's; empty ones are kept (an empty list of a param group is a value)."""
-    if isinstance(tree, dict):
-        return {k: _shallow_copy(v) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [_shallow_copy(v) for v in tree]
-    return tree
+    """Copies the dict/list containers (not the leaves) so preprocessing never edits the caller's."""
+    return (
+        extract_matching_values(tree, lambda _: True)[0] if isinstance(tree, (dict, list)) else tree
+    )
 
 
 def _is_nonpersistent(x: Any) -> bool:

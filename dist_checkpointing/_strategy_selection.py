@@ -59,7 +59,8 @@ def verify_checkpoint_and_load_strategy(
         raise NotACheckpointError(
             f"{path} is not a distributed checkpoint: no metadata.json"
             + (
-                " (its .metadata is that of a save of ours that did not finish)"
+                " (its .metadata is not that of a stock DCP checkpoint: a save of ours that "
+                "did not finish, or not DCP metadata)"
                 if dcp
                 else " and no DCP .metadata (a save that did not finish, or not a checkpoint)"
             )

@@ -107,15 +107,32 @@ def maybe_load_config(checkpoint_dir: PathArg) -> Optional[CheckpointingConfig]:
 STOCK_DCP_CONFIG = CheckpointingConfig("torch_dist", 1, "dcp", 1)
 
 
+#: how a pickled DCP `Metadata` starts: a pickle protocol mark, then (within its first
+#: bytes) the module and name of its class
+_DCP_PICKLE_HEAD = 256
+_DCP_METADATA_CLASS = (b"torch.distributed.checkpoint.metadata", b"Metadata")
+
+
+def _head(path: Path, n: int) -> bytes:
+    if objstore.split(path) is not None:
+        return objstore.read_object(path, n - 1) or b""
+    with open(path, "rb") as f:
+        return f.read(n)
+
+
 def is_stock_dcp_checkpoint(checkpoint_dir: PathArg) -> bool:
     """Whether `checkpoint_dir` is a checkpoint written by `torch.distributed.checkpoint.save`:
-    it holds DCP's `.metadata` (which DCP writes last, by a rename) and none of the files our
-    saves write. Whether that `.metadata` is readable is checked when it is read."""
+    it holds DCP's `.metadata` (which DCP writes last, by a rename), starting as a pickled
+    DCP `Metadata` does, and none of the files our saves write. The rest of `.metadata` is
+    checked when it is read (damage raises `CheckpointCorruptedError` then)."""
     ckpt = Path(checkpoint_dir)
     try:
         if not objstore.is_file(ckpt / DCP_METADATA_FNAME):
             return False
-        return not any(objstore.exists(ckpt / name) for name in _OUR_FILES)
+        if any(objstore.exists(ckpt / name) for name in _OUR_FILES):
+            return False
+        head = _head(ckpt / DCP_METADATA_FNAME, _DCP_PICKLE_HEAD)
+        return head[:1] == b"\x80" and all(part in head for part in _DCP_METADATA_CLASS)
     except (OSError, CheckpointingException) as e:
         logger.debug("%s: cannot tell whether it is a DCP checkpoint: %s", checkpoint_dir, e)
         return False

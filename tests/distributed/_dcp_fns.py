@@ -33,7 +33,7 @@ def plain_values() -> Dict[str, Any]:
         "optim": {
             "param_groups": [
                 {"lr": 0.01, "betas": (0.9, 0.99), "params": ["model.w", "model.b"]},
-                {"lr": 0.5, "params": []},
+                {"lr": 0.5, "params": ["model.c"]},
             ]
         },
         "meta": {"name": "run-1", "tags": ["a", "b"], "none": None},

@@ -59,7 +59,7 @@ def _save_varied(ckpt):
         "iteration": 9,
         "args": {"lr": 0.1, "betas": (0.9, 0.95), "name": None, "tags": ["a"]},
         "scale": torch.tensor([1.0, 2.0]),
-        "groups": [{"params": [], "lr": 1e-3}],
+        "groups": [{"params": ["model.w"], "lr": 1e-3}],
     }
     dc.save(state, ckpt, content_metadata={"format": "x"})
     return state
@@ -87,13 +87,13 @@ def test_plain_values_are_recorded_where_stock_dcp_loads_them(tmp_path, capsys):
     assert torch.equal(target["model"]["w"], saved["model"]["w"].data)
     assert target["iteration"] == 9 and target["args"] == saved["args"]
     assert torch.equal(target["scale"], saved["scale"])
-    assert target["groups"] == [{"params": [], "lr": 1e-3}]  # an empty list is a value too
+    assert target["groups"] == saved["groups"]
     assert target["content_metadata"] == {"format": "x"}
     # for us the plain values stay common state (common.pt), not tensors or objects
     assert set(dc.load_sharded_metadata(tmp_path / "c")) == {
         "model.w", "model.h", "model.i", "model.s", "rng/shard_0_1",
     }  # fmt: skip
-    assert dc.load_common_state_dict(tmp_path / "c")["groups"] == [{"params": [], "lr": 1e-3}]
+    assert dc.load_common_state_dict(tmp_path / "c")["groups"] == saved["groups"]
     capsys.readouterr()
     assert main(["inspect", "--json", str(tmp_path / "c")]) == 0  # nor by the tools
     info = json.loads(capsys.readouterr().out)
