@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Callable, List, Optional, Set, Tuple, Union
 
 from . import _dist, _normalize
+from ._dcp_plain import PLAIN_ITEMS_KEY, check_no_collision, plain_items
 from ._sharding_agreement import AgreementCache, ShardRecord, agreement_protocol, record_of
 from ._types import CommonStateDict, ShardedStateDict, StateDict
 from .coordination import run as run_protocol
@@ -265,6 +266,8 @@ def prepare_save(
         sh.validate_metadata_integrity()
     objstore.makedirs(ckpt)  # for a prefix: checks that its bucket can be reached
     records = _records(sharded_part)
+    if getattr(sharded, "records_plain_values", False) and _dist.get_rank() == 0:
+        sharded_part = _with_plain_items(sharded_part, common_part)
     deferred = None
     if async_sharded_save and sharded.can_handle_sharded_objects and not node_local:
         deferred = common.deferred_save_common(common_part, ckpt)
@@ -272,6 +275,19 @@ def prepare_save(
     return SavePlan(
         sharded, common, node_local, sharded_part, common_part, records, digest, deferred
     )
+
+
+def _with_plain_items(sharded_part: ShardedStateDict, common: CommonStateDict) -> ShardedStateDict:
+    """Rank 0: the sharded part plus the common state's plain values as DCP items (for
+    stock `dcp.load`; `common.pt` keeps them for us and megatron-core), under a reserved key
+    only strategies with `records_plain_values` read.
+
+    Raises:
+        CheckpointingException: a plain value's flat name is also a sharded key (named).
+    """
+    items = plain_items(common)
+    check_no_collision(items, nested_sharded(sharded_part))
+    return {**sharded_part, PLAIN_ITEMS_KEY: items} if items else sharded_part
 
 
 def _common_digest(common: CommonStateDict, preprocess: Any) -> str:

@@ -8,7 +8,14 @@ from typing import Any, Optional, Tuple, Union
 
 from . import _dist
 from ._types import StateDict
-from .core import CheckpointingConfig, PathArg, maybe_load_config
+from .core import (
+    DCP_METADATA_FNAME,
+    STOCK_DCP_CONFIG,
+    CheckpointingConfig,
+    PathArg,
+    is_stock_dcp_checkpoint,
+    maybe_load_config,
+)
 from .errors import CheckpointCorruptedError, CheckpointingException, NotACheckpointError
 from .seal import check_seal, config_damage, raise_findings, warn_unverified
 from .storage import objstore
@@ -36,10 +43,13 @@ def verify_checkpoint_and_load_strategy(
     common_strategy: Union[LoadCommonStrategy, Tuple[str, int], None] = None,
 ) -> Tuple[LoadShardedStrategy, LoadCommonStrategy]:
     """Checks that `checkpoint_dir` is a complete checkpoint and picks strategies for it
-    (from `metadata.json` unless given), each checked compatible with the recorded ones.
+    (from `metadata.json` unless given), each checked compatible with the recorded ones. A
+    checkpoint written by stock PyTorch DCP (its `.metadata` and none of our files) reads as
+    `STOCK_DCP_CONFIG`: tensors by torch_dist, non-tensor values by ('dcp', 1).
 
     Raises:
-        NotACheckpointError: no such directory, or no `metadata.json` in it.
+        NotACheckpointError: no such directory, or neither `metadata.json` nor a stock DCP
+            `.metadata` in it.
         CheckpointCorruptedError: `metadata.json` is invalid, or differs from what the
             commit record (`checksums.json`) bound.
         CheckpointingException: no compatible strategy.
@@ -50,8 +60,19 @@ def verify_checkpoint_and_load_strategy(
             f"Checkpoint directory {path} does not exist or is not a directory"
         )
     config = maybe_load_config(path)
+    if config is None and is_stock_dcp_checkpoint(path):
+        config = STOCK_DCP_CONFIG
     if config is None:
-        raise NotACheckpointError(f"{path} is not a distributed checkpoint: no metadata.json")
+        dcp = objstore.exists(path / DCP_METADATA_FNAME)
+        raise NotACheckpointError(
+            f"{path} is not a distributed checkpoint: no metadata.json"
+            + (
+                " (its .metadata is not that of a stock DCP checkpoint: a save of ours that "
+                "did not finish, or not DCP metadata)"
+                if dcp
+                else " and no DCP .metadata (a save that did not finish, or not a checkpoint)"
+            )
+        )
     try:
         return compatible_strategies(config, sharded_strategy, common_strategy)
     except CheckpointingException as e:

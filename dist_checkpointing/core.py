@@ -1,6 +1,8 @@
 """`metadata.json`: the commit marker of a checkpoint, naming the strategies that read it.
 
-A directory is a complete checkpoint exactly when it holds a valid `metadata.json`.
+A directory is a complete checkpoint exactly when it holds a valid `metadata.json`, or when
+it is a checkpoint written by stock PyTorch DCP (`torch.distributed.checkpoint.save`): DCP
+writes its `.metadata` last, and none of the files our saves write are there.
 """
 
 from __future__ import annotations
@@ -13,13 +15,16 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from .errors import CheckpointCorruptedError, CheckpointingException
+from .storage import objstore
 from .storage.fileio import atomic_write, read_capped
 
 __all__ = [
     "CONFIG_FNAME",
     "CheckpointingConfig",
     "CheckpointingException",
+    "STOCK_DCP_CONFIG",
     "check_is_distributed_checkpoint",
+    "is_stock_dcp_checkpoint",
     "maybe_load_config",
     "save_config",
 ]
@@ -27,6 +32,11 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 CONFIG_FNAME = "metadata.json"
+#: DCP's metadata file, written last by `torch.distributed.checkpoint.save`
+DCP_METADATA_FNAME = ".metadata"
+#: files our saves write before their commit: with any of them, a directory holding a
+#: `.metadata` but no `metadata.json` is a save of ours that did not finish, not a DCP one
+_OUR_FILES = (CONFIG_FNAME, "common.pt", "checksums.json", ".metadata.index")
 _MAX_CONFIG_BYTES = 1 << 20
 PathArg = Union[str, "os.PathLike[str]"]
 
@@ -92,16 +102,55 @@ def maybe_load_config(checkpoint_dir: PathArg) -> Optional[CheckpointingConfig]:
     return CheckpointingConfig.from_dict(data, str(path))
 
 
+#: How a stock DCP checkpoint is read: tensors by the torch_dist loader (DCP's format), the
+#: non-tensor values (DCP's byte items) by the ('dcp', 1) common strategy.
+STOCK_DCP_CONFIG = CheckpointingConfig("torch_dist", 1, "dcp", 1)
+
+
+#: how a pickled DCP `Metadata` starts: a pickle protocol mark, then (within its first
+#: bytes) the module and name of its class
+_DCP_PICKLE_HEAD = 256
+_DCP_METADATA_CLASS = (b"torch.distributed.checkpoint.metadata", b"Metadata")
+
+
+def _head(path: Path, n: int) -> bytes:
+    if objstore.split(path) is not None:
+        return objstore.read_object(path, n - 1) or b""
+    with open(path, "rb") as f:
+        return f.read(n)
+
+
+def is_stock_dcp_checkpoint(checkpoint_dir: PathArg) -> bool:
+    """Whether `checkpoint_dir` is a checkpoint written by `torch.distributed.checkpoint.save`:
+    it holds DCP's `.metadata` (which DCP writes last, by a rename), starting as a pickled
+    DCP `Metadata` does, and none of the files our saves write. The rest of `.metadata` is
+    checked when it is read (damage raises `CheckpointCorruptedError` then)."""
+    ckpt = Path(checkpoint_dir)
+    try:
+        if not objstore.is_file(ckpt / DCP_METADATA_FNAME):
+            return False
+        if any(objstore.exists(ckpt / name) for name in _OUR_FILES):
+            return False
+        head = _head(ckpt / DCP_METADATA_FNAME, _DCP_PICKLE_HEAD)
+        return head[:1] == b"\x80" and all(part in head for part in _DCP_METADATA_CLASS)
+    except (OSError, CheckpointingException) as e:
+        logger.debug("%s: cannot tell whether it is a DCP checkpoint: %s", checkpoint_dir, e)
+        return False
+
+
 def check_is_distributed_checkpoint(checkpoint_dir: PathArg) -> bool:
-    """Whether `checkpoint_dir` holds a complete checkpoint (a valid `metadata.json`).
+    """Whether `checkpoint_dir` holds a complete checkpoint: a valid `metadata.json`, or a
+    checkpoint written by stock PyTorch DCP (`is_stock_dcp_checkpoint`).
 
     Never raises for a missing, partial or corrupted directory: it returns False.
     """
     try:
-        return maybe_load_config(checkpoint_dir) is not None
+        if maybe_load_config(checkpoint_dir) is not None:
+            return True
     except CheckpointingException as e:
         logger.debug("%s is not a valid checkpoint: %s", checkpoint_dir, e)
         return False
+    return is_stock_dcp_checkpoint(checkpoint_dir)
 
 
 def save_config(config: CheckpointingConfig, checkpoint_dir: PathArg) -> None:

@@ -28,7 +28,7 @@ from ._save_pipeline import (
 from ._strategy_selection import select_load_strategies, verify_checkpoint_and_load_strategy
 from ._types import CommonStateDict, ShardedStateDict, StateDict
 from .async_save import AsyncRequest
-from .core import PathArg, check_is_distributed_checkpoint
+from .core import PathArg, check_is_distributed_checkpoint, is_stock_dcp_checkpoint
 from .dict_utils import extract_matching_values, merge
 from .dtypes import lossy_conversion_allowed
 from .errors import CheckpointingException
@@ -325,6 +325,14 @@ def load_content_metadata(
 
 def remove_sharded_tensors(checkpoint_dir: PathArg, key_prefix: str) -> None:
     """Removes the tensors whose keys start with `key_prefix` (saved with that separation
-    hint). Not collective: run it on one process."""
+    hint). Not collective: run it on one process.
+
+    Raises:
+        CheckpointingException: `checkpoint_dir` was written by stock DCP (never modified).
+    """
+    if is_stock_dcp_checkpoint(checkpoint_dir):
+        raise CheckpointingException(
+            f"{checkpoint_dir} was written by stock PyTorch DCP: it is read, never modified"
+        )
     sharded, _ = verify_checkpoint_and_load_strategy(checkpoint_dir)
     sharded.remove_sharded_tensors(Path(checkpoint_dir), key_prefix)

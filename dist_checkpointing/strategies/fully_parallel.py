@@ -88,6 +88,11 @@ class _Wrapper:
     def can_handle_sharded_objects(self) -> bool:
         return bool(self.base_strategy.can_handle_sharded_objects)
 
+    @property
+    def records_plain_values(self) -> bool:
+        """Whether the wrapped strategy stores plain values as DCP items (`_dcp_plain`)."""
+        return bool(getattr(self.base_strategy, "records_plain_values", False))
+
     def __str__(self) -> str:
         return f"FullyParallel({self.base_strategy})"
 

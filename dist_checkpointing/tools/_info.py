@@ -396,12 +396,17 @@ def fill_dcp(
     files_covered: List[str],
     read_object: Optional[Callable[[str, Any], str]],
     common: Optional[Callable[[], Dict[Any, Any]]],
+    has_common_file: bool = False,
 ) -> None:
     """Fills `info` from DCP metadata (torch's, or `_light`'s stand-ins) for both readers.
 
     Callbacks, None when not applicable: `covered(file, offset)`: whether checksums cover an
     item; `read_object(key, storage)`: a small object's short repr; `common()`: common state.
+    `has_common_file`: the checkpoint has a `common.pt`, so the plain values our saves also
+    record for DCP readers (the keys of `planner_data`) are common state, not listed twice.
     """
+    planner = getattr(metadata, "planner_data", None)
+    plain = set(planner) if has_common_file and isinstance(planner, dict) else set()
     coverage = ChecksumCoverage(covered is not None, files_covered=files_covered)
     shards: Dict[str, int] = {}
     where: Dict[str, Any] = {}
@@ -415,6 +420,8 @@ def fill_dcp(
             coverage.bytes_covered += int(storage.length)
     info.checksums = coverage
     for key, md in sorted(metadata.state_dict_metadata.items()):
+        if key in plain:
+            continue
         if type(md).__name__ == "BytesStorageMetadata":
             storage = where.get(key)
             small = (0 if storage is None else int(storage.length)) <= _SMALL_OBJECT

@@ -309,7 +309,10 @@ def describe_light(path: PathArg, deep: bool = True, step: Optional[int] = None)
 
     common_read = common if deep and (ckpt / "common.pt").is_file() else None
     try:
-        _info.fill_dcp(info, metadata, covered, files, read if deep else None, common_read)
+        has_common = (ckpt / "common.pt").is_file()
+        _info.fill_dcp(
+            info, metadata, covered, files, read if deep else None, common_read, has_common
+        )
     except (AttributeError, TypeError, KeyError, ValueError) as e:
         raise Unsupported(f"unexpected metadata ({type(e).__name__})") from e
     return info

@@ -20,7 +20,12 @@ from .._safe_load import torch_load
 from ..errors import CheckpointCorruptedError, CheckpointingException
 from ..integrity import Checksums
 from ..integrity import read_checksums as maybe_checksums
-from ..strategies.torch_dist.metadata_file import DCP_METADATA_FNAME, INDEX_FNAME, check_index
+from ..strategies.torch_dist.metadata_file import (
+    DCP_METADATA_FNAME,
+    INDEX_FNAME,
+    check_index,
+    plain_value_keys,
+)
 from ..strategies.torch_dist.metadata_file import read_metadata as read_dcp_metadata
 from ..strategies.torch_dist.plan import TensorRequest, plan_tensor_reads
 from ..strategies.torch_dist.reader import read_byte_items, read_tensor_items
@@ -56,16 +61,23 @@ class StoredItem:
     length: int
 
 
-def tensor_entries(metadata: Metadata) -> Dict[str, TensorStorageMetadata]:
-    """`{key: metadata}` of the stored tensors."""
-    entries = metadata.state_dict_metadata.items()
-    return {k: v for k, v in entries if isinstance(v, TensorStorageMetadata)}
+def _listed(metadata: Metadata, ckpt: Optional[Path]) -> List[Tuple[str, Any]]:
+    plain = plain_value_keys(ckpt, metadata) if ckpt is not None else set()
+    return [(k, v) for k, v in metadata.state_dict_metadata.items() if k not in plain]
 
 
-def object_keys(metadata: Metadata) -> List[str]:
-    """Keys of the stored byte entries (ShardedObjects, megatron's common state)."""
-    entries = metadata.state_dict_metadata.items()
-    return sorted(k for k, v in entries if isinstance(v, BytesStorageMetadata))
+def tensor_entries(
+    metadata: Metadata, ckpt: Optional[Path] = None
+) -> Dict[str, TensorStorageMetadata]:
+    """`{key: metadata}` of the stored tensors (with `ckpt`: without the plain values of its
+    common state that our saves also record for DCP readers)."""
+    return {k: v for k, v in _listed(metadata, ckpt) if isinstance(v, TensorStorageMetadata)}
+
+
+def object_keys(metadata: Metadata, ckpt: Optional[Path] = None) -> List[str]:
+    """Keys of the stored byte entries (ShardedObjects, megatron's common state; with
+    `ckpt`, as `tensor_entries`)."""
+    return sorted(k for k, v in _listed(metadata, ckpt) if isinstance(v, BytesStorageMetadata))
 
 
 def stored_items(metadata: Metadata) -> Iterator[StoredItem]:

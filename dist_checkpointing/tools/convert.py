@@ -196,7 +196,7 @@ def convert_checkpoint(
     metadata, checksums = _source(ckpt)
     entries = [
         (key, md.properties.dtype, tuple(int(s) for s in md.size))
-        for key, md in sorted(_storage.tensor_entries(metadata).items())
+        for key, md in sorted(_storage.tensor_entries(metadata, ckpt).items())
     ]
     result = ConvertResult(tensors=len(entries), bytes=sum(_nbytes(e) for e in entries))
     from tqdm import tqdm

@@ -88,7 +88,7 @@ def _values(ckpt: Path, metadata: Any, checksums: Any) -> Dict[str, Any]:
     """Common values and stored objects by key."""
     config = maybe_load_config(ckpt)
     has_common_file = objstore.exists(ckpt / _storage.COMMON_FNAME)
-    keys = _storage.object_keys(metadata)
+    keys = _storage.object_keys(metadata, ckpt)
     # megatron-core 0.17+ keep the common state in `common_state/` objects instead of
     # common.pt: compared as common values, so that their checkpoints and ours match
     common_objects = {k for k in keys if k.startswith(_MCORE_COMMON_OBJECT)}
@@ -119,7 +119,7 @@ def diff_checkpoints(a: PathArg, b: PathArg, *, rtol: float = 0.0, atol: float =
     pa, pb = Path(a), Path(b)
     (ma, sa), (mb, sb) = _source(pa, "diff"), _source(pb, "diff")
     report = DiffReport()
-    ta, tb = _storage.tensor_entries(ma), _storage.tensor_entries(mb)
+    ta, tb = _storage.tensor_entries(ma, pa), _storage.tensor_entries(mb, pb)
     va, vb = _values(pa, ma, sa), _values(pb, mb, sb)
     report.only_in_a = sorted((set(ta) - set(tb)) | (set(va) - set(vb)))
     report.only_in_b = sorted((set(tb) - set(ta)) | (set(vb) - set(va)))

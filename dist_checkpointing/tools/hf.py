@@ -143,7 +143,7 @@ def export_hf(
     ckpt, dest = Path(ckpt), Path(out)
     limit = convert.parse_size(max_shard_size)
     metadata, checksums = convert._source(ckpt)
-    units, num_layers = _plan_export(_storage.tensor_entries(metadata))
+    units, num_layers = _plan_export(_storage.tensor_entries(metadata, ckpt))
     shapes = {u.name: u.shape for u in units}
     missing = {"embedding.word_embeddings.weight", "self_attention.linear_qkv.weight"} - set(shapes)
     if missing:

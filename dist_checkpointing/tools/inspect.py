@@ -110,4 +110,5 @@ def _describe_dcp(ckpt: Path, info: CheckpointInfo, deep: bool) -> None:
     covered = None if checksums is None else lambda f, o: o in (checksums.item_sums(f) or {})
     files = sorted(checksums.files) if checksums is not None else []
     common_read = common if deep and _info.is_file(ckpt / _storage.COMMON_FNAME) else None
-    _info.fill_dcp(info, metadata, covered, files, read if deep else None, common_read)
+    has_common = _info.is_file(ckpt / _storage.COMMON_FNAME)
+    _info.fill_dcp(info, metadata, covered, files, read if deep else None, common_read, has_common)

@@ -64,7 +64,8 @@ def test_manager_retention_latest_fallback_and_resume_on_store(bucket, async_sav
     )
     assert latest.strip() == b"3"
     # a damaged newest checkpoint: the manager falls back to step 2, then saves on
-    boto3.client("s3").put_object(Bucket=bucket, Key="job/iter_0000003/__0_0.distcp", Body=b"bad")
+    for name in ("__0_0.distcp", "__0_1.distcp"):  # w's file and the plain values' file
+        boto3.client("s3").put_object(Bucket=bucket, Key=f"job/iter_0000003/{name}", Body=b"bad")
     manager = CheckpointManager(root, opts)
     out, step = manager.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(4, 3))})
     assert step == 2 and torch.equal(out["w"], torch.full((4, 3), 2.0))

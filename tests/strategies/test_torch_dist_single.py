@@ -115,10 +115,6 @@ def test_stock_dcp_reads_our_checkpoint(tmp_path):
 def test_we_read_and_reshard_a_stock_dcp_checkpoint(tmp_path):
     full = torch.randn(6, 4)
     dcp.save({"w": full}, checkpoint_id=str(tmp_path / "c"), no_dist=True)
-    torch.save(
-        {}, tmp_path / "c" / "common.pt"
-    )  # adopting a stock DCP checkpoint: empty common state
-    save_config(CheckpointingConfig("torch_dist", 1), tmp_path / "c")
     out = dc.load(
         {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(2, 4), (0, 1, 3))},
         tmp_path / "c",

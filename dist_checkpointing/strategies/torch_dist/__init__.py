@@ -7,6 +7,7 @@
 """
 
 from ..base import StrategyAction, register_default_strategy
+from .dcp_common import DCP_COMMON_BACKEND, DcpCommonLoadStrategy
 from .load import TorchDistLoadShardedStrategy
 from .plan import BACKEND, SUPPORTED_VERSIONS
 from .save import TorchDistSaveShardedStrategy
@@ -16,15 +17,20 @@ __all__ = [
     "SUPPORTED_VERSIONS",
     "TorchDistSaveShardedStrategy",
     "TorchDistLoadShardedStrategy",
+    "DcpCommonLoadStrategy",
     "register_default_torch_strategies",
 ]
 
 
 def register_default_torch_strategies() -> None:
-    """Registers ('torch_dist', 1) for SAVE_SHARDED and LOAD_SHARDED."""
+    """Registers ('torch_dist', 1) for SAVE_SHARDED and LOAD_SHARDED, and ('dcp', 1) for
+    LOAD_COMMON (the non-tensor values of a stock DCP checkpoint)."""
     register_default_strategy(
         StrategyAction.LOAD_SHARDED, BACKEND, 1, TorchDistLoadShardedStrategy()
     )
     register_default_strategy(
         StrategyAction.SAVE_SHARDED, BACKEND, 1, TorchDistSaveShardedStrategy(BACKEND, 1)
+    )
+    register_default_strategy(
+        StrategyAction.LOAD_COMMON, DCP_COMMON_BACKEND, 1, DcpCommonLoadStrategy()
     )

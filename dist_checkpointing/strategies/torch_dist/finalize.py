@@ -205,13 +205,15 @@ class SaveFinalizer:
         *,
         dedup: bool,
         checksums: bool,
+        planner_data: Optional[Dict[str, Any]] = None,
     ) -> None:
         """Collective: rank 0 gathers every rank's report (its `items`, `results`, or its
         `error`), writes `.metadata` (`dedup`: one copy of each chunk) and, with `checksums`,
-        `checksums.json`; `start` (`time.perf_counter`) dates the save in the log line. Raises
+        `checksums.json`; `start` (`time.perf_counter`) dates the save in the log line;
+        `planner_data` (rank 0's plain values, `_dcp_plain`) goes into `.metadata`. Raises
         `CheckpointingException` (this rank's error class when it is one) on every rank if
         any rank failed."""
-        opts = (dedup, checksums, start)
+        opts = (dedup, checksums, start, planner_data)
         files = {str(r.storage_data.relative_path) for r in results}
         stats = (len(results), sum(r.size_in_bytes for r in results), len(files))
         report = digest = b""
@@ -254,7 +256,13 @@ class SaveFinalizer:
         return broadcast_object(outcome)
 
     def _finish_on_coordinator(
-        self, ckpt: Path, gathered: List[Any], dedup: bool, checksums: bool, start: float
+        self,
+        ckpt: Path,
+        gathered: List[Any],
+        dedup: bool,
+        checksums: bool,
+        start: float,
+        planner_data: Optional[Dict[str, Any]],
     ) -> Optional[str]:
         failed = [(r, g) for r, g in enumerate(gathered) if isinstance(g, str)]
         if failed:
@@ -268,12 +276,16 @@ class SaveFinalizer:
                     report = self.reports[rank][1]
                 self.reports[rank] = (digest, report)
                 reports.append(report)
-            key = tuple(g[0] for g in gathered)
+            key = (*(g[0] for g in gathered), repr(planner_data).encode())
             if self.files_cache is None or self.files_cache[0] != key:
                 try:
                     metadata = build_global_metadata(reports, dedup)
                 except _UnresolvedKey:
                     return _RESEND_WHOLE
+                except ShardingIntegrityError as e:
+                    raise _name_plain_value(e, planner_data) from e
+                if planner_data:
+                    metadata.planner_data = dict(planner_data)
                 self.files_cache = (key, serialize_metadata(metadata))
             digests = write_metadata_files(ckpt, self.files_cache[1])
             common = ckpt / COMMON_STATE_FNAME
@@ -292,6 +304,19 @@ class SaveFinalizer:
         rate = gbps(nbytes, secs)
         logger.info(msg, ckpt, items, nbytes / 1e9, nbytes, files, len(gathered), secs, rate)
         return None
+
+
+def _name_plain_value(
+    error: ShardingIntegrityError, planner_data: Optional[Dict[str, Any]]
+) -> ShardingIntegrityError:
+    """`error`, saying so where the key it names is a plain value's flat name."""
+    clash = [k for k in planner_data or {} if repr(k) in str(error)]
+    if not clash:
+        return error
+    return ShardingIntegrityError(
+        f"{error}: {clash[0]!r} is the flat name of a plain value of the common state (stored "
+        "for DCP readers) and the key of another rank's sharded tensor or object; rename one"
+    )
 
 
 # rank 0's answers when a rank sent only a digest that rank 0 has no report for, and when a

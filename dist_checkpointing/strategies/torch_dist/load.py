@@ -39,7 +39,7 @@ from ...quantized import block_hint, stored_form_hint
 from ..base import CheckpointDir, LoadShardedStrategy, require_backend, require_version
 from .finalize import gbps
 from .legacy_flat import FlatCopy, apply_copies, plan_reformulated_reads, reformulated_shapes
-from .metadata_file import open_for_load, read_metadata, remove_sharded_tensors
+from .metadata_file import open_for_load, plain_value_keys, read_metadata, remove_sharded_tensors
 from .plan import BACKEND, SUPPORTED_VERSIONS, ChunkIndex, TensorRequest, plan_tensor_reads
 from .reader import read_byte_items, read_tensor_items
 
@@ -312,13 +312,14 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         self, checkpoint_dir: CheckpointDir, metadata: Optional[Metadata] = None
     ) -> ShardedStateDict:
         """Returns `{key: ShardedTensor}` of the stored tensors: whole, metadata only."""
+        ckpt = Path(checkpoint_dir)
         if metadata is None:
-            ckpt = Path(checkpoint_dir)
             metadata = read_metadata(ckpt, self._checksums(ckpt))
         out: ShardedStateDict = {}
         flat_layout = reformulated_shapes(metadata)
+        plain = plain_value_keys(ckpt, metadata)
         for key, md in metadata.state_dict_metadata.items():
-            if isinstance(md, TensorStorageMetadata):
+            if isinstance(md, TensorStorageMetadata) and key not in plain:
                 # megatron <= 0.13 flat tensors: their original (unflattened) shape
                 shape = flat_layout.get(key, tuple(md.size))
                 zeros, ones = (0,) * len(shape), (1,) * len(shape)
@@ -330,8 +331,9 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         ckpt = Path(checkpoint_dir)
         metadata = read_metadata(ckpt, self._checksums(ckpt))
         out: ShardedStateDict = {}
+        plain = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
         for key, md in metadata.state_dict_metadata.items():
-            if isinstance(md, BytesStorageMetadata):
+            if isinstance(md, BytesStorageMetadata) and key not in plain:  # else a plain value
                 try:
                     sh_obj = ShardedObject.empty_from_unique_key(key)
                 except CheckpointingException:

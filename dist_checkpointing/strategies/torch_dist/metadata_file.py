@@ -13,7 +13,18 @@ import json
 import logging
 import pickle
 from pathlib import Path
-from typing import Any, Callable, Collection, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import (
+    Any,
+    Callable,
+    Collection,
+    Dict,
+    List,
+    Mapping,
+    Optional,
+    Sequence,
+    Set,
+    Tuple,
+)
 
 import numpy as np
 import torch
@@ -31,7 +42,7 @@ from ...errors import CheckpointCorruptedError, CheckpointingException, UnsafeCh
 from ...integrity import SUMS_SUFFIX, Checksums, checksum, read_checksums, write_checksums
 from ...storage import objstore
 from ...storage.fileio import read_capped
-from ..common import write_bytes_atomically
+from ..common import COMMON_STATE_FNAME, write_bytes_atomically
 from .plan import DATA_SUFFIX, overlapping
 
 __all__ = [
@@ -42,6 +53,7 @@ __all__ = [
     "read_metadata",
     "open_for_load",
     "check_index",
+    "plain_value_keys",
     "remove_sharded_tensors",
 ]
 
@@ -53,8 +65,10 @@ _MAX_METADATA_BYTES = 1 << 31
 
 
 def _encode_index(md: Metadata) -> Optional[bytes]:
-    """The load index of `md`; None where it cannot say everything `.metadata` does."""
-    if md.planner_data is not None or getattr(md, "mcore_data", None) is not None:
+    """The load index of `md`; None where it cannot say everything a load needs of
+    `.metadata` (`planner_data`, which only nests a stock DCP checkpoint's common state, is
+    left out: our common state is in `common.pt`)."""
+    if getattr(md, "mcore_data", None) is not None:
         return None
     files: Dict[str, int] = {}
     lines: List[bytes] = []
@@ -98,6 +112,24 @@ def write_metadata_files(checkpoint_dir: Path, files: Dict[str, bytes]) -> Dict[
     return {name: checksum(payload) for name, payload in files.items()}
 
 
+class _AnyReleaseTensorProperties(TensorProperties):
+    """Unpickles `TensorProperties` as any torch release pickles them, into a plain
+    `TensorProperties`: the 5-tuple state of torch <= 2.14, or the 6-tuple of newer releases
+    (a `strides` field after the five). Strides are not kept: every chunk is read from its
+    own stored layout."""
+
+    def __setstate__(self, state: Any) -> None:
+        if isinstance(state, tuple) and len(state) == 6:
+            strides = state[5]
+            if strides is not None and not (
+                isinstance(strides, (tuple, list)) and all(isinstance(s, int) for s in strides)
+            ):
+                raise ValueError(f"TensorProperties: strides {strides!r} are not ints")
+            state = state[:5]
+        TensorProperties.__setstate__(self, state)
+        self.__class__ = TensorProperties  # type: ignore[assignment]
+
+
 def _allowed_globals() -> Dict[Tuple[str, str], Any]:
     import pathlib
 
@@ -133,6 +165,7 @@ def _allowed_globals() -> Dict[Tuple[str, str], Any]:
         for name in names
         if hasattr(module, name)
     }
+    allowed[(md.__name__, "TensorProperties")] = _AnyReleaseTensorProperties
     allowed[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = _StorageInfo
     # megatron-core <= 0.13 also pickles each rank's plan (a SavePlan subclass adding a dict of
     # plain values); read as DCP's own SavePlan, whose state is set without running code
@@ -332,6 +365,17 @@ def check_index(checkpoint_dir: Path, metadata: Metadata) -> None:
                 f"{path}: the entry of {key!r} differs from {DCP_METADATA_FNAME}'s (damaged or "
                 "edited)"
             )
+
+
+def plain_value_keys(ckpt: Path, metadata: Metadata) -> Set[str]:
+    """Keys of the common state's plain values that our saves also record as DCP items
+    (`_dcp_plain`): those `planner_data` names where `common.pt` holds the common state.
+    (Stock DCP records every key there and has no `common.pt`; megatron-core records none.)"""
+    if not isinstance(metadata.planner_data, dict) or not metadata.planner_data:
+        return set()
+    if not objstore.is_file(Path(ckpt) / COMMON_STATE_FNAME):
+        return set()
+    return set(metadata.planner_data)
 
 
 def remove_sharded_tensors(ckpt: Path, key_prefix: str) -> None:

@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 
+from ..._dcp_plain import PlainItem
 from ...errors import CheckpointingException
 from ...mapping import ShardedObject, ShardedTensor
 
@@ -36,6 +37,7 @@ __all__ = [
     "WriteEntry",
     "tensor_write_item",
     "object_write_item",
+    "plain_entry",
     "serialize_object",
     "split_into_files",
     "is_empty_chunk",
@@ -91,6 +93,27 @@ def tensor_write_item(sh: ShardedTensor) -> WriteItem:
 def object_write_item(sh: ShardedObject) -> WriteItem:
     """The DCP write item of one ShardedObject, stored as bytes under its unique key."""
     return WriteItem(index=MetadataIndex(sh.unique_key), type=WriteItemType.BYTE_IO)
+
+
+def plain_entry(item: PlainItem) -> WriteEntry:
+    """The entry of a plain value of the common state, as `dcp.save` writes it: a tensor
+    as one whole chunk, anything else as a byte item of `torch.save(value)`."""
+    if isinstance(item.data, torch.Tensor):
+        shape = torch.Size(item.data.shape)
+        zeros = torch.Size([0] * len(shape))
+        write = WriteItem(
+            index=MetadataIndex(item.fqn, zeros),
+            type=WriteItemType.TENSOR,
+            tensor_data=TensorWriteData(
+                chunk=ChunkStorageMetadata(offsets=zeros, sizes=shape),
+                properties=TensorProperties(dtype=item.data.dtype),
+                size=shape,
+            ),
+        )
+        return WriteEntry(write, item.data)
+    return WriteEntry(
+        WriteItem(index=MetadataIndex(item.fqn), type=WriteItemType.BYTE_IO), item.data
+    )
 
 
 def serialize_object(obj: object) -> bytes:

@@ -10,12 +10,13 @@ import functools
 import logging
 import time
 from pathlib import Path
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch.distributed.checkpoint.planner import WriteItem
 from torch.distributed.checkpoint.storage import WriteResult
 
+from ..._dcp_plain import PlainItem
 from ..._dist import get_rank
 from ..._progress import byte_progress
 from ..._types import ShardedStateDict
@@ -33,6 +34,7 @@ from .plan import (
     data_file_name,
     is_empty_chunk,
     object_write_item,
+    plain_entry,
     serialize_object,
     split_into_files,
     tensor_write_item,
@@ -64,6 +66,9 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             logged once per directory). Either way each file is fsync'd before the commit.
         checksums: record an xxh3-64 of every stored item (beside its data file), and of
             `.metadata`, its index and `common.pt` in `checksums.json` (verified on load).
+        plain_values_for_dcp: also store each plain value of the common state as a DCP item
+            under its flat name (as `dcp.save` does), so stock `dcp.load` restores it;
+            `common.pt` holds them either way (docs/dcp.md).
     """
 
     def __init__(
@@ -78,8 +83,10 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         background_thread_count: int = 1,
         checksums: bool = True,
         direct_io: bool = True,
+        plain_values_for_dcp: bool = True,
     ) -> None:
         super().__init__(backend, version)
+        self.plain_values_for_dcp = plain_values_for_dcp
         if thread_count < 1:
             raise CheckpointingException(f"thread_count must be >= 1, got {thread_count}")
         self.keep_only_main_replica = keep_only_main_replica
@@ -98,9 +105,17 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
     def can_handle_sharded_objects(self) -> bool:
         return True
 
+    @property
+    def records_plain_values(self) -> bool:
+        """Whether saves hand this strategy the common state's plain values (`_dcp_plain`)."""
+        return self.plain_values_for_dcp
+
     def _local_entries(self, sharded_state_dict: ShardedStateDict) -> List[WriteEntry]:
         entries = []
         for sh in nested_values(sharded_state_dict):
+            if isinstance(sh, PlainItem):
+                entries.append(plain_entry(sh))
+                continue
             if not isinstance(sh, ShardedBase):
                 continue
             if self.keep_only_main_replica and not is_main_replica(sh.replica_id):
@@ -152,7 +167,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
                 )
         except Exception as e:  # reported to rank 0 and re-raised on every rank
             error = e
-        self._finalize(ckpt, items, written, error, start)
+        self._finalize(ckpt, items, written, error, start, _planner_data(sharded_state_dict))
 
     def async_save(
         self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir
@@ -191,7 +206,10 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             [],
             description=f"torch_dist save to {ckpt}",
         )
-        request.add_finalize_fn(lambda: self._finalize(ckpt, items, request.result, None, start))
+        planner = _planner_data(sharded_state_dict)
+        request.add_finalize_fn(
+            lambda: self._finalize(ckpt, items, request.result, None, start, planner)
+        )
         request.cleanup_fns.append(functools.partial(self._images.release_group, plans, bufs))
         nbytes = sum(plan.size for plan in plans)
         secs = time.perf_counter() - start
@@ -199,6 +217,15 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         return request
 
     def _finalize(self, *args: Any) -> None:
-        """Collective: `SaveFinalizer.finalize(ckpt, items, written, error, start)`."""
+        """Collective: `SaveFinalizer.finalize(ckpt, items, written, error, start, planner)`."""
         dedup = not self.keep_only_main_replica
-        self._finalizer.finalize(*args, dedup=dedup, checksums=self.checksums)
+        *rest, planner = args
+        self._finalizer.finalize(*rest, dedup=dedup, checksums=self.checksums, planner_data=planner)
+
+
+def _planner_data(sharded_state_dict: ShardedStateDict) -> Optional[Dict[str, Any]]:
+    """DCP's `planner_data` of the plain items among `sharded_state_dict` (None: none)."""
+    planner = {
+        it.fqn: it.path for it in nested_values(sharded_state_dict) if isinstance(it, PlainItem)
+    }
+    return planner or None
