@@ -68,6 +68,20 @@ class _Plan:
 _LoadStats = Tuple[int, float, int]
 
 
+def _check_plain_items(ckpt: Path, checksums: Checksums) -> None:
+    """Reads and verifies the plain values our saves record for stock DCP readers (rank 0
+    wrote them; a load takes the common state from `common.pt`): a data file holding only
+    them, swapped for another checkpoint's, is caught at load as any other file is.
+
+    Raises:
+        CheckpointCorruptedError: an item (or its file's sidecar) is not this checkpoint's.
+    """
+    full = read_metadata(ckpt, checksums)
+    plain = plain_value_keys(ckpt, full)
+    if plain:
+        read_byte_items(ckpt, full, [i for i in full.storage_data if i.fqn in plain], checksums)
+
+
 def _log_load(ckpt: Path, stats: List[_LoadStats]) -> None:
     """Rank 0: one INFO line for the whole load (bytes summed, time the slowest rank's)."""
     if not stats:
@@ -170,6 +184,8 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             if isinstance(sh, ShardedTensor) and sh.allow_shape_mismatch:
                 boxes.pop(sh.key, None)
         metadata = open_for_load(ckpt, keys, checksums, boxes)
+        if checksums is not None and get_rank() == 0:
+            _check_plain_items(ckpt, checksums)
         sdm: Dict[str, Any] = metadata.state_dict_metadata
         flat_layout = reformulated_shapes(metadata)  # megatron <= 0.13 flat tensors
         dests: List[torch.Tensor] = []

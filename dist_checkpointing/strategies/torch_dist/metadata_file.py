@@ -295,6 +295,9 @@ def open_for_load(
         if top["format"] != 1:
             raise ValueError(f"format {top['format']!r}")
         files, ends = top["files"], top["ends"]
+        for name in files:  # every file it names, not only those of the keys read now
+            if not isinstance(name, str) or "/" in name or "\\" in name or name in ("", ".", ".."):
+                raise ValueError(f"file name {name!r} is not a file of this directory")
         position = dict(zip(top["keys"], range(len(ends))))
         if any(k not in position for k in keys):
             return read_metadata(checkpoint_dir, checksums)  # whose errors name what is missing
