@@ -168,7 +168,15 @@ def save(
     commit = make_commit(plan, ckpt, start)
     own = plan.ownership
     if plan.node_local:  # the one place the flow is chosen
-        return _node_local_flow.save(plan, ckpt, async_sharded_save, commit)
+        try:
+            local_request = _node_local_flow.save(plan, ckpt, async_sharded_save, commit)
+        except BaseException as e:  # before the commit: the claims of an agreed failure go
+            own.failed(e)
+            raise
+        if local_request is not None:
+            local_request.finalize_fns[:] = [own.watch(fn) for fn in local_request.finalize_fns]
+            local_request.cleanup_fns.append(own.discard)
+        return local_request
     try:
         if plan.deferred_common is not None:
             to_save = plan.sharded_part

@@ -198,3 +198,20 @@ def _dead_pid() -> int:
 
 def noop(*_: Optional[Any]) -> None:
     return None
+
+
+def die_while_writer_runs(tmp: str, victim: int) -> Tuple[str, str, float]:
+    """`victim`'s async writer hangs in its first write (a stuck disk) and `victim` is then
+    SIGKILLed; returns the survivor's `(exception class, message, seconds after the kill)`."""
+    if dist.get_rank() == victim:  # the forked writer inherits the fault
+        faults.inject(faults.Fault("*.distcp", delay_s=120))
+    queue = AsyncCallsQueue()
+    queue.schedule_async_request(
+        dc.save(state(0, 8), os.path.join(tmp, "W"), async_sharded_save=True)
+    )
+    time.sleep(1.0)  # the writer is in its write
+    killed_at = time.time()
+    if dist.get_rank() == victim:
+        os.kill(os.getpid(), signal.SIGKILL)
+    name, message = _attempt(queue.maybe_finalize_async_calls, True)
+    return name, message, time.time() - killed_at

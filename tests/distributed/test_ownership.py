@@ -14,6 +14,7 @@ import pytest
 import dist_checkpointing
 from dist_checkpointing.errors import CheckpointingException
 from dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+from dist_checkpointing.tools import list_checkpoints
 from tests._world import World, get_world
 from tests.distributed import _ownership_fns as F
 
@@ -110,6 +111,8 @@ def test_newcomer_mistakes_are_refused_on_every_rank(world_factory, tmp_path):
         assert "no longer runs: the claim is stale" in message
         assert str(tmp_path / "S" / "claim.json") in message  # how to clear it
     assert (tmp_path / "S" / "claim.json").exists()  # never taken over
+    (found,) = list_checkpoints(tmp_path / "S")  # and `dist-ckpt ls` says who holds it
+    assert found.state == "incomplete" and "claimed by pid" in found.problem
 
 
 def test_async_request_never_scheduled_is_reported_at_exit(tmp_path):
@@ -127,3 +130,14 @@ def test_async_request_never_scheduled_is_reported_at_exit(tmp_path):
     )
     assert done.returncode == 0, done.stderr
     assert "never scheduled" in done.stderr and str(tmp_path / "U") in done.stderr
+
+
+def test_rank_killed_while_its_async_writer_hangs_fails_the_others_at_once(tmp_path):
+    # the writer, forked from the victim, holds the victim's sockets: it must die with it
+    outcomes = get_world(2).run_tolerating_deaths(
+        F.die_while_writer_runs, str(tmp_path), 1, timeout=120
+    )
+    assert outcomes[1] is None and outcomes[0] is not None
+    name, message, seconds = outcomes[0].unwrap()
+    assert name == "DistributedFailureError", message
+    assert seconds < 20.0  # not the writer's 120 s stall, nor the 600 s collective timeout
