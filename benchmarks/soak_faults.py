@@ -115,7 +115,9 @@ def _trial(base: str, i: int, rng: random.Random) -> Tuple[str, str, str]:
     dist.barrier()
     before = _digests(earlier)
     files = [f for f in _files(earlier) if os.path.getsize(os.path.join(earlier, f))]
-    pick, offset_frac = rng.choice(files), rng.random()
+    # every rank draws the same numbers, whichever rank acts on them
+    pick, offset_frac, bit = rng.choice(files), rng.random(), rng.randrange(8)
+    hard, linked = rng.random() < 0.5, [rel for rel in files if rng.random() < 0.8]
     outcome = "exact"
     if kind in ("flip", "delete"):
         if me == 0:
@@ -128,7 +130,7 @@ def _trial(base: str, i: int, rng: random.Random) -> Tuple[str, str, str]:
                     f.seek(at)
                     byte = f.read(1)
                     f.seek(at)
-                    f.write(bytes([byte[0] ^ (1 << rng.randrange(8))]))
+                    f.write(bytes([byte[0] ^ (1 << bit)]))
         dist.barrier()
         outcome = _load_outcome(earlier, i)
         # damage to a file nothing reads (the claim) must load exactly
@@ -137,9 +139,9 @@ def _trial(base: str, i: int, rng: random.Random) -> Tuple[str, str, str]:
     if kind == "link":
         if me == 0:
             os.makedirs(target)
-            link = os.symlink if rng.random() < 0.5 else os.link
-            for rel in files:
-                if os.path.basename(rel) != "metadata.json" and rng.random() < 0.8:
+            link = os.link if hard else os.symlink
+            for rel in linked:
+                if os.path.basename(rel) != "metadata.json":
                     os.makedirs(os.path.dirname(os.path.join(target, rel)), exist_ok=True)
                     link(os.path.join(earlier, rel), os.path.join(target, rel))
         dist.barrier()

@@ -82,10 +82,11 @@ class AsyncRequest:
                 f"AsyncRequest {self.description!r} has both a future and an async_fn"
             )
         # a request dropped (or still held at exit) without being scheduled or run leaves
-        # its directory without a commit: say so then, not never
-        self._unscheduled: Optional[weakref.finalize] = weakref.finalize(
-            self, _warn_unscheduled, self.description
-        )
+        # its directory without a commit: say so then, not never (work already running in
+        # a future, e.g. a local manager's sync save, is the caller's to wait for)
+        self._unscheduled: Optional[weakref.finalize] = None
+        if self.future is None:
+            self._unscheduled = weakref.finalize(self, _warn_unscheduled, self.description)
 
     def _handled(self) -> None:
         """The request is scheduled or run: no warning when it goes away."""
