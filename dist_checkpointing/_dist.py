@@ -44,6 +44,7 @@ __all__ = [
     "new_own_group",
     "at_teardown",
     "get_collective_timeout",
+    "peer_lost",
 ]
 
 logger = logging.getLogger(__name__)
@@ -152,10 +153,24 @@ def _collective(op: str) -> Iterator[None]:
         yield
     except RuntimeError as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise DistributedFailureError(
+        lost = DistributedFailureError(
             f"Checkpoint collective {op} failed: another rank died or did not answer within "
             f"{_timeout_s:.0f} s ({type(e).__name__}: {first})"
-        ) from e
+        )
+        lost.peer_lost = True  # type: ignore[attr-defined]
+        raise lost from e
+
+
+def peer_lost(error: BaseException) -> bool:
+    """Whether `error` (or what it was raised from) is this rank's own collective failing
+    (a peer died or went silent), rather than a failure every rank agreed on: then what the
+    other ranks did is unknown."""
+    seen: Optional[BaseException] = error
+    while seen is not None:
+        if getattr(seen, "peer_lost", False):
+            return True
+        seen = seen.__cause__
+    return False
 
 
 def is_distributed() -> bool:

@@ -14,7 +14,9 @@ from pathlib import Path
 from typing import Any, Callable, List, Optional, Set, Tuple, Union
 
 from . import _dist, _normalize
+from ._claim import token_lanes
 from ._dcp_plain import PLAIN_ITEMS_KEY, check_no_collision, plain_items
+from ._save_ownership import Ownership
 from ._sharding_agreement import AgreementCache, ShardRecord, agreement_protocol, record_of
 from ._types import CommonStateDict, ShardedStateDict, StateDict
 from .coordination import run as run_protocol
@@ -229,6 +231,7 @@ class SavePlan:
     records: List[ShardRecord]
     common_digest: str
     deferred_common: Optional[DeferredCalls]
+    ownership: Ownership
 
 
 def prepare_save(
@@ -241,7 +244,14 @@ def prepare_save(
     validate_access_integrity: bool,
     preprocess_common: Optional[Callable[[CommonStateDict], StateDict]],
 ) -> SavePlan:
-    """The local part of a save's preparation (no collectives; may raise)."""
+    """The local part of a save's preparation (no collectives; may raise); its last step
+    claims the directory (rank 0; every rank for node-local backends)."""
+    if not isinstance(sharded_state_dict, dict):
+        raise CheckpointingException(
+            f"save to {ckpt}: the state to save must be a dict (of names to ShardedTensors, "
+            f"other sharded objects and plain values), got a {type(sharded_state_dict).__name__}"
+            "; wrap it, e.g. {'model': state}"
+        )
     sharded = resolve_strategy(StrategyAction.SAVE_SHARDED, sharded_strategy, ("torch_dist", 1))
     common = resolve_strategy(StrategyAction.SAVE_COMMON, common_strategy, ("torch", 1))
     node_local = isinstance(sharded, NodeLocalSaveShardedStrategy)
@@ -264,7 +274,11 @@ def prepare_save(
     sharded_part, common_part = save_preprocess(sharded_state_dict, content_metadata)
     for sh in nested_sharded(sharded_part):
         sh.validate_metadata_integrity()
-    objstore.makedirs(ckpt)  # for a prefix: checks that its bucket can be reached
+    # the claiming rank alone creates a shared directory, so it knows whether this save
+    # created it (and removes it again if the save is refused); for a prefix every rank
+    # checks that its bucket can be reached
+    if node_local or _dist.get_rank() == 0 or objstore.split(ckpt) is not None:
+        objstore.makedirs(ckpt)
     records = _records(sharded_part)
     if getattr(sharded, "records_plain_values", False) and _dist.get_rank() == 0:
         sharded_part = _with_plain_items(sharded_part, common_part)
@@ -272,8 +286,10 @@ def prepare_save(
     if async_sharded_save and sharded.can_handle_sharded_objects and not node_local:
         deferred = common.deferred_save_common(common_part, ckpt)
     digest = _common_digest(common_part, preprocess_common) if validate_access_integrity else ""
+    ownership = Ownership(ckpt, node_local)
+    ownership.take()  # last: nothing after it may fail and leave the claim behind
     return SavePlan(
-        sharded, common, node_local, sharded_part, common_part, records, digest, deferred
+        sharded, common, node_local, sharded_part, common_part, records, digest, deferred, ownership
     )
 
 
@@ -311,7 +327,8 @@ def agree_on_preparation(
     preprocess_common: Optional[Callable[[CommonStateDict], StateDict]],
 ) -> SavePlan:
     """Collective: agrees on preparation failures (raising on every rank), then checks the
-    global sharding by key (`_sharding_agreement`; skipped when no rank's shards changed)."""
+    global sharding by key (`_sharding_agreement`; skipped when no rank's shards changed).
+    The same agreement carries rank 0's claim token to every rank."""
     agreement = _agree(
         plan.records if plan is not None else [],
         _save_agreement,
@@ -319,8 +336,10 @@ def agree_on_preparation(
         common_digest=plan.common_digest.encode() if plan is not None else b"",
         validate=validate_access_integrity,
         what=f"save to {ckpt}",
+        shared=plan.ownership.lanes() if plan is not None else token_lanes(None),
     )
     assert plan is not None
+    plan.ownership.agreed(agreement.shared)
     if validate_access_integrity and agreement.common_differs:
         _compare_common(plan.common_part, preprocess_common, ckpt)
     return plan
@@ -362,8 +381,9 @@ def _compare_common(
 
 
 def save_common(plan: SavePlan, ckpt: Path) -> ShardedStateDict:
-    """Writes the common state (and ShardedObjects the sharded strategy cannot store);
-    returns what is left for the sharded strategy."""
+    """Checks the claim, writes the common state (and ShardedObjects the sharded strategy
+    cannot store); returns what is left for the sharded strategy."""
+    plan.ownership.check("writing")
     plan.common.save_common(plan.common_part, ckpt)
     if plan.sharded.can_handle_sharded_objects:
         return plan.sharded_part
@@ -375,8 +395,9 @@ def save_common(plan: SavePlan, ckpt: Path) -> ShardedStateDict:
 
 
 def make_commit(plan: SavePlan, ckpt: Path, start: float) -> Callable[[], None]:
-    """The collective commit, run once every rank's data is durable: `metadata.json` by
-    rank 0 (by every rank for node-local saves)."""
+    """The collective commit, run once every rank's data is durable: every rank checks the
+    claim, then rank 0 (every rank for node-local saves) writes `metadata.json`
+    (`Ownership.commit`)."""
 
     def commit() -> None:
         def write_config() -> None:
@@ -384,7 +405,7 @@ def make_commit(plan: SavePlan, ckpt: Path, start: float) -> Callable[[], None]:
                 s, c = plan.sharded, plan.common
                 save_config(CheckpointingConfig(s.backend, s.version, c.backend, c.version), ckpt)
 
-        _dist.run_collectively(f"commit of {ckpt}", write_config)
+        plan.ownership.commit(write_config)
         _dist.log_rank0(
             logger, logging.INFO, "Saved checkpoint %s in %.2f s", ckpt, time.perf_counter() - start
         )

@@ -214,6 +214,7 @@ class Agreement:
     digest: Tuple[int, ...]  # identifies every rank's shard records, by rank
     validated: bool  # the distributed check ran (False: skipped, nothing changed)
     common_differs: bool  # some rank's common state differs from another's
+    shared: Tuple[int, ...] = ()  # the sum of every rank's `shared` lanes (one rank's value)
 
 
 def _lanes(rank: int, records: bytes) -> Tuple[int, ...]:
@@ -231,6 +232,7 @@ def agreement_protocol(
     common_digest: bytes = b"",
     validate: bool = True,
     what: str = "save",
+    shared: Sequence[int] = (),
 ) -> Protocol[Agreement]:
     """One rank's side of the agreement (a `coordination` protocol; see the module docstring).
 
@@ -241,6 +243,9 @@ def agreement_protocol(
         common_digest: a digest of this rank's common state (compared across ranks).
         validate: run the sharding check (False: only agree on failures and the digest).
         what: the step, for error messages.
+        shared: small non-negative ints (< 2**31) summed over ranks: one rank's values, the
+            others' zeros, reach every rank without a round trip of their own (the claim
+            token of a save).
 
     Raises:
         CheckpointingException: on every rank, where any rank failed to prepare.
@@ -250,12 +255,15 @@ def agreement_protocol(
     changed = int(validate and (cache.local != local or cache.world != world))
     c = int.from_bytes(hashlib.blake2b(common_digest, digest_size=4).digest(), "little")
     c &= _COMMON_LANE
-    sums = yield AllReduceSum((int(error is not None), *_lanes(rank, local), c, c * c, changed))
+    head = (int(error is not None), *_lanes(rank, local), c, c * c, changed)
+    sums = yield AllReduceSum((*head, *shared))
     if sums[0]:
         gathered = yield Gather(dumps(_dist.error_report(error)))
         reports = yield Broadcast(dumps([loads(g) for g in gathered] if gathered else []))
         _dist.raise_on_reported_errors(loads(reports), error, f"{what} (preparation)")
-    agreement = Agreement(tuple(sums[1:5]), False, world * sums[6] != sums[5] ** 2)
+    agreement = Agreement(
+        tuple(sums[1:5]), False, world * sums[6] != sums[5] ** 2, tuple(sums[len(head) :])
+    )
     if not sums[7]:
         return agreement
     # Main replicas go to their key's owner. Of the other replicas only the shape and dtype
@@ -290,4 +298,4 @@ def agreement_protocol(
     problems = [p for key in sorted(by_key) for p in key_problems(key, by_key[key])]
     yield from fail_together(problems, format_problems, ShardingIntegrityError, sent=MAX_REPORTED)
     cache.local, cache.world = local, world
-    return Agreement(agreement.digest, True, agreement.common_differs)
+    return Agreement(agreement.digest, True, agreement.common_differs, agreement.shared)

@@ -36,7 +36,7 @@ CONFIG_FNAME = "metadata.json"
 DCP_METADATA_FNAME = ".metadata"
 #: files our saves write before their commit: with any of them, a directory holding a
 #: `.metadata` but no `metadata.json` is a save of ours that did not finish, not a DCP one
-_OUR_FILES = (CONFIG_FNAME, "common.pt", "checksums.json", ".metadata.index")
+_OUR_FILES = (CONFIG_FNAME, "common.pt", "checksums.json", ".metadata.index", "claim.json")
 _MAX_CONFIG_BYTES = 1 << 20
 PathArg = Union[str, "os.PathLike[str]"]
 

@@ -11,12 +11,14 @@ __all__ = [
     "IncompatibleCheckpointError",
     "NotACheckpointError",
     "CheckpointExistsError",
+    "CheckpointClaimedError",
     "ShardingIntegrityError",
     "KeyMismatchError",
     "CheckpointCorruptedError",
     "UnsafeCheckpointError",
     "DistributedFailureError",
     "AsyncSaveError",
+    "RankLostAfterCommitError",
     "NoReplicasAvailableError",
     "SameMachineReplicationException",
     "NoUsableCheckpointError",
@@ -46,6 +48,10 @@ class CheckpointExistsError(CheckpointingException):
     """Saving would overwrite an existing complete checkpoint."""
 
 
+class CheckpointClaimedError(CheckpointingException):
+    """Another save (another job, or a dead one's leftover) holds the directory's claim."""
+
+
 class ShardingIntegrityError(CheckpointingException):
     """Shards across ranks overlap, leave a gap, or disagree on shape or dtype."""
 
@@ -68,6 +74,10 @@ class UnsafeCheckpointError(CheckpointingException):
 
 class DistributedFailureError(CheckpointingException):
     """One or more other ranks failed a collective step; raised on every rank."""
+
+
+class RankLostAfterCommitError(DistributedFailureError):
+    """A rank failed after the commit marker was written: the checkpoint is complete."""
 
 
 class AsyncSaveError(CheckpointingException):

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Callable, Dict, Optional, Set, Tuple, Union
 
 from . import _dist, _node_local_flow
+from ._claim import verify_claim
 from ._save_pipeline import (
     CONTENT_METADATA_KEY,
     SavePlan,
@@ -158,25 +159,45 @@ def save(
             plan, error, ckpt, validate_access_integrity, preprocess_common_before_consistancy_check
         )
     except Exception:  # refused on every rank before anything was written
+        if plan is not None:
+            plan.ownership.refused()
         for d in created:
             with contextlib.suppress(OSError):  # not empty, or another rank removed it
                 d.rmdir()
         raise
     commit = make_commit(plan, ckpt, start)
+    own = plan.ownership
     if plan.node_local:  # the one place the flow is chosen
-        return _node_local_flow.save(plan, ckpt, async_sharded_save, commit)
-    if plan.deferred_common is not None:
-        to_save = plan.sharded_part
-    else:
-        to_save = _dist.run_collectively(f"save of common state to {ckpt}", save_common, plan, ckpt)
-    if async_sharded_save:
-        assert isinstance(plan.sharded, AsyncSaveShardedStrategy)  # checked in prepare_save
-        request = plan.sharded.async_save(to_save, ckpt)
-        for fn, args in reversed(plan.deferred_common or []):
-            request.prepend_async_fn(fn, *args)
-        request.add_finalize_fn(commit)
-        return request
-    plan.sharded.save(to_save, ckpt)
+        try:
+            local_request = _node_local_flow.save(plan, ckpt, async_sharded_save, commit)
+        except BaseException as e:  # before the commit: the claims of an agreed failure go
+            own.failed(e)
+            raise
+        if local_request is not None:
+            local_request.finalize_fns[:] = [own.watch(fn) for fn in local_request.finalize_fns]
+            local_request.cleanup_fns.append(own.discard)
+        return local_request
+    try:
+        if plan.deferred_common is not None:
+            to_save = plan.sharded_part
+        else:
+            what = f"save of common state to {ckpt}"
+            to_save = _dist.run_collectively(what, save_common, plan, ckpt)
+        if async_sharded_save:
+            assert isinstance(plan.sharded, AsyncSaveShardedStrategy)  # checked in prepare_save
+            request = plan.sharded.async_save(to_save, ckpt)
+            for fn, args in reversed(plan.deferred_common or []):
+                request.prepend_async_fn(fn, *args)
+            if plan.deferred_common is not None:  # no collective before the writes: check there
+                request.prepend_async_fn(verify_claim, ckpt, own.token, _dist.get_rank(), "writing")
+            request.finalize_fns[:] = [own.watch(fn) for fn in request.finalize_fns]
+            request.add_finalize_fn(commit)
+            request.cleanup_fns.append(own.discard)  # a no-op once committing or committed
+            return request
+        plan.sharded.save(to_save, ckpt)
+    except BaseException as e:  # before the commit: what every rank agreed failed is removed
+        own.failed(e)
+        raise
     commit()
     return None
 

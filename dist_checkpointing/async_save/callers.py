@@ -4,11 +4,14 @@ each reports a call's outcome once, as a `CallStatus`."""
 from __future__ import annotations
 
 import ast
+import ctypes
 import enum
 import logging
 import multiprocessing as mp
 import os
+import signal
 import sys
+import threading
 import time
 import traceback
 from abc import ABC, abstractmethod
@@ -123,9 +126,25 @@ def _died(proc: Any, what: str = "background writer") -> CallStatus:
     return (CallState.FAILED, f"{what} (pid {proc.pid}) died with exit code {proc.exitcode}")
 
 
+def _die_with_parent(parent: int) -> None:
+    """Linux: makes this forked writer die with its parent. It inherited the parent's
+    sockets, the process group's among them: alive after its parent was killed, it would
+    keep them open, and the other ranks would wait for the collective timeout instead of
+    learning of the death at once."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the writer ends when its work does
+        return
+    if os.getppid() != parent:  # the parent died before the request above took effect
+        os._exit(1)
+
+
 def _temporal_child(
-    fn: Callable[..., Any], args: Tuple[Any, ...], conn: Any, niceness: int
+    fn: Callable[..., Any], args: Tuple[Any, ...], conn: Any, niceness: int, parent: int
 ) -> None:
+    if parent:
+        _die_with_parent(parent)
     conn.send("started")  # Python runs: the fork itself completed
     _lower_priority(niceness)
     conn.send(_run_and_report(fn, args))
@@ -174,10 +193,12 @@ class TemporalAsyncCaller(AsyncCaller):
 
     def _fork(self, call_idx: int, call: _Fork) -> None:
         ctx = mp.get_context("fork")
+        main = threading.current_thread() is threading.main_thread()
         recv, send = ctx.Pipe(duplex=False)
         proc = ctx.Process(
             target=_temporal_child,
-            args=(call.fn, call.args, send, self.niceness),
+            # the death signal follows the forking thread: only the main thread's lives on
+            args=(call.fn, call.args, send, self.niceness, os.getpid() if main else 0),
             daemon=True,
             name=f"dc-async-{call_idx}",
         )

@@ -38,6 +38,16 @@ def call_in_sequence(calls: List[Tuple[Callable[..., Any], Tuple[Any, ...]]]) ->
     return result
 
 
+def _warn_unscheduled(description: str) -> None:
+    logger.warning(
+        "An async checkpoint request (%s) was never scheduled nor run: nothing of it was "
+        "written or committed. Pass the request save() returned to "
+        "AsyncCallsQueue.schedule_async_request (then finalize it), or call its "
+        "execute_sync()",
+        description or "no description",
+    )
+
+
 @dataclass
 class AsyncRequest:
     """A save whose writes run in the background and whose finalization is collective.
@@ -71,6 +81,19 @@ class AsyncRequest:
             raise CheckpointingException(
                 f"AsyncRequest {self.description!r} has both a future and an async_fn"
             )
+        # a request dropped (or still held at exit) without being scheduled or run leaves
+        # its directory without a commit: say so then, not never (work already running in
+        # a future, e.g. a local manager's sync save, is the caller's to wait for)
+        self._unscheduled: Optional[weakref.finalize] = None
+        if self.future is None:
+            self._unscheduled = weakref.finalize(self, _warn_unscheduled, self.description)
+
+    def _handled(self) -> None:
+        """The request is scheduled or run: no warning when it goes away."""
+        pending = getattr(self, "_unscheduled", None)
+        if pending is not None:
+            pending.detach()
+            self._unscheduled = None
 
     @classmethod
     def from_future(
@@ -123,12 +146,14 @@ class AsyncRequest:
 
     def freeze(self) -> AsyncRequest:
         """Marks the request as scheduled: no more changes; returns itself."""
+        self._handled()
         self.is_frozen = True
         return self
 
     def execute_sync(self) -> Any:
         """Runs preload, the background work and the finalize functions here; returns the
         background work's result."""
+        self._handled()
         try:
             if self.preload_fn is not None:
                 self.preload_fn()

@@ -20,7 +20,15 @@ from ..errors import CheckpointCorruptedError
 from . import faults, objstore
 from .buffers import aligned
 
-__all__ = ["FileWriter", "pwrite_all", "read_file", "read_region", "reset_direct_fallbacks"]
+__all__ = [
+    "FileWriter",
+    "create_new",
+    "remove_name",
+    "pwrite_all",
+    "read_file",
+    "read_region",
+    "reset_direct_fallbacks",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +123,25 @@ def read_file(path: PathLike) -> torch.Tensor:
     return buffer
 
 
+#: refuse to open a symlink (0 where the platform has no such flag)
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+
+
+def remove_name(path: PathLike) -> None:
+    """Removes a directory entry left at `path` (a file, a symlink, a hard link), if any:
+    removing a name never changes what another name of the same file holds."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def create_new(path: PathLike, mode: int = 0o644) -> int:
+    """Opens a new file for writing (O_CREAT | O_EXCL | O_NOFOLLOW): FileExistsError when
+    the name exists, so nothing is ever written through an existing name or link."""
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, mode)
+
+
 def pwrite_all(fd: int, view: memoryview, offset: int, path: str, direct: bool) -> None:
     """Writes all of `view` at `offset` of `fd` (the fault seam sees `path` and `direct`)."""
     limit = faults.check("write", path, offset, len(view), direct)
@@ -134,9 +161,12 @@ class FileWriter:
         size: the file's final size (preallocated; `finish` truncates to it).
         direct: try O_DIRECT (requests must then be `ALIGN`ed in offset, length and memory;
             the last may be padded past `size`).
-        exclusive: FileExistsError if the file exists (else it is truncated).
+        exclusive: FileExistsError if the name exists (else a name left there, a file or a
+            link, is removed first). Either way the file is created new: never opened
+            through an existing name or link, so nothing that name pointed to is written.
         overwrite: write over the existing file in place (its blocks reused; `finish`
-            truncates it to `size`); FileNotFoundError if it does not exist.
+            truncates it to `size`); FileNotFoundError if it does not exist (a symlink
+            there is refused, never followed).
     """
 
     def __init__(
@@ -151,9 +181,11 @@ class FileWriter:
         self.path, self.size = os.fspath(path), size
         self._directory = os.path.dirname(self.path)
         if overwrite:
-            flags = os.O_WRONLY
+            flags = os.O_WRONLY | _NOFOLLOW
         else:
-            flags = os.O_WRONLY | os.O_CREAT | (os.O_EXCL if exclusive else os.O_TRUNC)
+            if not exclusive:
+                remove_name(self.path)
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW
         self.direct = False
         self.fd = -1
         if direct and hasattr(os, "O_DIRECT") and self._directory not in _refused:
@@ -186,7 +218,7 @@ class FileWriter:
                     raise
                 _refuse_direct(self._directory, e)
                 os.close(self.fd)
-                self.fd = os.open(self.path, os.O_WRONLY, 0o644)
+                self.fd = os.open(self.path, os.O_WRONLY | _NOFOLLOW, 0o644)
                 self.direct = False
         pwrite_all(self.fd, view, offset, self.path, False)
 

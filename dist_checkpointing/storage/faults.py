@@ -40,7 +40,8 @@ class Fault:
 
     Args:
         pattern: `fnmatch` pattern matched against the full path and against the file name.
-        ops: operations affected: "write", "read".
+        ops: operations affected: "write", "read", and "replaced" (a small file such as
+            `metadata.json` was just renamed into place: its delay runs after the rename).
         delay_s: seconds slept first (a slow or hung disk).
         only_direct: O_DIRECT requests only (with EINVAL: a file system refusing O_DIRECT).
     """

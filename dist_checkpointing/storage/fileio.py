@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import io
 import os
+import secrets
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import numpy as np
 
 from ..errors import CheckpointCorruptedError
-from . import objstore
-from .direct import PathLike
+from . import faults, objstore
+from .direct import PathLike, create_new
 
 __all__ = ["atomic_write", "fsync_dir", "read_capped", "RangeFile", "open_read"]
 
@@ -70,9 +71,11 @@ def atomic_write(
         objstore.put_object(path, buf.getvalue())
         return
     path = Path(path)
-    tmp = path.with_name(f"{path.name}.tmp.{os.getpid()}")
+    # a name of its own, created new: a file or link left at any name is never written
+    # through, and the rename replaces the entry at `path` (never what it pointed to)
+    tmp = path.with_name(f"{path.name}.tmp.{os.getpid()}.{secrets.token_hex(4)}")
     try:
-        with open(tmp, "wb") as f:
+        with os.fdopen(create_new(tmp), "wb") as f:
             write_fn(f)
             f.flush()
             if sync:
@@ -81,6 +84,7 @@ def atomic_write(
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+    faults.check("replaced", str(path), 0, 0, False)  # the test seam: a file just put in place
     if sync:
         fsync_dir(path.parent)
 

@@ -22,7 +22,7 @@ from . import msc
 
 __all__ = ["ObjectWriter", "split", "read_range", "prefetching", "read_object", "put_object"]
 __all__ += ["stat", "exists", "is_file", "is_dir", "listdir", "makedirs", "remove"]
-__all__ += ["remove_tree", "replace_tree"]
+__all__ += ["remove_tree", "replace_tree", "put_new_object"]
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +102,8 @@ def _call(what: str, loc: Loc, method: str, **kw: Any) -> Any:
             raise CheckpointingException(f"{what} {where}: bucket {loc[0]!r} does not exist") from e
         if code in ("NoSuchKey", "404", "NoSuchUpload"):
             raise FileNotFoundError(f"{where}: no such object") from e
+        if code in ("PreconditionFailed", "412", "ConditionalRequestConflict"):
+            raise FileExistsError(f"{where}: the object exists (a conditional write)") from e
         if code == "InvalidRange":
             raise EOFError(f"{where}: range past the end of the object") from e
         raise CheckpointingException(f"{what} {where} failed: {type(e).__name__}: {e}") from e
@@ -282,6 +284,15 @@ def read_object(path: Any, limit: int) -> Optional[bytes]:
 def put_object(path: Any, data: bytes) -> None:
     """Writes a whole object in one PUT (readers see the old object or all of the new one)."""
     _call("upload to", split(path) or _NOWHERE, "put_object", Body=data)
+
+
+def put_new_object(path: Any, data: bytes) -> None:
+    """Creates an object in one PUT that fails if it exists (`If-None-Match: *`).
+
+    Raises:
+        FileExistsError: the object exists (or another writer's conditional PUT of it won).
+    """
+    _call("upload to", split(path) or _NOWHERE, "put_object", Body=data, IfNoneMatch="*")
 
 
 def _list(loc: Loc, delimiter: str = "") -> Tuple[List[Any], List[str]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -217,7 +218,8 @@ def date_of(path: Path) -> str:
 
 _LOCAL_PART = re.compile(r"iter_(\d{7,})_(\d+)_local(\.dirty)?\.pt")
 _LOCAL_PARITY = re.compile(r"iter_(\d{7,})_(\d+)_parity\.bin")  # committed parity records
-_CKPT_FILES = ("metadata.json", ".metadata", "common.pt", "checksums.json")  # what saves write
+#: what saves write (`claim.json` first of all: `_claim.CLAIM_FNAME`)
+_CKPT_FILES = ("metadata.json", ".metadata", "common.pt", "checksums.json", "claim.json")
 
 
 def has_checkpoint_files(path: Path) -> bool:
@@ -239,7 +241,23 @@ def incomplete(ckpt: Path, step: Optional[int]) -> CheckpointInfo:
     info.date = date_of(ckpt / ".metadata") or date_of(ckpt)
     present = f" ({n} file(s) present)" if n else " (empty directory)"
     info.problem = f"no metadata.json (the commit record): a save that did not finish{present}"
+    info.problem += _claim_note(ckpt)
     return info
+
+
+def _claim_note(ckpt: Path) -> str:
+    """Who claimed an incomplete checkpoint ('' when it has no readable claim)."""
+    fs, path = _remote(ckpt), ckpt / "claim.json"
+    try:
+        raw = fs.read_object(path, 4096) if fs is not None else path.read_bytes()[:4096]
+        c = json.loads(raw)
+        who = f"pid {int(c['pid'])} on host {str(c['host'])!r} since {c['time']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""
+    return (
+        f"; claimed by {who} (token {c['token']}): a save still writing it, or one that "
+        "died or lost a rank (then remove the directory)"
+    )
 
 
 @dataclass(frozen=True)

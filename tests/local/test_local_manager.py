@@ -117,8 +117,8 @@ def test_local_backend_round_trip(world_factory, tmp_path, factor, is_async):
     world = world_factory(2)
     tmp = str(tmp_path)
     files = _values(world, F.dc_save, tmp, 1, factor, is_async)
-    # every rank's own directory holds its part and its own metadata.json
-    assert files == [["0", "metadata.json"], ["1", "metadata.json"]]
+    # every rank's own directory holds its part, its own metadata.json and its claim
+    assert files == [["0", "claim_0.json", "metadata.json"], ["1", "claim_1.json", "metadata.json"]]
     assert _values(world, F.is_checkpoint, tmp) == [True, True]
     assert _values(world, F.dc_load, tmp) == [True, True]
 

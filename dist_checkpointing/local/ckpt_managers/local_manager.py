@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import stat
 import threading
 import uuid
 from pathlib import Path
@@ -159,6 +160,10 @@ class LocalCheckpointManager(BaseCheckpointManager):
                     os.unlink(claim)
                     return False
                 os.unlink(claim)
+                st = os.lstat(dirty)
+                if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:  # a link to another file:
+                    os.unlink(dirty)  # never written through; a new file instead
+                    return False
                 return True
         return False
 

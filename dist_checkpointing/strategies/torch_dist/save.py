@@ -23,14 +23,17 @@ from ..._types import ShardedStateDict
 from ...async_save import AsyncRequest
 from ...dict_utils import nested_values
 from ...errors import CheckpointingException
+from ...integrity import CHECKSUMS_FNAME, SUMS_SUFFIX
 from ...mapping import ShardedBase, ShardedObject, ShardedTensor, is_main_replica
-from ...storage import ImagePool
+from ...storage import ImagePool, objstore
 from ..base import AsyncSaveShardedStrategy, CheckpointDir
 from . import writer
 from .finalize import SaveFinalizer
+from .metadata_file import DCP_METADATA_FNAME, INDEX_FNAME
 from .plan import (
     BACKEND,
     WriteEntry,
+    check_separation_hint,
     data_file_name,
     is_empty_chunk,
     object_write_item,
@@ -47,6 +50,19 @@ logger = logging.getLogger(__name__)
 
 #: staging images of every torch_dist save strategy in this process
 _SHARED_IMAGES = ImagePool()
+
+
+def _discard(ckpt: Path, names: List[str]) -> None:
+    """Removes this rank's data files `names` (and sidecars) of a save that failed before its
+    commit; rank 0 also `.metadata`, its index and `checksums.json`. Never raises."""
+    doomed = [n for name in names for n in (name, name + SUMS_SUFFIX)]
+    if get_rank() == 0:
+        doomed += [DCP_METADATA_FNAME, INDEX_FNAME, CHECKSUMS_FNAME]
+    for name in doomed:
+        try:
+            objstore.remove(ckpt / name)
+        except Exception as e:  # the save's own error is what the caller sees
+            logger.warning("could not remove %s of a failed save: %s", ckpt / name, e)
 
 
 class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
@@ -94,6 +110,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         self.background_thread_count = max(1, background_thread_count)
         self.checksums = checksums
         self.cached_metadata = cached_metadata
+        check_separation_hint(separation_hint)
         self.separation_hint = separation_hint
         # process-wide: callers that build a strategy per save (megatron's training loop)
         # still reuse the staging buffers, pinned once, of the saves before
@@ -140,6 +157,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         rank = get_rank()
         # empty shards have no bytes to store; their write items still reach the metadata
         stored = [e for e in entries if not is_empty_chunk(e.item)]
+        check_separation_hint(self.separation_hint)  # an attribute set after construction too
         files = split_into_files(stored, self.thread_count, self.separation_hint)
         return [
             (writer.plan_file(data_file_name(group, rank, i), es), [e.data for e in es])
@@ -157,6 +175,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         items: List[WriteItem] = []
         written: List[WriteResult] = []
         error: Optional[BaseException] = None
+        jobs: List[Tuple[writer.FilePlan, List[Any], None]] = []
         try:
             entries = self._local_entries(sharded_state_dict)
             items = [e.item for e in entries]
@@ -167,7 +186,11 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
                 )
         except Exception as e:  # reported to rank 0 and re-raised on every rank
             error = e
-        self._finalize(ckpt, items, written, error, start, _planner_data(sharded_state_dict))
+        try:
+            self._finalize(ckpt, items, written, error, start, _planner_data(sharded_state_dict))
+        except BaseException:  # no commit follows: what this rank wrote goes
+            _discard(ckpt, [plan.name for plan, _, _ in jobs])
+            raise
 
     def async_save(
         self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir
@@ -207,10 +230,19 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             description=f"torch_dist save to {ckpt}",
         )
         planner = _planner_data(sharded_state_dict)
-        request.add_finalize_fn(
-            lambda: self._finalize(ckpt, items, request.result, None, start, planner)
-        )
+        finalized: List[bool] = []
+
+        def finalize() -> None:
+            self._finalize(ckpt, items, request.result, None, start, planner)
+            finalized.append(True)
+
+        def discard_unless_finalized() -> None:  # the writes failed, or the finalization
+            if not finalized:
+                _discard(ckpt, [plan.name for plan in plans])
+
+        request.add_finalize_fn(finalize)
         request.cleanup_fns.append(functools.partial(self._images.release_group, plans, bufs))
+        request.cleanup_fns.append(discard_unless_finalized)
         nbytes = sum(plan.size for plan in plans)
         secs = time.perf_counter() - start
         logger.debug("rank %d staged %d bytes for %s in %.3f s", get_rank(), nbytes, ckpt, secs)
