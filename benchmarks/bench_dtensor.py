@@ -9,9 +9,14 @@ output: parameters, both Adam moments, `step` tensors and `param_groups`. Method
 
 - `dcp` / `dcp-async`: `torch.distributed.checkpoint.save` / `async_save` (default stager);
 - `tc` / `tc-async`: torch_checkpointing's `CheckpointManager` with its DTensor resharder,
-  synchronous / asynchronous saver (skipped, saying so, when it is not installed);
+  synchronous / asynchronous saver (skipped, saying so, when it is not installed); it
+  writes without fsync, so its files are fsynced before its save time stops;
 - `ours` / `ours-async`: `dist_checkpointing.save`, sync / `async_sharded_save` through a
   persistent `AsyncCallsQueue`.
+
+`--device cuda` puts the model on one GPU per rank (NCCL for FSDP2, gloo beside it) and adds
+`dcp-async-pinned`: `dcp.async_save` with a pinned-memory `DefaultStager` (reused across
+saves where torch allows it, as in bench_gpu).
 
 Async rows report two times: `block` (until save returned and training may go on) and
 `save` (until the checkpoint is durable and committed). Loads fill the live state dict of a
@@ -21,6 +26,9 @@ other world size saved (2 -> 4 and 4 -> 2 when both are run): the worlds run in 
 given, and the first world's loads of the second's checkpoints run in a last pass.
 
     python -m benchmarks.bench_dtensor --world-sizes 2 4 --size-mib 1024 --repeats 3
+    python -m benchmarks.bench_dtensor --device cuda --world-sizes 1 --size-mib 4096
+
+Only the last repeat's checkpoints are kept on disk (the other world reads those).
 
 torch_checkpointing needs its own venv with our dependencies and this repository on
 PYTHONPATH; docs/performance.md gives the set-up.
@@ -42,6 +50,7 @@ from torch import nn
 
 from benchmarks._common import (
     drop_page_cache,
+    fsync_tree,
     init_world,
     max_over_ranks,
     median,
@@ -52,6 +61,9 @@ from benchmarks._common import (
 )
 
 METHODS = ["dcp", "dcp-async", "tc", "tc-async", "ours", "ours-async"]
+#: with --device cuda: DCP's async save with a pinned-memory `DefaultStager`
+CUDA_METHODS = ["dcp-async-pinned"]
+DEVICE = "cpu"
 LAYERS = 16
 
 
@@ -69,13 +81,14 @@ def _model_and_optimizer(width: int, world: int) -> Tuple[nn.Module, torch.optim
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
-    model = nn.Sequential(*(nn.Linear(width, width, bias=False) for _ in range(LAYERS)))
-    mesh = init_device_mesh("cpu", (world,))
+    with torch.device(DEVICE):
+        model = nn.Sequential(*(nn.Linear(width, width, bias=False) for _ in range(LAYERS)))
+    mesh = init_device_mesh(DEVICE, (world,))
     for layer in model:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     optim = torch.optim.Adam(model.parameters(), lr=1e-3)
-    x = torch.ones(2, width)
+    x = torch.ones(2, width, device=DEVICE)
     model(x).square().mean().backward()
     optim.step()
     optim.zero_grad()
@@ -147,17 +160,37 @@ class _Ours:
 
 
 class _Dcp:
-    def save(self, state: Dict[str, Any], path: str, is_async: bool) -> float:
+    def __init__(self) -> None:
+        self.stagers: Any = None
+
+    def save(self, state: Dict[str, Any], path: str, is_async: bool, pinned: bool = False) -> float:
         import torch.distributed.checkpoint as dcp
 
         if not is_async:
             dcp.save(state, checkpoint_id=path)
             return 0.0
+        kwargs: Dict[str, Any] = {}
+        if pinned:  # bench_gpu's stager handling: reused where torch allows it
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            from benchmarks.bench_gpu import _Stagers, _staging_options
+
+            if self.stagers is None:
+                options = _staging_options(StagingOptions, True)
+                self.stagers = _Stagers(lambda: DefaultStager(options))
+            kwargs["async_stager"] = self.stagers()
         start = time.perf_counter()
-        future = dcp.async_save(state, checkpoint_id=path)
+        future = dcp.async_save(state, checkpoint_id=path, **kwargs)
         blocked = time.perf_counter() - start
-        future.result()
+        if hasattr(future, "upload_completion"):
+            future.upload_completion.result()
+        else:
+            future.result()
         return blocked
+
+    def close(self) -> None:
+        if self.stagers is not None:
+            self.stagers.close()
 
     def load(self, state: Dict[str, Any], path: str) -> Dict[str, Any]:
         import torch.distributed.checkpoint as dcp
@@ -213,14 +246,18 @@ class _TorchCheckpointing:
         )
 
     def save(self, state: Dict[str, Any], path: str, is_async: bool) -> float:
+        # it writes without fsync: its files are synced here so that every method's save
+        # time ends with a durable checkpoint, as DCP's and ours do
         if not is_async:
             self.sync.save(path, state)
+            fsync_tree(path)
             return 0.0
         start = time.perf_counter()
         future = self.asynchronous.save(path, state)
         blocked = time.perf_counter() - start
         assert future is not None
         future.result()
+        fsync_tree(path)
         return blocked
 
     def load(self, state: Dict[str, Any], path: str) -> Dict[str, Any]:
@@ -247,6 +284,22 @@ def _libraries(methods: List[str]) -> Tuple[Dict[str, Any], List[str]]:
     return libs, methods
 
 
+def _save(libs: Dict[str, Any], method: str, state: Dict[str, Any], path: str) -> float:
+    """Saves `state` to `path` by `method`; returns the seconds save() blocked (async)."""
+    lib = libs[method.split("-")[0]]
+    if method == "dcp-async-pinned":
+        return lib.save(state, path, True, pinned=True)
+    return lib.save(state, path, "-async" in method)
+
+
+def _remove(path: str) -> None:
+    """Collective: removes a checkpoint directory once every rank is done with it."""
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(path, ignore_errors=True)
+    dist.barrier()
+
+
 def _path(root: str, world: int, method: str, rep: int) -> str:
     return os.path.join(root, f"w{world}", f"{method}-{rep}")
 
@@ -270,8 +323,22 @@ def _cold() -> None:
 def _worker(rank: int, world: int, args: argparse.Namespace, port: int, queue: Any) -> None:
     warnings.filterwarnings("ignore")
     logging.getLogger("torch_checkpointing").setLevel(logging.ERROR)  # a line per file read
-    init_world(rank, world, port, minutes=60)
-    torch.set_num_threads(1)
+    global DEVICE
+    DEVICE = args.device
+    if DEVICE == "cuda":
+        import datetime
+
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(
+            "cpu:gloo,cuda:nccl",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(minutes=60),
+        )
+    else:
+        init_world(rank, world, port, minutes=60)
+        torch.set_num_threads(1)
     width = _width(args.size_mib)
     libs, methods = _libraries(list(args.methods))
     results: Dict[str, Dict[str, List[float]]] = {m: {} for m in methods}
@@ -288,28 +355,32 @@ def _worker(rank: int, world: int, args: argparse.Namespace, port: int, queue: A
         # a training loop, where every save but the first finds them running
         for m in methods:
             path = os.path.join(args.dir, f"w{world}", f"warmup-{m}")
-            libs[m.split("-")[0]].save(saved, path, m.endswith("-async"))
+            _save(libs, m, saved, path)
+            _remove(path)
     for rep in range(args.repeats):
         order = rotated(methods, rep)
         if not args.load_only:
             for m in order:
                 path = _path(args.dir, world, m, rep)
-                lib = libs[m.split("-")[0]]
-                seconds, blocked = _timed(lambda: lib.save(saved, path, m.endswith("-async")))
+                seconds, blocked = _timed(lambda: _save(libs, m, saved, path))
                 results[m].setdefault("save", []).append(seconds)
-                if m.endswith("-async"):
+                if "-async" in m:
                     results[m].setdefault("block", []).append(max_over_ranks(blocked))
         for m in order:
             lib = libs[m.split("-")[0]]
             for kind, src in [("load", world)] + [("load other", w) for w in others]:
                 if args.load_only and kind == "load":
                     continue
-                path = _path(args.dir, src, m, rep)
+                # another world's checkpoints: the last repeat's (the only ones kept)
+                path = _path(args.dir, src, m, rep if src == world else args.repeats - 1)
                 _scramble(dest)
                 _cold()
                 seconds, loaded = _timed(lambda: lib.load(dest, path))
                 _check(loaded, want, f"{m} {kind} of {path}")
                 results[m].setdefault(kind, []).append(seconds)
+        if not args.load_only and rep < args.repeats - 1:  # disk space: keep the last
+            for m in methods:
+                _remove(_path(args.dir, world, m, rep))
     for lib in libs.values():
         if hasattr(lib, "close"):
             lib.close()
@@ -353,10 +424,18 @@ def main() -> None:
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--size-mib", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS)
+    parser.add_argument("--methods", nargs="+", default=None, choices=METHODS + CUDA_METHODS)
+    parser.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="where the model lives (cuda: one GPU per rank, NCCL for the model, gloo beside)",
+    )
     parser.add_argument("--dir", default="/tmp/dist_ckpt_bench_dtensor")
     parser.add_argument("--json", default="")
     args = parser.parse_args()
+    if args.methods is None:
+        args.methods = METHODS + (CUDA_METHODS if args.device == "cuda" else [])
     shutil.rmtree(args.dir, ignore_errors=True)
     os.makedirs(args.dir)
     rows: List[Dict[str, Any]] = []
