@@ -19,16 +19,17 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
+from typing import Any, Callable, Collection, Dict, Iterator, List, Optional, Set, Tuple
 
 import torch
 
+from ._dist import get_rank
 from ._flat import expand_flat_shards
 from ._fqn import fqn_of, iter_fqn_leaves
 from .dict_utils import extract_matching_values
 from .dtensor import dtensor_factory, fill_from_full, is_dtensor
 from .errors import CheckpointingException
-from .mapping import LocalNonpersistentObject, ShardedBase
+from .mapping import LocalNonpersistentObject, ShardedBase, ShardedTensor
 from .megatron_compat import convert_sharded_state_dict
 from .quantized import expand_quantized
 
@@ -177,17 +178,25 @@ def for_save(tree: Any) -> Any:
 
 
 def for_load(
-    tree: Any, stored: Optional[Dict[str, Any]], common: Optional[Any] = None
+    tree: Any,
+    stored: Optional[Dict[str, Any]],
+    common: Optional[Any] = None,
+    stored_tensor_keys: Optional[Callable[[], Collection[str]]] = None,
 ) -> Tuple[Any, Statefuls, Optional[CheckpointingException]]:
     """The door for a load request: `(copy of tree in our leaves, Stateful objects found,
     error)`; the error (a leaf that cannot be placed) is returned, to be agreed on. With
     `common` (the checkpoint's common state), DTensors stored as plain tensors are filled
-    from them there (see `_dtensors_to_factories`)."""
+    from them there (see `_dtensors_to_factories`), and a plain tensor the common state lacks
+    is read whole from the tensor the checkpoint stores under its flat name, if
+    `stored_tensor_keys()` (called only then) names one: stock DCP stores plain tensors, such
+    as Adam's `step`, as tensor items."""
     statefuls: Statefuls = []
     try:
         sd = _normalize(tree, statefuls, common)
     except CheckpointingException as e:
         return {}, statefuls, e
+    if common is not None and stored_tensor_keys is not None and isinstance(sd, dict):
+        _plain_tensors_from_items(sd, common, stored_tensor_keys)
     try:
         expand_quantized(sd, stored)
         if isinstance(sd, (dict, list)):
@@ -198,6 +207,22 @@ def for_load(
     except CheckpointingException as e:
         return sd, statefuls, e
     return sd, statefuls, None
+
+
+def _plain_tensors_from_items(
+    sd: Dict[Any, Any], common: Any, stored_tensor_keys: Callable[[], Collection[str]]
+) -> None:
+    """Requests each plain tensor of `sd` that `common` lacks as the whole stored tensor of
+    its flat name, filled in place (see `for_load`)."""
+    keys: Optional[Collection[str]] = None
+    for path, leaf in list(iter_fqn_leaves(sd)):
+        if not isinstance(leaf, torch.Tensor) or is_dtensor(leaf) or _present(common, path):
+            continue
+        if keys is None:
+            keys = set(stored_tensor_keys())
+        name = fqn_of(path)
+        if name in keys:
+            _set(sd, path, ShardedTensor.from_rank_offsets(name, leaf, replica_id=get_rank()))
 
 
 def restore_statefuls(result: Any, statefuls: Statefuls) -> None:

@@ -11,7 +11,7 @@ import pickle
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, List, Optional, Set, Tuple, Union
+from typing import Any, Callable, Collection, List, Optional, Set, Tuple, Union
 
 from . import _dist, _normalize
 from ._claim import token_lanes
@@ -135,15 +135,19 @@ def prepare_load_request(
     validate_access_integrity: bool,
     stored_metadata: Callable[[], Optional[ShardedStateDict]],
     common: Optional[StateDict] = None,
+    stored_tensor_keys: Optional[Callable[[], Collection[str]]] = None,
 ) -> LoadRequest:
     """The load preamble: factories, non-persistent values, strict handling, validation
     (collective when these need every rank's request; `stored_metadata` called only if needed).
-    `common`, the checkpoint's common state, lets DTensors load from plain tensors in it.
+    `common`, the checkpoint's common state, lets DTensors load from plain tensors in it;
+    `stored_tensor_keys` (not collective) lets plain tensors it lacks load from tensor items.
     Raises `KeyMismatchError` or `ShardingIntegrityError` on every rank."""
     # opted in, a plain destination stored quantized is dequantized: the stored keys tell
     stored = (stored_metadata() or {}) if dequantizing() else None
     # an error (a leaf that cannot be placed) is raised on every rank with the agreement below
-    sd, statefuls, error = _normalize.for_load(sharded_state_dict, stored, common)
+    sd, statefuls, error = _normalize.for_load(
+        sharded_state_dict, stored, common, stored_tensor_keys
+    )
     factories, _ = extract_matching_values(
         sd, lambda x: isinstance(x, ShardedTensorFactory), return_lists_as_dicts=True
     )

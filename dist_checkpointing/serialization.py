@@ -267,7 +267,12 @@ def load(
             )
         assert common_state is not None  # loaded with the selection, or it raised on every rank
         prepared = prepare_load_request(
-            sharded_state_dict, strict, validate_access_integrity, stored_metadata, common_state
+            sharded_state_dict,
+            strict,
+            validate_access_integrity,
+            stored_metadata,
+            common_state,
+            lambda: sharded.load_tensors_metadata(ckpt),
         )
         request = prepared.sharded
         merge(common_state, prepared.nonpersistent)

@@ -70,3 +70,12 @@ def test_stateful_objects_dtensor_lists_and_plain_values_load_as_dcp_loads_them(
         assert "not in the checkpoint" in got["missing"] and "'lr'" in got["missing"]
         assert "Cannot place 'odd'" in got["odd_request"]
         assert "The list at 'mixed' holds DTensors and plain values" in got["mixed"]
+
+
+def test_fsdp2_model_and_adam_cross_between_stock_dcp_and_us_through_set_state_dict(
+    world_factory, tmp_path
+):
+    from tests.dtensor import _stock_fns
+
+    for bad in world_factory(2).run_ok(_stock_fns.both_ways, str(tmp_path), timeout=120):
+        assert bad == {"stock -> ours": [], "ours -> stock": []}
