@@ -24,6 +24,7 @@ import secrets
 from pathlib import Path
 from typing import Dict, List, Optional, Set, Tuple
 
+from ._claim import CLAIM_FNAME
 from .core import CONFIG_FNAME, PathArg
 from .errors import CheckpointCorruptedError, CheckpointingException
 from .integrity import (
@@ -55,7 +56,7 @@ logger = logging.getLogger(__name__)
 #: state): one of these that the record does not bind is reported as not part of the save;
 #: other files (a user's notes, another tool's marker) are left alone
 _DATA_SUFFIXES = (".distcp", SUMS_SUFFIX)
-_METADATA_NAMES = (".metadata", ".metadata.index", "common.pt")
+_METADATA_NAMES = (".metadata", ".metadata.index", "common.pt", CLAIM_FNAME)
 _MAX_CONFIG_BYTES = 1 << 20
 #: checkpoints already warned about as unverified (a warning once per checkpoint)
 _warned: Set[str] = set()
@@ -73,13 +74,17 @@ Finding = Tuple[str, str]
 
 def seal_record(checkpoint_dir: PathArg, config_payload: bytes) -> None:
     """Seals `checksums.json` (when the save wrote one) before `metadata.json` is written:
-    binds `config_payload`, the exact bytes of `metadata.json`, and a new random save id.
-    Not collective: the process that commits calls it."""
+    binds `config_payload`, the exact bytes of `metadata.json`, the save's claim
+    (`claim.json`, when it has one) and a new random save id. Not collective: the process
+    that commits calls it."""
     ckpt = Path(checkpoint_dir)
     sums = read_checksums(ckpt)
     if sums is None:
         return
     sums.files[CONFIG_FNAME] = checksum(config_payload)
+    claim = read_capped(ckpt / CLAIM_FNAME, _MAX_CONFIG_BYTES)
+    if claim is not None:
+        sums.files[CLAIM_FNAME] = checksum(claim)
     sums.save_id = secrets.token_hex(8)
     write_checksums(ckpt, sums)
 

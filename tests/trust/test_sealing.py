@@ -36,6 +36,7 @@ FILES = [
     *DATA,
     *SIDECARS,
     "checksums.json",
+    "claim.json",
     "common.pt",
     "metadata.json",
 ]
@@ -165,10 +166,12 @@ def test_a_checkpoint_written_before_sealing_still_loads(pair, tmp_path):
 
     def to_old_format(body: dict) -> None:  # format 2 as written before: no seal fields
         del body["save_id"]
-        for name in [n for n in body["files"] if n.endswith(".sums") or n == "metadata.json"]:
+        sealed = [n for n in body["files"] if n.endswith(".sums")]
+        for name in sealed + ["metadata.json", "claim.json"]:
             del body["files"][name]
 
     _strip_record(ckpt, to_old_format)
+    (ckpt / "claim.json").unlink()  # saves made no claim then
     assert sorted(json.loads((ckpt / "checksums.json").read_bytes())["files"]) == [
         ".metadata",
         ".metadata.index",
