@@ -162,7 +162,8 @@ def test_item_checksums_live_beside_the_data_files_not_in_checksums_json(ckpt):
     assert data and all((ckpt / f"{name}.sums").is_file() for name in data)
     # whole files only: the metadata, and the sidecars and metadata.json that the commit seals
     sidecars = {f"{name}.sums" for name in data}
-    assert set(body["files"]) == {".metadata", INDEX_FNAME, "common.pt", "metadata.json"} | sidecars
+    bound = {".metadata", INDEX_FNAME, "common.pt", "metadata.json", "claim.json"}
+    assert set(body["files"]) == bound | sidecars
 
 
 def _make_old_style(ckpt):
