@@ -26,7 +26,9 @@ thread: when `manager.lock()`, which `optimizer.step()` must hold, can be taken)
 freshly built model in place with the page cache dropped first, and every loaded tensor is
 compared with the expected one (a wrong value fails the run). `load other` reads what the
 other world size saved (2 -> 4 and 4 -> 2 when both are run): the worlds run in the order
-given, and the first world's loads of the second's checkpoints run in a last pass.
+given, and the first world's loads of the second's checkpoints run in a last pass. Every
+method saves and loads once untimed in each world before its timed runs (writer processes,
+pools and first-call imports), and the methods take turns going first across repeats.
 
     python -m benchmarks.bench_dtensor --world-sizes 2 4 --size-mib 1024 --repeats 3
     python -m benchmarks.bench_dtensor --device cuda --world-sizes 1 --size-mib 4096
@@ -364,11 +366,23 @@ def _worker(rank: int, world: int, args: argparse.Namespace, port: int, queue: A
     dest = _state(dest_model, dest_optim)
     others = [w for w in args.other_worlds if w != world]
     failures: Dict[str, Dict[str, str]] = {}
-    if not args.load_only:  # first saves start writer processes and pools: not timed, as in
-        # a training loop, where every save but the first finds them running
-        for m in methods:
+    # first saves start writer processes and pools, and first loads import their code: not
+    # timed, as in a training loop, where every save but the first finds them running (and
+    # the same for every method: this host compiles our modules in each process, as
+    # PYTHONDONTWRITEBYTECODE is set, while torch's come compiled)
+    for m in methods:
+        lib = libs[m.split("-")[0]]
+        if args.load_only:  # one of the checkpoints the timed loads read
+            path = _path(args.dir, others[0], m, args.repeats - 1)
+        else:
             path = os.path.join(args.dir, f"w{world}", f"warmup-{m}")
             _save(libs, m, saved, path)
+        try:
+            _timed(lambda: lib.load(dest, path))
+        except RuntimeError:  # a peer's failed load is reported by the timed loads
+            if m.startswith("ours"):
+                raise
+        if not args.load_only:
             _remove(path)
     for rep in range(args.repeats):
         order = rotated(methods, rep)

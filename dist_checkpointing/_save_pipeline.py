@@ -311,8 +311,10 @@ def _with_plain_items(sharded_part: ShardedStateDict, common: CommonStateDict) -
 
 
 def _common_digest(common: CommonStateDict, preprocess: Any) -> str:
-    """A digest of the common state as compared across ranks."""
-    view = preprocess(common) if callable(preprocess) else common
+    """A digest of the common state as compared across ranks. Tensors enter as digests of
+    their values: a pickled tensor holds its storage's address, which differs between ranks
+    even when the values agree, and would make every save run `_compare_common`."""
+    view = _normalize.plain_tensor_digests(preprocess(common) if callable(preprocess) else common)
     try:
         return hashlib.blake2b(pickle.dumps(view, protocol=4), digest_size=16).hexdigest()
     except Exception:  # unpicklable values: compare in full instead

@@ -15,8 +15,9 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def test_fsdp2_state_dict_round_trips_bitwise_at_the_same_mesh(world_factory, tmp_path):
-    bad = world_factory(2).run_ok(_fns.save_and_load_same, str(tmp_path / "c"), timeout=120)
-    assert bad == [[], []]
+    got = world_factory(2).run_ok(_fns.save_and_load_same, str(tmp_path / "c"), timeout=120)
+    # and the ranks' equal `step` tensors are not gathered for a comparison of common state
+    assert got == [([], 0), ([], 0)]
 
 
 def test_fsdp2_state_dict_loads_bitwise_at_other_world_sizes_and_meshes(world_factory, tmp_path):
