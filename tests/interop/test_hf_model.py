@@ -93,6 +93,19 @@ def test_load_into_hsdp_model_gives_megatrons_logits_and_adam_state(results):
 @pytest.mark.interop
 @pytest.mark.timeout(900)
 @requires_side_venv
+def test_fsdp2_load_reads_only_each_ranks_half_of_the_stored_bytes(results):
+    _check(
+        results,
+        [
+            f"{name} fsdp2: each rank reads about half the tensor bytes"
+            for name in ("tp2", "pp2", "moe_tp2")
+        ],
+    )
+
+
+@pytest.mark.interop
+@pytest.mark.timeout(900)
+@requires_side_venv
 def test_load_refuses_mismatched_models_on_every_rank_before_reading(results):
     _check(results, ["refused: other kv heads", "refused: attention bias"])
 
