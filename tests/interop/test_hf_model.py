@@ -162,3 +162,30 @@ def test_unmapped_parameter_names_say_why():
     assert src is None and "no megatron-core GPTModel name" in why
     src, why = _hf_layout.source("model.norm.weight", index)
     assert src is None and "decoder.final_layernorm.weight" in why
+
+
+@pytest.fixture(scope="module")
+def optimizer_results(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, str]:
+    if PYTHON is None:
+        pytest.skip("no side venv (see requires_side_venv)")
+    work = str(tmp_path_factory.mktemp("hf_optimizer"))
+    env = {**_ENV, "OMP_NUM_THREADS": "1"}
+    _launch.run_side(
+        PYTHON, [_launch.side_script("hf_optimizer_side.py"), work], timeout=600, env=env
+    )
+    got = [_launch.read_json(os.path.join(work, f"result.{r}.json")) for r in (0, 1)]
+    return {f"rank {r}: {k}": v for r, res in enumerate(got) for k, v in res.items()}
+
+
+@pytest.mark.interop
+@pytest.mark.timeout(900)
+@requires_side_venv
+def test_megatrons_fp32_optimizer_resumes_from_our_save_of_its_param_groups(optimizer_results):
+    _check(
+        optimizer_results,
+        [
+            "megatron makes two groups by wd_mult",
+            "FP32Optimizer.load_state_dict resumes our save",
+            "FP32Optimizer.step after the load",
+        ],
+    )
