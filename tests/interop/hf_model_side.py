@@ -19,7 +19,8 @@ Usage: python hf_model_side.py WORKDIR
    megatron's layout; our `load` of it gives the same logits, and megatron-core loads it
    at TP=2 and TP=1 with its own model's sharded state dict: every model and optimizer
    tensor equals its load of the original checkpoint.
-4. Mismatched models are refused on both ranks before anything changes: other key/value
+4. megatron's own FP32Optimizer resumes from an `hf_model.save` (`hf_optimizer_side.py`).
+5. Mismatched models are refused on both ranks before anything changes: other key/value
    heads (the error names k_proj, both shapes and num_key_value_heads), attention biases.
 
 Each rank writes `WORKDIR/result.<rank>.json`: `{check name: "ok" | failure}`.
@@ -330,6 +331,9 @@ def worker(rank: int, world: int, port: int, workdir: str) -> None:
         parallel_state.destroy_model_parallel()
         hf_checks(rank, workdir, results)
         megatron_loads(rank, workdir, results)
+        from hf_optimizer_side import optimizer_checks
+
+        optimizer_checks(rank, workdir, results)  # megatron's FP32Optimizer resumes our save
     except Exception as e:  # reported by the test
         import traceback
 

@@ -1,7 +1,5 @@
-"""megatron-core 0.16's own optimizer wrapper resumes from `hf_model.save` output (2 gloo
-ranks, megatron-core and transformers in one interpreter).
-
-Usage: python hf_optimizer_side.py WORKDIR
+"""megatron-core 0.16's own optimizer wrapper resumes from `hf_model.save` output; run by
+`hf_model_side.py` in its world (2 gloo ranks, megatron-core and transformers).
 
 1. A transformers Llama (whole model on each rank) takes one Adam step with megatron's two
    default param groups (matrices with `wd_mult` 1.0, vectors 0.0, the split megatron makes
@@ -14,15 +12,11 @@ Usage: python hf_optimizer_side.py WORKDIR
    groups by `wd_mult`, `lr_mult`, `is_expert_parallel`, `is_decoupled_lr`) and the model's
    `load_state_dict`; the Adam moments of this rank's rows equal the HF optimizer's, every
    step is 1, and one more `FP32Optimizer.step()` runs.
-
-Each rank writes `WORKDIR/result.<rank>.json`: `{check name: "ok" | failure}`.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import sys
 from typing import Any, Dict
 
 
@@ -107,36 +101,12 @@ def megatron_side(rank: int, workdir: str, hf: Dict[str, Any], results: Dict[str
     )
 
 
-def worker(rank: int, world: int, port: int, workdir: str) -> None:
-    import contextlib
-
-    import torch
+def optimizer_checks(rank: int, workdir: str, results: Dict[str, str]) -> None:
+    """Steps 1 and 2 (collective: both ranks), in `hf_model_side`'s world."""
+    work = os.path.join(workdir, "optimizer")
+    if rank == 0:
+        os.makedirs(work, exist_ok=True)
     import torch.distributed as dist
 
-    torch.cuda.synchronize = lambda *a, **k: None  # megatron-core calls these on CPU paths
-    torch.cuda.current_device = lambda: "cpu"
-    from megatron.core import tensor_parallel
-
-    no_fork = type("NoFork", (), {"fork": lambda self, *a, **k: contextlib.nullcontext()})()
-    tensor_parallel.get_cuda_rng_tracker = lambda *a, **k: no_fork
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-    )
-    results: Dict[str, str] = {}
-    try:
-        hf = hf_side(workdir)
-        megatron_side(rank, workdir, hf, results)
-    except Exception as e:  # reported by the test
-        import traceback
-
-        results["side script"] = f"raised {type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"
-    with open(os.path.join(workdir, f"result.{rank}.json"), "w") as f:
-        json.dump(results, f)
     dist.barrier()
-    dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    from _side_spawn import spawn_two
-
-    spawn_two(worker, sys.argv[1])
+    megatron_side(rank, work, hf_side(work), results)
