@@ -133,3 +133,27 @@ def test_any_boxes_of_a_chunk_load_their_exact_values(small, boxes, verify):
     if not verify:  # never more than the boxes' rows' extents
         extent = sum(torch.zeros(_SHAPE)[b[0][0] : b[0][0] + b[1][0]].numel() for b in boxes)
         assert sum(c.nbytes for c in calls) <= extent * 4
+
+
+@st.composite
+def _layer_boxes(draw: st.DrawFn) -> List[Box]:
+    """Boxes of the layered tensor: rows of some layers, some with a column range."""
+    out = []
+    for _ in range(draw(st.integers(1, 3))):
+        layer = draw(st.integers(0, 3))
+        r0 = draw(st.integers(0, 2047))
+        rows = draw(st.integers(1, min(600, 2048 - r0)))
+        c0, cols = (0, 1024) if draw(st.booleans()) else (draw(st.integers(0, 1000)), 24)
+        out.append(((layer, r0, c0), (1, rows, cols)))
+    return out
+
+
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(boxes=_layer_boxes(), verify=st.booleans())
+def test_boxes_across_checksum_blocks_load_their_exact_values(layered, boxes, verify):
+    ckpt, w = layered
+    got, _ = _load(ckpt, "w", w.shape, boxes, verify=verify)
+    for g, b in zip(got, boxes):
+        assert torch.equal(g, _box(w, b)), b
