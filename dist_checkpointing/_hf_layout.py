@@ -306,10 +306,10 @@ def by_layer(
 ) -> List[Dict[str, ShardedTensor]]:
     """The requests in one batch per layer of the layer-stacked keys (then the rest).
 
-    The reader reads, per stored chunk, the span of axis-0 indices its reads touch; axis 0
-    of a layer-stacked key is the layer, so one batch for all layers would read (and stage)
-    whole stacked tensors. One layer per batch bounds that to one layer; the count of
-    batches comes from the stored shapes, the same on every rank.
+    What a load stages (the stored-dtype copy of a request converted to a narrower dtype,
+    the scratch of reads that share a checksum block) is bounded by its batch: one layer
+    per batch bounds it to one layer; the count of batches comes from the stored shapes,
+    the same on every rank.
     """
 
     def layer_axis(key: str) -> bool:  # whether axis 0 of stored `key` is the layer

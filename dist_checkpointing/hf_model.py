@@ -7,8 +7,8 @@ the stored megatron tensors (`_hf_layout`), one `ShardedTensor` request per rang
 is a view of the local tensor, and one `dist_checkpointing.load` per layer fills them in
 place: no full tensor, no intermediate files, memory at the rank's shard plus one layer.
 The price is many small requests for fused QKV tensors (one per query group a shard
-touches) and one load call per layer; the reader still reads whole layer slabs of the
-stored chunks a rank's rows overlap. Everything that can be wrong with the model or the
+touches) and one load call per layer; the reader reads only those rows' bytes (whole
+4 MiB checksum blocks where it verifies). Everything that can be wrong with the model or the
 checkpoint is found before any tensor byte is read, and raised on every rank.
 """
 

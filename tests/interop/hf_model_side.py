@@ -13,12 +13,14 @@ Usage: python hf_model_side.py WORKDIR
    checkpoint with `hf_model.load`: sharded by `fully_shard` on both ranks (with an Adam
    optimizer), plain (a whole model per rank), and for pp2 also HSDP (a 2 x 1 mesh); its logits must match megatron's within
    1e-4, and the loaded Adam moments and step must equal the stored ones, split into HF
-   names by `hf_map.split` (the mapping `export-hf` uses).
+   names by `hf_map.split` (the mapping `export-hf` uses). Sharded by FSDP2, each rank
+   reads (the storage seam's read spy) at most 60% of the stored tensor bytes: its half.
 3. `hf_model.save` writes the models `SAVED` names (with Adam state) back in
    megatron's layout; our `load` of it gives the same logits, and megatron-core loads it
    at TP=2 and TP=1 with its own model's sharded state dict: every model and optimizer
    tensor equals its load of the original checkpoint.
-4. Mismatched models are refused on both ranks before anything changes: other key/value
+4. megatron's own FP32Optimizer resumes from an `hf_model.save` (`hf_optimizer_side.py`).
+5. Mismatched models are refused on both ranks before anything changes: other key/value
    heads (the error names k_proj, both shapes and num_key_value_heads), attention biases.
 
 Each rank writes `WORKDIR/result.<rank>.json`: `{check name: "ok" | failure}`.
@@ -144,6 +146,16 @@ def reference(mc: str, layers: int, vocab: int) -> Dict[str, Any]:
     return out
 
 
+def tensor_bytes(ckpt: str) -> int:
+    """The bytes of every tensor the checkpoint stores (global shapes)."""
+    import math
+
+    import dist_checkpointing as ours
+
+    meta = ours.load_tensors_metadata(ckpt)
+    return sum(math.prod(t.global_shape) * t.dtype.itemsize for t in meta.values())
+
+
 def hf_checks(rank: int, workdir: str, results: Dict[str, str]) -> None:
     import torch
     import transformers
@@ -154,6 +166,7 @@ def hf_checks(rank: int, workdir: str, results: Dict[str, str]) -> None:
 
     from dist_checkpointing import hf_model
     from dist_checkpointing.errors import CheckpointingException
+    from dist_checkpointing.storage import faults
 
     mesh = init_device_mesh("cpu", (2,))
     # HSDP as fully_shard makes it on a 2-D mesh: (Replicate(), Shard(0)), here 2 x 1
@@ -178,7 +191,13 @@ def hf_checks(rank: int, workdir: str, results: Dict[str, str]) -> None:
                     fully_shard(layer, mesh=shard_mesh)
                 fully_shard(model, mesh=shard_mesh)
             adam = torch.optim.Adam(model.parameters(), lr=1e-2)
-            out = hf_model.load(model, mc, adam)
+            with faults.injected(faults.Fault("*.distcp", ops=("read",))) as (spy,):
+                out = hf_model.load(model, mc, adam)
+            if how == "fsdp2":  # megatron's files have no checksums: exactly the bytes asked
+                read, total = sum(c.nbytes for c in spy.calls), tensor_bytes(mc)
+                results[f"{name} {how}: each rank reads about half the tensor bytes"] = (
+                    "ok" if 0 < read <= 0.6 * total else f"read {read} of {total} bytes"
+                )
             named = list(model.named_parameters())  # FSDP2 swaps in unsharded ones in forward
             with torch.no_grad():
                 logits = model(tokens()).logits
@@ -312,6 +331,9 @@ def worker(rank: int, world: int, port: int, workdir: str) -> None:
         parallel_state.destroy_model_parallel()
         hf_checks(rank, workdir, results)
         megatron_loads(rank, workdir, results)
+        from hf_optimizer_side import optimizer_checks
+
+        optimizer_checks(rank, workdir, results)  # megatron's FP32Optimizer resumes our save
     except Exception as e:  # reported by the test
         import traceback
 

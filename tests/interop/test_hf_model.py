@@ -93,6 +93,19 @@ def test_load_into_hsdp_model_gives_megatrons_logits_and_adam_state(results):
 @pytest.mark.interop
 @pytest.mark.timeout(900)
 @requires_side_venv
+def test_fsdp2_load_reads_only_each_ranks_half_of_the_stored_bytes(results):
+    _check(
+        results,
+        [
+            f"{name} fsdp2: each rank reads about half the tensor bytes"
+            for name in ("tp2", "pp2", "moe_tp2")
+        ],
+    )
+
+
+@pytest.mark.interop
+@pytest.mark.timeout(900)
+@requires_side_venv
 def test_load_refuses_mismatched_models_on_every_rank_before_reading(results):
     _check(results, ["refused: other kv heads", "refused: attention bias"])
 
@@ -149,3 +162,52 @@ def test_unmapped_parameter_names_say_why():
     assert src is None and "no megatron-core GPTModel name" in why
     src, why = _hf_layout.source("model.norm.weight", index)
     assert src is None and "decoder.final_layernorm.weight" in why
+
+
+@pytest.mark.interop
+@pytest.mark.timeout(900)
+@requires_side_venv
+def test_megatrons_fp32_optimizer_resumes_from_our_save_of_its_param_groups(results):
+    _check(
+        results,
+        [
+            "megatron makes two groups by wd_mult",
+            "FP32Optimizer.load_state_dict resumes our save",
+            "FP32Optimizer.step after the load",
+        ],
+    )
+
+
+MCORE19 = _launch.mcore19()
+
+
+@pytest.mark.interop
+@pytest.mark.timeout(900)
+@requires_side_venv
+@pytest.mark.skipif(
+    MCORE19 is None,
+    reason="megatron-core 0.19.2 is not set up (DIST_CKPT_MCORE19_PYTHON, DIST_CKPT_MCORE19_PATH)",
+)
+def test_megatron_core_019_checkpoint_loads_and_our_save_loads_in_019(tmp_path):
+    assert PYTHON is not None and MCORE19 is not None
+    work, script = str(tmp_path), _launch.side_script("hf_mcore19_side.py")
+    with19 = {"PYTHONPATH": _launch.pythonpath(MCORE19["path"], _launch.REPO)}
+    for step, python, env in (
+        ("save", MCORE19["python"], with19),
+        ("hf", PYTHON, _ENV),  # 0.19's interpreter has no transformers
+        ("load", MCORE19["python"], with19),
+    ):
+        _launch.run_side(
+            python, [script, step, work], timeout=600, env={**env, "OMP_NUM_THREADS": "1"}
+        )
+        for rank in (0, 1):
+            got = _launch.read_json(os.path.join(work, f"result.{step}.{rank}.json"))
+            bad = {k: v for k, v in got.items() if v != "ok"}
+            assert got and not bad, f"{step}, rank {rank}: {bad}"
+    # 0.19's layout: the common state inside the .distcp files, no common.pt
+    assert not os.path.exists(os.path.join(work, "tp2", "mc", "common.pt"))
+    hf = _launch.read_json(os.path.join(work, "result.hf.0.json"))
+    assert (
+        "tp2 fsdp2: logits equal megatron's" in hf
+        and "tp2 fsdp2: Adam state equals megatron's" in hf
+    )

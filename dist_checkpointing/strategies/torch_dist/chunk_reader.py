@@ -1,14 +1,29 @@
-"""Reading the rows of one stored tensor chunk that its reads need, verified as they land:
-whole rows into a contiguous host destination of the stored dtype land in place, others in
-a per-thread scratch buffer, copied out as they are verified."""
+"""Reading the bytes of one stored tensor chunk that its reads need, verified as they land.
+
+A read (a box of offsets and lengths in the chunk) is a set of contiguous byte runs of the
+chunk's C-contiguous data: one run when the dims after its first partial one are whole (rows
+`[a, b)` of one layer of a layer-stacked tensor), else one per row. The runs of all reads of
+a chunk are coalesced into spans (across gaps under a page and, when verifying per-block
+digests, wherever they share a checksum block, so no block is read twice); each span is read
+once, into its destination when it is exactly one contiguous host tensor of the stored
+dtype, else into a per-thread scratch buffer from which each read is copied out as its
+blocks are verified (still in the CPU caches).
+
+Trade-off taken: a byte returned is always a verified byte. A per-block digest (`.sums`)
+covers 4 MiB of data, so a span's first and last blocks are completed by reading their
+bytes outside the span (`ChunkVerifier`); an item with one digest over all its bytes is read
+whole; a chunk that is not plain goes through `torch.load` of its whole item.
+"""
 
 from __future__ import annotations
 
+import bisect
 import io
+import itertools
 import math
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -17,13 +32,19 @@ from torch.distributed.checkpoint.planner import ReadItem
 from ..._safe_load import torch_load
 from ...errors import CheckpointCorruptedError
 from ...integrity import ItemSum
-from ...storage.buffers import aligned
 from .verify import ChunkVerifier, check_layout, frame_matches, mismatch, read_exact
 from .zipformat import chunk_layout, head_layout
 
 __all__ = ["ChunkGroup", "read_stored", "release_scratch"]
 
 Resolve = Callable[[ReadItem], torch.Tensor]
+Span = Tuple[int, int]
+
+#: runs closer than this are read as one (the OS reads whole pages anyway)
+_GAP = 4096
+#: a read of more runs than this is read as one span from its first byte to its last (its
+#: extent bounds it; planning stays cheap for column slices of huge tensors)
+_MAX_RUNS = 4096
 
 
 @dataclass
@@ -36,50 +57,141 @@ class ChunkGroup:
     stored: Optional[Tuple[Tuple[int, ...], torch.dtype]] = None
 
 
-def _pairs(
-    stored: torch.Tensor, row0: int, group: ChunkGroup, resolve: Resolve, what: str
-) -> List[Tuple[torch.Tensor, torch.Tensor, int]]:
-    """`(source view, destination, first stored row)` of each read; `stored`: rows `row0...`."""
+def _strides(shape: Sequence[int]) -> List[int]:
+    """C-contiguous strides, in elements."""
+    out, acc = [], 1
+    for s in reversed(shape):
+        out.append(acc)
+        acc *= s
+    return out[::-1]
+
+
+class _Piece:
+    """A box of the chunk and its destination; copied out of the span holding its bytes as
+    they are verified, slice by slice along its first dim longer than one."""
+
+    def __init__(
+        self, offsets: List[int], lengths: List[int], dest: torch.Tensor, item: int, shape: Any
+    ) -> None:
+        self.offsets, self.lengths, self.dest, self.item, self.shape = (
+            offsets,
+            lengths,
+            dest,
+            item,
+            shape,
+        )
+        self.strides = _strides(shape)
+        first = sum(o * s for o, s in zip(offsets, self.strides))
+        last = sum((o + n - 1) * s for o, n, s in zip(offsets, lengths, self.strides))
+        self.lo, self.hi = first * item, (last + 1) * item  # its bytes' extent in the data
+        self.dim = next((d for d, n in enumerate(lengths) if n > 1), None)
+        self.copied = 0  # slices along `dim` (without one: 1 once copied)
+        self.src: Optional[torch.Tensor] = None
+
+    @property
+    def contiguous(self) -> bool:
+        return self.hi - self.lo == math.prod(self.lengths) * self.item
+
+    def runs(self) -> List[Span]:
+        """Its contiguous byte runs (its whole extent beyond `_MAX_RUNS` of them)."""
+        k = len(self.shape) - 1  # the dims after k are whole: a run is `lengths[k]` of those
+        while k > 0 and self.offsets[k] == 0 and self.lengths[k] == self.shape[k]:
+            k -= 1
+        count = math.prod(self.lengths[:k]) if k > 0 else 1
+        if count == 1 or count > _MAX_RUNS:
+            return [(self.lo, self.hi)]
+        run = self.lengths[k] * self.strides[k] * self.item
+        out = []
+        for idx in itertools.product(*(range(n) for n in self.lengths[:k])):
+            first = sum((o + i) * s for o, i, s in zip(self.offsets, idx, self.strides))
+            first = (first + self.offsets[k] * self.strides[k]) * self.item
+            out.append((first, first + run))
+        return out
+
+    def split(self) -> List[_Piece]:
+        """One piece per index along its first dim longer than one."""
+        d = self.dim
+        assert d is not None  # a piece of one element is one run, inside one span
+        out = []
+        for i in range(self.lengths[d]):
+            o, n = list(self.offsets), list(self.lengths)
+            o[d], n[d] = o[d] + i, 1
+            out.append(_Piece(o, n, self.dest.narrow(d, i, 1), self.item, self.shape))
+        return out
+
+    def bind(self, typed: torch.Tensor, start: int) -> None:
+        """Views its source in `typed`: the span's bytes (from data offset `start`) typed."""
+        offset = typed.storage_offset() + (self.lo - start) // self.item
+        self.src = typed.as_strided(self.lengths, self.strides, offset)
+
+    def copy_ready(self, verified_end: int) -> None:
+        """Copies what lies before data offset `verified_end` and is not copied yet."""
+        assert self.src is not None
+        if self.dim is None:
+            if self.copied == 0 and self.hi <= verified_end:
+                self.dest.copy_(self.src)
+                self.copied = 1
+            return
+        d, n = self.dim, self.lengths[self.dim]
+        step = self.strides[d] * self.item
+        slice0_end = self.hi - (n - 1) * step
+        ready = n if self.hi <= verified_end else max(0, (verified_end - slice0_end) // step + 1)
+        if ready > self.copied:
+            k = min(n, ready) - self.copied
+            self.dest.narrow(d, self.copied, k).copy_(self.src.narrow(d, self.copied, k))
+            self.copied += k
+
+
+def _pieces(group: ChunkGroup, resolve: Resolve, layout: Any, what: str) -> List[_Piece]:
+    """One piece per read with anything to copy; raises where a read does not fit."""
+    shape = tuple(layout.shape)
     out = []
     for r in group.reads:
-        try:
-            src = stored
-            for dim, (o, n) in enumerate(zip(r.storage_offsets, r.lengths)):
-                src = src.narrow(dim, o - (row0 if dim == 0 else 0), n)
-        except (RuntimeError, IndexError) as e:
+        offsets = [int(o) for o in r.storage_offsets]
+        lengths = [int(n) for n in r.lengths]
+        if len(offsets) != len(shape) or any(
+            o < 0 or n < 0 or o + n > s for o, n, s in zip(offsets, lengths, shape)
+        ):
             raise CheckpointCorruptedError(
-                f"{what}: stored chunk shape {tuple(stored.shape)} does not match metadata"
-            ) from e
-        dest = resolve(r)
-        if dest.shape != src.shape:
-            raise CheckpointCorruptedError(
-                f"{what}: region shape {tuple(src.shape)} != destination {tuple(dest.shape)}"
+                f"{what}: stored chunk shape {shape} does not match metadata (a read of "
+                f"{lengths} at {offsets})"
             )
-        out.append((src, dest, int(r.storage_offsets[0]) if r.storage_offsets else 0))
+        dest = resolve(r)
+        if tuple(dest.shape) != tuple(lengths):
+            raise CheckpointCorruptedError(
+                f"{what}: region shape {tuple(lengths)} != destination {tuple(dest.shape)}"
+            )
+        if math.prod(lengths) > 0:
+            out.append(_Piece(offsets, lengths, dest, layout.dtype.itemsize, shape))
     return out
 
 
-def _scatter(
-    pairs: List[Tuple[torch.Tensor, torch.Tensor, int]],
-    row0: int,
-    nrows: int,
-    row_bytes: int,
-    skip: int,
-) -> Callable[[int], None]:
-    """A `consume` callback: copies each read's rows out as soon as they are verified (still
-    in the CPU caches); the region starts `skip` bytes before row `row0`."""
-    done = 0  # rows (from row0) already copied
+def _spans(runs: List[Span], block: int) -> List[Span]:
+    """Runs coalesced across gaps under `_GAP` and (with `block`) within a shared block."""
+    out: List[List[int]] = []
+    for a, b in sorted(runs):
+        if out and (a - out[-1][1] < _GAP or (block and a // block <= (out[-1][1] - 1) // block)):
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
 
-    def copy_ready(ready: int) -> None:
-        nonlocal done
-        rows = min(nrows, max(0, ready - skip) // row_bytes)
-        for src, dest, first in pairs:
-            a, b = max(row0 + done, first), min(row0 + rows, first + src.shape[0])
-            if a < b:
-                dest.narrow(0, a - first, b - a).copy_(src.narrow(0, a - first, b - a))
-        done = max(done, rows)
 
-    return copy_ready
+def _fit(pieces: List[_Piece], spans: List[Span]) -> List[List[_Piece]]:
+    """The pieces of each span, split until each lies inside one span."""
+    starts = [a for a, _ in spans]
+    members: List[List[_Piece]] = [[] for _ in spans]
+    todo = list(pieces)
+    while todo:
+        p = todo.pop()
+        i = bisect.bisect_right(starts, p.lo) - 1
+        if i >= 0 and p.hi <= spans[i][1]:
+            members[i].append(p)
+        else:
+            todo.extend(p.split())
+    for m in members:
+        m.sort(key=lambda p: p.lo)
+    return members
 
 
 def read_stored(
@@ -91,53 +203,69 @@ def read_stored(
     path: str,
     request: int,
 ) -> int:
-    """Reads the rows of one stored chunk that `group`'s reads touch into their destinations
-    (widened to whole checksum blocks; whole items for whole-item digests and for non-plain
+    """Reads the bytes of one stored chunk that `group`'s reads need into their destinations
+    (completed to whole checksum blocks; whole items for whole-item digests and for non-plain
     chunks, which go through `torch.load`); returns the bytes read from storage."""
     raw, info = stream.raw, group.info
     layout = _parse_chunk(raw, group, expected, what)
     if layout is None:
         return _load_whole(stream, group, resolve, what, expected)
-    shape = layout.shape
-    nrows = shape[0] if shape else 0
-    row0, row1 = 0, nrows
-    if (expected is None or expected.blocked) and nrows > 0:
-        row0 = min(int(r.storage_offsets[0]) for r in group.reads)
-        row1 = max(int(r.storage_offsets[0]) + int(r.lengths[0]) for r in group.reads)
-    row_bytes = (math.prod(shape[1:]) if shape else 1) * layout.dtype.itemsize
-    data_file_off = info.offset + layout.data_offset
-    whole = (row0, row1) == (0, nrows)
-    start, stop = (row0 * row_bytes, row1 * row_bytes) if shape else (0, layout.nbytes)
-    dest = resolve(group.reads[0]) if len(group.reads) == 1 and (whole or row1 > row0) else None
-    if dest is not None and _in_place(group.reads[0], dest, layout, row0, row1):
-        verifier = ChunkVerifier(raw, layout, dest, start, info, expected, what)
-        verifier.read(path, data_file_off + start, request)
-        nread = stop - start + verifier.extra_bytes
+    pieces = _pieces(group, resolve, layout, what)
+    if not pieces:
+        return 0
+    one_digest = expected is not None and not expected.blocked
+    if one_digest:  # nothing is verified before the item's last byte: read it whole
+        spans = [(0, layout.nbytes)]
     else:
-        if expected is not None and not whole:  # widen to whole checksum blocks
-            start -= start % expected.block
-            stop = min(layout.nbytes, aligned(stop, expected.block))
-        region = _scratch(stop - start)
-        skip = row0 * row_bytes - start
-        if shape:
-            nbytes = (row1 - row0) * row_bytes
-            stored = region[skip : skip + nbytes].view(layout.dtype).view((row1 - row0, *shape[1:]))
-        else:  # a 0-d tensor
-            stored = region.view(layout.dtype).view(())
-        pairs = _pairs(stored, row0, group, resolve, what)
-        streamed = len(shape) >= 1 and row_bytes > 0 and (expected is None or expected.blocked)
-        scatter = _scatter(pairs, row0, row1 - row0, row_bytes, skip) if streamed else None
-        verifier = ChunkVerifier(raw, layout, region, start, info, expected, what, scatter)
-        verifier.read(path, data_file_off + start, request)
-        if scatter is None:  # one digest for the whole item: copy once it is verified
-            for src, dest, _ in pairs:
-                dest.copy_(src)
-        nread = stop - start
+        block = expected.block if expected is not None else 0
+        spans = _spans([run for p in pieces for run in p.runs()], block)
+    nread = 0
+    for (a, b), members in zip(spans, _fit(pieces, spans)):
+        nread += _read_span(raw, layout, a, b, members, info, expected, what, path, request)
     # the frame is checked after the data so the item is read front to back
     if expected is not None and expected.blocked:
         if not frame_matches(raw, layout, info.length, expected):
             raise mismatch(what, info)
     return nread
+
+
+def _read_span(
+    raw: Any,
+    layout: Any,
+    a: int,
+    b: int,
+    members: List[_Piece],
+    info: _StorageInfo,
+    expected: Optional[ItemSum],
+    what: str,
+    path: str,
+    request: int,
+) -> int:
+    """Reads data bytes `[a, b)` and copies `members` out of them as they are verified."""
+    file_off = info.offset + layout.data_offset + a
+    if len(members) == 1 and _in_place(members[0], layout.dtype, a, b):
+        verifier = ChunkVerifier(raw, layout, members[0].dest, a, info, expected, what)
+        verifier.read(path, file_off, request)
+        return b - a + verifier.extra_bytes
+    typed = _scratch(b - a).view(layout.dtype)
+    for p in members:
+        p.bind(typed, a)
+    pending = list(members)
+
+    def copy_ready(verified: int) -> None:
+        nonlocal pending
+        for p in pending:
+            p.copy_ready(a + verified)
+        pending = [p for p in pending if p.hi > a + verified]
+
+    streamed = expected is None or expected.blocked  # a whole-item digest: copy once verified
+    verifier = ChunkVerifier(
+        raw, layout, typed, a, info, expected, what, copy_ready if streamed else None
+    )
+    verifier.read(path, file_off, request)
+    for p in pending:
+        p.copy_ready(b)
+    return b - a + verifier.extra_bytes
 
 
 def _load_whole(
@@ -155,7 +283,20 @@ def _load_whole(
     stored = torch_load(io.BytesIO(payload), what)
     if not isinstance(stored, torch.Tensor):
         raise CheckpointCorruptedError(f"{what}: expected a tensor, got {type(stored).__name__}")
-    for src, dest, _ in _pairs(stored, 0, group, resolve, what):
+    for r in group.reads:
+        src = stored
+        try:
+            for dim, (o, n) in enumerate(zip(r.storage_offsets, r.lengths)):
+                src = src.narrow(dim, o, n)
+        except (RuntimeError, IndexError) as e:
+            raise CheckpointCorruptedError(
+                f"{what}: stored chunk shape {tuple(stored.shape)} does not match metadata"
+            ) from e
+        dest = resolve(r)
+        if dest.shape != src.shape:
+            raise CheckpointCorruptedError(
+                f"{what}: region shape {tuple(src.shape)} != destination {tuple(dest.shape)}"
+            )
         dest.copy_(src)
     return len(payload)
 
@@ -175,15 +316,13 @@ def _parse_chunk(raw: Any, group: ChunkGroup, expected: Optional[ItemSum], what:
     return layout
 
 
-def _in_place(r: ReadItem, dest: torch.Tensor, layout: Any, row0: int, row1: int) -> bool:
-    """Whether `r` is whole rows `row0:row1` into a contiguous host tensor of the stored dtype."""
-    shape = tuple(layout.shape)
-    want = (row1 - row0, *shape[1:]) if shape else ()
+def _in_place(p: _Piece, dtype: torch.dtype, a: int, b: int) -> bool:
+    """Whether `p` is exactly bytes `[a, b)` into a contiguous host tensor of the stored dtype."""
+    dest = p.dest
     return (
-        [int(o) for o in r.storage_offsets] == ([row0] + [0] * (len(shape) - 1) if shape else [])
-        and tuple(r.lengths) == want
-        and tuple(dest.shape) == want
-        and dest.dtype == layout.dtype
+        (p.lo, p.hi) == (a, b)
+        and p.contiguous
+        and dest.dtype == dtype
         and dest.is_contiguous()
         and dest.device.type == "cpu"
     )
