@@ -334,6 +334,20 @@ def open_for_load(
     return metadata
 
 
+def _said_of(md: Metadata, key: str) -> Tuple[Any, ...]:
+    """What `md` says of `key`: its kind, dtype and shape, and each stored chunk's box and
+    location (`.metadata` and its index must say the same)."""
+    entry: Any = md.state_dict_metadata.get(key)
+    tensor = isinstance(entry, TensorStorageMetadata)
+    boxes = [(tuple(c.offsets), tuple(c.sizes)) for c in entry.chunks] if tensor else [None]
+    where = []
+    for box in boxes:
+        info = md.storage_data.get(MetadataIndex(key, box[0] if box else None))
+        where.append(info and (str(info.relative_path), info.offset, info.length))
+    head = (entry.properties.dtype, tuple(entry.size)) if tensor else ()
+    return type(entry), head, boxes, where
+
+
 def check_index(checkpoint_dir: Path, metadata: Metadata) -> None:
     """The load's checks of the load index (`open_for_load`, every key), and that each
     entry says what `.metadata` (`metadata`) says: `verify` judges the file loads plan from.
@@ -346,24 +360,8 @@ def check_index(checkpoint_dir: Path, metadata: Metadata) -> None:
     if not objstore.exists(path):
         return
     indexed = open_for_load(Path(checkpoint_dir), list(metadata.state_dict_metadata))
-    for key, entry in indexed.state_dict_metadata.items():
-        stored = metadata.state_dict_metadata.get(key)
-        same = type(entry) is type(stored)
-        if same and isinstance(entry, TensorStorageMetadata):
-            chunks = [(tuple(c.offsets), tuple(c.sizes)) for c in entry.chunks]
-            same = (
-                entry.properties.dtype == stored.properties.dtype  # type: ignore[union-attr]
-                and tuple(entry.size) == tuple(stored.size)  # type: ignore[union-attr]
-                and chunks == [(tuple(c.offsets), tuple(c.sizes)) for c in stored.chunks]  # type: ignore[union-attr]
-            )
-        for index, info in indexed.storage_data.items() if same else ():
-            if index.fqn != key:
-                continue
-            other = metadata.storage_data.get(MetadataIndex(key, index.offset))
-            where = (str(info.relative_path), info.offset, info.length)
-            if other is None or where != (str(other.relative_path), other.offset, other.length):
-                same = False
-        if not same:
+    for key in indexed.state_dict_metadata:
+        if _said_of(indexed, key) != _said_of(metadata, key):
             raise CheckpointCorruptedError(
                 f"{path}: the entry of {key!r} differs from {DCP_METADATA_FNAME}'s (damaged or "
                 "edited)"
