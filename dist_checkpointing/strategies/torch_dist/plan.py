@@ -6,7 +6,6 @@ from __future__ import annotations
 import io
 import itertools
 import math
-import os
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -53,29 +52,6 @@ __all__ = [
 BACKEND = "torch_dist"
 SUPPORTED_VERSIONS = (1,)
 DATA_SUFFIX = ".distcp"
-
-
-def check_separation_hint(hint: Optional[str]) -> None:
-    """Refuses a `separation_hint` that would not make a plain file name in the checkpoint
-    directory (it starts the names of the files it selects).
-
-    Raises:
-        CheckpointingException: naming the hint and why.
-    """
-    if hint is None or hint == "":
-        return
-    why = ""
-    if not isinstance(hint, str):
-        why = f"it is a {type(hint).__name__}, not a str"
-    elif any(c in hint for c in "/\\\0") or os.path.isabs(hint):
-        why = "it holds a path separator (files go inside the checkpoint directory only)"
-    elif hint.startswith("."):
-        why = "it starts with '.' (a relative path, or a hidden name that tools skip)"
-    if why:
-        raise CheckpointingException(
-            f"separation_hint {hint!r} is refused: {why}; it prefixes data file names, so "
-            "use a plain name such as 'optimizer.'"
-        )
 
 
 def data_file_name(group: str, rank: int, index: int) -> str:

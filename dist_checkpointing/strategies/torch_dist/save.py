@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from ..._dcp_plain import PlainItem
 from ..._dist import get_rank
 from ..._progress import byte_progress
+from ..._shard_checks import check_separation_hint
 from ..._types import ShardedStateDict
 from ...async_save import AsyncRequest
 from ...dict_utils import nested_values
@@ -33,7 +34,6 @@ from .metadata_file import DCP_METADATA_FNAME, INDEX_FNAME
 from .plan import (
     BACKEND,
     WriteEntry,
-    check_separation_hint,
     data_file_name,
     is_empty_chunk,
     object_write_item,
