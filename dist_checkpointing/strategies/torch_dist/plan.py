@@ -75,18 +75,25 @@ class WriteEntry:
         return len(self.data)
 
 
-def tensor_write_item(sh: ShardedTensor) -> WriteItem:
-    """The DCP write item of one ShardedTensor (prepended axes included in the chunk)."""
+def _chunk_item(
+    key: str, offsets: Sequence[int], sizes: Sequence[int], dtype: torch.dtype, size: Sequence[int]
+) -> WriteItem:
+    """The DCP write item of one chunk (`offsets`, `sizes`) of a tensor of global `size`."""
     return WriteItem(
-        index=MetadataIndex(sh.key, torch.Size(sh.global_offset)),
+        index=MetadataIndex(key, torch.Size(offsets)),
         type=WriteItemType.SHARD,
         tensor_data=TensorWriteData(
-            chunk=ChunkStorageMetadata(
-                offsets=torch.Size(sh.global_offset), sizes=torch.Size(sh.prepended_local_shape)
-            ),
-            properties=TensorProperties(dtype=sh.dtype),
-            size=torch.Size(sh.global_shape),
+            chunk=ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)),
+            properties=TensorProperties(dtype=dtype),
+            size=torch.Size(size),
         ),
+    )
+
+
+def tensor_write_item(sh: ShardedTensor) -> WriteItem:
+    """The DCP write item of one ShardedTensor (prepended axes included in the chunk)."""
+    return _chunk_item(
+        sh.key, sh.global_offset, sh.prepended_local_shape, sh.dtype, sh.global_shape
     )
 
 
@@ -98,22 +105,11 @@ def object_write_item(sh: ShardedObject) -> WriteItem:
 def plain_entry(item: PlainItem) -> WriteEntry:
     """The entry of a plain value of the common state, as `dcp.save` writes it: a tensor
     as one whole chunk, anything else as a byte item of `torch.save(value)`."""
-    if isinstance(item.data, torch.Tensor):
-        shape = torch.Size(item.data.shape)
-        zeros = torch.Size([0] * len(shape))
-        write = WriteItem(
-            index=MetadataIndex(item.fqn, zeros),
-            type=WriteItemType.TENSOR,
-            tensor_data=TensorWriteData(
-                chunk=ChunkStorageMetadata(offsets=zeros, sizes=shape),
-                properties=TensorProperties(dtype=item.data.dtype),
-                size=shape,
-            ),
-        )
-        return WriteEntry(write, item.data)
-    return WriteEntry(
-        WriteItem(index=MetadataIndex(item.fqn), type=WriteItemType.BYTE_IO), item.data
-    )
+    data = item.data
+    if isinstance(data, torch.Tensor):
+        write = _chunk_item(item.fqn, [0] * data.dim(), data.shape, data.dtype, data.shape)
+        return WriteEntry(write, data)
+    return WriteEntry(WriteItem(index=MetadataIndex(item.fqn), type=WriteItemType.BYTE_IO), data)
 
 
 def serialize_object(obj: object) -> bytes:
