@@ -337,11 +337,10 @@ def plain_value_keys(ckpt: Path, metadata: Metadata) -> Set[str]:
     """Keys of the common state's plain values that our saves also record as DCP items
     (`_dcp_plain`): those `planner_data` names where `common.pt` holds the common state.
     (Stock DCP records every key there and has no `common.pt`; megatron-core records none.)"""
-    if not isinstance(metadata.planner_data, dict) or not metadata.planner_data:
-        return set()
-    if not objstore.is_file(Path(ckpt) / COMMON_STATE_FNAME):
-        return set()
-    return set(metadata.planner_data)
+    planner = metadata.planner_data
+    if isinstance(planner, dict) and planner and objstore.is_file(Path(ckpt) / COMMON_STATE_FNAME):
+        return set(planner)
+    return set()
 
 
 def remove_sharded_tensors(ckpt: Path, key_prefix: str) -> None:
