@@ -30,7 +30,8 @@ from ..strategies.torch_dist.metadata_file import (
 from ..strategies.torch_dist.metadata_file import read_metadata as read_dcp_metadata
 from ..strategies.torch_dist.plan import TensorRequest, plan_tensor_reads
 from ..strategies.torch_dist.reader import read_byte_items, read_tensor_items
-from ._info import LocalPart, unwrap_object
+from ._info import unwrap_object
+from ._local_info import LocalPart
 
 __all__ = [
     "DCP_METADATA_FNAME",
@@ -158,7 +159,7 @@ def read_object(
 
 
 def read_local_part(part: LocalPart) -> Dict[str, Any]:
-    """The verified rank state of a local part, in the shape `_info.fill_local` reads."""
+    """The verified rank state of a local part, in the shape `_local_info.fill_local` reads."""
     from ..dict_utils import nested_values
     from ..local._image import decode_image, read_image
     from ..local.base_state_dict import TensorAwareStateDict
