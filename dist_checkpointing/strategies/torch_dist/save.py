@@ -87,6 +87,8 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             `common.pt` holds them either way (docs/dcp.md).
     """
 
+    can_handle_sharded_objects = True
+
     def __init__(
         self,
         backend: str = BACKEND,
@@ -117,10 +119,6 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         self._images = _SHARED_IMAGES
         self.direct_io = direct_io is not False  # None (older callers): the default
         self._finalizer = SaveFinalizer()
-
-    @property
-    def can_handle_sharded_objects(self) -> bool:
-        return True
 
     @property
     def records_plain_values(self) -> bool:
