@@ -159,7 +159,7 @@ def write_claim(ckpt: Path, claim: Claim, name: str = CLAIM_FNAME) -> None:
     path, payload = _path(ckpt, name), claim.encode()
     if objstore.split(ckpt) is not None:
         try:
-            objstore.put_new_object(path, payload)
+            objstore.put_object(path, payload, new=True)
         except FileExistsError:
             raise claimed_error(ckpt, read_claim(ckpt, name), name) from None
         return

@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Callable, Optional, Set, Tuple, Union
 
 from . import _dist
-from ._save_pipeline import SavePlan, finish_load, prepare_load_request
+from ._load_pipeline import finish_load, prepare_load_request
+from ._save_pipeline import SavePlan
 from ._types import ShardedStateDict, StateDict
 from .async_save import AsyncRequest
 from .dict_utils import merge

@@ -1,17 +1,16 @@
-"""The steps of `save` and `load` every backend (and `tensor_aware_state_dict`) shares:
-preparing a user's state dict (megatron objects, factories, non-persistent values, strict
-modes, validation), the save's agreement, common state and commit."""
+"""The steps of `save` every backend shares: preparing a user's state dict (megatron
+objects, factories, non-persistent values, validation), the save's agreement, common state
+and commit; and the sharding agreement the load steps (`_load_pipeline`) use too."""
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import logging
 import pickle
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Collection, List, Optional, Set, Tuple, Union
+from typing import Any, Callable, List, Optional, Set, Tuple
 
 from . import _dist, _normalize
 from ._claim import token_lanes
@@ -21,18 +20,14 @@ from ._sharding_agreement import AgreementCache, ShardRecord, agreement_protocol
 from ._types import CommonStateDict, ShardedStateDict, StateDict
 from .coordination import run as run_protocol
 from .core import CheckpointingConfig, check_is_distributed_checkpoint, save_config
-from .dict_utils import dict_list_map_inplace, diff, extract_matching_values, merge, nested_values
-from .errors import CheckpointExistsError, CheckpointingException, KeyMismatchError
+from .dict_utils import diff, extract_matching_values, nested_values
+from .errors import CheckpointExistsError, CheckpointingException
 from .mapping import (
     LocalNonpersistentObject,
     ShardedBase,
     ShardedObject,
-    ShardedTensor,
-    ShardedTensorFactory,
     apply_factories,
-    apply_factory_merges,
 )
-from .quantized import dequantizing
 from .storage import objstore
 from .strategies.base import (
     AsyncSaveShardedStrategy,
@@ -42,21 +37,18 @@ from .strategies.base import (
     StrategyAction,
     resolve_strategy,
 )
-from .validation import StrictHandling, validate_integrity_and_strict_load
 
 __all__ = [
     "CONTENT_METADATA_KEY",
-    "LoadRequest",
     "SavePlan",
+    "agree",
     "agree_on_preparation",
-    "complete_request",
-    "finish_load",
     "make_commit",
     "nested_sharded",
-    "prepare_load_request",
     "prepare_save",
     "save_common",
     "save_preprocess",
+    "shard_records",
 ]
 
 logger = logging.getLogger(__name__)
@@ -69,15 +61,6 @@ def _is_nonpersistent(x: Any) -> bool:
     return isinstance(x, LocalNonpersistentObject)
 
 
-def _detached(leaf: Any) -> Any:
-    """A copy of a ShardedTensor whose destination requires grad, detached (same storage),
-    so in-place loads from reader threads work whatever their grad mode."""
-    if isinstance(leaf, ShardedTensor) and leaf.data is not None and leaf.data.requires_grad:
-        leaf = copy.copy(leaf)
-        leaf.data = leaf.data.detach()
-    return leaf
-
-
 def nested_sharded(tree: Any) -> List[ShardedBase]:
     """The sharded leaves of `tree`, in traversal order."""
     if not isinstance(tree, (dict, list)):
@@ -85,11 +68,12 @@ def nested_sharded(tree: Any) -> List[ShardedBase]:
     return [v for v in nested_values(tree) if isinstance(v, ShardedBase)]
 
 
-def _records(tree: Any) -> List[ShardRecord]:
+def shard_records(tree: Any) -> List[ShardRecord]:
+    """The agreement records (`_sharding_agreement`) of the sharded leaves of `tree`."""
     return [r for r in map(record_of, nested_sharded(tree)) if r is not None]
 
 
-def _agree(records: List[ShardRecord], cache: AgreementCache, **kwargs: Any) -> Any:
+def agree(records: List[ShardRecord], cache: AgreementCache, **kwargs: Any) -> Any:
     """Collective: this rank's side of `agreement_protocol`; returns its `Agreement`."""
     rank, world = _dist.get_rank(), _dist.get_world_size()
     return run_protocol(agreement_protocol(rank, world, records, cache, **kwargs))
@@ -107,116 +91,6 @@ def save_preprocess(
     apply_factories(sd)
     _, sd = extract_matching_values(sd, _is_nonpersistent)
     return extract_matching_values(sd, lambda x: isinstance(x, ShardedBase))
-
-
-@dataclass
-class LoadRequest:
-    """A load request after `prepare_load_request`: the sharded leaves to load, the
-    non-persistent values and factories to merge back, and the key mismatches found."""
-
-    sharded: ShardedStateDict
-    nonpersistent: StateDict
-    factories: Any
-    missing_keys: Set[str]
-    unexpected_keys: Set[str]
-    #: the plain values requested (loaded from the common state, or named as missing)
-    plain: Any = None
-    #: Stateful objects of the request, handed their loaded state at the end
-    statefuls: Optional[List[Tuple[Tuple[Any, ...], Any]]] = None
-
-
-#: this process's memory of the last load request validation that passed
-_load_agreement = AgreementCache()
-
-
-def prepare_load_request(
-    sharded_state_dict: ShardedStateDict,
-    strict: StrictHandling,
-    validate_access_integrity: bool,
-    stored_metadata: Callable[[], Optional[ShardedStateDict]],
-    common: Optional[StateDict] = None,
-    stored_tensor_keys: Optional[Callable[[], Collection[str]]] = None,
-) -> LoadRequest:
-    """The load preamble: factories, non-persistent values, strict handling, validation
-    (collective when these need every rank's request; `stored_metadata` called only if needed).
-    `common`, the checkpoint's common state, lets DTensors load from plain tensors in it;
-    `stored_tensor_keys` (not collective) lets plain tensors it lacks load from tensor items.
-    Raises `KeyMismatchError` or `ShardingIntegrityError` on every rank."""
-    # opted in, a plain destination stored quantized is dequantized: the stored keys tell
-    stored = (stored_metadata() or {}) if dequantizing() else None
-    # an error (a leaf that cannot be placed) is raised on every rank with the agreement below
-    sd, statefuls, error = _normalize.for_load(
-        sharded_state_dict, stored, common, stored_tensor_keys
-    )
-    factories, _ = extract_matching_values(
-        sd, lambda x: isinstance(x, ShardedTensorFactory), return_lists_as_dicts=True
-    )
-    apply_factories(sd)
-    nonpersistent, sd = extract_matching_values(sd, _is_nonpersistent)
-    dict_list_map_inplace(lambda o: o.unwrap(), nonpersistent)
-    request, plain = extract_matching_values(sd, lambda x: isinstance(x, ShardedBase))
-    dict_list_map_inplace(_detached, request)
-    ckpt_metadata = None
-    if StrictHandling.requires_explicit_ckpt_mismatch_check(strict):
-        ckpt_metadata = stored_metadata() if stored is None else stored
-    request, missing, unexpected = validate_integrity_and_strict_load(
-        request, strict, False, None, None, ckpt_metadata
-    )
-    if validate_access_integrity:  # keys the checkpoint lacks are out of the request by now
-        _agree(_records(request), _load_agreement, error=error, what="load")
-    elif error is not None:  # not collective then: fail here alone
-        raise error
-    return LoadRequest(request, nonpersistent, factories, missing, unexpected, plain, statefuls)
-
-
-def finish_load(
-    prepared: LoadRequest,
-    result: StateDict,
-    loaded: StateDict,
-    strict: StrictHandling,
-    log: logging.Logger,
-    ckpt: Any,
-    start: float,
-) -> Union[StateDict, Tuple[StateDict, Set[str], Set[str]]]:
-    """The load epilogue: merges `loaded` into `result` (the common state with non-persistent
-    values), applies factory merges, logs on `log`, and returns `result` (or
-    `(result, missing_keys, unexpected_keys)` when `strict` returns them)."""
-    merge(result, loaded)
-    apply_factory_merges(result, prepared.factories)
-    complete_request(prepared, result, strict)
-    _dist.log_rank0(
-        log, logging.INFO, "Loaded checkpoint %s in %.2f s", ckpt, time.perf_counter() - start
-    )
-    if StrictHandling.requires_returning_mismatch_keys(strict):
-        return result, prepared.missing_keys, prepared.unexpected_keys
-    return result
-
-
-def complete_request(prepared: LoadRequest, result: StateDict, strict: StrictHandling) -> None:
-    """The last step of every load, once the loaded values are merged into `result`: the
-    requested plain values are checked (`strict`) and plain tensors filled in place; the
-    request's Stateful objects get their state (`load_state_dict`) and their places back."""
-    _check_plain_values(prepared, result, strict)
-    _normalize.fill_plain(prepared.plain, result)
-    _normalize.restore_statefuls(result, prepared.statefuls or [])
-
-
-def _check_plain_values(prepared: LoadRequest, result: StateDict, strict: StrictHandling) -> None:
-    """Plain values requested but absent from the checkpoint's common state are unexpected
-    keys, handled by `strict` as for tensors (raised by default, as DCP does)."""
-    absent = _normalize.missing_plain_keys(prepared.plain, result)
-    if not absent or strict == StrictHandling.IGNORE_ALL:
-        return
-    if strict in (StrictHandling.LOG_UNEXPECTED, StrictHandling.LOG_ALL):
-        logger.warning("Requested plain values not in the checkpoint: %s", sorted(absent))
-    elif StrictHandling.requires_returning_mismatch_keys(strict):
-        prepared.unexpected_keys |= absent
-    else:
-        raise KeyMismatchError(
-            f"Requested values not in the checkpoint's common state: {sorted(absent)[:20]} "
-            "(load with strict='log_unexpected' or 'return_unexpected' to skip them, or drop "
-            "them from the request)"
-        )
 
 
 #: `(function, args)` calls run in an async save's background writer
@@ -283,7 +157,7 @@ def prepare_save(
     # checks that its bucket can be reached
     if node_local or _dist.get_rank() == 0 or objstore.split(ckpt) is not None:
         objstore.makedirs(ckpt)
-    records = _records(sharded_part)
+    records = shard_records(sharded_part)
     if getattr(sharded, "records_plain_values", False) and _dist.get_rank() == 0:
         sharded_part = _with_plain_items(sharded_part, common_part)
     deferred = None
@@ -335,7 +209,7 @@ def agree_on_preparation(
     """Collective: agrees on preparation failures (raising on every rank), then checks the
     global sharding by key (`_sharding_agreement`; skipped when no rank's shards changed).
     The same agreement carries rank 0's claim token to every rank."""
-    agreement = _agree(
+    agreement = agree(
         plan.records if plan is not None else [],
         _save_agreement,
         error=error,

@@ -1,13 +1,14 @@
 """Invariant checks run when a `ShardedTensor` or `ShardedObject` is built; each raises
 `CheckpointingException` naming the key and the broken invariant. Keys become paths only
-through `safe_join`, which refuses anything outside the checkpoint."""
+through `safe_join`, which refuses anything outside the checkpoint, and a save's separation
+hint only as a plain file-name prefix (`check_separation_hint`)."""
 
 from __future__ import annotations
 
 import math
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Optional, Sequence, Tuple
 
 import torch
 
@@ -20,6 +21,7 @@ if TYPE_CHECKING:
 __all__ = [
     "as_int_tuple",
     "check_key_is_safe_relative_path",
+    "check_separation_hint",
     "check_replica_id",
     "check_sharded_object",
     "check_sharded_tensor",
@@ -194,6 +196,29 @@ def check_key_is_safe_relative_path(key: str, what: str = "key") -> None:
             raise CheckpointingException(
                 f"Invalid {what} {key!r}: path components may not be empty, '.' or '..'"
             )
+
+
+def check_separation_hint(hint: Optional[str]) -> None:
+    """Refuses a `separation_hint` that would not make a plain file name in the checkpoint
+    directory (it starts the names of the files it selects).
+
+    Raises:
+        CheckpointingException: naming the hint and why.
+    """
+    if hint is None or hint == "":
+        return
+    why = ""
+    if not isinstance(hint, str):
+        why = f"it is a {type(hint).__name__}, not a str"
+    elif any(c in hint for c in "/\\\0") or os.path.isabs(hint):
+        why = "it holds a path separator (files go inside the checkpoint directory only)"
+    elif hint.startswith("."):
+        why = "it starts with '.' (a relative path, or a hidden name that tools skip)"
+    if why:
+        raise CheckpointingException(
+            f"separation_hint {hint!r} is refused: {why}; it prefixes data file names, so "
+            "use a plain name such as 'optimizer.'"
+        )
 
 
 def safe_join(root: str | os.PathLike[str], key: str, suffix: str = "") -> Path:

@@ -2,7 +2,8 @@
 
 Collective entry points are called on every rank, in the same order; a failure on any rank
 raises a `CheckpointingException` on every rank. Node-local backends take the flow in
-`_node_local_flow`; shared steps live in `_save_pipeline` and `_strategy_selection`.
+`_node_local_flow`; shared steps live in `_save_pipeline`, `_load_pipeline` and
+`_strategy_selection`.
 """
 
 from __future__ import annotations
@@ -16,13 +17,12 @@ from typing import Callable, Dict, Optional, Set, Tuple, Union
 
 from . import _dist, _node_local_flow
 from ._claim import verify_claim
+from ._load_pipeline import finish_load, prepare_load_request
 from ._save_pipeline import (
     CONTENT_METADATA_KEY,
     SavePlan,
     agree_on_preparation,
-    finish_load,
     make_commit,
-    prepare_load_request,
     prepare_save,
     save_common,
 )

@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 
 from . import _dist
-from ._save_pipeline import complete_request, prepare_load_request, save_preprocess
+from ._load_pipeline import complete_request, prepare_load_request
+from ._save_pipeline import save_preprocess
 from ._types import ShardedStateDict, StateDict
 from .dict_utils import dict_list_map_inplace, dict_list_map_outplace, merge, nested_values
 from .errors import CheckpointingException

@@ -7,6 +7,7 @@ share what it caches). Every request goes through `faults.check` (the test seam)
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -23,7 +24,6 @@ from .buffers import aligned
 __all__ = [
     "FileWriter",
     "create_new",
-    "remove_name",
     "pwrite_all",
     "read_file",
     "read_region",
@@ -125,21 +125,14 @@ def read_file(path: PathLike) -> torch.Tensor:
 
 #: refuse to open a symlink (0 where the platform has no such flag)
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-
-
-def remove_name(path: PathLike) -> None:
-    """Removes a directory entry left at `path` (a file, a symlink, a hard link), if any:
-    removing a name never changes what another name of the same file holds."""
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
+#: a new file only: FileExistsError where the name exists (a file or a link)
+_NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW
 
 
 def create_new(path: PathLike, mode: int = 0o644) -> int:
     """Opens a new file for writing (O_CREAT | O_EXCL | O_NOFOLLOW): FileExistsError when
     the name exists, so nothing is ever written through an existing name or link."""
-    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, mode)
+    return os.open(path, _NEW, mode)
 
 
 def pwrite_all(fd: int, view: memoryview, offset: int, path: str, direct: bool) -> None:
@@ -180,12 +173,10 @@ class FileWriter:
     ) -> None:
         self.path, self.size = os.fspath(path), size
         self._directory = os.path.dirname(self.path)
-        if overwrite:
-            flags = os.O_WRONLY | _NOFOLLOW
-        else:
-            if not exclusive:
-                remove_name(self.path)
-            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW
+        if not (overwrite or exclusive):  # removing a name never changes another name's file
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+        flags = (os.O_WRONLY | _NOFOLLOW) if overwrite else _NEW
         self.direct = False
         self.fd = -1
         if direct and hasattr(os, "O_DIRECT") and self._directory not in _refused:
@@ -236,10 +227,8 @@ class FileWriter:
         """Closes the file after a failure (if still open); `remove` also deletes it."""
         self._close()
         if remove:
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(self.path)
-            except OSError:
-                pass
 
     def _close(self) -> None:
         if self.fd >= 0:

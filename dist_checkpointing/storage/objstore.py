@@ -22,7 +22,7 @@ from . import msc
 
 __all__ = ["ObjectWriter", "split", "read_range", "prefetching", "read_object", "put_object"]
 __all__ += ["stat", "exists", "is_file", "is_dir", "listdir", "makedirs", "remove"]
-__all__ += ["remove_tree", "replace_tree", "put_new_object"]
+__all__ += ["remove_tree", "replace_tree"]
 
 logger = logging.getLogger(__name__)
 
@@ -281,18 +281,15 @@ def read_object(path: Any, limit: int) -> Optional[bytes]:
         return b""
 
 
-def put_object(path: Any, data: bytes) -> None:
-    """Writes a whole object in one PUT (readers see the old object or all of the new one)."""
-    _call("upload to", split(path) or _NOWHERE, "put_object", Body=data)
-
-
-def put_new_object(path: Any, data: bytes) -> None:
-    """Creates an object in one PUT that fails if it exists (`If-None-Match: *`).
+def put_object(path: Any, data: bytes, *, new: bool = False) -> None:
+    """Writes a whole object in one PUT (readers see the old object or all of the new one).
 
     Raises:
-        FileExistsError: the object exists (or another writer's conditional PUT of it won).
+        FileExistsError: with `new` (a PUT with `If-None-Match: *`), the object exists (or
+            another writer's conditional PUT of it won).
     """
-    _call("upload to", split(path) or _NOWHERE, "put_object", Body=data, IfNoneMatch="*")
+    only_if_new = {"IfNoneMatch": "*"} if new else {}
+    _call("upload to", split(path) or _NOWHERE, "put_object", Body=data, **only_if_new)
 
 
 def _list(loc: Loc, delimiter: str = "") -> Tuple[List[Any], List[str]]:

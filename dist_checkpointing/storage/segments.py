@@ -15,10 +15,11 @@ import torch
 from .buffers import ALIGN, CHUNK, ChunkBuffers, aligned
 from .direct import FileWriter, PathLike, Progress
 
-__all__ = ["ChunkStream", "StreamedFile", "write_segments"]
+__all__ = ["ChunkStream", "StreamedFile", "write_chunks", "write_segments"]
 
 
-def _write_chunks(out: FileWriter, buf: np.ndarray, pos: int) -> None:
+def write_chunks(out: Any, buf: np.ndarray, pos: int) -> None:
+    """Writes `buf` (flat uint8) at `pos` of `out` (a `FileWriter`), `CHUNK` bytes a request."""
     view = memoryview(buf)  # type: ignore[arg-type]
     for start in range(0, buf.size, CHUNK):
         out.write(view[start : start + CHUNK], pos + start)
@@ -52,13 +53,13 @@ def write_segments(
     try:
         if out.direct and in_pages:
             assert padded is not None
-            _write_chunks(out, padded, 0)
+            write_chunks(out, padded, 0)
         elif out.direct:
             _stream(out, segments)
         else:
             pos = 0
             for seg in segments:
-                _write_chunks(out, seg, pos)
+                write_chunks(out, seg, pos)
                 pos += seg.size
         out.finish(fsync)
     except BaseException:

@@ -19,6 +19,7 @@ import xxhash
 from ..errors import NotACheckpointError
 from . import _info
 from ._info import CheckpointInfo, PathArg
+from ._local_info import LocalPart, fill_local, local_parts, local_tier, tier_step
 
 __all__ = ["Unsupported", "describe_light"]
 
@@ -230,13 +231,13 @@ def _config(ckpt: Path) -> Any:
     return body
 
 
-def _local_shallow(info: CheckpointInfo, deep: bool, parts: List[_info.LocalPart]) -> None:
+def _local_shallow(info: CheckpointInfo, deep: bool, parts: List[LocalPart]) -> None:
     """Fills `info` from which parts of a local checkpoint exist (reading them is the full
     reader's work: one decoder of the local format)."""
     if deep:
         raise Unsupported("reading local parts")
     try:
-        _info.fill_local(info, parts, lambda part: {}, deep=False)
+        fill_local(info, parts, lambda part: {}, deep=False)
     except NotACheckpointError as e:  # no parts: the full reader names the problem
         raise Unsupported(str(e)) from e
 
@@ -249,10 +250,10 @@ def describe_light(path: PathArg, deep: bool = True, step: Optional[int] = None)
     ckpt = Path(path)
     config = _config(ckpt) if ckpt.is_dir() else None
     m = _STEP_DIR.fullmatch(ckpt.name)
-    if config is None and (tier := _info.local_tier(ckpt)):  # a checkpoint manager's local tier
-        info = _info.tier_step(ckpt, tier, step)
+    if config is None and (tier := local_tier(ckpt)):  # a checkpoint manager's local tier
+        info = tier_step(ckpt, tier, step)
         if info.complete:
-            _local_shallow(info, deep, _info.local_parts(ckpt, info.step))
+            _local_shallow(info, deep, local_parts(ckpt, info.step))
         return info
     if step is not None:
         raise Unsupported("a step outside a local tier")
@@ -261,7 +262,7 @@ def describe_light(path: PathArg, deep: bool = True, step: Optional[int] = None)
         backend = f"local v{config.get('sharded_backend_version', 1)}"
         date = _info.date_of(ckpt / "metadata.json")
         info = CheckpointInfo(str(ckpt), "local", True, step, backend, _info.disk_size(ckpt), date)
-        _local_shallow(info, deep, _info.local_parts(ckpt))
+        _local_shallow(info, deep, local_parts(ckpt))
         return info
     if not (ckpt / ".metadata").is_file():
         raise Unsupported("no .metadata")

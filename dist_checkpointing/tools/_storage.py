@@ -20,16 +20,18 @@ from .._safe_load import torch_load
 from ..errors import CheckpointCorruptedError, CheckpointingException
 from ..integrity import Checksums
 from ..integrity import read_checksums as maybe_checksums
+from ..storage import objstore
 from ..strategies.torch_dist.metadata_file import (
     DCP_METADATA_FNAME,
     INDEX_FNAME,
-    check_index,
+    open_for_load,
     plain_value_keys,
 )
 from ..strategies.torch_dist.metadata_file import read_metadata as read_dcp_metadata
 from ..strategies.torch_dist.plan import TensorRequest, plan_tensor_reads
 from ..strategies.torch_dist.reader import read_byte_items, read_tensor_items
-from ._info import LocalPart, unwrap_object
+from ._info import unwrap_object
+from ._local_info import LocalPart
 
 __all__ = [
     "DCP_METADATA_FNAME",
@@ -88,6 +90,40 @@ def stored_items(metadata: Metadata) -> Iterator[StoredItem]:
         yield StoredItem(index.fqn, offsets, file, int(info.offset), int(info.length))
 
 
+def _said_of(md: Metadata, key: str) -> Tuple[Any, ...]:
+    """What `md` says of `key`: its kind, dtype and shape, and each stored chunk's box and
+    location (`.metadata` and its index must say the same)."""
+    entry: Any = md.state_dict_metadata.get(key)
+    tensor = isinstance(entry, TensorStorageMetadata)
+    boxes = [(tuple(c.offsets), tuple(c.sizes)) for c in entry.chunks] if tensor else [None]
+    where = []
+    for box in boxes:
+        info = md.storage_data.get(MetadataIndex(key, box[0] if box else None))
+        where.append(info and (str(info.relative_path), info.offset, info.length))
+    head = (entry.properties.dtype, tuple(entry.size)) if tensor else ()
+    return type(entry), head, boxes, where
+
+
+def check_index(checkpoint_dir: Path, metadata: Metadata) -> None:
+    """The load's checks of the load index (`open_for_load`, every key), and that each
+    entry says what `.metadata` (`metadata`) says: `verify` judges the file loads plan from.
+
+    Raises:
+        CheckpointCorruptedError: the index is malformed, points outside the checkpoint, or
+            differs from `.metadata` (naming the key).
+    """
+    path = Path(checkpoint_dir) / INDEX_FNAME
+    if not objstore.exists(path):
+        return
+    indexed = open_for_load(Path(checkpoint_dir), list(metadata.state_dict_metadata))
+    for key in indexed.state_dict_metadata:
+        if _said_of(indexed, key) != _said_of(metadata, key):
+            raise CheckpointCorruptedError(
+                f"{path}: the entry of {key!r} differs from {DCP_METADATA_FNAME}'s (damaged or "
+                "edited)"
+            )
+
+
 def read_full_tensor(
     ckpt: Path,
     metadata: Metadata,
@@ -123,7 +159,7 @@ def read_object(
 
 
 def read_local_part(part: LocalPart) -> Dict[str, Any]:
-    """The verified rank state of a local part, in the shape `_info.fill_local` reads."""
+    """The verified rank state of a local part, in the shape `_local_info.fill_local` reads."""
     from ..dict_utils import nested_values
     from ..local._image import decode_image, read_image
     from ..local.base_state_dict import TensorAwareStateDict

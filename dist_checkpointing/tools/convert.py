@@ -27,7 +27,8 @@ from ..core import maybe_load_config
 from ..errors import CheckpointExistsError, CheckpointingException, NotACheckpointError
 from ..strategies.torch_dist.zipformat import STORAGE_CLASS
 from . import _storage
-from ._info import PathArg, check_dir, is_stock_dcp, local_tier, unreadable_backend
+from ._info import PathArg, check_dir, is_stock_dcp, unreadable_backend
+from ._local_info import local_tier
 
 __all__ = ["ConvertResult", "convert_checkpoint", "parse_size", "SAFETENSORS_INDEX"]
 

@@ -10,6 +10,7 @@ from ..errors import CheckpointingException, NotACheckpointError
 from ..manager.layout import parse_step
 from . import _info, _storage
 from ._info import CheckpointInfo, ChecksumCoverage, PathArg, TensorInfo
+from ._local_info import fill_local, local_parts, local_tier, tier_step
 from ._storage import read_local_part
 from .listing import list_checkpoints
 
@@ -42,12 +43,12 @@ def describe(path: PathArg, deep: bool = True, step: Optional[int] = None) -> Ch
         info.size, info.date = _info.disk_size(ckpt), _info.date_of(ckpt)
         info.problem = f"damaged {CONFIG_FNAME}: {e}"
         return info
-    tier = _info.local_tier(ckpt) if config is None else {}
+    tier = local_tier(ckpt) if config is None else {}
     if tier:
-        info = _info.tier_step(ckpt, tier, step)
+        info = tier_step(ckpt, tier, step)
         if info.complete:
-            parts = _info.local_parts(ckpt, info.step)
-            _fill_or_explain(info, lambda: _info.fill_local(info, parts, read_local_part, deep))
+            parts = local_parts(ckpt, info.step)
+            _fill_or_explain(info, lambda: fill_local(info, parts, read_local_part, deep))
         return info
     if step is not None:
         raise NotACheckpointError(f"{ckpt}: step={step} selects an iteration of a local tier")
@@ -70,8 +71,8 @@ def describe(path: PathArg, deep: bool = True, step: Optional[int] = None) -> Ch
         info.backend = f"{config.sharded_backend} v{config.sharded_backend_version}"
         info.date = _info.date_of(ckpt / CONFIG_FNAME)
     if info.kind == "local":
-        parts = _info.local_parts(ckpt)
-        _fill_or_explain(info, lambda: _info.fill_local(info, parts, read_local_part, deep))
+        parts = local_parts(ckpt)
+        _fill_or_explain(info, lambda: fill_local(info, parts, read_local_part, deep))
     elif has_dcp:
         _fill_or_explain(info, lambda: _describe_dcp(ckpt, info, deep))
     elif config is not None and config.sharded_backend not in _info.TOOLS_READ:

@@ -10,6 +10,7 @@ from typing import List, Optional
 from . import _info
 from ._info import CheckpointInfo, PathArg
 from ._light import _STEP_DIR, Unsupported, describe_light
+from ._local_info import local_tier
 
 __all__ = ["list_checkpoints"]
 
@@ -35,7 +36,7 @@ def list_checkpoints(root: PathArg) -> List[CheckpointInfo]:
 
 
 def _visit(path: Path, depth: int, found: List[CheckpointInfo]) -> None:
-    tier = _info.local_tier(path) if not _info.exists(path / "metadata.json") else {}
+    tier = local_tier(path) if not _info.exists(path / "metadata.json") else {}
     if tier:
         found.extend(tier.values())
     elif _info.has_checkpoint_files(path) or _STEP_DIR.fullmatch(path.name):

@@ -27,18 +27,14 @@ from ..seal import MISMATCH, check_seal
 from ..storage import objstore
 from ..storage.fileio import open_read
 from . import _storage
-from ._info import (
-    TOOLS_READ,
+from ._info import TOOLS_READ, PathArg, check_dir, is_stock_dcp, unreadable_backend
+from ._local_info import (
     LocalPart,
-    PathArg,
-    check_dir,
-    is_stock_dcp,
     local_parity,
     local_parts,
     local_tier,
     parity_status,
     tier_step,
-    unreadable_backend,
 )
 
 __all__ = ["Problem", "VerifyReport", "verify_checkpoint"]

@@ -103,7 +103,7 @@ def test_sync_save_of_cuda_tensors_streams_through_pinned_chunks_and_loads_exact
 
 def _staged(tmp_path, monkeypatch):
     """A staged image, and the streamed writer's file and digests of the same tensors."""
-    monkeypatch.setattr(writer, "CHUNK", 4 * 4096)
+    monkeypatch.setattr(segments, "CHUNK", 4 * 4096)  # many requests per image
     entries = _entries()
     plan = writer.plan_file("f.distcp", entries)
     buf = torch.empty(-(-plan.size // 4096) * 4096, dtype=torch.uint8)

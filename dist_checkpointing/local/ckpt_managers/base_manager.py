@@ -13,7 +13,7 @@ import concurrent.futures
 import logging
 import time
 from abc import ABC, abstractmethod
-from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -30,14 +30,11 @@ from ...errors import (
 from .._image import LocalImage, decode_image, finish_image, release_image, start_image
 from ..base_state_dict import TensorAwareStateDict
 from ..replication._parity_rebuild import rebuild_lost_parts, rebuildable
+from ..replication._retrieve import retrieve_parts
 from ..replication.strategies import (
     CkptID,
-    ExchangePlan,
     ImageSink,
     ReplicationStrategy,
-    host_group,
-    plan_retrieval,
-    transfer_parts,
 )
 
 __all__ = [
@@ -326,32 +323,6 @@ class BaseCheckpointManager(ABC):
                 owners.setdefault(iteration, set()).add(owner)
         return owners
 
-    def _retrieve(self, plan: ExchangePlan, held: Dict[CkptID, torch.Tensor]) -> List[Any]:
-        """Collective: one attempt at `plan`; usable parts (kept or received) go into `held`.
-        Returns the copies found unusable, as `(holder rank, id)`."""
-        me = self.rank
-        keep = [id_ for s, r, id_ in plan.transfers if s == r == me and id_ not in held]
-        with concurrent.futures.ThreadPoolExecutor(1, "dc-local-keep") as pool:
-            kept = pool.submit(lambda: [(me, i, self._checked(i)) for i in keep])
-            try:
-                got, unsent = transfer_parts(
-                    plan, lambda id_: self._load_image(id_)[0], host_group()
-                )
-            finally:
-                outcomes = kept.result()
-        for id_, (sender, buffer) in got.items():
-            where = f"local checkpoint part {describe_ckpt_id(id_)} (sent by rank {sender})"
-            outcomes.append((sender, id_, self._checked(id_, (buffer, where))))
-        bad = [(me, id_) for id_ in unsent]
-        for holder, id_, outcome in outcomes:
-            if isinstance(outcome, torch.Tensor):
-                held[id_] = outcome
-            else:
-                msg = "copy of part %s held by rank %d unusable, trying another: %s"
-                logger.warning(msg, describe_ckpt_id(id_), holder, outcome)
-                bad.append((holder, id_))
-        return bad
-
     def load(self) -> Tuple[TensorAwareStateDict, CkptID]:
         """Collective: loads this rank's part of the newest complete iteration (from itself
         when possible, else from a holder; a corrupted copy counts as missing).
@@ -380,33 +351,7 @@ class BaseCheckpointManager(ABC):
                 f"(session {self.session_id!r})"
             )
         mine = self._ckpt_id(iteration)
-        available = {
-            r: [tuple(i) for i in ids if i[0] == iteration]
-            for r, ids in enumerate(self.globally_available_ids)
-        }
-        # every rank wants its own part of the same iteration: no need to ask
-        everyone = {r: [(iteration, r, self.session_id)] for r in range(_dist.get_world_size())}
-        held: Dict[CkptID, torch.Tensor] = {}  # parts read here or received, verified
-        lost: Set[int] = set()
-        while True:
-            # parts without any copy left are rebuilt from parity below (or reported there)
-            copies = {tuple(i) for ids in available.values() for i in ids}
-            lost = {r for r, ids in everyone.items() if tuple(ids[0]) not in copies}
-            if not any(self.globally_available_parity):
-                lost = set()  # nothing to rebuild from: `plan_retrieval` names the part
-            wanted = {r: ids for r, ids in everyone.items() if r not in lost}
-            plan = plan_retrieval(available, wanted)  # type: ignore[arg-type]
-            bad = self._retrieve(plan, held)
-            reports = _dist.all_gather_object((bad, sorted(held)))
-            if not any(b for b, _ in reports):
-                break
-            # unusable copies are dropped, copies now in memory count as held there
-            for rank, (b, got) in enumerate(reports):
-                for holder, id_ in b:
-                    available[holder] = [i for i in available[holder] if i != tuple(id_)]
-                for id_ in got:
-                    if tuple(id_) not in available[rank]:
-                        available[rank].append(tuple(id_))
+        held, lost = retrieve_parts(self, iteration)
         if lost:
             rebuild_lost_parts(self, iteration, lost, held, self.globally_available_parity)
         image = held[mine]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import io
 import logging
 from pathlib import Path
-from typing import Any, Dict, Set
+from typing import Any, Dict
 
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
@@ -21,28 +21,16 @@ from ..._dist import get_rank
 from ..._safe_load import torch_load
 from ..._types import ShardedStateDict, StateDict
 from ...errors import CheckpointingException
+from ...seal import warn_unverified
 from ..base import CheckpointDir, LoadCommonStrategy, require_backend, require_version
 from .metadata_file import read_metadata
 from .reader import read_byte_items
 
-__all__ = ["DCP_COMMON_BACKEND", "DcpCommonLoadStrategy", "warn_unverified_once"]
+__all__ = ["DCP_COMMON_BACKEND", "DcpCommonLoadStrategy"]
 
 logger = logging.getLogger(__name__)
 
 DCP_COMMON_BACKEND = "dcp"
-_warned: Set[str] = set()
-
-
-def warn_unverified_once(ckpt: Path) -> None:
-    """Logs (rank 0, once per directory) that a stock DCP checkpoint has no checksums."""
-    name = str(ckpt)
-    if name not in _warned and get_rank() == 0:
-        _warned.add(name)
-        logger.warning(
-            "%s was written by stock PyTorch DCP (no metadata.json): it records no checksums, "
-            "so what is read from it is not verified",
-            ckpt,
-        )
 
 
 class DcpCommonLoadStrategy(LoadCommonStrategy):
@@ -72,7 +60,8 @@ class DcpCommonLoadStrategy(LoadCommonStrategy):
             UnsafeCheckpointError: an item holds objects outside the safe allowlist.
         """
         ckpt = Path(checkpoint_dir)
-        warn_unverified_once(ckpt)
+        if get_rank() == 0:  # (once per directory and process, as the load's own check)
+            warn_unverified(ckpt)
         metadata = read_metadata(ckpt)
         sdm = metadata.state_dict_metadata
         keys = sorted(k for k, v in sdm.items() if isinstance(v, BytesStorageMetadata))

@@ -282,8 +282,15 @@ class SaveFinalizer:
                     metadata = build_global_metadata(reports, dedup)
                 except _UnresolvedKey:
                     return _RESEND_WHOLE
-                except ShardingIntegrityError as e:
-                    raise _name_plain_value(e, planner_data) from e
+                except ShardingIntegrityError as e:  # say so where it names a plain value
+                    clash = [k for k in planner_data or {} if repr(k) in str(e)]
+                    if not clash:
+                        raise
+                    raise ShardingIntegrityError(
+                        f"{e}: {clash[0]!r} is the flat name of a plain value of the common state "
+                        "(stored for DCP readers) and the key of another rank's sharded tensor or "
+                        "object; rename one"
+                    ) from e
                 if planner_data:
                     metadata.planner_data = dict(planner_data)
                 self.files_cache = (key, serialize_metadata(metadata))
@@ -304,19 +311,6 @@ class SaveFinalizer:
         rate = gbps(nbytes, secs)
         logger.info(msg, ckpt, items, nbytes / 1e9, nbytes, files, len(gathered), secs, rate)
         return None
-
-
-def _name_plain_value(
-    error: ShardingIntegrityError, planner_data: Optional[Dict[str, Any]]
-) -> ShardingIntegrityError:
-    """`error`, saying so where the key it names is a plain value's flat name."""
-    clash = [k for k in planner_data or {} if repr(k) in str(error)]
-    if not clash:
-        return error
-    return ShardingIntegrityError(
-        f"{error}: {clash[0]!r} is the flat name of a plain value of the common state (stored "
-        "for DCP readers) and the key of another rank's sharded tensor or object; rename one"
-    )
 
 
 # rank 0's answers when a rank sent only a digest that rank 0 has no report for, and when a

@@ -113,6 +113,8 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         CheckpointingException: `thread_count` < 1.
     """
 
+    can_handle_sharded_objects = True
+
     def __init__(
         self,
         weights_only: bool = True,
@@ -129,10 +131,6 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
 
     def _checksums(self, ckpt: Path) -> Optional[Checksums]:
         return read_checksums(ckpt) if self.verify_checksums else None
-
-    @property
-    def can_handle_sharded_objects(self) -> bool:
-        return True
 
     def check_backend_compatibility(self, loaded_backend: str) -> None:
         require_backend(self, BACKEND, loaded_backend)

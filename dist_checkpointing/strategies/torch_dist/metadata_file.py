@@ -13,18 +13,7 @@ import json
 import logging
 import pickle
 from pathlib import Path
-from typing import (
-    Any,
-    Callable,
-    Collection,
-    Dict,
-    List,
-    Mapping,
-    Optional,
-    Sequence,
-    Set,
-    Tuple,
-)
+from typing import Any, Callable, Collection, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 import numpy as np
 import torch
@@ -52,7 +41,6 @@ __all__ = [
     "write_metadata_files",
     "read_metadata",
     "open_for_load",
-    "check_index",
     "plain_value_keys",
     "remove_sharded_tensors",
 ]
@@ -334,51 +322,14 @@ def open_for_load(
     return metadata
 
 
-def check_index(checkpoint_dir: Path, metadata: Metadata) -> None:
-    """The load's checks of the load index (`open_for_load`, every key), and that each
-    entry says what `.metadata` (`metadata`) says: `verify` judges the file loads plan from.
-
-    Raises:
-        CheckpointCorruptedError: the index is malformed, points outside the checkpoint, or
-            differs from `.metadata` (naming the key).
-    """
-    path = Path(checkpoint_dir) / INDEX_FNAME
-    if not objstore.exists(path):
-        return
-    indexed = open_for_load(Path(checkpoint_dir), list(metadata.state_dict_metadata))
-    for key, entry in indexed.state_dict_metadata.items():
-        stored = metadata.state_dict_metadata.get(key)
-        same = type(entry) is type(stored)
-        if same and isinstance(entry, TensorStorageMetadata):
-            chunks = [(tuple(c.offsets), tuple(c.sizes)) for c in entry.chunks]
-            same = (
-                entry.properties.dtype == stored.properties.dtype  # type: ignore[union-attr]
-                and tuple(entry.size) == tuple(stored.size)  # type: ignore[union-attr]
-                and chunks == [(tuple(c.offsets), tuple(c.sizes)) for c in stored.chunks]  # type: ignore[union-attr]
-            )
-        for index, info in indexed.storage_data.items() if same else ():
-            if index.fqn != key:
-                continue
-            other = metadata.storage_data.get(MetadataIndex(key, index.offset))
-            where = (str(info.relative_path), info.offset, info.length)
-            if other is None or where != (str(other.relative_path), other.offset, other.length):
-                same = False
-        if not same:
-            raise CheckpointCorruptedError(
-                f"{path}: the entry of {key!r} differs from {DCP_METADATA_FNAME}'s (damaged or "
-                "edited)"
-            )
-
-
 def plain_value_keys(ckpt: Path, metadata: Metadata) -> Set[str]:
     """Keys of the common state's plain values that our saves also record as DCP items
     (`_dcp_plain`): those `planner_data` names where `common.pt` holds the common state.
     (Stock DCP records every key there and has no `common.pt`; megatron-core records none.)"""
-    if not isinstance(metadata.planner_data, dict) or not metadata.planner_data:
-        return set()
-    if not objstore.is_file(Path(ckpt) / COMMON_STATE_FNAME):
-        return set()
-    return set(metadata.planner_data)
+    planner = metadata.planner_data
+    if isinstance(planner, dict) and planner and objstore.is_file(Path(ckpt) / COMMON_STATE_FNAME):
+        return set(planner)
+    return set()
 
 
 def remove_sharded_tensors(ckpt: Path, key_prefix: str) -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import io
 import itertools
 import math
-import os
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -55,29 +54,6 @@ SUPPORTED_VERSIONS = (1,)
 DATA_SUFFIX = ".distcp"
 
 
-def check_separation_hint(hint: Optional[str]) -> None:
-    """Refuses a `separation_hint` that would not make a plain file name in the checkpoint
-    directory (it starts the names of the files it selects).
-
-    Raises:
-        CheckpointingException: naming the hint and why.
-    """
-    if hint is None or hint == "":
-        return
-    why = ""
-    if not isinstance(hint, str):
-        why = f"it is a {type(hint).__name__}, not a str"
-    elif any(c in hint for c in "/\\\0") or os.path.isabs(hint):
-        why = "it holds a path separator (files go inside the checkpoint directory only)"
-    elif hint.startswith("."):
-        why = "it starts with '.' (a relative path, or a hidden name that tools skip)"
-    if why:
-        raise CheckpointingException(
-            f"separation_hint {hint!r} is refused: {why}; it prefixes data file names, so "
-            "use a plain name such as 'optimizer.'"
-        )
-
-
 def data_file_name(group: str, rank: int, index: int) -> str:
     """Name of a rank's n-th data file; `group` is '' or the separation hint."""
     return f"{group}__{rank}_{index}{DATA_SUFFIX}"
@@ -99,18 +75,25 @@ class WriteEntry:
         return len(self.data)
 
 
-def tensor_write_item(sh: ShardedTensor) -> WriteItem:
-    """The DCP write item of one ShardedTensor (prepended axes included in the chunk)."""
+def _chunk_item(
+    key: str, offsets: Sequence[int], sizes: Sequence[int], dtype: torch.dtype, size: Sequence[int]
+) -> WriteItem:
+    """The DCP write item of one chunk (`offsets`, `sizes`) of a tensor of global `size`."""
     return WriteItem(
-        index=MetadataIndex(sh.key, torch.Size(sh.global_offset)),
+        index=MetadataIndex(key, torch.Size(offsets)),
         type=WriteItemType.SHARD,
         tensor_data=TensorWriteData(
-            chunk=ChunkStorageMetadata(
-                offsets=torch.Size(sh.global_offset), sizes=torch.Size(sh.prepended_local_shape)
-            ),
-            properties=TensorProperties(dtype=sh.dtype),
-            size=torch.Size(sh.global_shape),
+            chunk=ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)),
+            properties=TensorProperties(dtype=dtype),
+            size=torch.Size(size),
         ),
+    )
+
+
+def tensor_write_item(sh: ShardedTensor) -> WriteItem:
+    """The DCP write item of one ShardedTensor (prepended axes included in the chunk)."""
+    return _chunk_item(
+        sh.key, sh.global_offset, sh.prepended_local_shape, sh.dtype, sh.global_shape
     )
 
 
@@ -122,22 +105,11 @@ def object_write_item(sh: ShardedObject) -> WriteItem:
 def plain_entry(item: PlainItem) -> WriteEntry:
     """The entry of a plain value of the common state, as `dcp.save` writes it: a tensor
     as one whole chunk, anything else as a byte item of `torch.save(value)`."""
-    if isinstance(item.data, torch.Tensor):
-        shape = torch.Size(item.data.shape)
-        zeros = torch.Size([0] * len(shape))
-        write = WriteItem(
-            index=MetadataIndex(item.fqn, zeros),
-            type=WriteItemType.TENSOR,
-            tensor_data=TensorWriteData(
-                chunk=ChunkStorageMetadata(offsets=zeros, sizes=shape),
-                properties=TensorProperties(dtype=item.data.dtype),
-                size=shape,
-            ),
-        )
-        return WriteEntry(write, item.data)
-    return WriteEntry(
-        WriteItem(index=MetadataIndex(item.fqn), type=WriteItemType.BYTE_IO), item.data
-    )
+    data = item.data
+    if isinstance(data, torch.Tensor):
+        write = _chunk_item(item.fqn, [0] * data.dim(), data.shape, data.dtype, data.shape)
+        return WriteEntry(write, data)
+    return WriteEntry(WriteItem(index=MetadataIndex(item.fqn), type=WriteItemType.BYTE_IO), data)
 
 
 def serialize_object(obj: object) -> bytes:

@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from ..._dcp_plain import PlainItem
 from ..._dist import get_rank
 from ..._progress import byte_progress
+from ..._shard_checks import check_separation_hint
 from ..._types import ShardedStateDict
 from ...async_save import AsyncRequest
 from ...dict_utils import nested_values
@@ -33,7 +34,6 @@ from .metadata_file import DCP_METADATA_FNAME, INDEX_FNAME
 from .plan import (
     BACKEND,
     WriteEntry,
-    check_separation_hint,
     data_file_name,
     is_empty_chunk,
     object_write_item,
@@ -87,6 +87,8 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             `common.pt` holds them either way (docs/dcp.md).
     """
 
+    can_handle_sharded_objects = True
+
     def __init__(
         self,
         backend: str = BACKEND,
@@ -119,19 +121,19 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         self._finalizer = SaveFinalizer()
 
     @property
-    def can_handle_sharded_objects(self) -> bool:
-        return True
-
-    @property
     def records_plain_values(self) -> bool:
         """Whether saves hand this strategy the common state's plain values (`_dcp_plain`)."""
         return self.plain_values_for_dcp
 
-    def _local_entries(self, sharded_state_dict: ShardedStateDict) -> List[WriteEntry]:
-        entries = []
+    def _local_entries(
+        self, sharded_state_dict: ShardedStateDict
+    ) -> Tuple[List[WriteEntry], Optional[Dict[str, Any]]]:
+        """This rank's write entries, and DCP's `planner_data` of its plain items (None: none)."""
+        entries, planner = [], {}
         for sh in nested_values(sharded_state_dict):
             if isinstance(sh, PlainItem):
                 entries.append(plain_entry(sh))
+                planner[sh.fqn] = sh.path
                 continue
             if not isinstance(sh, ShardedBase):
                 continue
@@ -150,7 +152,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
                 raise CheckpointingException(
                     f"{self} cannot save {type(sh).__name__} {sh.key!r}; apply factories first"
                 )
-        return entries
+        return entries, planner or None
 
     def _plan_files(self, entries: List[WriteEntry]) -> List[Tuple[writer.FilePlan, List[Any]]]:
         """`(layout, item sources)` of each of this rank's data files."""
@@ -176,8 +178,9 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         written: List[WriteResult] = []
         error: Optional[BaseException] = None
         jobs: List[Tuple[writer.FilePlan, List[Any], None]] = []
+        planner = None
         try:
-            entries = self._local_entries(sharded_state_dict)
+            entries, planner = self._local_entries(sharded_state_dict)
             items = [e.item for e in entries]
             jobs = [(plan, sources, None) for plan, sources in self._plan_files(entries)]
             with byte_progress(f"save {ckpt.name}", sum(job[0].size for job in jobs)) as progress:
@@ -187,7 +190,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         except Exception as e:  # reported to rank 0 and re-raised on every rank
             error = e
         try:
-            self._finalize(ckpt, items, written, error, start, _planner_data(sharded_state_dict))
+            self._finalize(ckpt, items, written, error, start, planner=planner)
         except BaseException:  # no commit follows: what this rank wrote goes
             _discard(ckpt, [plan.name for plan, _, _ in jobs])
             raise
@@ -205,7 +208,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         """
         ckpt = Path(checkpoint_dir)
         start = time.perf_counter()
-        entries = self._local_entries(sharded_state_dict)
+        entries, planner = self._local_entries(sharded_state_dict)
         devices = {
             e.data.device for e in entries if isinstance(e.data, torch.Tensor) and e.data.is_cuda
         }
@@ -229,11 +232,10 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             [],
             description=f"torch_dist save to {ckpt}",
         )
-        planner = _planner_data(sharded_state_dict)
         finalized: List[bool] = []
 
         def finalize() -> None:
-            self._finalize(ckpt, items, request.result, None, start, planner)
+            self._finalize(ckpt, items, request.result, None, start, planner=planner)
             finalized.append(True)
 
         def discard_unless_finalized() -> None:  # the writes failed, or the finalization
@@ -248,16 +250,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         logger.debug("rank %d staged %d bytes for %s in %.3f s", get_rank(), nbytes, ckpt, secs)
         return request
 
-    def _finalize(self, *args: Any) -> None:
-        """Collective: `SaveFinalizer.finalize(ckpt, items, written, error, start, planner)`."""
+    def _finalize(self, *args: Any, planner: Optional[Dict[str, Any]]) -> None:
+        """Collective: `SaveFinalizer.finalize(ckpt, items, written, error, start)`."""
         dedup = not self.keep_only_main_replica
-        *rest, planner = args
-        self._finalizer.finalize(*rest, dedup=dedup, checksums=self.checksums, planner_data=planner)
-
-
-def _planner_data(sharded_state_dict: ShardedStateDict) -> Optional[Dict[str, Any]]:
-    """DCP's `planner_data` of the plain items among `sharded_state_dict` (None: none)."""
-    planner = {
-        it.fqn: it.path for it in nested_values(sharded_state_dict) if isinstance(it, PlainItem)
-    }
-    return planner or None
+        self._finalizer.finalize(*args, dedup=dedup, checksums=self.checksums, planner_data=planner)

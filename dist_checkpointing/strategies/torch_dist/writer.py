@@ -22,8 +22,8 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from ...integrity import BlockSums, ItemSum, checksum, write_item_sums
 from ...storage import ALIGN, FileWriter, fsync_dir, objstore
-from ...storage.buffers import CHUNK, aligned
-from ...storage.segments import ChunkStream
+from ...storage.buffers import aligned
+from ...storage.segments import ChunkStream, write_chunks
 from .plan import WriteEntry
 from .verify import flat_bytes
 from .zipformat import zip_item_layout
@@ -219,17 +219,10 @@ def write_image(
     """Writes a staged file image (async save's background writer), hashing it while a
     helper thread writes it (the digests go to the file's sidecar)."""
     flat = buf.numpy()
-    padded = aligned(plan.size)
-    view = memoryview(flat)  # type: ignore[arg-type]
     out = _open(directory / plan.name, plan.size, direct)
-
-    def write_all() -> None:
-        for start in range(0, padded, CHUNK):
-            out.write(view[start : min(padded, start + CHUNK)], start)
-
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dc-write-io")
     try:
-        writes = pool.submit(write_all)
+        writes = pool.submit(write_chunks, out, flat[: aligned(plan.size)], 0)
         try:
             sums = _image_sums(plan, flat) if checksums else []
         finally:
