@@ -248,22 +248,19 @@ class ParityReplicationStrategy(ReplicationStrategy):
         total: int,
         header: Dict[str, Any],
     ) -> None:
-        """XORs the peers' segments chunk by chunk into this rank's parity record, written by
-        a writer thread meanwhile (two accumulators: chunk c is combined while c-1 is being
-        written); a failed write keeps draining (the peers' sends must complete), then raises."""
-        errors: List[BaseException] = []
+        """XORs the peers' segments chunk by chunk into this rank's parity record; a failed
+        write keeps draining (the peers' sends must complete), then raises."""
+        error: Optional[BaseException] = None
         sink: Any = None
         try:
             sink = open_sink(record_id, total)
         except Exception as e:
-            errors.append(e)
+            error = e
         starts = list(range(0, seg, pm.PARITY_CHUNK))
-        # a slot's buffers are free again once its chunk is combined (lag 0) or, with one
-        # peer (written straight from the buffer), once it is written (lag 1)
-        lag = 1 if len(peers) == 1 else 0
-        slots = min(WINDOW + lag, len(starts))
-        accs = _buffers(2 * (1 - lag)) if starts else []
-        bufs = _buffers(slots * len(peers))
+        slots = min(WINDOW, len(starts))
+        bufs = _buffers(slots * len(peers) + 1)
+        acc = bufs.pop()
+        sums: List[int] = []
         tags = [0] * len(peers)
 
         def post(c: int) -> List[Any]:
@@ -280,45 +277,35 @@ class ParityReplicationStrategy(ReplicationStrategy):
                 buf[max(0, min(n, nbytes - lo)) : n] = 0  # past the sender's part: padding
             return works
 
-        def put(out: np.ndarray, lo: int) -> int:
-            digest = checksum(out)
-            if not errors:
-                try:
-                    sink.write(out, lo)
-                except Exception as e:  # keep draining
-                    errors.append(e)
-            return digest
-
-        written: List[concurrent.futures.Future] = []
         pending = deque(post(c) for c in range(slots))
         try:
-            with concurrent.futures.ThreadPoolExecutor(1, "dc-parity-write") as writer:
-                for c, lo in enumerate(starts):
-                    wait_all(pending.popleft())
-                    n = min(pm.PARITY_CHUNK, seg - lo)
-                    got = bufs[(c % slots) * len(peers) : (c % slots + 1) * len(peers)]
-                    out = got[0][:n]
-                    if not lag:
-                        if c >= 2:
-                            written[c - 2].result()  # its accumulator is free again
-                        out = accs[c % 2][:n]
-                        pm.xor_of(out, got[0][:n], got[1][:n])
-                        for more in got[2:]:
-                            xor_into(out, more[:n])
-                    written.append(writer.submit(put, out, lo))
-                    if lag and c >= 1:
-                        written[c - 1].result()
-                    free = c - lag
-                    if free >= 0 and free + slots < len(starts):
-                        pending.append(post(free + slots))
-                sums = [f.result() for f in written]
-            _give_back([*bufs, *accs])  # not after a failed receive: it may still land
-            if not errors:
+            for c, lo in enumerate(starts):
+                wait_all(pending.popleft())
+                n = min(pm.PARITY_CHUNK, seg - lo)
+                got = bufs[(c % slots) * len(peers) : (c % slots + 1) * len(peers)]
+                out = got[0][:n]
+                if len(got) > 1:
+                    out = acc[:n]
+                    pm.xor_of(out, got[0][:n], got[1][:n])
+                    for more in got[2:]:
+                        xor_into(out, more[:n])
+                    if c + slots < len(starts):  # this slot's buffers are free again
+                        pending.append(post(c + slots))
+                sums.append(checksum(out))
+                if error is None:
+                    try:
+                        sink.write(out, lo)
+                    except Exception as e:  # keep draining
+                        error = e
+                if len(got) == 1 and c + slots < len(starts):  # written from its buffer
+                    pending.append(post(c + slots))
+            if error is None:
                 sink.write(record_trailer(header, sums, seg), seg)
                 sink.close()
                 sink = None
         finally:
             if sink is not None:
                 sink.abort()
-        if errors:
-            raise errors[0]
+            _give_back([*bufs, acc])
+        if error is not None:
+            raise error
