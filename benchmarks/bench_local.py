@@ -22,7 +22,8 @@ The save rows rotate their order from round to round, each after an untimed `syn
   save of each kind (ours torch_dist and local) comes first, so one-time costs (pools,
   threads) are not counted, and the timed saves of the two kinds alternate;
 - with `--nvrx-python PY` (a Python with nvidia-resiliency-ext 0.4.1 and torch, e.g. a side
-  venv): its LocalCheckpointManager with replication factor 2, run by
+  venv; `--nvrx-path DIR` puts DIR on its PYTHONPATH, e.g. `/work/main/.mcore19/site` with
+  0.7.0 beside the megatron-core 0.19 venv): its LocalCheckpointManager with replication factor 2, run by
   `benchmarks/nvrx_local_side.py` in that interpreter, in the same run (our package never
   imports it);
 - `--phases parity` (not in the default): parity replication against clique factor 2 on
@@ -299,7 +300,10 @@ def _nvrx(args: argparse.Namespace, world: int) -> Dict[str, Any]:
         "--dir",
         os.path.join(args.dir, f"nvrx_w{world}"),
     ]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, cwd="/")
+    env = dict(os.environ)
+    if args.nvrx_path:  # where nvidia-resiliency-ext lies (e.g. unpacked wheels), not ours
+        env["PYTHONPATH"] = args.nvrx_path
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, cwd="/", env=env)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-4000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -404,6 +408,12 @@ def main() -> None:
         "--nvrx-python",
         default=os.environ.get("DIST_CKPT_NVRX_PYTHON", ""),
         help="Python with nvidia-resiliency-ext 0.4.1 (default $DIST_CKPT_NVRX_PYTHON; empty: skip)",
+    )
+    parser.add_argument(
+        "--nvrx-path",
+        default=os.environ.get("DIST_CKPT_MCORE19_PATH", ""),
+        help="PYTHONPATH of --nvrx-python (default $DIST_CKPT_MCORE19_PATH: the folder with "
+        "nvidia-resiliency-ext 0.7.0 unpacked; empty: its own site-packages)",
     )
     parser.add_argument("--parity-world", type=int, default=4)
     parser.add_argument("--parity-k", type=int, default=4, help="parity group size")

@@ -6,9 +6,12 @@ with all-reduce). The manager saves a node-local checkpoint every 2 steps and a 
 ones, and on start resumes from the newest usable checkpoint of either tier.
 
 Run it, interrupt it (Ctrl-C, or `kill -9` one rank), run it again: it continues from
-the newest complete checkpoint and the loss picks up where it was.
+the newest complete checkpoint and the loss picks up where it was. With `--parity K` the
+local tier survives the loss of one node (here: one rank's local directory) per group of K
+by XOR parity (`ParityReplicationStrategy`).
 
     python examples/train_with_manager.py /tmp/run1 --steps 60
+    python examples/train_with_manager.py /tmp/run2 --world-size 4 --parity 4
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from dist_checkpointing import CheckpointManager, CheckpointManagerOptions, ShardedTensor
+from dist_checkpointing.local.replication.strategies import ParityReplicationStrategy
 
 FEATURES, OUTPUTS, BATCH = 16, 4, 32
 
@@ -57,11 +61,15 @@ def train(rank: int, world: int, rendezvous: str, args: argparse.Namespace) -> N
         timeout=datetime.timedelta(seconds=60),
     )
     print(f"rank {rank} pid {os.getpid()}", flush=True)
+    replication = None
+    if args.parity:  # collective: every rank builds it; one rank per "node" here
+        replication = ParityReplicationStrategy.from_replication_params(1, args.parity)
     options = CheckpointManagerOptions(
         save_interval=10,  # persistent (torch_dist, async) checkpoint every 10 steps
         keep_last=2,  # keep the 2 newest complete ones
         local_root=os.path.join(args.ckpt_dir, "local"),  # node-local tier ...
         local_save_interval=2,  # ... every 2 steps
+        replication=replication,  # None: the local tier is not replicated
     )
     manager = CheckpointManager(os.path.join(args.ckpt_dir, "persistent"), options)
     w = torch.zeros(FEATURES, OUTPUTS)
@@ -99,6 +107,9 @@ def main() -> None:
     parser.add_argument("ckpt_dir", help="where checkpoints go (persistent/ and local/)")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument(
+        "--parity", type=int, default=0, help="parity group size of the local tier (0: none)"
+    )
     parser.add_argument("--sleep", type=float, default=0.0, help="seconds per step (demo pace)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+from bisect import bisect_right
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
@@ -36,9 +37,12 @@ __all__ = [
     "holder_of",
     "segment_size",
     "padded_range",
+    "message_cuts",
+    "message_ranges",
     "send_ranges",
     "contribution_ranges",
     "xor_into",
+    "xor_of",
     "encode",
     "rebuild",
     "record_trailer",
@@ -50,6 +54,8 @@ __all__ = [
 
 #: bytes per exchanged message and per checksummed piece of a parity record
 PARITY_CHUNK = 16 << 20
+#: a segment of a part this large or larger is sent from its own memory (smaller: copied)
+SMALL_MESSAGE = 1 << 20
 _PAGE = 4096
 _MAGIC = b"DCLPAR01"
 #: magic, segment size S, number of chunk checksums, header length, checksum of both
@@ -88,7 +94,7 @@ def padded_range(segments: Sequence[np.ndarray], lo: int, hi: int) -> np.ndarray
         if start <= lo and hi <= end:
             return seg[lo - start : hi - start]
         start = end
-    out = np.zeros(hi - lo, dtype=np.uint8)
+    out = np.empty(hi - lo, dtype=np.uint8)
     start = 0
     for seg in segments:
         end = start + int(seg.size)
@@ -96,6 +102,35 @@ def padded_range(segments: Sequence[np.ndarray], lo: int, hi: int) -> np.ndarray
         if a < b:
             out[a - lo : b - lo] = seg[a - start : b - start]
         start = end
+    out[max(0, min(hi, start) - lo) :] = 0  # the padding past the last segment
+    return out
+
+
+def message_cuts(sizes: Sequence[int]) -> List[int]:
+    """Where the messages of a part made of segments of `sizes` bytes are cut: at the start
+    and end of every segment of `SMALL_MESSAGE` bytes or more, so that each message is a view
+    of one segment's memory or a run of small segments (copied together)."""
+    cuts: List[int] = []
+    pos = 0
+    for n in sizes:
+        if n >= SMALL_MESSAGE:
+            cuts += [pos, pos + int(n)]
+        pos += int(n)
+    return sorted(set(cuts))
+
+
+def message_ranges(cuts: Sequence[int], total: int, lo: int, hi: int) -> List[Tuple[int, int]]:
+    """`[lo, hi)` of a part of `total` bytes (its padding excluded: nothing is sent for it)
+    cut at `cuts`: the byte ranges of the messages that carry it, on both sides alike."""
+    end = min(hi, total)
+    if lo >= end:
+        return []
+    out = []
+    i = bisect_right(cuts, lo)
+    while i < len(cuts) and cuts[i] < end:
+        out.append((lo, cuts[i]))
+        lo, i = cuts[i], i + 1
+    out.append((lo, end))
     return out
 
 
@@ -127,6 +162,14 @@ def xor_into(acc: np.ndarray, data: np.ndarray) -> None:
         np.bitwise_xor(acc.view(np.uint64), data.view(np.uint64), out=acc.view(np.uint64))
     else:
         np.bitwise_xor(acc, data, out=acc)
+
+
+def xor_of(out: np.ndarray, a: np.ndarray, b: np.ndarray) -> None:
+    """`out = a ^ b` (equal sizes), eight bytes at a time where all three allow it."""
+    if all(x.size % 8 == 0 and x.ctypes.data % 8 == 0 for x in (out, a, b)):
+        np.bitwise_xor(a.view(np.uint64), b.view(np.uint64), out=out.view(np.uint64))
+    else:
+        np.bitwise_xor(a, b, out=out)
 
 
 def encode(parts: Sequence[np.ndarray]) -> List[np.ndarray]:

@@ -22,11 +22,14 @@ from ._local_fns import error_of, node_root
 _strategies: Dict[int, ParityReplicationStrategy] = {}
 #: small messages, so that parts of a few hundred KiB span several chunks
 CHUNK = 64 << 10
+#: tensors of 16 KiB or more are sent from their own memory (smaller ones copied together)
+SMALL = 16 << 10
 
 
 def strategy(k: int) -> ParityReplicationStrategy:
     """One strategy (process groups) per group size and world, reused across tests."""
     _parity_math.PARITY_CHUNK = CHUNK
+    _parity_math.SMALL_MESSAGE = SMALL
     if k not in _strategies:
         _strategies[k] = ParityReplicationStrategy.from_replication_params(1, k)
     return _strategies[k]

@@ -162,14 +162,16 @@ class ParityReplicationStrategy(ReplicationStrategy):
         idx = self.ranks.index(me)
         iteration, _, session = id_
         infos: List[Any] = [None] * k
-        mine = (tuple(id_), int(image.nbytes), checksum(image.tail))
+        segs = image.segments()
+        cuts = pm.message_cuts([int(x.size) for x in segs])
+        mine = (tuple(id_), int(image.nbytes), checksum(image.tail), cuts)
         dist.all_gather_object(infos, mine, group=self.group)
-        for rank, (other, _, _) in zip(self.ranks, infos):
+        for rank, (other, *_) in zip(self.ranks, infos):
             if tuple(other) != (iteration, rank, session):
                 raise CheckpointingException(
                     f"Parity group {self.ranks}: rank {rank} saves {other}, rank {me} {tuple(id_)}"
                 )
-        sizes = [int(n) for _, n, _ in infos]
+        sizes = [int(n) for _, n, _, _ in infos]
         seg = segment_size(sizes, k)
         header = {
             "format": 1,
@@ -178,15 +180,18 @@ class ParityReplicationStrategy(ReplicationStrategy):
             "segment": seg,
             "chunk": pm.PARITY_CHUNK,
             "sizes": sizes,
-            "digests": [int(d) for _, _, d in infos],
+            "digests": [int(d) for _, _, d, _ in infos],
         }
         record_id = (iteration, me, session, PARITY)
         total = seg + trailer_size(header, seg, pm.PARITY_CHUNK)
         peers = [(i, r) for i, r in enumerate(self.ranks) if r != me]
+        # what each peer sends: (its offset of my parity's segment, its size, its cuts)
+        senders = [(assignment(idx, i, k) * seg, sizes[i], infos[i][3]) for i, _ in peers]
         with concurrent.futures.ThreadPoolExecutor(1, "dc-parity-recv") as pool:
             received = pool.submit(
                 self._receive,
                 peers,
+                senders,
                 seg,
                 open_sink,
                 record_id,
@@ -194,32 +199,49 @@ class ParityReplicationStrategy(ReplicationStrategy):
                 header,  # type: ignore[arg-type]
             )
             try:
-                self._send(peers, idx, k, seg, image.segments())
+                self._send(peers, idx, k, seg, segs, (int(image.nbytes), cuts))
             finally:
                 received.result()
         return []
 
     def _send(
-        self, peers: List[Tuple[int, int]], idx: int, k: int, seg: int, segs: List[np.ndarray]
+        self,
+        peers: List[Tuple[int, int]],
+        idx: int,
+        k: int,
+        seg: int,
+        segs: List[np.ndarray],
+        layout: Tuple[int, List[int]],
     ) -> None:
-        """Sends each peer the segment of this part its parity covers, chunk by chunk."""
+        """Sends each peer the segment of this part its parity covers, chunk by chunk, each
+        chunk as the messages `message_ranges` cuts it into (views of the part's memory
+        where a message lies in one tensor; the padding past the part is not sent)."""
+        nbytes, cuts = layout
         inflight: deque = deque()
+        tags = [0] * len(peers)
         try:
-            for c, lo in enumerate(range(0, seg, pm.PARITY_CHUNK)):
+            for lo in range(0, seg, pm.PARITY_CHUNK):
                 n = min(pm.PARITY_CHUNK, seg - lo)
-                for i, peer in peers:
+                works = []
+                for p, (i, peer) in enumerate(peers):
                     start = assignment(i, idx, k) * seg + lo
-                    msg = padded_range(segs, start, start + n)
-                    work = dist.isend(torch.from_numpy(msg), dst=peer, group=self.group, tag=c)
-                    inflight.append((work, msg))
-                while len(inflight) > WINDOW * len(peers):
-                    inflight.popleft()[0].wait()
+                    for a, b in pm.message_ranges(cuts, nbytes, start, start + n):
+                        msg = padded_range(segs, a, b)
+                        work = dist.isend(
+                            torch.from_numpy(msg), dst=peer, group=self.group, tag=tags[p]
+                        )
+                        works.append((work, msg))
+                        tags[p] += 1
+                inflight.append(works)
+                while len(inflight) > WINDOW:
+                    wait_all([w for w, _ in inflight.popleft()])
         finally:
-            wait_all([w for w, _ in inflight])
+            wait_all([w for works in inflight for w, _ in works])
 
     def _receive(
         self,
         peers: List[Tuple[int, int]],
+        senders: List[Tuple[int, int, List[int]]],
         seg: int,
         open_sink: OpenSink,
         record_id: Tuple[Any, ...],
@@ -239,33 +261,44 @@ class ParityReplicationStrategy(ReplicationStrategy):
         bufs = _buffers(slots * len(peers) + 1)
         acc = bufs.pop()
         sums: List[int] = []
+        tags = [0] * len(peers)
 
         def post(c: int) -> List[Any]:
             n = min(pm.PARITY_CHUNK, seg - starts[c])
-            base = (c % slots) * len(peers)
-            return [
-                dist.irecv(torch.from_numpy(bufs[base + p][:n]), src=peer, group=self.group, tag=c)
-                for p, (_, peer) in enumerate(peers)
-            ]
+            works = []
+            for p, (_, peer) in enumerate(peers):
+                buf = bufs[(c % slots) * len(peers) + p]
+                offset, nbytes, cuts = senders[p]
+                lo = offset + starts[c]
+                for a, b in pm.message_ranges(cuts, nbytes, lo, lo + n):
+                    into = torch.from_numpy(buf[a - lo : b - lo])
+                    works.append(dist.irecv(into, src=peer, group=self.group, tag=tags[p]))
+                    tags[p] += 1
+                buf[max(0, min(n, nbytes - lo)) : n] = 0  # past the sender's part: padding
+            return works
 
         pending = deque(post(c) for c in range(slots))
         try:
             for c, lo in enumerate(starts):
                 wait_all(pending.popleft())
                 n = min(pm.PARITY_CHUNK, seg - lo)
-                base = (c % slots) * len(peers)
-                out = acc[:n]
-                out[:] = bufs[base][:n]
-                for p in range(1, len(peers)):
-                    xor_into(out, bufs[base + p][:n])
-                if c + slots < len(starts):  # this slot's buffers are free again
-                    pending.append(post(c + slots))
+                got = bufs[(c % slots) * len(peers) : (c % slots + 1) * len(peers)]
+                out = got[0][:n]
+                if len(got) > 1:
+                    out = acc[:n]
+                    pm.xor_of(out, got[0][:n], got[1][:n])
+                    for more in got[2:]:
+                        xor_into(out, more[:n])
+                    if c + slots < len(starts):  # this slot's buffers are free again
+                        pending.append(post(c + slots))
                 sums.append(checksum(out))
                 if error is None:
                     try:
                         sink.write(out, lo)
                     except Exception as e:  # keep draining
                         error = e
+                if len(got) == 1 and c + slots < len(starts):  # written from its buffer
+                    pending.append(post(c + slots))
             if error is None:
                 sink.write(record_trailer(header, sums, seg), seg)
                 sink.close()
