@@ -371,8 +371,8 @@ def save(
     megatron loads it at any TP/PP/EP its sizes divide), the `_extra_state` objects
     megatron's load asks for, the description (`megatron_config`, as `import-hf` stores
     it) and, with `optimizer`, `optimizer.state.exp_avg.<key>` / `exp_avg_sq`, one
-    `common_step` and the param groups with megatron's fields (`wd_mult`, `lr_mult`,
-    `is_expert_parallel`, `is_decoupled_lr`: their defaults where the group lacks them).
+    `common_step` and the param groups of megatron-core's default grouping, valued from
+    the torch groups (which must agree within each; docs/huggingface.md has the rule).
     The vocabulary is not padded.
 
     Args:

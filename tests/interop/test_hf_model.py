@@ -167,11 +167,12 @@ def test_unmapped_parameter_names_say_why():
 @pytest.mark.interop
 @pytest.mark.timeout(900)
 @requires_side_venv
-def test_megatrons_fp32_optimizer_resumes_from_our_save_of_its_param_groups(results):
+def test_megatrons_fp32_optimizer_resumes_from_our_save_of_a_single_group_adamw(results):
     _check(
         results,
         [
             "megatron makes two groups by wd_mult",
+            "save refuses two lr in one megatron group",
             "FP32Optimizer.load_state_dict resumes our save",
             "FP32Optimizer.step after the load",
         ],
