@@ -108,15 +108,18 @@ def _optimizer_state(
     return out, steps.pop()
 
 
-def _megatron_group_of(name: str, p: torch.Tensor) -> Tuple[float, bool]:
+def _megatron_group_of(name: str, p: torch.Tensor, ep: int) -> Tuple[float, bool]:
     """`(wd_mult, is_expert_parallel)` of the group megatron-core's default grouping puts
     parameter `name` in: no weight decay for biases and 1-D parameters (norms), experts
-    apart from the rest (megatron does not all-reduce their gradients)."""
+    apart from the rest when expert-parallel (at EP=1 megatron all-reduces their gradients
+    like any other's and groups them with the rest)."""
     no_decay = p.dim() == 1 or name.endswith(".bias")  # a DTensor's `dim` is its global one
-    return (0.0 if no_decay else 1.0), ".experts." in name
+    return (0.0 if no_decay else 1.0), ep > 1 and ".experts." in name
 
 
-def _megatron_groups(optimizer: Any, params: Mapping[str, torch.Tensor]) -> List[Dict[str, Any]]:
+def _megatron_groups(
+    optimizer: Any, params: Mapping[str, torch.Tensor], ep: int
+) -> List[Dict[str, Any]]:
     """The optimizer's param groups regrouped as megatron-core's default `_get_param_groups`
     groups a GPTModel (its optimizer's `load_state_dict` needs the same number of groups,
     matched by their identifying fields), each with the hyperparameters of the torch groups
@@ -129,7 +132,7 @@ def _megatron_groups(optimizer: Any, params: Mapping[str, torch.Tensor]) -> List
         hyper = {k: v for k, v in group.items() if k != "params"}
         for p in group["params"]:
             name = names[id(p)]
-            key = _megatron_group_of(name, p)
+            key = _megatron_group_of(name, p, ep)
             fields = {"wd_mult": key[0], "lr_mult": 1.0, "is_expert_parallel": key[1]}
             fields["is_decoupled_lr"] = False
             for field in _IDENTIFIERS:
@@ -203,7 +206,7 @@ def _state_dict(
                 prefix = f"optimizer.state.{moment}."
                 replica = _replica(t, rank)
                 sd.update(_hf_layout.requests(prefix, name, sources[name], heads, t, replica))
-        groups = _megatron_groups(optimizer, params)
+        groups = _megatron_groups(optimizer, params, split[2])
         common_step = torch.tensor(step, dtype=torch.float32)
         sd["optimizer"] = {"param_groups": groups, "state": {"common_step": common_step}}
     # megatron's linear layers save an `_extra_state` object per layer (and expert) and its
