@@ -158,10 +158,9 @@ def _megatron_groups(
     # its `load_state_dict` matches groups by their fields, so the order is cosmetic
     for key in sorted(merged, key=lambda k: k[0] == 0.0):
         group = merged[key]
-        # megatron-core 0.19 also matches groups by `max_lr` / `min_lr` (its scheduler's
-        # bounds); a torch group has neither unless the user put them there
+        # megatron-core 0.19 also matches groups by `max_lr` (its optimizer config's `lr`)
+        # and `min_lr` (None unless configured: left out, a torch group may carry one)
         group.setdefault("max_lr", group.get("initial_lr", group.get("lr")))
-        group.setdefault("min_lr", 0.0)
         groups.append(group)
     return groups
 

@@ -12,6 +12,8 @@ SITE is a site-packages folder with transformers (0.19's interpreter has none): 
    writes it back.
 3. megatron-core 0.19 loads our save at TP=2 and TP=1 with its own model's sharded state
    dict; every tensor equals its load of its own checkpoint.
+4. 0.19's FP32Optimizer resumes from an `hf_model.save` of a single-group AdamW
+   (`hf_optimizer_side.py`).
 
 Each rank writes `WORKDIR/result.<rank>.json`: `{check name: "ok" | failure}`.
 """
@@ -53,6 +55,9 @@ def worker(rank: int, world: int, port: int, workdir: str) -> None:
         parallel_state.destroy_model_parallel()
         side.hf_checks(rank, workdir, results)
         side.megatron_loads(rank, workdir, results)
+        from hf_optimizer_side import optimizer_checks
+
+        optimizer_checks(rank, workdir, results)  # 0.19's FP32Optimizer resumes our save
     except Exception as e:  # reported by the test
         import traceback
 

@@ -56,7 +56,11 @@ def megatron_side(rank: int, workdir: str, hf: Dict[str, Any], results: Dict[str
     import torch
     from mcore_hf_side import BASE, build
     from megatron.core import dist_checkpointing as mdc
-    from megatron.core.optimizer import OptimizerConfig, _get_param_groups
+    from megatron.core.optimizer import (
+        OptimizerConfig,
+        _get_param_groups,
+        get_standard_config_overrides,
+    )
     from megatron.core.optimizer.optimizer import FP32Optimizer, MegatronOptimizer
 
     class CpuFP32Optimizer(FP32Optimizer):
@@ -76,7 +80,8 @@ def megatron_side(rank: int, workdir: str, hf: Dict[str, Any], results: Dict[str
 
     model = build({**BASE, "num_layers": 2}, 2, 1, 1, seed=5)
     config = OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.1, clip_grad=0.0)
-    groups = _get_param_groups([model], config, None)
+    # the overrides megatron's optimizer setup applies by default (0.19 no longer does with None)
+    groups = _get_param_groups([model], config, get_standard_config_overrides(config))
     results["megatron makes two groups by wd_mult"] = (
         "ok"
         if [g["wd_mult"] for g in groups] == [1.0, 0.0]

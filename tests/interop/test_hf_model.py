@@ -213,4 +213,5 @@ def test_megatron_core_019_checkpoint_loads_and_our_save_loads_in_019(tmp_path):
         "tp2 fsdp2: logits equal megatron's" in hf
         and "tp2 fsdp2: Adam state equals megatron's" in hf
         and all(f"megatron loads our save of tp2 fsdp2 at tp{tp}" in hf for tp in (2, 1))
+        and "FP32Optimizer.load_state_dict resumes our save" in hf
     )
