@@ -130,12 +130,15 @@ def _worker(rank: int, port: int, method: str, ckpt: str, out: str, layers: int)
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
 
+    # transformers imports its model classes lazily (seconds, tens of MiB of code): both
+    # methods would pay that inside the timed part, so it happens before it
+    llama, auto = transformers.LlamaForCausalLM, transformers.AutoModelForCausalLM
     base = _peak_rss()
     dist.barrier()
     start = time.perf_counter()
     if method == "online":
         with torch.device("meta"):
-            model = transformers.LlamaForCausalLM(config)
+            model = llama(config)
         shard(model)
         model.to_empty(device="cpu")
         hf_model.load(model, ckpt)
@@ -143,7 +146,7 @@ def _worker(rank: int, port: int, method: str, ckpt: str, out: str, layers: int)
         if rank == 0:
             export_hf(ckpt, out, config=CONFIG)
         dist.barrier()
-        model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+        model = auto.from_pretrained(out, dtype=torch.float32)
         shard(model)
     dist.barrier()
     seconds = time.perf_counter() - start
