@@ -32,9 +32,9 @@ __all__ = ["save"]
 
 logger = logging.getLogger(__name__)
 
-#: what megatron's optimizer wrappers expect in each param group (their defaults)
-_MEGATRON_GROUP = {"wd_mult": 1.0, "lr_mult": 1.0, "is_expert_parallel": False}
-_MEGATRON_GROUP["is_decoupled_lr"] = False
+#: the fields megatron's optimizer wrappers match saved param groups by (0.16's four; 0.19
+#: adds `max_lr` and `min_lr`, written from the torch group below)
+_IDENTIFIERS = ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr")
 
 
 def _megatron_shapes(cfg: Dict[str, Any]) -> Dict[str, Tuple[int, ...]]:
@@ -108,6 +108,63 @@ def _optimizer_state(
     return out, steps.pop()
 
 
+def _megatron_group_of(name: str, p: torch.Tensor, ep: int) -> Tuple[float, bool]:
+    """`(wd_mult, is_expert_parallel)` of the group megatron-core's default grouping puts
+    parameter `name` in: no weight decay for biases and 1-D parameters (norms), experts
+    apart from the rest when expert-parallel (at EP=1 megatron all-reduces their gradients
+    like any other's and groups them with the rest)."""
+    no_decay = p.dim() == 1 or name.endswith(".bias")  # a DTensor's `dim` is its global one
+    return (0.0 if no_decay else 1.0), ep > 1 and ".experts." in name
+
+
+def _megatron_groups(
+    optimizer: Any, params: Mapping[str, torch.Tensor], ep: int
+) -> List[Dict[str, Any]]:
+    """The optimizer's param groups regrouped as megatron-core's default `_get_param_groups`
+    groups a GPTModel (its optimizer's `load_state_dict` needs the same number of groups,
+    matched by their identifying fields), each with the hyperparameters of the torch groups
+    its parameters come from; raises where those differ within one megatron group, or where
+    a torch group's own megatron field contradicts megatron's grouping."""
+    names = {id(p): n for n, p in params.items()}
+    merged: Dict[Tuple[float, bool], Dict[str, Any]] = {}
+    first: Dict[Tuple[float, bool], str] = {}  # the parameter each group's values came from
+    for group in optimizer.param_groups:
+        hyper = {k: v for k, v in group.items() if k != "params"}
+        for p in group["params"]:
+            name = names[id(p)]
+            key = _megatron_group_of(name, p, ep)
+            fields = {"wd_mult": key[0], "lr_mult": 1.0, "is_expert_parallel": key[1]}
+            fields["is_decoupled_lr"] = False
+            for field in _IDENTIFIERS:
+                if field in hyper and hyper[field] != fields[field]:
+                    raise CheckpointingException(
+                        f"parameter {name!r}: its optimizer group has {field}={hyper[field]!r}, "
+                        f"megatron-core's default grouping gives it {fields[field]!r}"
+                    )
+            values = {**hyper, **fields}
+            if key not in merged:
+                merged[key], first[key] = values, name
+                continue
+            for field in sorted(set(values) | set(merged[key])):
+                a, b = merged[key].get(field), values.get(field)
+                if a != b:
+                    raise CheckpointingException(
+                        f"parameters {first[key]!r} and {name!r} share one megatron-core param "
+                        f"group (wd_mult={key[0]}, is_expert_parallel={key[1]}) but their "
+                        f"optimizer groups differ in {field!r} ({a!r} and {b!r})"
+                    )
+    groups = []
+    # megatron's order: groups without overrides (weight decay) first, then by appearance;
+    # its `load_state_dict` matches groups by their fields, so the order is cosmetic
+    for key in sorted(merged, key=lambda k: k[0] == 0.0):
+        group = merged[key]
+        # megatron-core 0.19 also matches groups by `max_lr` (its optimizer config's `lr`)
+        # and `min_lr` (None unless configured: left out, a torch group may carry one)
+        group.setdefault("max_lr", group.get("initial_lr", group.get("lr")))
+        groups.append(group)
+    return groups
+
+
 def _state_dict(
     model: torch.nn.Module,
     optimizer: Any,
@@ -148,10 +205,7 @@ def _state_dict(
                 prefix = f"optimizer.state.{moment}."
                 replica = _replica(t, rank)
                 sd.update(_hf_layout.requests(prefix, name, sources[name], heads, t, replica))
-        groups = [
-            {**_MEGATRON_GROUP, **{k: v for k, v in g.items() if k != "params"}}
-            for g in optimizer.param_groups
-        ]
+        groups = _megatron_groups(optimizer, params, split[2])
         common_step = torch.tensor(step, dtype=torch.float32)
         sd["optimizer"] = {"param_groups": groups, "state": {"common_step": common_step}}
     # megatron's linear layers save an `_extra_state` object per layer (and expert) and its

@@ -371,8 +371,8 @@ def save(
     megatron loads it at any TP/PP/EP its sizes divide), the `_extra_state` objects
     megatron's load asks for, the description (`megatron_config`, as `import-hf` stores
     it) and, with `optimizer`, `optimizer.state.exp_avg.<key>` / `exp_avg_sq`, one
-    `common_step` and the param groups with megatron's fields (`wd_mult`, `lr_mult`,
-    `is_expert_parallel`, `is_decoupled_lr`: their defaults where the group lacks them).
+    `common_step` and the param groups of megatron-core's default grouping, valued from
+    the torch groups (which must agree within each; docs/huggingface.md has the rule).
     The vocabulary is not padded.
 
     Args:
@@ -381,7 +381,8 @@ def save(
         optimizer: a `torch.optim.Adam` / `AdamW` over the model's parameters, stepped
             (every parameter with state, one step).
         common_state: plain values to store beside (e.g. `{"iteration": 100}`).
-        tp, pp, ep: the split the description records (its sizes must divide).
+        tp, pp, ep: the split the description records (its sizes must divide); `ep` > 1
+            also puts the experts in a param group of their own, as megatron does.
         **megatron_layout: further description fields (megatron's names).
 
     Raises:
@@ -390,13 +391,5 @@ def save(
     """
     from . import _hf_save  # it builds on this module's helpers
 
-    _hf_save.save(
-        model,
-        checkpoint_dir,
-        optimizer,
-        common_state=common_state,
-        tp=tp,
-        pp=pp,
-        ep=ep,
-        **megatron_layout,
-    )
+    layout = dict(megatron_layout, tp=tp, pp=pp, ep=ep)
+    _hf_save.save(model, checkpoint_dir, optimizer, common_state=common_state, **layout)

@@ -1,17 +1,21 @@
-"""megatron-core 0.19.2 and `hf_model`, both ways (2 gloo ranks per step), reusing
-`hf_model_side.py`'s TP=2 scenario. 0.19 has no transformers in its interpreter, so the
-steps run in two:
+"""megatron-core 0.19.2 and `hf_model`, both ways, in one world of 2 gloo ranks, reusing
+`hf_model_side.py`'s TP=2 scenario.
 
-Usage: python hf_mcore19_side.py save|hf|load WORKDIR
+Usage: python hf_mcore19_side.py WORKDIR [SITE]
 
-- `save` (megatron-core 0.19): the TP=2 GPTModel takes one Adam step and saves model and
-  optimizer state with 0.19's `save` (common state inside the `.distcp` files); its logits.
-- `hf` (an interpreter with transformers): `hf_model.load` into an FSDP2 model gives those
-  logits and Adam state; `hf_model.save` writes it back.
-- `load` (megatron-core 0.19): 0.19 loads our save at TP=2 and TP=1 with its own model's
-  sharded state dict; every tensor equals its load of its own checkpoint.
+SITE is a site-packages folder with transformers (0.19's interpreter has none): appended to
+`sys.path`, so 0.19's own torch and megatron-core come first.
 
-Each rank writes `WORKDIR/result.<step>.<rank>.json`: `{check name: "ok" | failure}`.
+1. megatron-core 0.19: the TP=2 GPTModel takes one Adam step and saves model and optimizer
+   state with 0.19's `save` (common state inside the `.distcp` files); its logits.
+2. `hf_model.load` into an FSDP2 model gives those logits and Adam state; `hf_model.save`
+   writes it back.
+3. megatron-core 0.19 loads our save at TP=2 and TP=1 with its own model's sharded state
+   dict; every tensor equals its load of its own checkpoint.
+4. 0.19's FP32Optimizer resumes from an `hf_model.save` of a single-group AdamW
+   (`hf_optimizer_side.py`).
+
+Each rank writes `WORKDIR/result.<rank>.json`: `{check name: "ok" | failure}`.
 """
 
 from __future__ import annotations
@@ -28,36 +32,37 @@ side.HOWS = ("fsdp2",)
 side.SAVED = {"tp2": ("fsdp2",)}
 
 
-def worker(rank: int, world: int, port: int, step: str, workdir: str) -> None:
+def worker(rank: int, world: int, port: int, workdir: str) -> None:
     import contextlib
 
     import torch
     import torch.distributed as dist
 
     results: Dict[str, str] = {}
-    if step != "hf":  # megatron-core calls these on CPU paths; in this process only
-        torch.cuda.synchronize = lambda *a, **k: None
-        torch.cuda.current_device = lambda: "cpu"
-        from megatron.core import tensor_parallel
+    # megatron-core calls these on CPU paths; in this process only
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.current_device = lambda: "cpu"
+    from megatron.core import parallel_state, tensor_parallel
 
-        no_fork = type("NoFork", (), {"fork": lambda self, *a, **k: contextlib.nullcontext()})()
-        tensor_parallel.get_cuda_rng_tracker = lambda *a, **k: no_fork
+    no_fork = type("NoFork", (), {"fork": lambda self, *a, **k: contextlib.nullcontext()})()
+    tensor_parallel.get_cuda_rng_tracker = lambda *a, **k: no_fork
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
     try:
-        if step == "save":
-            side.megatron_save(rank, workdir)
-            results["saved"] = "ok"
-        elif step == "hf":
-            side.hf_checks(rank, workdir, results)
-        else:
-            side.megatron_loads(rank, workdir, results)
+        side.megatron_save(rank, workdir)
+        results["0.19 saved"] = "ok"
+        parallel_state.destroy_model_parallel()
+        side.hf_checks(rank, workdir, results)
+        side.megatron_loads(rank, workdir, results)
+        from hf_optimizer_side import optimizer_checks
+
+        optimizer_checks(rank, workdir, results)  # 0.19's FP32Optimizer resumes our save
     except Exception as e:  # reported by the test
         import traceback
 
         results["side script"] = f"raised {type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"
-    with open(os.path.join(workdir, f"result.{step}.{rank}.json"), "w") as f:
+    with open(os.path.join(workdir, f"result.{rank}.json"), "w") as f:
         json.dump(results, f)
     dist.barrier()
     dist.destroy_process_group()
@@ -66,4 +71,5 @@ def worker(rank: int, world: int, port: int, step: str, workdir: str) -> None:
 if __name__ == "__main__":
     from _side_spawn import spawn_two
 
-    spawn_two(worker, sys.argv[1], sys.argv[2])
+    sys.path.extend(sys.argv[2:])  # after 0.19's own packages (spawned ranks inherit it)
+    spawn_two(worker, sys.argv[1])

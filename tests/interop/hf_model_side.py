@@ -6,7 +6,7 @@ Usage: python hf_model_side.py WORKDIR
 1. For each scenario in `SCENARIOS` megatron builds a Llama-style GPTModel (grouped-query
    attention, SwiGLU, RMSNorm, RoPE; vocabulary 130 of which the HF model uses 129, so the
    stored embedding has one padded row and FSDP2's embedding shards are uneven) at its split,
-   takes one Adam step, and saves model and optimizer state as megatron's optimizer wrappers
+   takes one step of a torch Adam over megatron's default param groups, and saves model and optimizer state as megatron's optimizer wrappers
    do (`dist_checkpointing.optimizer` helpers, one `common_step`), with its own `save`; its
    logits after the step go to `WORKDIR/<name>/logits.pt`.
 2. A transformers `LlamaForCausalLM` of the same config, with other values, loads each
@@ -17,8 +17,8 @@ Usage: python hf_model_side.py WORKDIR
    reads (the storage seam's read spy) at most 60% of the stored tensor bytes: its half.
 3. `hf_model.save` writes the models `SAVED` names (with Adam state) back in
    megatron's layout; our `load` of it gives the same logits, and megatron-core loads it
-   at TP=2 and TP=1 with its own model's sharded state dict: every model and optimizer
-   tensor equals its load of the original checkpoint.
+   at TP=2 and TP=1 with its own model's sharded state dict (Adam over its default param
+   groups): every model and optimizer tensor equals its load of the original checkpoint.
 4. megatron's own FP32Optimizer resumes from an `hf_model.save` (`hf_optimizer_side.py`).
 5. Mismatched models are refused on both ranks before anything changes: other key/value
    heads (the error names k_proj, both shapes and num_key_value_heads), attention biases.
@@ -31,7 +31,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Any, Dict
+from typing import Any, Dict, List
 
 #: name -> (tp, pp, description changes)
 SCENARIOS: Dict[str, Any] = {
@@ -80,6 +80,18 @@ def hf_config(layers: int, experts: int = 0, vocab: int = HF_VOCAB, **changes: A
     return transformers.LlamaConfig(**fields)
 
 
+def default_groups(model: Any) -> List[Dict[str, Any]]:
+    """The param groups megatron-core's optimizer setup makes for `model` by default."""
+    from megatron.core.optimizer import (
+        OptimizerConfig,
+        _get_param_groups,
+        get_standard_config_overrides,
+    )
+
+    config = OptimizerConfig(optimizer="adam", lr=1e-2)
+    return _get_param_groups([model], config, get_standard_config_overrides(config))
+
+
 def megatron_save(rank: int, workdir: str) -> None:
     import torch
     import torch.distributed as dist
@@ -95,7 +107,7 @@ def megatron_save(rank: int, workdir: str) -> None:
             os.makedirs(mc, exist_ok=True)
         dist.barrier()
         model = build(desc, tp, pp, 1, seed=11)
-        adam = torch.optim.Adam(model.parameters(), lr=1e-2)
+        adam = torch.optim.Adam(default_groups(model), lr=1e-2)
         loss = sum(
             (p * torch.linspace(-1, 1, p.numel()).view_as(p)).sum() for p in model.parameters()
         )
@@ -274,7 +286,8 @@ def megatron_loads(rank: int, workdir: str, results: Dict[str, str]) -> None:
 
     def request(desc: Dict[str, Any], tp: int) -> Dict[str, Any]:
         model = build(desc, tp, 1, 1, seed=500 + tp)
-        adam = torch.optim.Adam(model.parameters(), lr=1e-2)
+        groups = default_groups(model)
+        adam = torch.optim.Adam(groups, lr=1e-2)
         for p in model.parameters():
             adam.state[p] = {
                 "step": torch.tensor(0.0),
@@ -282,7 +295,8 @@ def megatron_loads(rank: int, workdir: str, results: Dict[str, str]) -> None:
                 "exp_avg_sq": torch.full_like(p, -7.0),
             }
         model_sd = model.sharded_state_dict()
-        id_map = m_optimizer.get_param_id_to_sharded_param_map(model_sd, list(model.parameters()))
+        params = [p for g in adam.param_groups for p in g["params"]]
+        id_map = m_optimizer.get_param_id_to_sharded_param_map(model_sd, params)
         optim_sd = adam.state_dict()
         m_optimizer.optim_state_to_sharding_state(optim_sd, id_map, exclude_keys="step")
         return {"model": model_sd, "optimizer": optim_sd}
@@ -297,7 +311,8 @@ def megatron_loads(rank: int, workdir: str, results: Dict[str, str]) -> None:
         for tp in (2, 1):
             ref = tensors(mdc.load(request(desc, tp), os.path.join(base, "mc")))
             for how in hows:
-                got = tensors(mdc.load(request(desc, tp), os.path.join(base, f"ours_{how}")))
+                ours = os.path.join(base, f"ours_{how}")
+                got = tensors(mdc.load(request(desc, tp), ours))
                 bad = sorted(k for k in ref if k not in got or not torch.equal(got[k], ref[k]))
                 results[f"megatron loads our save of {name} {how} at tp{tp}"] = (
                     "ok"

@@ -1,9 +1,11 @@
 """megatron-core 0.16's own optimizer wrapper resumes from `hf_model.save` output; run by
 `hf_model_side.py` in its world (2 gloo ranks, megatron-core and transformers).
 
-1. A transformers Llama (whole model on each rank) takes one Adam step with megatron's two
-   default param groups (matrices with `wd_mult` 1.0, vectors 0.0, the split megatron makes
-   by default) and `hf_model.save` writes it (TP=2 in the description).
+1. A transformers Llama (whole model on each rank) takes one step of a torch AdamW with a
+   single param group (the usual fine-tuning setup) and `hf_model.save` writes it (TP=2 in
+   the description), its groups regrouped as megatron groups a GPTModel by default (no
+   weight decay for 1-D parameters); two torch groups with different `lr` for parameters
+   megatron would put in one group are refused with a CheckpointingException naming them.
 2. megatron builds a GPTModel at TP=2, its param groups with its own `_get_param_groups`
    (default overrides) and a `FP32Optimizer` over a torch Adam of them; the wrapper's
    constructor allocates one CUDA scalar (its loss scale), so a subclass builds it on the
@@ -27,28 +29,38 @@ def hf_side(workdir: str) -> Dict[str, Any]:
     from hf_model_side import hf_config
 
     from dist_checkpointing import hf_model
+    from dist_checkpointing.errors import CheckpointingException
 
     torch.manual_seed(1)  # the same model on both ranks
     model = transformers.AutoModelForCausalLM.from_config(hf_config(2, vocab=128))
-    matrices = [p for p in model.parameters() if p.dim() > 1]
-    vectors = [p for p in model.parameters() if p.dim() == 1]
-    adam = torch.optim.Adam(
-        [{"params": matrices, "wd_mult": 1.0}, {"params": vectors, "wd_mult": 0.0}], lr=1e-2
-    )
+    adam = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     loss = sum((p * torch.linspace(-1, 1, p.numel()).view_as(p)).sum() for p in model.parameters())
     loss.backward()
     adam.step()
     hf_model.save(model, os.path.join(workdir, "ours"), adam, common_state={"iteration": 3}, tp=2)
     embed = model.model.embed_tokens.weight
+    others = [p for p in model.parameters() if p is not embed]
+    split = torch.optim.AdamW([{"params": [embed], "lr": 1e-3}, {"params": others}], lr=1e-2)
+    split.state.update(adam.state)  # the same state, two lr in one megatron group
+    try:
+        hf_model.save(model, os.path.join(workdir, "split"), split, tp=2)
+        refused = "saved without an error"
+    except CheckpointingException as e:
+        refused = "ok" if "'lr'" in str(e) and "embed_tokens" in str(e) else str(e)
     norm = model.model.norm.weight
-    return {"embed": adam.state[embed]["exp_avg"], "norm": adam.state[norm]["exp_avg_sq"]}
+    moments = {"embed": adam.state[embed]["exp_avg"], "norm": adam.state[norm]["exp_avg_sq"]}
+    return {**moments, "refused": refused}
 
 
 def megatron_side(rank: int, workdir: str, hf: Dict[str, Any], results: Dict[str, str]) -> None:
     import torch
     from mcore_hf_side import BASE, build
     from megatron.core import dist_checkpointing as mdc
-    from megatron.core.optimizer import OptimizerConfig, _get_param_groups
+    from megatron.core.optimizer import (
+        OptimizerConfig,
+        _get_param_groups,
+        get_standard_config_overrides,
+    )
     from megatron.core.optimizer.optimizer import FP32Optimizer, MegatronOptimizer
 
     class CpuFP32Optimizer(FP32Optimizer):
@@ -68,7 +80,8 @@ def megatron_side(rank: int, workdir: str, hf: Dict[str, Any], results: Dict[str
 
     model = build({**BASE, "num_layers": 2}, 2, 1, 1, seed=5)
     config = OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.1, clip_grad=0.0)
-    groups = _get_param_groups([model], config, None)
+    # the overrides megatron's optimizer setup applies by default (0.19 no longer does with None)
+    groups = _get_param_groups([model], config, get_standard_config_overrides(config))
     results["megatron makes two groups by wd_mult"] = (
         "ok"
         if [g["wd_mult"] for g in groups] == [1.0, 0.0]
@@ -109,4 +122,6 @@ def optimizer_checks(rank: int, workdir: str, results: Dict[str, str]) -> None:
     import torch.distributed as dist
 
     dist.barrier()
-    megatron_side(rank, work, hf_side(work), results)
+    hf = hf_side(work)
+    results["save refuses two lr in one megatron group"] = hf.pop("refused")
+    megatron_side(rank, work, hf, results)

@@ -196,6 +196,40 @@ def test_save_refuses_an_optimizer_without_state(tmp_path):
         hf_model.save(model, tmp_path / "mc", torch.optim.Adam(model.parameters()))
 
 
+@pytest.mark.parametrize("experts,ep", [(0, 1), (4, 1), (4, 2)])
+def test_save_writes_megatrons_default_param_groups_from_a_single_group_adamw(
+    tmp_path, experts, ep
+):
+    model = _model(1, experts=experts)
+    adam = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.05)
+    sum(p.sum() for p in model.parameters()).backward()
+    adam.step()
+    hf_model.save(model, tmp_path / "mc", adam, ep=ep)
+    groups = dc.load_common_state_dict(tmp_path / "mc")["optimizer"]["param_groups"]
+    fields = [(g["wd_mult"], g["is_expert_parallel"]) for g in groups]
+    # decayed weights, experts apart only when expert-parallel, then norms without decay
+    assert fields == [(1.0, False)] + [(1.0, True)] * (ep > 1) + [(0.0, False)]
+    for g in groups:
+        assert (g["lr"], g["weight_decay"], g["max_lr"]) == (0.1, 0.05, 0.1)
+        assert (g["lr_mult"], g["is_decoupled_lr"]) == (1.0, False)
+
+
+def test_save_refuses_torch_groups_that_differ_within_one_megatron_group(tmp_path):
+    model = _model(1)
+    embed = model.get_parameter("model.embed_tokens.weight")
+    norm = model.get_parameter("model.norm.weight")
+    rest = [p for p in model.parameters() if p is not embed and p is not norm]
+    adam = torch.optim.Adam([{"params": [embed], "lr": 0.5}, {"params": rest + [norm]}], lr=0.1)
+    sum(p.sum() for p in model.parameters()).backward()
+    adam.step()
+    with pytest.raises(CheckpointingException, match="embed_tokens.*'lr' \\(0.5 and 0.1\\)"):
+        hf_model.save(model, tmp_path / "mc", adam)
+    wd_mult = torch.optim.Adam([{"params": [norm], "wd_mult": 1.0}, {"params": rest + [embed]}])
+    wd_mult.state.update(adam.state)
+    with pytest.raises(CheckpointingException, match="model.norm.weight.*wd_mult=1.0"):
+        hf_model.save(model, tmp_path / "mc2", wd_mult)
+
+
 def test_load_reads_the_description_from_megatron_lm_args(saved, tmp_path):
     # as Megatron-LM writes it: global tensors and its arguments in the common state
     tensors = dc.load_plain_tensors(saved)
