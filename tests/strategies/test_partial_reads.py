@@ -5,9 +5,6 @@ checksums: a partly read 4 MiB block is read whole to check its digest."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Dict, List, Sequence, Tuple
 
@@ -21,6 +18,7 @@ from dist_checkpointing import ShardedTensor
 from dist_checkpointing.errors import CheckpointCorruptedError
 from dist_checkpointing.storage import faults
 from dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
+from tests._rss import run_script
 
 Box = Tuple[Sequence[int], Sequence[int]]  # (offsets, lengths)
 
@@ -163,20 +161,13 @@ def test_boxes_across_checksum_blocks_load_their_exact_values(layered, boxes, ve
         assert torch.equal(g, _box(w, b)), b
 
 
-def _edge_rss(*args: str) -> str:
-    script = Path(__file__).with_name("_edge_rss.py")
-    env = {**os.environ, "PYTHONPATH": str(script.parents[2])}
-    proc = subprocess.run(
-        [sys.executable, str(script), *args], capture_output=True, text=True, timeout=240, env=env
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stdout
+_EDGE_RSS = Path(__file__).with_name("_edge_rss.py")
 
 
 def test_completing_a_partly_read_checksum_block_needs_little_memory(tmp_path):
     ckpt = str(tmp_path / "c")
-    _edge_rss("save", ckpt)
+    run_script(_EDGE_RSS, "save", ckpt)
     # a row 2 MiB into a 4 MiB block: its 4 MiB outside the row are hashed a piece at a time
-    measured = json.loads(_edge_rss("load", ckpt).strip().splitlines()[-1])
+    measured = json.loads(run_script(_EDGE_RSS, "load", ckpt).strip().splitlines()[-1])
     assert measured["exact"], measured
     assert measured["growth"] <= 2 << 20, measured
