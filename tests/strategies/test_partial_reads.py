@@ -4,6 +4,7 @@ checksums: a partly read 4 MiB block is read whole to check its digest."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Dict, List, Sequence, Tuple
 
@@ -17,6 +18,7 @@ from dist_checkpointing import ShardedTensor
 from dist_checkpointing.errors import CheckpointCorruptedError
 from dist_checkpointing.storage import faults
 from dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
+from tests._rss import run_script
 
 Box = Tuple[Sequence[int], Sequence[int]]  # (offsets, lengths)
 
@@ -157,3 +159,15 @@ def test_boxes_across_checksum_blocks_load_their_exact_values(layered, boxes, ve
     got, _ = _load(ckpt, "w", w.shape, boxes, verify=verify)
     for g, b in zip(got, boxes):
         assert torch.equal(g, _box(w, b)), b
+
+
+_EDGE_RSS = Path(__file__).with_name("_edge_rss.py")
+
+
+def test_completing_a_partly_read_checksum_block_needs_little_memory(tmp_path):
+    ckpt = str(tmp_path / "c")
+    run_script(_EDGE_RSS, "save", ckpt)
+    # a row 2 MiB into a 4 MiB block: its 4 MiB outside the row are hashed a piece at a time
+    measured = json.loads(run_script(_EDGE_RSS, "load", ckpt).strip().splitlines()[-1])
+    assert measured["exact"], measured
+    assert measured["growth"] <= 2 << 20, measured

@@ -6,8 +6,8 @@ chunk's C-contiguous data: one run when the dims after its first partial one are
 a chunk are coalesced into spans (across gaps under a page and, when verifying per-block
 digests, wherever they share a checksum block, so no block is read twice); each span is read
 once, into its destination when it is exactly one contiguous host tensor of the stored
-dtype, else into a per-thread scratch buffer from which each read is copied out as its
-blocks are verified (still in the CPU caches).
+dtype, else into a per-thread scratch buffer from which each read is copied out once the
+span is verified.
 
 Trade-off taken: a byte returned is always a verified byte. A per-block digest (`.sums`)
 covers 4 MiB of data, so a span's first and last blocks are completed by reading their
@@ -23,7 +23,7 @@ import itertools
 import math
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -57,40 +57,17 @@ class ChunkGroup:
     stored: Optional[Tuple[Tuple[int, ...], torch.dtype]] = None
 
 
-def _strides(shape: Sequence[int]) -> List[int]:
-    """C-contiguous strides, in elements."""
-    out, acc = [], 1
-    for s in reversed(shape):
-        out.append(acc)
-        acc *= s
-    return out[::-1]
-
-
 class _Piece:
-    """A box of the chunk and its destination; copied out of the span holding its bytes as
-    they are verified, slice by slice along its first dim longer than one."""
+    """A box of the chunk (`offsets`, `lengths`) and its destination."""
 
     def __init__(
         self, offsets: List[int], lengths: List[int], dest: torch.Tensor, item: int, shape: Any
     ) -> None:
-        self.offsets, self.lengths, self.dest, self.item, self.shape = (
-            offsets,
-            lengths,
-            dest,
-            item,
-            shape,
-        )
-        self.strides = _strides(shape)
+        self.offsets, self.lengths, self.dest, self.item = offsets, lengths, dest, item
+        self.shape, self.strides = shape, [math.prod(shape[d + 1 :]) for d in range(len(shape))]
         first = sum(o * s for o, s in zip(offsets, self.strides))
         last = sum((o + n - 1) * s for o, n, s in zip(offsets, lengths, self.strides))
         self.lo, self.hi = first * item, (last + 1) * item  # its bytes' extent in the data
-        self.dim = next((d for d, n in enumerate(lengths) if n > 1), None)
-        self.copied = 0  # slices along `dim` (without one: 1 once copied)
-        self.src: Optional[torch.Tensor] = None
-
-    @property
-    def contiguous(self) -> bool:
-        return self.hi - self.lo == math.prod(self.lengths) * self.item
 
     def runs(self) -> List[Span]:
         """Its contiguous byte runs (its whole extent beyond `_MAX_RUNS` of them)."""
@@ -109,9 +86,9 @@ class _Piece:
         return out
 
     def split(self) -> List[_Piece]:
-        """One piece per index along its first dim longer than one."""
-        d = self.dim
-        assert d is not None  # a piece of one element is one run, inside one span
+        """One piece per index along its first dim longer than one (a piece of one element
+        is one run, always inside one span)."""
+        d = next(d for d, n in enumerate(self.lengths) if n > 1)
         out = []
         for i in range(self.lengths[d]):
             o, n = list(self.offsets), list(self.lengths)
@@ -119,27 +96,20 @@ class _Piece:
             out.append(_Piece(o, n, self.dest.narrow(d, i, 1), self.item, self.shape))
         return out
 
-    def bind(self, typed: torch.Tensor, start: int) -> None:
-        """Views its source in `typed`: the span's bytes (from data offset `start`) typed."""
-        offset = typed.storage_offset() + (self.lo - start) // self.item
-        self.src = typed.as_strided(self.lengths, self.strides, offset)
+    def lands_in_place(self, dtype: torch.dtype, a: int, b: int) -> bool:
+        """Whether it is exactly bytes `[a, b)` into a contiguous host tensor of `dtype`."""
+        return (
+            (self.lo, self.hi) == (a, b)
+            and b - a == math.prod(self.lengths) * self.item
+            and self.dest.dtype == dtype
+            and self.dest.is_contiguous()
+            and self.dest.device.type == "cpu"
+        )
 
-    def copy_ready(self, verified_end: int) -> None:
-        """Copies what lies before data offset `verified_end` and is not copied yet."""
-        assert self.src is not None
-        if self.dim is None:
-            if self.copied == 0 and self.hi <= verified_end:
-                self.dest.copy_(self.src)
-                self.copied = 1
-            return
-        d, n = self.dim, self.lengths[self.dim]
-        step = self.strides[d] * self.item
-        slice0_end = self.hi - (n - 1) * step
-        ready = n if self.hi <= verified_end else max(0, (verified_end - slice0_end) // step + 1)
-        if ready > self.copied:
-            k = min(n, ready) - self.copied
-            self.dest.narrow(d, self.copied, k).copy_(self.src.narrow(d, self.copied, k))
-            self.copied += k
+    def copy_from(self, typed: torch.Tensor, start: int) -> None:
+        """Copies its box out of `typed`: the span's bytes (from data offset `start`) typed."""
+        offset = typed.storage_offset() + (self.lo - start) // self.item
+        self.dest.copy_(typed.as_strided(self.lengths, self.strides, offset))
 
 
 def _pieces(group: ChunkGroup, resolve: Resolve, layout: Any, what: str) -> List[_Piece]:
@@ -189,8 +159,6 @@ def _fit(pieces: List[_Piece], spans: List[Span]) -> List[List[_Piece]]:
             members[i].append(p)
         else:
             todo.extend(p.split())
-    for m in members:
-        m.sort(key=lambda p: p.lo)
     return members
 
 
@@ -205,7 +173,7 @@ def read_stored(
 ) -> int:
     """Reads the bytes of one stored chunk that `group`'s reads need into their destinations
     (completed to whole checksum blocks; whole items for whole-item digests and for non-plain
-    chunks, which go through `torch.load`); returns the bytes read from storage."""
+    chunks); returns the bytes read from storage."""
     raw, info = stream.raw, group.info
     layout = _parse_chunk(raw, group, expected, what)
     if layout is None:
@@ -213,59 +181,29 @@ def read_stored(
     pieces = _pieces(group, resolve, layout, what)
     if not pieces:
         return 0
-    one_digest = expected is not None and not expected.blocked
-    if one_digest:  # nothing is verified before the item's last byte: read it whole
+    if expected is not None and not expected.blocked:  # verified at its last byte: read whole
         spans = [(0, layout.nbytes)]
     else:
-        block = expected.block if expected is not None else 0
-        spans = _spans([run for p in pieces for run in p.runs()], block)
+        spans = _spans([r for p in pieces for r in p.runs()], expected.block if expected else 0)
     nread = 0
     for (a, b), members in zip(spans, _fit(pieces, spans)):
-        nread += _read_span(raw, layout, a, b, members, info, expected, what, path, request)
+        # a span that is exactly one destination lands in it, else in scratch copied out
+        in_place = len(members) == 1 and members[0].lands_in_place(layout.dtype, a, b)
+        data = members[0].dest if in_place else _scratch(b - a).view(layout.dtype)
+        verifier = ChunkVerifier(raw, layout, data, a, info, expected, what)
+        verifier.read(path, info.offset + layout.data_offset + a, request)
+        if not in_place:
+            for p in members:
+                p.copy_from(data, a)
+        nread += b - a + verifier.extra_bytes
     # the frame is checked after the data so the item is read front to back
-    if expected is not None and expected.blocked:
-        if not frame_matches(raw, layout, info.length, expected):
-            raise mismatch(what, info)
+    if (
+        expected is not None
+        and expected.blocked
+        and not frame_matches(raw, layout, info.length, expected)
+    ):
+        raise mismatch(what, info)
     return nread
-
-
-def _read_span(
-    raw: Any,
-    layout: Any,
-    a: int,
-    b: int,
-    members: List[_Piece],
-    info: _StorageInfo,
-    expected: Optional[ItemSum],
-    what: str,
-    path: str,
-    request: int,
-) -> int:
-    """Reads data bytes `[a, b)` and copies `members` out of them as they are verified."""
-    file_off = info.offset + layout.data_offset + a
-    if len(members) == 1 and _in_place(members[0], layout.dtype, a, b):
-        verifier = ChunkVerifier(raw, layout, members[0].dest, a, info, expected, what)
-        verifier.read(path, file_off, request)
-        return b - a + verifier.extra_bytes
-    typed = _scratch(b - a).view(layout.dtype)
-    for p in members:
-        p.bind(typed, a)
-    pending = list(members)
-
-    def copy_ready(verified: int) -> None:
-        nonlocal pending
-        for p in pending:
-            p.copy_ready(a + verified)
-        pending = [p for p in pending if p.hi > a + verified]
-
-    streamed = expected is None or expected.blocked  # a whole-item digest: copy once verified
-    verifier = ChunkVerifier(
-        raw, layout, typed, a, info, expected, what, copy_ready if streamed else None
-    )
-    verifier.read(path, file_off, request)
-    for p in pending:
-        p.copy_ready(b)
-    return b - a + verifier.extra_bytes
 
 
 def _load_whole(
@@ -314,18 +252,6 @@ def _parse_chunk(raw: Any, group: ChunkGroup, expected: Optional[ItemSum], what:
     if layout is not None:
         check_layout(layout, group.stored, what)
     return layout
-
-
-def _in_place(p: _Piece, dtype: torch.dtype, a: int, b: int) -> bool:
-    """Whether `p` is exactly bytes `[a, b)` into a contiguous host tensor of the stored dtype."""
-    dest = p.dest
-    return (
-        (p.lo, p.hi) == (a, b)
-        and p.contiguous
-        and dest.dtype == dtype
-        and dest.is_contiguous()
-        and dest.device.type == "cpu"
-    )
 
 
 _scratch_local = threading.local()

@@ -4,7 +4,7 @@ plus one per `block` bytes of its data (`ChunkVerifier`)."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import numpy as np
 import torch
@@ -15,6 +15,9 @@ from ...integrity import ItemSum, new_hasher
 from ...storage import read_region
 
 __all__ = ["ChunkVerifier", "check_layout", "flat_bytes", "frame_matches", "mismatch", "read_exact"]
+
+#: edge bytes are hashed this many at a time: glibc keeps freed block-sized buffers mapped
+_EDGE_PIECE = 256 << 10
 
 
 def mismatch(what: str, info: _StorageInfo, span: str = "") -> CheckpointCorruptedError:
@@ -50,20 +53,14 @@ def read_exact(raw: Any, offset: int, n: int) -> bytes:
     return b"".join(parts)
 
 
-def _frame(raw: Any, layout: Any, length: int) -> Tuple[bytes, bytes]:
-    """The item's bytes before and after its data (its zip records)."""
-    end = layout.data_offset + layout.nbytes
-    return read_exact(raw, 0, layout.data_offset), read_exact(raw, end, length - end)
-
-
 def frame_matches(raw: Any, layout: Any, length: int, expected: ItemSum) -> bool:
     """Whether the item's zip records (all bytes around the data) match their digest."""
     if layout.data_offset != expected.data_off or layout.nbytes != expected.data_len:
         return False
-    head, tail = _frame(raw, layout, length)
+    end = layout.data_offset + layout.nbytes
     h = new_hasher()
-    h.update(head)
-    h.update(tail)
+    h.update(read_exact(raw, 0, layout.data_offset))
+    h.update(read_exact(raw, end, length - end))
     return h.intdigest() == expected.digest
 
 
@@ -76,19 +73,19 @@ def flat_bytes(t: torch.Tensor) -> Any:
 
 class ChunkVerifier:
     """Reads bytes `[start, start + len(data))` of a chunk's data region into `data` (`read`),
-    verifying them as they land: called with the leading bytes filled so far, it checks each
-    completed block (or feeds a whole-item digest) while still in the CPU caches. The edge
-    blocks' bytes outside the range are read from `raw`, the first before it and the last
-    after it (the file stays read in order).
+    verifying them as they land: each completed block (or a whole-item digest, fed) while
+    still in the CPU caches. The edge blocks' bytes outside the range are read from `raw` and
+    hashed `_EDGE_PIECE` bytes at a time (a small transient, not a block-sized one), the first
+    before the range and the last after it (the file stays read in order).
 
     Args:
         raw: the item's stream (frame and edge blocks are read from it).
         layout: the item's parsed `zipformat.ChunkLayout`.
-        expected: the item's digests; None: nothing to verify (progress still passed on).
-        consume: called with the number of leading bytes verified so far.
+        expected: the item's digests (one over the whole item: the range is all its data);
+            None: nothing to verify.
 
     Raises:
-        CheckpointCorruptedError: (when called) on a damaged block or item, naming its bytes.
+        CheckpointCorruptedError: (from `read`) on a damaged block or item, naming its bytes.
     """
 
     def __init__(
@@ -100,83 +97,65 @@ class ChunkVerifier:
         info: _StorageInfo,
         expected: Optional[ItemSum],
         what: str,
-        consume: Optional[Callable[[int], None]] = None,
     ) -> None:
         self.view = flat_bytes(data)
-        self.raw, self.layout, self.consume = raw, layout, consume
+        self.raw, self.layout, self.info = raw, layout, info
+        self.expected, self.what = expected, what
         self.a, self.b = start, start + len(self.view)
-        self.info, self.expected, self.what = info, expected, what
-        self.done = 0  # leading bytes of `data` verified
-        self.hasher: Any = None
-        self.frame_tail = self.head = self.tail = b""
-        self.next = self.end = self.tail_len = 0  # blocks [next, end) are still to verify
+        self.done = self.extra_bytes = 0  # leading bytes fed to a whole-item digest; read outside
+        self.next = self.end = 0  # blocks [next, end) are still to verify
+        self.hasher = new_hasher()  # the whole item's digest, or the first block's
+        self.frame_tail = b""
         if expected is not None and not expected.blocked:
-            head, self.frame_tail = _frame(raw, layout, info.length)
-            self.hasher = new_hasher()
-            self.hasher.update(head)
+            end = layout.data_offset + layout.nbytes
+            self.hasher.update(read_exact(raw, 0, layout.data_offset))
+            self.frame_tail = read_exact(raw, end, info.length - end)
         elif expected is not None and self.b > start:
             block = expected.block
             self.next, self.end = start // block, -(-self.b // block)
-            if start % block:
-                self.head = self._edge(self.next * block, start % block)
-            self.tail_len = max(0, min(expected.data_len, self.end * block) - self.b)
+            self._hash_edge(self.hasher, self.next * block, start % block)
 
-    @property
-    def extra_bytes(self) -> int:
-        """Bytes read outside the range, to complete its first and last blocks."""
-        return len(self.head) + len(self.tail)
-
-    def _edge(self, off: int, n: int) -> bytes:
-        got = read_exact(self.raw, self.layout.data_offset + off, n)
-        if len(got) != n:
-            raise CheckpointCorruptedError(
-                f"{self.what}: {self.info.relative_path} ends inside the item's data region"
-            )
-        return got
+    def _hash_edge(self, h: Any, off: int, n: int) -> None:
+        """Feeds data bytes `[off, off + n)`, read from `raw`, to `h` a piece at a time."""
+        self.raw.seek(self.layout.data_offset + off)
+        while n > 0:
+            piece = self.raw.read(min(n, _EDGE_PIECE))
+            if not piece:
+                raise CheckpointCorruptedError(
+                    f"{self.what}: {self.info.relative_path} ends inside the item's data region"
+                )
+            h.update(piece)
+            n -= len(piece)
+            self.extra_bytes += len(piece)
 
     def __call__(self, filled: int) -> None:
-        if filled <= self.done:
-            return  # (a restarted read refills bytes already verified)
-        if self.expected is None:
-            self.done = filled
-        elif self.hasher is not None:
-            self.hasher.update(self.view[self.done : filled])
-            self.done = filled
-        else:
-            self._blocks(self.expected, filled)
-        if self.consume is not None:
-            self.consume(self.done)
-
-    def _blocks(self, expected: ItemSum, filled: int) -> None:
+        expected = self.expected
+        if expected is None:
+            return
+        if not expected.blocked:  # (a restarted read refills bytes already fed)
+            self.hasher.update(self.view[self.done : max(self.done, filled)])
+            self.done = max(self.done, filled)
+            return
         block = expected.block
         while self.next < self.end:
             k = self.next
             lo, hi = k * block, min(expected.data_len, (k + 1) * block)
             if min(hi, self.b) - self.a > filled:
                 return
-            h = new_hasher()
-            if lo < self.a:
-                h.update(self.head)
+            h = self.hasher if lo < self.a else new_hasher()
             h.update(self.view[max(lo, self.a) - self.a : min(hi, self.b) - self.a])
-            if hi > self.b:
-                if not self.tail and self.tail_len:  # after the range: files stay read in order
-                    self.tail = self._edge(self.b, self.tail_len)
-                h.update(self.tail)
+            if hi > self.b:  # after the range: files stay read in order
+                self._hash_edge(h, self.b, hi - self.b)
             if k >= len(expected.blocks) or h.intdigest() != expected.blocks[k]:
                 b0 = self.info.offset + expected.data_off + lo
                 raise mismatch(self.what, self.info, f"data block {k}, bytes {b0}-{b0 + hi - lo}")
-            self.next, self.done = k + 1, min(hi, self.b) - self.a
+            self.next = k + 1
 
     def read(self, path: str, offset: int, request: int) -> None:
         """Reads the range from `offset` of `path`, `request` bytes at a time, and verifies it."""
-        needed = self.expected is not None or self.consume is not None
-        read_region(path, offset, self.view, self if needed else None, request)
-        self.finish()
-
-    def finish(self) -> None:
-        """Verifies (and consumes) what is left (all of it, if the read reported no progress)."""
-        self(len(self.view))
-        if self.hasher is not None:
+        read_region(path, offset, self.view, self if self.expected is not None else None, request)
+        self(len(self.view))  # what is left (all of it, if the read reported no progress)
+        if self.expected is not None and not self.expected.blocked:
             self.hasher.update(self.frame_tail)
-            if self.hasher.intdigest() != self.expected.digest:  # type: ignore[union-attr]
+            if self.hasher.intdigest() != self.expected.digest:
                 raise mismatch(self.what, self.info)
