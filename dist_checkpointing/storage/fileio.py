@@ -44,8 +44,8 @@ def read_capped(path: PathLike, limit: int) -> Optional[bytes]:
             if raw is None:
                 return None
         else:
-            with open(path, "rb") as f:
-                raw = f.read(limit + 1)
+            with open(path, "rb") as f:  # read(n) allocates n bytes first: ask for the size
+                raw = f.read(min(os.fstat(f.fileno()).st_size, limit) + 1)
     except (FileNotFoundError, NotADirectoryError):
         return None
     except OSError as e:
