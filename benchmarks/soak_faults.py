@@ -417,7 +417,9 @@ def report(rows: List[Dict[str, Any]]) -> int:
         mine = [r for r in rows if r["kind"] == kind]
         modes = " | ".join(str(sum(r["mode"] == m for r in mine)) for m in MODES)
         outs = collections.Counter(r["outcome"] for r in mine)
-        print(f"| {kind} | {modes} | " + ", ".join(f"{o} {n}" for o, n in sorted(outs.items())))
+        print(
+            f"| {kind} | {modes} | " + ", ".join(f"{o} {n}" for o, n in sorted(outs.items())) + " |"
+        )
     total = collections.Counter(r["outcome"] for r in rows)
     bad = sum(n for o, n in total.items() if o.startswith(MUST_BE_ZERO))
     waits = [
