@@ -156,8 +156,10 @@ def rank_killed_save(
 ) -> Tuple[str, float]:
     """Saves into `ckpt` while `victim` is SIGKILLed at `moment`: 'byte' (at byte x of its
     data; in an async torch_dist save its writer process dies), 'time' (x seconds into the
-    save) or 'commit' (as soon as metadata.json appears). Returns the survivor's (`_save`
-    outcome, seconds)."""
+    save) or 'commit' (as soon as metadata.json appears), and at the latest when its save
+    returns: a victim never reports (a process killed while it sends its result to the
+    driver would leave the worlds' shared result queue locked: a hang of the harness, not
+    of the library). Returns the survivor's (`_save` outcome, seconds)."""
     if dist.get_rank() == victim and moment == "byte":
         pattern = "*_local*" if mode == "local" else "*.distcp"
         faults.inject(faults.Fault(pattern, die_after_bytes=max(1, int(x))))
@@ -171,7 +173,10 @@ def rank_killed_save(
 
         threading.Thread(target=kill, daemon=True).start()
     start = time.monotonic()
-    return _save(mode, tag, ckpt), time.monotonic() - start
+    outcome = _save(mode, tag, ckpt)
+    if dist.get_rank() == victim:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return outcome, time.monotonic() - start
 
 
 # ---- driver side: draws, file faults, verdicts ---------------------------------------
