@@ -355,7 +355,12 @@ class Soak:
             link(os.path.join(earlier, rel), os.path.join(target, rel))
         detail = f"{how}s to {len(chosen)} of {len(names)} files"
         detail += ", claim linked" if any("claim" in f for f in chosen) else ""
-        return detail, self.judge_new(self.call(rank_save, mode, tag + 1, target), target, tag + 1)
+        # `.metadata` and data files without our claim and record: a stock DCP checkpoint
+        was_one = dc.check_is_distributed_checkpoint(target)
+        outcome = self.judge_new(self.call(rank_save, mode, tag + 1, target), target, tag + 1)
+        if was_one and outcome == "FAILED-BUT-COMMITTED":  # refused: it held a checkpoint
+            outcome = "refused-target-holds-a-checkpoint"
+        return detail, outcome
 
     def full_disk(self, mode: str, tdir: str, tag: int, rng: random.Random) -> Tuple[str, str]:
         victim, nth = rng.randrange(2), rng.randint(1, 3)
