@@ -36,6 +36,7 @@ __all__ = [
     "verify_claim",
     "release_claim",
     "node_local_claim_name",
+    "SAVE_ID_KEY",
     "token_lanes",
     "token_of_lanes",
 ]
@@ -43,6 +44,9 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 CLAIM_FNAME = "claim.json"
+#: the common-state key under which each part of a node-local checkpoint records its save's
+#: id (rank 0's claim token): parts of another save, swapped or linked in, are told apart
+SAVE_ID_KEY = "__dist_checkpointing_save_id__"
 _MAX_BYTES = 1 << 16
 _LANES = 4  # a token travels as four 31-bit lanes of the save's first agreement
 _LANE_BITS = 31

@@ -139,9 +139,11 @@ def _group(group: Group) -> Group:
         return group
     key = (id(dist.distributed_c10d._get_default_group()), _timeout_s)
     if _coordination is None or _coordination_key != key:
-        _coordination = new_own_group(
-            backend="gloo", timeout=datetime.timedelta(seconds=_timeout_s)
-        )
+        # creating it is a collective too: a peer lost meanwhile is waited for (our timeout)
+        with _collective("creating the coordination group"):
+            _coordination = new_own_group(
+                backend="gloo", timeout=datetime.timedelta(seconds=_timeout_s)
+            )
         _coordination_key = key
     return _coordination
 

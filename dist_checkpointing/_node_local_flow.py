@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Callable, Optional, Set, Tuple, Union
 
 from . import _dist
+from ._claim import SAVE_ID_KEY
 from ._load_pipeline import finish_load, prepare_load_request
 from ._save_pipeline import SavePlan
 from ._types import ShardedStateDict, StateDict
@@ -30,11 +31,14 @@ def save(
     its `metadata.json`); with `async_sharded_save`, returns the request instead."""
     sharded = plan.sharded
     assert isinstance(sharded, NodeLocalSaveShardedStrategy)
+    # each rank's part names the save (rank 0's claim token), so that a load can tell a part
+    # of another checkpoint (swapped or linked in) from one of this save
+    common = {**plan.common_part, SAVE_ID_KEY: plan.ownership.save_id}
     if async_sharded_save:
-        request = sharded.async_save_rank_state(plan.sharded_part, plan.common_part, ckpt)
+        request = sharded.async_save_rank_state(plan.sharded_part, common, ckpt)
         request.add_finalize_fn(commit)
         return request
-    sharded.save_rank_state(plan.sharded_part, plan.common_part, ckpt)
+    sharded.save_rank_state(plan.sharded_part, common, ckpt)
     commit()
     return None
 

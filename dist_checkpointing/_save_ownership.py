@@ -55,6 +55,8 @@ class Ownership:
         token: the save's token, the same on every rank once agreed.
         phase: 'preparing', 'writing', 'committing' or 'committed'.
         in_doubt: a failure came from a lost peer: what other ranks did is unknown.
+        save_id: rank 0's claim token, the same on every rank once agreed (node-local
+            parts record it: the save's identity).
     """
 
     ckpt: Path
@@ -63,6 +65,7 @@ class Ownership:
     token: Optional[str] = None
     phase: str = "preparing"
     in_doubt: bool = False
+    save_id: Optional[str] = None
 
     @property
     def name(self) -> str:
@@ -79,13 +82,14 @@ class Ownership:
 
     def lanes(self) -> Tuple[int, ...]:
         """What this rank adds to the preparation's agreement: rank 0's token (zeros else)."""
-        shared = self.claim is not None and not self.node_local
+        shared = self.claim is not None and _dist.get_rank() == 0
         return token_lanes(self.claim.token if shared and self.claim else None)
 
     def agreed(self, lanes: Sequence[int]) -> None:
         """Takes the token the agreement delivered; the save may write from now on."""
         token = self.claim.token if self.node_local and self.claim else None
-        self.token = token or token_of_lanes(tuple(lanes))
+        self.save_id = token_of_lanes(tuple(lanes))
+        self.token = token or self.save_id
         if self.token is None:
             raise CheckpointingException(f"save to {self.ckpt}: no claim token was agreed")
         self.phase = "writing"

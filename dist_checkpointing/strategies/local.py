@@ -6,15 +6,17 @@ from a replica holder (no resharding). ('local', 1) checkpoints are still read.
 from __future__ import annotations
 
 import ast
+from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
 import torch.distributed as dist
 
 from .. import _dist
+from .._claim import SAVE_ID_KEY, node_local_claim_name, read_claim
 from .._types import ShardedStateDict, StateDict
 from ..async_save import AsyncRequest
 from ..dict_utils import nested_values
-from ..errors import CheckpointingException, IncompatibleCheckpointError
+from ..errors import CheckpointCorruptedError, CheckpointingException, IncompatibleCheckpointError
 from ..local.ckpt_managers.local_manager import LocalCheckpointManager
 from ..local.replication.strategies import ReplicationStrategy
 from ..mapping import ShardedObject, ShardedTensor
@@ -156,7 +158,9 @@ class LocalLoadShardedStrategy(NodeLocalLoadShardedStrategy):
                 f"world size). {_RESHARD_HINT}"
             )
         state, _ = manager.load()
-        return self._checked(state, checkpoint_dir)
+        state = self._checked(state, checkpoint_dir)
+        _check_one_save(checkpoint_dir, state)
+        return state
 
     @staticmethod
     def _checked(state: Any, where: Any) -> MCoreTensorAwareStateDict:
@@ -203,7 +207,43 @@ class LocalLoadShardedStrategy(NodeLocalLoadShardedStrategy):
 
 
 def _common(state: MCoreTensorAwareStateDict) -> StateDict:
-    return state.common if isinstance(state.common, dict) else {}
+    """The part's common state as saved (without the save id the part records)."""
+    if not isinstance(state.common, dict):
+        return {}
+    return {k: v for k, v in state.common.items() if k != SAVE_ID_KEY}
+
+
+def _check_one_save(checkpoint_dir: CheckpointDir, state: MCoreTensorAwareStateDict) -> None:
+    """Collective: every rank's part names the same save, the one that claimed the directory
+    (rank 0's `claim_0.json`, where it has one); parts saved before parts named their save
+    are taken as they are.
+
+    Raises:
+        CheckpointCorruptedError: on every rank, naming the ranks whose parts differ.
+    """
+    common = state.common if isinstance(state.common, dict) else {}
+    claim = (
+        read_claim(Path(checkpoint_dir), node_local_claim_name(0))
+        if _dist.get_rank() == 0
+        else None
+    )
+    gathered = _dist.all_gather_object((common.get(SAVE_ID_KEY), claim and claim.token))
+    ids, claimed = [i for i, _ in gathered], gathered[0][1]
+    if not any(ids):
+        return
+    if claimed == "?":  # (what `read_claim` gives for a claim it cannot parse)
+        raise CheckpointCorruptedError(
+            f"{Path(checkpoint_dir) / node_local_claim_name(0)} is damaged (unreadable): the "
+            "local parts cannot be checked against the save that claimed the directory"
+        )
+    expected = claimed or ids[0]
+    foreign = [rank for rank, i in enumerate(ids) if i != expected]
+    if foreign:
+        raise CheckpointCorruptedError(
+            f"{checkpoint_dir}: the local part(s) of rank(s) {foreign} belong to another save "
+            f"({ids[foreign[0]]}) than this checkpoint's ({expected}, the save that claimed it in "
+            f"{node_local_claim_name(0)}): replaced by, or linked to, another checkpoint's files"
+        )
 
 
 def _metadata(state: MCoreTensorAwareStateDict, with_objects: bool) -> ShardedStateDict:

@@ -16,6 +16,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from .._claim import SAVE_ID_KEY
 from .._safe_load import torch_load
 from ..errors import CheckpointCorruptedError, CheckpointingException
 from ..integrity import Checksums
@@ -179,7 +180,10 @@ def read_local_part(part: LocalPart) -> Dict[str, Any]:
                 tensors[f"{sh.key} {tuple(sh.global_offset)}"] = (sh.global_shape, sh.data)
             elif isinstance(sh, ShardedObject):
                 objects[sh.unique_key] = sh.data
-        sd: Dict[str, Any] = {"world_size": None, "common": state.common, "objects": objects}
+        common = dict(state.common) if isinstance(state.common, dict) else {}
+        save_id = common.pop(SAVE_ID_KEY, None)  # recorded by the save, not the user's
+        sd: Dict[str, Any] = {"world_size": None, "common": common, "objects": objects}
+        sd["save_id"] = save_id
     elif _is_local_backend_state(state):
         sd = getattr(state, "state_dict")  # noqa: B009  (checked there; not in the interface)
         tensors = {slot: (e["global_shape"], e["data"]) for slot, e in sd["sharded"].items()}

@@ -13,12 +13,14 @@ from __future__ import annotations
 import io
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional, Set
 
 import numpy as np
 
+from .._claim import node_local_claim_name, read_claim
 from .._safe_load import torch_load
 from ..core import CONFIG_FNAME, maybe_load_config
 from ..errors import CheckpointingException, NotACheckpointError
@@ -124,6 +126,10 @@ def _verify(ckpt: Path, step: Optional[int], report: VerifyReport) -> None:
             Problem(CONFIG_FNAME, "missing: the save did not commit (incomplete checkpoint)")
         )
     tier = local_tier(ckpt) if config is None and not report.problems else {}
+    if tier and _claimed_ranks(ckpt):  # a node-local save's directory, not a manager's tier
+        report.problems.append(
+            Problem(CONFIG_FNAME, "missing: the save did not commit (incomplete checkpoint)")
+        )
     if tier:
         info = tier_step(ckpt, tier, step)
         report.step = info.step
@@ -133,6 +139,8 @@ def _verify(ckpt: Path, step: Optional[int], report: VerifyReport) -> None:
         raise NotACheckpointError(f"{ckpt}: step={step} selects an iteration of a local tier")
     if tier or (config is not None and config.sharded_backend == "local"):
         report.kind, report.checksummed = "local", True
+        if config is not None:  # the strategies it names, as a load finds them
+            _check_strategies(ckpt, report)
         _verify_local(ckpt, local_parts(ckpt, report.step), report)
         return
     if config is None and not has_dcp:
@@ -148,13 +156,18 @@ def _verify(ckpt: Path, step: Optional[int], report: VerifyReport) -> None:
         raise CheckpointingException(f"{ckpt}: {unreadable_backend(b, v, 'verify')}")
     if config is not None:
         report.kind = config.sharded_backend
-        try:
-            from ..serialization import verify_checkpoint_and_load_strategy
-
-            verify_checkpoint_and_load_strategy(ckpt)
-        except CheckpointingException as e:
-            report.problems.append(Problem(CONFIG_FNAME, str(e)))
+        _check_strategies(ckpt, report)
     _verify_dcp(ckpt, report)
+
+
+def _check_strategies(ckpt: Path, report: VerifyReport) -> None:
+    """Whether the backends and versions `metadata.json` names load (as `load` checks)."""
+    try:
+        from ..serialization import verify_checkpoint_and_load_strategy
+
+        verify_checkpoint_and_load_strategy(ckpt)
+    except CheckpointingException as e:
+        report.problems.append(Problem(CONFIG_FNAME, str(e)))
 
 
 def _verify_dcp(ckpt: Path, report: VerifyReport) -> None:
@@ -296,14 +309,45 @@ def _verify_local(ckpt: Path, parts: List[LocalPart], report: VerifyReport) -> N
         if not report.problems:  # (an incomplete tier's iteration is already reported)
             report.problems.append(Problem(".", "a local checkpoint without any part"))
         return
+    save_ids = {}
     for part in parts:
         report.items += 1
         try:
             report.bytes += part.path.stat().st_size
-            _storage.read_local_part(part)
+            save_ids[part] = _storage.read_local_part(part).get("save_id")
         except (CheckpointingException, OSError) as e:
             report.problems.append(Problem(str(part.path.relative_to(ckpt)), str(e)))
+    _verify_one_save(ckpt, parts, save_ids, report)
     _verify_parity(ckpt, parts, report)
+
+
+def _verify_one_save(
+    ckpt: Path, parts: List[LocalPart], save_ids: Dict[LocalPart, Any], report: VerifyReport
+) -> None:
+    """What a load checks of a node-local checkpoint's parts (`strategies.local`): each names
+    the save that claimed the directory; and each rank that claimed it left its part."""
+    claims = _claimed_ranks(ckpt)
+    claim = read_claim(ckpt, node_local_claim_name(0)) if 0 in claims else None
+    named = [i for i in save_ids.values() if i]
+    expected = claim.token if claim is not None else (named[0] if named else None)
+    if expected == "?":
+        msg = "damaged (unreadable): the parts cannot be checked against the save it names"
+        report.problems.append(Problem(node_local_claim_name(0), msg))
+    for part, save_id in save_ids.items():
+        if named and save_id != expected and expected != "?":
+            where = str(part.path.relative_to(ckpt))
+            msg = f"belongs to another save ({save_id}) than this checkpoint's ({expected})"
+            report.problems.append(Problem(where, msg + ": another checkpoint's file"))
+    if not local_parity(ckpt, parts[0].iteration):
+        for rank in sorted(claims - {p.owner for p in parts}):
+            msg = f"missing: rank {rank} saved into this directory ({node_local_claim_name(rank)})"
+            report.problems.append(Problem(str(rank), msg + " but no copy of its part is here"))
+
+
+def _claimed_ranks(ckpt: Path) -> Set[int]:
+    """The ranks whose node-local claims (`claim_<rank>.json`) are in `ckpt`."""
+    names = os.listdir(ckpt) if ckpt.is_dir() else []
+    return {int(n[6:-5]) for n in names if re.fullmatch(r"claim_\d+\.json", n)}
 
 
 def _verify_parity(ckpt: Path, parts: List[LocalPart], report: VerifyReport) -> None:

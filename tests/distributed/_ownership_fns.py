@@ -215,3 +215,14 @@ def die_while_writer_runs(tmp: str, victim: int) -> Tuple[str, str, float]:
         os.kill(os.getpid(), signal.SIGKILL)
     name, message = _attempt(queue.maybe_finalize_async_calls, True)
     return name, message, time.time() - killed_at
+
+
+def die_before_first_collective(tmp: str, victim: int) -> Tuple[str, str, float]:
+    """`victim` dies before the library's coordination group exists (a new timeout makes
+    the next collective create it); returns the survivor's `(class, message, seconds)`."""
+    dc.set_collective_timeout(5)
+    if dist.get_rank() == victim:
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.time()
+    name, message = _attempt(dc.save, state(0, 9), os.path.join(tmp, "G"))
+    return name, message, time.time() - start

@@ -141,3 +141,13 @@ def test_rank_killed_while_its_async_writer_hangs_fails_the_others_at_once(tmp_p
     name, message, seconds = outcomes[0].unwrap()
     assert name == "DistributedFailureError", message
     assert seconds < 20.0  # not the writer's 120 s stall, nor the 600 s collective timeout
+
+
+def test_rank_lost_before_the_first_collective_fails_the_survivor_within_the_timeout(tmp_path):
+    outcomes = get_world(2).run_tolerating_deaths(
+        F.die_before_first_collective, str(tmp_path), 1, timeout=120
+    )
+    assert outcomes[1] is None and outcomes[0] is not None
+    name, message, seconds = outcomes[0].unwrap()
+    assert name == "DistributedFailureError", message
+    assert seconds < 60.0  # the 5 s collective timeout, not the process group's

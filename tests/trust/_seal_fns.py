@@ -59,3 +59,32 @@ def load_outcome(ckpt: str) -> Tuple[str, str]:
     except Exception as e:  # the test compares every rank's
         return type(e).__name__, str(e)
     return "", ""
+
+
+def _local_state(scale: float, fill: bool = True) -> Dict[str, object]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    w = full_tensors(scale)["w"].chunk(world, 0)[rank].clone()
+    return {
+        "w": ShardedTensor.from_rank_offsets(
+            "w", w if fill else torch.zeros_like(w), (0, rank, world)
+        ),
+        "step": int(scale),
+    }
+
+
+def save_local_pair(dir_a: str, dir_b: str) -> None:
+    """2 ranks: ('local', 2) checkpoints A (scale 1) and B (scale 2) of one layout."""
+    for ckpt, scale in ((dir_a, 1.0), (dir_b, 2.0)):
+        dc.save(_local_state(scale), ckpt, sharded_strategy=("local", 2))
+
+
+def load_local(ckpt: str) -> str:
+    """'A' when `ckpt` loads as checkpoint A, 'B' as B, else the class of the error."""
+    try:
+        got = dc.load(_local_state(0.0, fill=False), ckpt)
+    except dc.errors.CheckpointingException as e:
+        return f"{type(e).__name__}: {e}"
+    for name, scale in (("A", 1.0), ("B", 2.0)):
+        if torch.equal(got["w"], _local_state(scale)["w"].data) and got["step"] == int(scale):
+            return name
+    return "a mix"
