@@ -73,12 +73,28 @@ class Ownership:
         return node_local_claim_name(_dist.get_rank()) if self.node_local else CLAIM_FNAME
 
     def take(self) -> None:
-        """Claims the directory where this rank is the one to (local; may raise
-        `CheckpointClaimedError`, which the preparation's agreement raises everywhere)."""
-        if self.node_local or _dist.get_rank() == 0:
-            claim = new_claim()
-            write_claim(self.ckpt, claim, self.name)
-            self.claim = claim
+        """Rank 0 claims the directory (local; may raise `CheckpointClaimedError`, which the
+        preparation's agreement raises everywhere). The other ranks of a node-local save
+        claim theirs in `take_node_local`, once the agreement says rank 0's claim holds."""
+        if _dist.get_rank() == 0:
+            self._claim()
+
+    def take_node_local(self) -> None:
+        """Collective (node-local saves, after the preparation's agreement): every other rank
+        claims its own directory; a claim refused anywhere is raised on every rank.
+
+        Claiming after rank 0 makes of two jobs racing for one directory the one rank 0
+        refused claim nothing: had every rank claimed at once, each job could hold some
+        claims and both would fail."""
+        mine = self._claim if _dist.get_rank() != 0 else (lambda: None)
+        _dist.run_collectively(f"claims of {self.ckpt}", mine)
+        if self.claim is not None:
+            self.token = self.claim.token
+
+    def _claim(self) -> None:
+        claim = new_claim()
+        write_claim(self.ckpt, claim, self.name)
+        self.claim = claim
 
     def lanes(self) -> Tuple[int, ...]:
         """What this rank adds to the preparation's agreement: rank 0's token (zeros else)."""

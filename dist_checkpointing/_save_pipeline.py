@@ -220,6 +220,8 @@ def agree_on_preparation(
     )
     assert plan is not None
     plan.ownership.agreed(agreement.shared)
+    if plan.node_local:
+        plan.ownership.take_node_local()
     if validate_access_integrity and agreement.common_differs:
         _compare_common(plan.common_part, preprocess_common, ckpt)
     return plan

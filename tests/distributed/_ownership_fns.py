@@ -71,14 +71,16 @@ def _rendezvous(base: str, trial: int, job: int) -> None:
     dist.barrier()
 
 
-def race(base: str, job: int, trials: int) -> List[Result]:
+def race(base: str, job: int, trials: int, strategy: Any = None) -> List[Result]:
     """Job `job` saves `state(job, i)` into `base/t<i>` for each trial, started together with
-    the other job (a random delay of up to 20 ms per rank and trial, both jobs' drawn apart)."""
+    the other job (a random delay of up to 20 ms per rank and trial, both jobs' drawn apart),
+    with the save strategy `strategy` (None: the default)."""
     results = []
     for i in range(trials):
         _rendezvous(base, i, job)
         time.sleep(random.Random(f"{i}/{job}/{dist.get_rank()}").uniform(0, 0.02))
-        results.append(_attempt(dc.save, state(job, i), os.path.join(base, f"t{i}")))
+        ckpt = os.path.join(base, f"t{i}")
+        results.append(_attempt(dc.save, state(job, i), ckpt, sharded_strategy=strategy))
     return results
 
 

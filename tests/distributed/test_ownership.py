@@ -31,17 +31,20 @@ def _run_together(worlds, fn, args_of, timeout=240.0):
     return [world._collect(fn.__name__, timeout) for world in worlds]
 
 
-def test_two_jobs_saving_into_one_directory_exactly_one_succeeds(tmp_path):
+@pytest.mark.parametrize(
+    "strategy, trials", [(None, TRIALS), (("local", 2), 20)], ids=["torch_dist", "node-local"]
+)
+def test_two_jobs_saving_into_one_directory_exactly_one_succeeds(tmp_path, strategy, trials):
     other = World(2)  # a second job: its own processes and process group
     try:
         outcomes = _run_together(
-            [get_world(2), other], F.race, lambda job: (str(tmp_path), job, TRIALS)
+            [get_world(2), other], F.race, lambda job: (str(tmp_path), job, trials, strategy)
         )
     finally:
         other.close(kill=True)
     results = [[o.unwrap() for o in job] for job in outcomes]  # [job][rank][trial]
     winners = []
-    for i in range(TRIALS):
+    for i in range(trials):
         ok = [all(results[job][rank][i] == ("", "") for rank in range(2)) for job in range(2)]
         assert sum(ok) == 1, (
             f"trial {i}: {[[results[j][r][i] for r in range(2)] for j in range(2)]}"
