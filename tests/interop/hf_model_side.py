@@ -11,7 +11,8 @@ Usage: python hf_model_side.py WORKDIR
    logits after the step go to `WORKDIR/<name>/logits.pt`.
 2. A transformers `LlamaForCausalLM` of the same config, with other values, loads each
    checkpoint with `hf_model.load`: sharded by `fully_shard` on both ranks (with an Adam
-   optimizer), plain (a whole model per rank), and for pp2 also HSDP (a 2 x 1 mesh); its logits must match megatron's within
+   optimizer), plain (a whole model per rank), by `fully_shard` on a mesh of one rank, and
+   for pp2 also HSDP (a 2 x 1 mesh); its logits must match megatron's within
    1e-4, and the loaded Adam moments and step must equal the stored ones, split into HF
    names by `hf_map.split` (the mapping `export-hf` uses). Sharded by FSDP2, each rank
    reads (the storage seam's read spy) at most 60% of the stored tensor bytes: its half.
@@ -46,10 +47,10 @@ SCENARIOS: Dict[str, Any] = {
 #: the HF model's vocabulary (megatron's is 130 unless the scenario says otherwise)
 HF_VOCAB = 129
 #: how the transformers model is sharded: FSDP2 on 2 ranks, plain (a whole model per rank),
-#: HSDP on a 2 x 1 mesh (only for pp2)
-HOWS = ("fsdp2", "plain", "hsdp")
+#: FSDP2 on a mesh of one rank, HSDP on a 2 x 1 mesh (only for pp2)
+HOWS = ("fsdp2", "plain", "fsdp1", "hsdp")
 #: scenario -> its models that `hf_model.save` writes back for megatron to load
-SAVED = {"pp2": HOWS, "moe_tp2": ("fsdp2",)}
+SAVED = {"pp2": ("fsdp2", "plain", "hsdp"), "moe_tp2": ("fsdp2",)}
 
 
 def hf_vocab(name: str) -> int:
@@ -193,12 +194,13 @@ def hf_checks(rank: int, workdir: str, results: Dict[str, str]) -> None:
         want = torch.load(os.path.join(workdir, name, "logits.pt"))
         layers = extra["num_layers"]
         ref = reference(mc, layers, hf_vocab(name))
-        for how in HOWS if name == "pp2" else HOWS[:2]:
+        for how in HOWS if name == "pp2" else HOWS[:3]:
             torch.manual_seed(100 + rank)  # other values on each rank, nothing like megatron's
             config = hf_config(layers, experts, hf_vocab(name))
             model = transformers.AutoModelForCausalLM.from_config(config).eval()
             if how != "plain":
-                shard_mesh = mesh if how == "fsdp2" else hsdp
+                # fsdp1: FSDP2 on a mesh of one rank (each rank its own world of one)
+                shard_mesh = {"fsdp2": mesh, "fsdp1": hsdp["shard"], "hsdp": hsdp}[how]
                 for layer in model.model.layers:
                     fully_shard(layer, mesh=shard_mesh)
                 fully_shard(model, mesh=shard_mesh)

@@ -54,7 +54,7 @@ def _check(results: Dict[str, str], checks: list) -> None:
 @pytest.mark.timeout(900)
 @requires_side_venv
 @pytest.mark.parametrize("scenario", ["tp2", "pp2", "moe_tp2"])
-@pytest.mark.parametrize("how", ["fsdp2", "plain"])
+@pytest.mark.parametrize("how", ["fsdp2", "plain", "fsdp1"])
 def test_load_into_transformers_model_gives_megatrons_logits_and_adam_state(results, scenario, how):
     _check(
         results,
