@@ -12,6 +12,7 @@ pickled names.
 from __future__ import annotations
 
 import argparse
+import enum
 import functools
 import io
 import os
@@ -20,13 +21,19 @@ import pickle
 import signal
 import struct
 import types
-from typing import Any, BinaryIO, Callable, List, Tuple, Union
+from typing import Any, BinaryIO, Callable, Iterable, List, Tuple, Union
 
 import torch
 
 from .errors import CheckpointCorruptedError, UnsafeCheckpointError
 
-__all__ = ["torch_load", "UNSAFE_LOAD_HINT", "default_safe_globals", "ensure_registered"]
+__all__ = [
+    "torch_load",
+    "UNSAFE_LOAD_HINT",
+    "default_safe_globals",
+    "ensure_registered",
+    "enum_member_getter",
+]
 
 SafeGlobal = Union[Callable[..., Any], Tuple[Callable[..., Any], str]]
 
@@ -39,6 +46,27 @@ _ACCEPTED_DTYPE_CHARS = "?bBhHiIlLqQefdgFDGSUMm"
 def _refuse(what: str) -> pickle.UnpicklingError:
     # raised inside torch's unpickler, which reports it as a refused weights-only load
     return pickle.UnpicklingError(f"refused {what} (not in dist_checkpointing's safe allowlist)")
+
+
+def enum_member_getter(allowed: Iterable[Any]) -> Callable[[Any, Any], Any]:
+    """What a restricted unpickler gives for `builtins.getattr`: only members of the enums
+    among `allowed`, by name.
+
+    Python 3.12 (and some 3.11 releases) pickle an Enum member as `getattr(EnumClass, name)`
+    instead of `EnumClass(value)`, so DCP's `.metadata` written there holds `builtins.getattr`;
+    an unrestricted `getattr` would reach any attribute of an allowed class.
+    """
+    enums = {c for c in allowed if isinstance(c, type) and issubclass(c, enum.Enum)}
+
+    def member(cls: Any, name: Any) -> Any:
+        if cls in enums and isinstance(name, str) and name in cls.__members__:
+            return cls[name]
+        raise UnsafeCheckpointError(
+            f"refusing to unpickle getattr({getattr(cls, '__name__', type(cls).__name__)}, "
+            f"{name!r}): only members of allowed enums"
+        )
+
+    return member
 
 
 def _numpy_entries() -> List[SafeGlobal]:

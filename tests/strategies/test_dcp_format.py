@@ -5,6 +5,7 @@ a stock DCP checkpoint."""
 
 from __future__ import annotations
 
+import enum
 import io
 import json
 import pickle
@@ -154,6 +155,51 @@ def test_metadata_of_newer_torch_with_tensor_strides_is_read(tmp_path, capsys):
     assert dc.load_tensors_metadata(ckpt)["w"].dtype == full.dtype
     assert main(["inspect", "--json", str(ckpt)]) == 0  # the tools' reader too
     assert [t["shape"] for t in json.loads(capsys.readouterr().out)["tensors"]] == [[6, 2]]
+
+
+class _EnumsByName(pickle.Pickler):
+    """Pickles as Python 3.12 (and 3.11.2) do: an Enum member as `getattr(EnumClass, name)`;
+    `_Sneak` as `getattr(TensorProperties, '__init__')`, which no reader may follow."""
+
+    def reducer_override(self, obj):
+        if isinstance(obj, enum.Enum):
+            return getattr, (type(obj), obj.name)
+        if isinstance(obj, _Sneak):
+            return getattr, (TensorProperties, "__init__")
+        return NotImplemented
+
+
+class _Sneak:
+    pass
+
+
+def _repickle(path, **planner_data):
+    metadata = pickle.loads(path.read_bytes())
+    metadata.planner_data = {**(metadata.planner_data or {}), **planner_data}
+    buf = io.BytesIO()
+    _EnumsByName(buf).dump(metadata)
+    assert b"getattr" in buf.getvalue()
+    path.write_bytes(buf.getvalue())
+
+
+def test_metadata_pickled_with_enums_by_name_is_read(tmp_path, capsys):
+    ckpt = tmp_path / "c"
+    full = torch.randn(6, 2)
+    dcp.save({"w": full, "step": 4}, checkpoint_id=str(ckpt), no_dist=True)
+    _repickle(ckpt / ".metadata")
+    request = {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(6, 2))}
+    out = dc.load(request, ckpt, validate_access_integrity=False)
+    assert torch.equal(out["w"], full) and out["step"] == 4
+    assert main(["inspect", "--json", str(ckpt)]) == 0  # the tools' readers too
+    assert [t["shape"] for t in json.loads(capsys.readouterr().out)["tensors"]] == [[6, 2]]
+
+
+def test_getattr_in_metadata_reaches_nothing_but_enum_members(tmp_path):
+    ckpt = tmp_path / "c"
+    dcp.save({"w": torch.ones(2)}, checkpoint_id=str(ckpt), no_dist=True)
+    _repickle(ckpt / ".metadata", x=_Sneak())
+    with pytest.raises(UnsafeCheckpointError, match=r"getattr\(\w+, '__init__'\)"):
+        dc.load_tensors_metadata(ckpt)
 
 
 def test_stock_dcp_directory_without_its_metadata_is_refused(tmp_path):

@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from ..._safe_load import enum_member_getter
 from ...errors import CheckpointCorruptedError, CheckpointingException, UnsafeCheckpointError
 from ...integrity import SUMS_SUFFIX, Checksums, checksum, read_checksums, write_checksums
 from ...storage import objstore
@@ -171,6 +172,7 @@ def _allowed_globals() -> Dict[Tuple[str, str], Any]:
     allowed[("pathlib", "PurePosixPath")] = pathlib.PurePosixPath
     allowed[("builtins", "set")] = set
     allowed[("builtins", "frozenset")] = frozenset
+    allowed[("builtins", "getattr")] = enum_member_getter(allowed.values())
     return allowed
 
 
