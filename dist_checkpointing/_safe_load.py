@@ -35,7 +35,7 @@ __all__ = [
     "enum_member_getter",
 ]
 
-SafeGlobal = Union[Callable[..., Any], Tuple[Callable[..., Any], str]]
+SafeGlobal = Union[Callable[..., Any], Tuple[Any, str]]
 
 # never accepted: 'O' holds Python object pointers, 'V' (structured) can embed 'O' fields
 _REFUSED_KINDS = frozenset("OV")
@@ -109,6 +109,14 @@ def _numpy_entries() -> List[SafeGlobal]:
     return entries
 
 
+def _allowed_enum_member(cls: Any, name: Any) -> Any:
+    allowed = [g for g in torch.serialization.get_safe_globals() if not isinstance(g, tuple)]
+    try:
+        return enum_member_getter(allowed)(cls, name)
+    except UnsafeCheckpointError as e:
+        raise _refuse(str(e).replace("refusing to unpickle ", "")) from None
+
+
 @functools.cache  # the same entries each time: the allowlist compares them by identity
 def default_safe_globals() -> List[SafeGlobal]:
     """The reviewed entries, in `torch.serialization.add_safe_globals` form."""
@@ -123,6 +131,11 @@ def default_safe_globals() -> List[SafeGlobal]:
         pathlib.PosixPath,
         # REDUCE: Signals(number), an enum value lookup (megatron's args.exit_signal)
         signal.Signals,
+        # GLOBAL signal.SIGTERM: how Python 3.11.2 pickles a member of this global enum
+        *[(member, f"signal.{member.name}") for member in signal.Signals],
+        # REDUCE: getattr(EnumClass, name), as Python 3.12 pickles an Enum member: only
+        # members of enums on torch's allowlist (e.g. Signals above), by name
+        (_allowed_enum_member, "builtins.getattr"),
         *_numpy_entries(),
     ]
 

@@ -81,6 +81,18 @@ class _TensorProperties(_Stub):
         return dtype
 
 
+def _enum(value: Any) -> Any:
+    """Stands in for DCP's enums: the member's value (its name when pickled by name)."""
+    return value
+
+
+def _enum_by_name(cls: Any, name: Any) -> Any:
+    """`builtins.getattr` as Python 3.12 pickles an Enum member: `getattr(EnumClass, name)`."""
+    if cls is _enum and isinstance(name, str):
+        return name
+    raise Unsupported(f"getattr({cls!r}, {name!r})")
+
+
 _DCP = "torch.distributed.checkpoint.metadata"
 _PLANNER = "torch.distributed.checkpoint.planner"
 _Classes = Dict[Tuple[str, str], Any]
@@ -95,14 +107,15 @@ _METADATA_CLASSES: _Classes = {
     **{(_DCP, n): _stub(n) for n in _DCP_NAMES.split()},
     (_DCP, "TensorProperties"): _TensorProperties,
     **{(_PLANNER, n): _stub(n) for n in _PLANNER_NAMES.split()},
-    **{(_PLANNER, n): lambda value: value for n in ("WriteItemType", "LoadItemType")},
+    **{(_PLANNER, n): _enum for n in ("WriteItemType", "LoadItemType")},
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _stub("_StorageInfo"),
     **{("pathlib", n): lambda *parts: "/".join(parts) for n in ("PurePosixPath", "PosixPath")},
     ("pathlib", "WindowsPath"): lambda *parts: "/".join(parts),
     ("builtins", "set"): set,
     ("builtins", "frozenset"): frozenset,
     **{("torch", n): n for n in _TORCH_NAMES.split()},
-    (_DCP, "_MEM_FORMAT_ENCODING"): lambda value: value,
+    (_DCP, "_MEM_FORMAT_ENCODING"): _enum,
+    ("builtins", "getattr"): _enum_by_name,
     ("torch.serialization", "_get_layout"): lambda name: name,
     ("torch", "Size"): lambda dims=(): tuple(dims),
     ("collections", "OrderedDict"): dict,
