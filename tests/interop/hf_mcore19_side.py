@@ -20,10 +20,7 @@ Each rank writes `WORKDIR/result.<rank>.json`: `{check name: "ok" | failure}`.
 
 from __future__ import annotations
 
-import json
-import os
 import sys
-from typing import Dict
 
 import hf_model_side as side
 
@@ -38,32 +35,17 @@ def worker(rank: int, world: int, port: int, workdir: str) -> None:
     import torch
     import torch.distributed as dist
 
-    results: Dict[str, str] = {}
     # megatron-core calls these on CPU paths; in this process only
     torch.cuda.synchronize = lambda *a, **k: None
     torch.cuda.current_device = lambda: "cpu"
-    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core import tensor_parallel
 
     no_fork = type("NoFork", (), {"fork": lambda self, *a, **k: contextlib.nullcontext()})()
     tensor_parallel.get_cuda_rng_tracker = lambda *a, **k: no_fork
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
-    try:
-        side.megatron_save(rank, workdir)
-        results["0.19 saved"] = "ok"
-        parallel_state.destroy_model_parallel()
-        side.hf_checks(rank, workdir, results)
-        side.megatron_loads(rank, workdir, results)
-        from hf_optimizer_side import optimizer_checks
-
-        optimizer_checks(rank, workdir, results)  # 0.19's FP32Optimizer resumes our save
-    except Exception as e:  # reported by the test
-        import traceback
-
-        results["side script"] = f"raised {type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"
-    with open(os.path.join(workdir, f"result.{rank}.json"), "w") as f:
-        json.dump(results, f)
+    side.run_and_report(rank, workdir, "0.19 saved")
     dist.barrier()
     dist.destroy_process_group()
 

@@ -332,7 +332,7 @@ def worker(rank: int, world: int, port: int, workdir: str) -> None:
     # megatron-core calls these on CPU paths; in this test process only
     torch.cuda.synchronize = lambda *a, **k: None
     torch.cuda.current_device = lambda: "cpu"
-    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core import tensor_parallel
 
     no_fork = type("NoFork", (), {"fork": lambda self, *a, **k: contextlib.nullcontext()})()
     tensor_parallel.get_cuda_rng_tracker = lambda *a, **k: no_fork
@@ -342,9 +342,21 @@ def worker(rank: int, world: int, port: int, workdir: str) -> None:
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
+    run_and_report(rank, workdir, "megatron saved")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_and_report(rank: int, workdir: str, saved: str) -> None:
+    """Every step in order (megatron's save, our load and save, megatron's loads, its
+    optimizer resuming), each check's outcome in `WORKDIR/result.<rank>.json`; `saved` names
+    the check that megatron's save went through."""
+    from megatron.core import parallel_state
+
     results: Dict[str, str] = {}
     try:
         megatron_save(rank, workdir)
+        results[saved] = "ok"
         parallel_state.destroy_model_parallel()
         hf_checks(rank, workdir, results)
         megatron_loads(rank, workdir, results)
@@ -357,8 +369,6 @@ def worker(rank: int, world: int, port: int, workdir: str) -> None:
         results["side script"] = f"raised {type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"
     with open(os.path.join(workdir, f"result.{rank}.json"), "w") as f:
         json.dump(results, f)
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
