@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, Tuple
 
-from . import _dist
+from . import _dist, _liveness
 from ._claim import (
     CLAIM_FNAME,
     Claim,
@@ -165,6 +165,7 @@ class Ownership:
         _dist.run_collectively(
             f"claim check of {self.ckpt} before its commit", self.check, "the commit"
         )
+        _liveness.prepare()  # so that survivors of a rank lost from here on can name it
         try:
             _dist.run_collectively(f"commit of {self.ckpt}", write_marker)
         except DistributedFailureError as e:
@@ -186,13 +187,17 @@ class Ownership:
             time.sleep(0.05)
 
     def _after_commit_message(self, error: BaseException) -> str:
-        rank, world = _dist.get_rank(), _dist.get_world_size()
-        if world == 2:
-            who = f"rank {1 - rank}"
+        lost = _liveness.lost_ranks()
+        if lost:
+            label = f"{'rank' if len(lost) == 1 else 'ranks'} {_dist.rank_ranges(lost)}"
+            what = f"{label} failed right after the commit (its process is gone)"
         else:
-            who = f"a rank other than rank {rank} (this rank cannot tell which)"
+            what = (
+                f"a rank other than {_dist.get_rank()} failed right after the commit (no "
+                "process is gone: a rank is stuck, or a whole host went down unseen)"
+            )
         return (
             f"The checkpoint at {self.ckpt} is committed and complete ({CONFIG_FNAME} was "
-            f"written; it loads), but {who} failed right after the commit, in the save's "
-            f"closing agreement; the process group is unusable from here. ({error})"
+            f"written; it loads), but {what}, in the save's closing agreement; the process "
+            f"group is unusable from here. ({error})"
         )
