@@ -20,7 +20,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tupl
 
 import torch.distributed as dist
 
-from . import errors
+from . import _liveness, errors
 from .errors import CheckpointingException, DistributedFailureError
 
 __all__ = [
@@ -45,6 +45,7 @@ __all__ = [
     "at_teardown",
     "get_collective_timeout",
     "peer_lost",
+    "lost_ranks",
 ]
 
 logger = logging.getLogger(__name__)
@@ -57,6 +58,7 @@ _MAX_TOTAL_MESSAGE = 4000  # every cause together (see format_rank_failures)
 _timeout_s = float(os.environ.get("DIST_CKPT_TIMEOUT_S", "600"))
 _coordination: Any = None
 _coordination_key: Any = None
+_idle: Any = None  # see _liveness: an idle group whose closed connections name dead ranks
 
 
 def set_collective_timeout(seconds: float) -> None:
@@ -110,7 +112,7 @@ def _register_teardown() -> None:
 def _teardown() -> None:
     """At exit: stops the library's background work, then destroys its process groups (so
     gloo threads end before interpreter finalization, which would abort the process)."""
-    global _coordination, _coordination_key
+    global _coordination, _coordination_key, _idle
     for fn in list(_teardown_fns):
         try:
             fn()
@@ -118,7 +120,7 @@ def _teardown() -> None:
             logger.warning("dist_checkpointing teardown step %r failed: %s", fn, e)
     _teardown_fns.clear()
     groups, _own_groups[:] = list(_own_groups), []
-    _coordination = _coordination_key = None
+    _coordination = _coordination_key = _idle = None
     if not (dist.is_available() and dist.is_initialized()):
         return
     live = dist.distributed_c10d._world.pg_map
@@ -134,33 +136,52 @@ def _teardown() -> None:
 def _group(group: Group) -> Group:
     """`group`, or (for None) the coordination group: gloo, all ranks, our timeout (created
     on first use, collectively)."""
-    global _coordination, _coordination_key
+    global _coordination, _coordination_key, _idle
     if group is not None:
         return group
     key = (id(dist.distributed_c10d._get_default_group()), _timeout_s)
     if _coordination is None or _coordination_key != key:
         # creating it is a collective too: a peer lost meanwhile is waited for (our timeout)
         with _collective("creating the coordination group"):
-            _coordination = new_own_group(
-                backend="gloo", timeout=datetime.timedelta(seconds=_timeout_s)
-            )
+            timeout = datetime.timedelta(seconds=_timeout_s)
+            _coordination = new_own_group(backend="gloo", timeout=timeout)
+            _idle = new_own_group(backend="gloo", timeout=timeout)
         _coordination_key = key
     return _coordination
 
 
 @contextlib.contextmanager
 def _collective(op: str) -> Iterator[None]:
-    """Turns a collective's failure (a dead or silent peer) into `DistributedFailureError`."""
+    """Turns a collective's failure (a dead or silent peer) into `DistributedFailureError`,
+    naming the ranks whose process is gone where they can be told (see `_liveness`)."""
     try:
         yield
     except RuntimeError as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        gone = _liveness.lost_ranks(_idle) if _idle is not None else []
+        if len(gone) == 1:
+            who = f"rank {gone[0]}'s process is gone"
+        elif gone:
+            who = f"the processes of {_ranks_label(gone)} are gone"
+        else:
+            who = f"another rank died or did not answer within {_timeout_s:.0f} s"
         lost = DistributedFailureError(
-            f"Checkpoint collective {op} failed: another rank died or did not answer within "
-            f"{_timeout_s:.0f} s ({type(e).__name__}: {first})"
+            f"Checkpoint collective {op} failed: {who} ({type(e).__name__}: {first})"
         )
         lost.peer_lost = True  # type: ignore[attr-defined]
+        lost.lost_ranks = gone  # type: ignore[attr-defined]
         raise lost from e
+
+
+def lost_ranks(error: BaseException) -> List[int]:
+    """The ranks whose process was found gone when `error` (or what it was raised from),
+    a collective's failure, happened; empty where none could be told."""
+    seen: Optional[BaseException] = error
+    while seen is not None:
+        if getattr(seen, "lost_ranks", None):
+            return list(seen.lost_ranks)  # type: ignore[attr-defined]
+        seen = seen.__cause__
+    return []
 
 
 def peer_lost(error: BaseException) -> bool:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, Tuple
 
-from . import _dist, _liveness
+from . import _dist
 from ._claim import (
     CLAIM_FNAME,
     Claim,
@@ -165,7 +165,6 @@ class Ownership:
         _dist.run_collectively(
             f"claim check of {self.ckpt} before its commit", self.check, "the commit"
         )
-        _liveness.prepare()  # so that survivors of a rank lost from here on can name it
         try:
             _dist.run_collectively(f"commit of {self.ckpt}", write_marker)
         except DistributedFailureError as e:
@@ -187,7 +186,7 @@ class Ownership:
             time.sleep(0.05)
 
     def _after_commit_message(self, error: BaseException) -> str:
-        lost = _liveness.lost_ranks()
+        lost = _dist.lost_ranks(error)
         if lost:
             label = f"{'rank' if len(lost) == 1 else 'ranks'} {_dist.rank_ranges(lost)}"
             what = f"{label} failed right after the commit (its process is gone)"

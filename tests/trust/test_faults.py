@@ -27,6 +27,7 @@ def test_sigkill_during_torch_dist_save(tmp_path, is_async):
     assert outcomes[0] is not None, "the survivor must not hang"
     name, message, seconds = outcomes[0].unwrap()
     assert name == "DistributedFailureError", message
+    assert "rank 1's process is gone" in message
     assert seconds < _DEATH_BOUND_S
     for not_ckpt, a_ok, err, c_ok in get_world(2).run_ok(F.after_crash, str(tmp_path), timeout=120):
         assert not_ckpt and a_ok and c_ok
@@ -38,6 +39,7 @@ def test_sigkill_during_async_local_save(tmp_path):
     assert outcomes[1] is None and outcomes[0] is not None
     name, message, seconds = outcomes[0].unwrap()
     assert name == "DistributedFailureError" and seconds < _DEATH_BOUND_S, message
+    assert "rank 1's process is gone" in message
     # iteration 2 never committed everywhere: 1 is the newest complete one, then 3 saves fine
     assert (
         get_world(2).run_ok(F.local_after_crash, str(tmp_path), timeout=120) == [(1, True, 3)] * 2
@@ -52,6 +54,7 @@ def test_stuck_rank_fails_the_others_within_the_timeout(tmp_path):
     assert outcomes[0] is not None
     name, message, seconds = outcomes[0].unwrap()
     assert name == "DistributedFailureError" and "did not answer within 4 s" in message
+    assert "process is gone" not in message  # stuck, not dead: never named as gone
     assert timeout_s * 0.8 <= seconds < timeout_s + 10
     assert outcomes[1] is None or outcomes[1].unwrap()[0] != ""  # the stuck rank fails too
 
