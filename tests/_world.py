@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import socket
 import time
 import traceback
 from dataclasses import dataclass
@@ -36,13 +35,7 @@ class Outcome:
         return self.value
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, world_size: int, port: int, inbox: Any, outbox: Any) -> None:
+def _worker(rank: int, world_size: int, inbox: Any, outbox: Any) -> None:
     import datetime
     import logging
 
@@ -50,13 +43,18 @@ def _worker(rank: int, world_size: int, port: int, inbox: Any, outbox: Any) -> N
 
     logging.basicConfig(level=logging.WARNING)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=90),
-    )
+    timeout = datetime.timedelta(seconds=90)
+    # rank 0's store takes a port the system picks and tells the others through the test
+    # process: a port picked in advance can be taken by another process in between
+    if rank == 0:
+        store = dist.TCPStore(
+            "127.0.0.1", 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False
+        )
+        outbox.put((rank, "port", store.port, ""))
+    else:
+        port = inbox.get()
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
     outbox.put((rank, "ready", None, ""))
     while True:
         task = inbox.get()
@@ -80,30 +78,38 @@ class World:
     def __init__(self, size: int) -> None:
         ctx = mp.get_context("spawn")
         self.size = size
-        port = _free_port()
         self.inboxes = [ctx.Queue() for _ in range(size)]
         self.outbox = ctx.Queue()
         self.procs = [
             # not daemonic: ranks start background writer processes of their own (async save)
-            ctx.Process(target=_worker, args=(r, size, port, self.inboxes[r], self.outbox))
+            ctx.Process(target=_worker, args=(r, size, self.inboxes[r], self.outbox))
             for r in range(size)
         ]
         for p in self.procs:
             p.start()
+        port = self._collect_one("port", _START_TIMEOUT)
+        for inbox in self.inboxes[1:]:
+            inbox.put(port)
         self._collect("ready", _START_TIMEOUT)
+
+    def _collect_one(self, what: str, timeout: float) -> Any:
+        """Rank 0's `what` message (the only one that comes before the others are ready)."""
+        outcome = self._collect(what, timeout, ranks=1)[0]
+        return outcome.unwrap()
 
     @property
     def alive(self) -> bool:
         return all(p.is_alive() for p in self.procs)
 
-    def _collect(self, what: str, timeout: float) -> List[Outcome]:
+    def _collect(self, what: str, timeout: float, ranks: Optional[int] = None) -> List[Outcome]:
         deadline = time.monotonic() + timeout
         got: Dict[int, Outcome] = {}
-        while len(got) < self.size:
+        expected = self.size if ranks is None else ranks
+        while len(got) < expected:
             remaining = deadline - time.monotonic()
             if remaining <= 0 or not self.alive:
                 self.close(kill=True)
-                missing = sorted(set(range(self.size)) - got.keys())
+                missing = sorted(set(range(expected)) - got.keys())
                 raise TimeoutError(
                     f"ranks {missing} did not finish {what} within {timeout:.0f} s (world killed)"
                 )
@@ -114,7 +120,7 @@ class World:
             got[rank] = Outcome(
                 rank, value if status != "err" else None, value if status == "err" else None, trace
             )
-        return [got[r] for r in range(self.size)]
+        return [got[r] for r in range(expected)]
 
     def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 60.0) -> List[Outcome]:
         """Runs `fn(*args)` on every rank; returns the per-rank outcomes."""
