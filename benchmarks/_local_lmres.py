@@ -9,7 +9,7 @@ form ("n/a"); its "committed" is the peer's replica received in memory; its plai
 the load after a lost node are the restarted job's `enable_resiliency(...)`; a lost node's
 recovery is its survivors' restart flush, the copy of the lost rank's replica to the
 replacement, and that load. Its in-memory rollback (live processes) has no row of ours.
-Where its state per rank differs from ours (`--lmres-mib`, for hosts without ~6.5x its
+Where its state per rank differs from ours (`--lmres-mib`, for hosts without ~6x its
 state in memory per rank), times are given in seconds per GiB of state per rank.
 """
 

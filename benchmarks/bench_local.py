@@ -445,7 +445,7 @@ def main() -> None:
         "--lmres-mib",
         type=int,
         default=0,
-        help="lm-resiliency's state per rank (MiB; default --parity-mib): it needs ~6.5x "
+        help="lm-resiliency's state per rank (MiB; default --parity-mib): it needs ~6x "
         "that in host memory per rank",
     )
     parser.add_argument("--json", default="")
