@@ -27,7 +27,7 @@ def test_lmres_side_measures_its_saves_and_recovers_a_lost_rank_bit_for_bit(tmp_
     """Its captures, the restart flush, the copy to the lost rank's replacement and the
     restarted job's loads run, every load checked against the saved bytes and step."""
     assert PYTHON is not None
-    args = ["--world-size", "2", "--mib-per-rank", "1", "--repeats", "2"]
+    args = ["--world-size", "2", "--mib-per-rank", "1", "--repeats", "1"]
     out = _launch.run_side(PYTHON, [SIDE, *args, "--dir", str(tmp_path / "lmres")], timeout=150)
     res = json.loads(out.strip().splitlines()[-1])
     assert res["lmres verified"] is True, res
@@ -39,7 +39,7 @@ def test_lmres_side_measures_its_saves_and_recovers_a_lost_rank_bit_for_bit(tmp_
         "lmres copy to replacement s",
         "lmres restart load s",
     ):
-        assert len(res["lmres samples"][key]) == 2 and res[key] > 0, key
+        assert len(res["lmres samples"][key]) == 1 and res[key] > 0, key
     # 2 own + 2 peer slots in host memory; own and peer files of 2 steps after the flush
     assert res["lmres host RAM kept / state"] >= 3.5, res
     assert 3.9 <= res["lmres disk after flush / state"] < 4.5, res
