@@ -119,14 +119,14 @@ def _model(numel: int, fill: bool, rank: int) -> Tuple[Any, Any]:
     return model, optimizer
 
 
-def _tensors(model: Any, optimizer_state: Dict[Any, Any]) -> List[Any]:
+def _tensors(params: List[Any], optimizer_state: Dict[Any, Any]) -> List[Any]:
     """The state's 8 tensors in a fixed order: parameters, then momentum buffers."""
-    params = [p.detach() for p in model.parameters()]
     return params + [optimizer_state[i]["momentum_buffer"] for i in range(len(params))]
 
 
 def _state_tensors(model: Any, optimizer: Any) -> List[Any]:
-    return _tensors(model, optimizer.state_dict()["state"])
+    params = [p.detach() for p in model.parameters()]
+    return _tensors(params, optimizer.state_dict()["state"])
 
 
 def _digests(tensors: List[Any]) -> List[str]:
@@ -235,7 +235,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace, port: int, queue: A
         took = _max(time.perf_counter() - t0)
         assert loaded is not None and loaded[1] == last_step, loaded and loaded[1]
         sd = loaded[0]
-        assert _digests(_tensors(_Params(sd["model"]), sd["optimizer"]["state"])) == want
+        assert _digests(_tensors(list(sd["model"].values()), sd["optimizer"]["state"])) == want
         add("lmres memory rollback s", took)
         del loaded, sd
         gc.collect()
@@ -278,16 +278,6 @@ def _worker(rank: int, world: int, args: argparse.Namespace, port: int, queue: A
         )
         queue.put(result)
     dist.destroy_process_group()
-
-
-class _Params:
-    """`model.parameters()` of a loaded model state dict (its values, in order)."""
-
-    def __init__(self, model_state: Dict[str, Any]) -> None:
-        self._values = list(model_state.values())
-
-    def parameters(self) -> List[Any]:
-        return self._values
 
 
 def _restart(
