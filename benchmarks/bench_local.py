@@ -28,12 +28,16 @@ The save rows rotate their order from round to round, each after an untimed `syn
   imports it);
 - `--phases parity` (not in the default): parity replication against clique factor 2 on
   `--parity-world` ranks, `--parity-mib` MiB per rank (`benchmarks/_local_parity.py`), with
-  nvidia-resiliency-ext's factor 2 at the same size when `--nvrx-python` is given.
+  nvidia-resiliency-ext's factor 2 at the same size when `--nvrx-python` is given, and
+  lm-resiliency (GEMINI's in-memory copies, `benchmarks/lmres_side.py` run in
+  `--lmres-python`) on the same ranks and repeats, in a second table
+  (`benchmarks/_local_lmres.py`), at `--lmres-mib` MiB per rank (default `--parity-mib`).
 
 The table gives the ratios that matter next to each row.
 
     python -m benchmarks.bench_local --world-sizes 2 4 --total-mib 1024 --nvrx-python "$NVRX_VENV/bin/python"
-    python -m benchmarks.bench_local --phases parity --parity-world 4 --parity-k 4 --parity-mib 1024
+    python -m benchmarks.bench_local --phases parity --parity-world 4 --parity-k 4 --parity-mib 1024 \
+        --lmres-python "$LMRES_VENV/bin/python" --lmres-mib 256
 """
 
 from __future__ import annotations
@@ -370,6 +374,10 @@ def _parity(args: argparse.Namespace) -> Dict[str, Any]:
             **{**vars(args), "total_mib": args.parity_mib * args.parity_world}
         )
         res.update(_nvrx(total, args.parity_world))
+    if args.lmres_python:
+        from benchmarks._local_lmres import run_lmres
+
+        res.update(run_lmres(args))
     shutil.rmtree(args.dir, ignore_errors=True)
     after = os.getloadavg()
     res["load average before"], res["load average after"] = before, after
@@ -380,6 +388,15 @@ def _parity(args: argparse.Namespace) -> Dict[str, Any]:
         parity_table(res, args.parity_k),
         ["what", "clique f2", f"parity k{args.parity_k}", "parity / clique"],
     )
+    if args.lmres_python:
+        from benchmarks._local_lmres import lmres_table, lmres_title
+
+        print_table(
+            lmres_title(res, args),
+            lmres_table(res, args.parity_k, args.parity_mib),
+            ["what", "lm-resiliency", "clique f2", f"parity k{args.parity_k}"]
+            + ["parity / lm-res", "note"],
+        )
     print(json.dumps(res, indent=1))
     sys.stdout.flush()
     return res
@@ -418,6 +435,19 @@ def main() -> None:
     parser.add_argument("--parity-world", type=int, default=4)
     parser.add_argument("--parity-k", type=int, default=4, help="parity group size")
     parser.add_argument("--parity-mib", type=int, default=1024, help="state per rank (MiB)")
+    parser.add_argument(
+        "--lmres-python",
+        default=os.environ.get("DIST_CKPT_LMRES_PYTHON", ""),
+        help="Python with lm-resiliency 0.2 and torch, for the parity phase (default "
+        "$DIST_CKPT_LMRES_PYTHON; empty: skip)",
+    )
+    parser.add_argument(
+        "--lmres-mib",
+        type=int,
+        default=0,
+        help="lm-resiliency's state per rank (MiB; default --parity-mib): it needs ~6x "
+        "that in host memory per rank",
+    )
     parser.add_argument("--json", default="")
     args = parser.parse_args()
     if args.repeats < 3:
