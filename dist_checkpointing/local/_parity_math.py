@@ -257,6 +257,8 @@ def _parse_trailer(body: bytes, seg: int, nsums: int, where: str) -> ParityRecor
         sums = np.frombuffer(body[: 8 * nsums], dtype="<u8").tolist()
         if head.get("format") != FORMAT_VERSION or head.get("segment") != seg:
             raise ValueError(f"format {head.get('format')!r}, segment {head.get('segment')!r}")
+        if int(head["chunk"]) < 1:
+            raise ValueError(f"chunk {head['chunk']!r}")
         expected = -(-seg // int(head["chunk"])) if seg else 0
         if nsums != expected:
             raise ValueError(f"{nsums} chunk checksums, expected {expected}")

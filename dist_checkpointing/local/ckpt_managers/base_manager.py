@@ -28,8 +28,9 @@ from ...errors import (
     describe_ckpt_id,
 )
 from .._image import LocalImage, decode_image, finish_image, release_image, start_image
+from .._parity_math import parse_record
 from ..base_state_dict import TensorAwareStateDict
-from ..replication._parity_rebuild import rebuild_lost_parts, rebuildable
+from ..replication._parity_rebuild import ParityReader, rebuild_lost_parts, rebuildable
 from ..replication._retrieve import retrieve_parts
 from ..replication.strategies import (
     CkptID,
@@ -140,6 +141,21 @@ class BaseCheckpointManager(ABC):
     @abstractmethod
     def _load_image(self, ckpt_id: CkptID) -> Tuple[torch.Tensor, str]:
         """Reads a committed part's bytes: `(image, where)` (CheckpointingException if unreadable)."""
+
+    def _parity_reader(self, ckpt_id: CkptID) -> ParityReader:
+        """Opens a parity record stored here for a rebuild: its checked trailer and a reader
+        of its parity bytes (default: the whole record, read by `_load_image` and checked).
+
+        Raises:
+            CheckpointingException, OSError, ValueError: missing, unreadable or malformed.
+        """
+        image, where = self._load_image(ckpt_id)
+        record, parity = parse_record(image.numpy(), where)
+
+        def read(offset: int, out: np.ndarray) -> None:
+            out[:] = parity[offset : offset + out.size]
+
+        return record, read, where
 
     @abstractmethod
     def _save_image(self, image: LocalImage, ckpt_id: CkptID) -> None:

@@ -18,10 +18,11 @@ from typing import Callable, Iterable, List, Optional, Tuple, TypeVar, Union
 import torch
 
 from ...errors import CheckpointCorruptedError, CheckpointingException
-from ...storage import StreamedFile, fsync_dir, read_file
+from ...storage import StreamedFile, fsync_dir, read_file, read_region
 from .._image import LocalImage, write_image
 from .._parity_math import read_record_info
 from ..memory import is_memory_path
+from ..replication._parity_rebuild import ParityReader
 from ..replication.parity import PARITY
 from ..replication.strategies import CkptID, ReplicationStrategy
 from .base_manager import BaseCheckpointManager, SameMachineReplicationException
@@ -126,6 +127,22 @@ class LocalCheckpointManager(BaseCheckpointManager):
             raise CheckpointCorruptedError(f"{path}: local checkpoint file is missing") from e
         except OSError as e:
             raise CheckpointCorruptedError(f"{path}: cannot be read: {e}") from e
+
+    def _parity_reader(self, ckpt_id: CkptID) -> ParityReader:
+        # the trailer only: the parity bytes are read (and checked) chunk by chunk, while the
+        # kernel reads them ahead (the rebuild reads one chunk at a time, in order)
+        path = str(self._path(ckpt_id))
+        try:
+            record = read_record_info(path)
+        except FileNotFoundError as e:
+            raise CheckpointCorruptedError(f"{path}: parity record is missing") from e
+        if hasattr(os, "posix_fadvise"):
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, record.segment, os.POSIX_FADV_WILLNEED)
+            finally:
+                os.close(fd)
+        return record, lambda offset, out: read_region(path, offset, out), path
 
     def _named(self, pattern: re.Pattern[str]) -> List[Tuple[Path, re.Match[str]]]:
         """This rank's files whose names match `pattern`, sorted, with their matches."""

@@ -1,18 +1,23 @@
 """Rebuilding lost local checkpoint parts from their parity group (`ParityReplicationStrategy`).
 
-At load, the owner of a part that no rank holds receives from each of the k-1 survivors of
-its group, for each segment of its part, either the parity covering it or the segment of
-the survivor's own part that this parity also covers (`contribution_ranges`), XORs them,
-and keeps the result only when it matches the digest the group recorded and its own
-checksums verify. Survivors check their records chunk by chunk first; any problem is a
-`NoReplicasAvailableError` on every rank.
+At load, segment t of a lost member m's part is the XOR of the parity P_h that covers it
+(h = `holder_of(m, t)`) and one segment of each other survivor's part (`_parity_math`). Each
+survivor h rebuilds the one segment of m that its parity covers: it reads its parity chunk
+by chunk (each chunk checked against the record's checksum as it is read), XORs into it the
+chunks the other survivors send from their parts' memory, and sends the result to m, which
+receives every segment straight into the part's buffer. So the lost node receives one part's
+bytes (not k-1 parts'), the XOR is shared by the survivors, the parity read overlaps the
+exchange, and memory grows by a few chunks per survivor. m keeps its part only when it
+matches the digest the group recorded and its own checksums verify; any problem on any rank
+is a `NoReplicasAvailableError` on every rank.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
-from typing import Any, Dict, List, Optional, Set
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 import torch
@@ -21,23 +26,21 @@ import torch.distributed as dist
 from ... import _dist
 from ...errors import CheckpointingException, NoReplicasAvailableError, describe_ckpt_id
 from ...integrity import checksum
-from .. import _parity_math as pm
-from .._parity_math import (
-    ParityRecord,
-    Records,
-    contribution_ranges,
-    padded_range,
-    parse_record,
-    plan_rebuild,
-    xor_into,
-)
+from .._parity_math import ParityRecord, Records, assignment, plan_rebuild, xor_into
 from ._stream import wait_all
-from .parity import PARITY, _buffers, _give_back
+from .parity import PARITY
 from .strategies import CkptID, host_group
 
-__all__ = ["rebuildable", "rebuild_lost_parts"]
+__all__ = ["ParityReader", "rebuildable", "rebuild_lost_parts"]
 
 logger = logging.getLogger(__name__)
+
+#: chunk rounds in flight on a survivor (receives posted ahead, sends to the lost member)
+WINDOW = 2
+
+#: a parity record opened for reading: `(record, read(offset, out), where)`; `read` fills
+#: `out` with the parity bytes from `offset` (unchecked; the caller checks each chunk)
+ParityReader = Tuple[ParityRecord, Callable[[int, np.ndarray], None], str]
 
 
 def rebuildable(iteration: int, lost: Set[int], present: Set[int], records: Records) -> bool:
@@ -69,17 +72,18 @@ def rebuild_lost_parts(
             f"Cannot rebuild lost parts of the {what}: " + "; ".join(problems)
         )
     target = next((m for m, g in groups.items() if me in g and me != m), None)
-    parity: Optional[np.ndarray] = None
-    error, key = "", None
+    reader: Optional[ParityReader] = None
+    error, key = "", None  # key: the record's (sizes, digests, segment, chunk)
     if target is not None:
         try:
-            image, where = manager._load_image((iteration, me, session, PARITY))
-            record, parity = parse_record(image.numpy(), where)
-            _check_record(record, groups[target], me, held[(iteration, me, session)].numpy())
-            key = (record.sizes, record.digests, record.segment)
+            reader = manager._parity_reader((iteration, me, session, PARITY))
+            record = reader[0]
+            own = held[(iteration, me, session)].numpy()
+            _check_record(record, (iteration, session), groups[target], me, own)
+            key = (record.sizes, record.digests, record.segment, record.chunk)
         except (CheckpointingException, OSError, ValueError, KeyError) as e:
             error = f"rank {me}'s parity record: {e}"
-    reports = _dist.all_gather_object((error, key))
+    reports: List[Any] = _dist.all_gather_object((error, key))
     bad = [e for e, _ in reports if e]
     for m, group in groups.items():
         keys = [reports[r][1] for r in group if r != m]
@@ -89,12 +93,16 @@ def rebuild_lost_parts(
         raise NoReplicasAvailableError(
             f"Cannot rebuild lost parts of the {what}: " + "; ".join(bad)
         )
-    keys_of = {m: reports[next(r for r in g if r != m)][1] for m, g in groups.items()}
-    error = _exchange(manager, iteration, groups, held, parity, keys_of)
+    error = ""
+    for m, group in groups.items():
+        if me in group:  # each rank is in one group: at most one rebuild here
+            sizes, digests, seg, chunk = reports[next(r for r in group if r != m)][1]
+            layout = _Layout(group, group.index(m), sizes, digests, seg, chunk)
+            error = _exchange(manager, iteration, layout, held, reader)
     bad = [e for e in _dist.all_gather_object(error) if e]
     if bad:
         raise NoReplicasAvailableError(
-            f"Rebuilt parts of the {what} are unusable: " + "; ".join(bad)
+            f"Cannot rebuild lost parts of the {what}: " + "; ".join(bad)
         )
     if me in groups:
         logger.info(
@@ -103,8 +111,13 @@ def rebuild_lost_parts(
         )
 
 
-def _check_record(record: ParityRecord, group: List[int], me: int, own: np.ndarray) -> None:
-    """The record belongs to this group and was made from this rank's part as it is now."""
+def _check_record(
+    record: ParityRecord, save: Tuple[int, str], group: List[int], me: int, own: np.ndarray
+) -> None:
+    """The record belongs to this save and group and was made from this rank's part as it is
+    now (`save`: iteration, session)."""
+    if (record.iteration, record.session) != save:
+        raise ValueError(f"record of iteration {record.iteration}, session {record.session!r}")
     if record.group != group or record.holder != me:
         raise ValueError(
             f"record of group {record.group} held by {record.holder}, expected {group}"
@@ -124,94 +137,165 @@ def _tail_digest(image: np.ndarray) -> int:
     return checksum(image[min(h_off, image.size) :])
 
 
+@dataclass
+class _Layout:
+    """Who sends what in the rebuild of member `lost` of `group` (the same on every rank).
+
+    Chunk c of segment t of the lost part is the part's bytes `[t*S + c*C, ...)`, at most C
+    of them (S = `segment`, C = `chunk`, the records' own); bytes past a part's end are its
+    zero padding and are never sent."""
+
+    group: List[int]
+    lost: int  # member index
+    sizes: Sequence[int]
+    digests: Sequence[int]
+    segment: int
+    chunk: int
+
+    @property
+    def k(self) -> int:
+        return len(self.group)
+
+    def chunks(self) -> range:
+        return range(-(-self.segment // self.chunk) if self.segment else 0)
+
+    def covered(self, h: int) -> int:
+        """The segment of the lost part that member h's parity covers."""
+        return assignment(h, self.lost, self.k)
+
+    def out_len(self, h: int, c: int) -> int:
+        """Bytes of the lost part in chunk c of the segment h rebuilds (0: all padding)."""
+        lo = self.covered(h) * self.segment + self.chunk * c
+        hi = min(lo + self.chunk, (self.covered(h) + 1) * self.segment)
+        return max(0, min(hi, self.sizes[self.lost]) - lo)
+
+    def part_offset(self, j: int, h: int, c: int) -> int:
+        """Where in member j's part its contribution to h's chunk c starts."""
+        return assignment(h, j, self.k) * self.segment + self.chunk * c
+
+    def in_len(self, j: int, h: int, c: int) -> int:
+        """Bytes survivor j sends survivor h for chunk c (its part's, padding excluded)."""
+        return max(0, min(self.out_len(h, c), self.sizes[j] - self.part_offset(j, h, c)))
+
+
 def _exchange(
     manager: Any,
     iteration: int,
-    groups: Dict[int, List[int]],
+    layout: _Layout,
     held: Dict[CkptID, torch.Tensor],
-    parity: Optional[np.ndarray],
-    keys_of: Dict[int, Any],
+    reader: Optional[ParityReader],
 ) -> str:
-    """Survivors send their contributions; each lost part's owner XORs them; '' or an error.
-    Messages: each contribution's segments in order, each cut at `PARITY_CHUNK`, tags 0, 1..."""
-    me, session = _dist.get_rank(), manager.session_id
+    """Collective over `layout.group`: the lost member receives its part, every survivor
+    rebuilds and sends the segment its parity covers. '' or this rank's error."""
+    me = _dist.get_rank()
+    i = layout.group.index(me)
     pg = host_group()
-    works: List[Any] = []
+    if i != layout.lost:
+        assert reader is not None
+        own = held[(iteration, me, manager.session_id)].numpy()
+        error = _rebuild_segment(layout, i, own, reader, pg)
+        return f"rank {me}'s parity record: {error}" if error else ""
+    try:
+        _receive_part(manager, iteration, layout, held, pg)
+    except (CheckpointingException, ValueError) as e:
+        return f"rank {me}: {e}"
+    return ""
+
+
+def _rebuild_segment(
+    layout: _Layout, i: int, own: np.ndarray, reader: ParityReader, pg: Any
+) -> Optional[str]:
+    """On survivor i: sends its contributions to the other survivors (views of its part, all
+    posted at once), then per chunk of the segment its parity covers: reads and checks the
+    parity chunk while that chunk's contributions arrive, XORs them in, sends the result to
+    the lost member. Returns why a parity chunk was damaged or unreadable (reported once
+    every message went: the lost member's result is then discarded), or None."""
+    record, read, where = reader
+    group, chunk = layout.group, layout.chunk
+    peers = [j for j in range(layout.k) if j not in (i, layout.lost)]
+    sends: List[Any] = []
     keep: List[np.ndarray] = []
-    for m, group in groups.items():
-        if me == m or me not in group:
-            continue
-        seg = keys_of[m][2]
-        own = held[(iteration, me, session)].numpy()
-        tag = 0
-        for kind, lo, hi in contribution_ranges(group.index(me), group.index(m), len(group), seg):
-            for a in range(lo, hi, pm.PARITY_CHUNK):
-                b = min(hi, a + pm.PARITY_CHUNK)
-                assert parity is not None
-                msg = parity[a:b] if kind == "parity" else padded_range([own], a, b)
-                keep.append(msg)
-                works.append(dist.isend(torch.from_numpy(msg), dst=m, group=pg, tag=tag))
-                tag += 1
-    error = ""
-    if me in groups:
-        try:
-            _receive_rebuild(manager, iteration, groups[me], held, keys_of[me], pg)
-        except (CheckpointingException, ValueError) as e:
-            error = f"rank {me}: {e}"
-    wait_all(works)
+    for j in peers:
+        for c in layout.chunks():
+            n = layout.in_len(i, j, c)
+            if n:
+                lo = layout.part_offset(i, j, c)
+                keep.append(own[lo : lo + n])
+                sends.append(dist.isend(torch.from_numpy(keep[-1]), group[j], pg, tag=c))
+    rounds = [c for c in layout.chunks() if layout.out_len(i, c)]
+    slots = min(WINDOW, len(rounds))
+    size = min(chunk, layout.segment)
+    accs = [np.empty(size, dtype=np.uint8) for _ in range(slots)]
+    bufs = [[np.empty(size, dtype=np.uint8) for _ in peers] for _ in range(slots)]
+    to_lost: List[Any] = [None] * slots
+    error: Optional[str] = None
+
+    def post(r: int) -> List[Any]:
+        c = rounds[r]
+        return [
+            dist.irecv(torch.from_numpy(bufs[r % slots][p][:n]), group[j], pg, tag=c)
+            for p, j in enumerate(peers)
+            for n in [layout.in_len(j, i, c)]
+            if n
+        ]
+
+    pending = deque(post(r) for r in range(slots))
+    try:
+        for r, c in enumerate(rounds):
+            slot = r % slots
+            if to_lost[slot] is not None:
+                to_lost[slot].wait()  # its buffer is free again
+            acc = accs[slot][: min(chunk, layout.segment - c * chunk)]
+            if error is None:
+                try:
+                    read(c * chunk, acc)
+                    if checksum(acc) != record.sums[c]:
+                        lo = c * chunk
+                        raise ValueError(
+                            f"{where}: parity checksum mismatch (bytes {lo}-{lo + acc.size})"
+                        )
+                except (CheckpointingException, OSError, ValueError) as e:
+                    error = str(e)  # keep exchanging: no peer may hang
+            wait_all(pending.popleft())
+            for p, j in enumerate(peers):
+                n = layout.in_len(j, i, c)
+                xor_into(acc[:n], bufs[slot][p][:n])
+            if r + slots < len(rounds):  # this slot's receive buffers are free again
+                pending.append(post(r + slots))
+            out = torch.from_numpy(acc[: layout.out_len(i, c)])
+            to_lost[slot] = dist.isend(out, group[layout.lost], pg, tag=c)
+    finally:
+        wait_all(to_lost)
+        wait_all(sends)
     return error
 
 
-def _receive_rebuild(
+def _receive_part(
     manager: Any,
     iteration: int,
-    group: List[int],
+    layout: _Layout,
     held: Dict[CkptID, torch.Tensor],
-    key: Any,
     pg: Any,
 ) -> None:
-    """On a lost part's owner: receives and XORs every survivor's contribution, verifies."""
+    """On the lost member: receives every rebuilt chunk in place, then verifies the part."""
     me, session = _dist.get_rank(), manager.session_id
-    sizes, digests, seg = key
-    k = len(group)
-    acc = torch.empty((k - 1) * seg, dtype=torch.uint8)
-    flat = acc.numpy()
-    first, *rest = [r for r in group if r != me]
-    ranges = [
-        (a, min((t + 1) * seg, a + pm.PARITY_CHUNK))
-        for t in range(k - 1)
-        for a in range(t * seg, (t + 1) * seg, pm.PARITY_CHUNK)
-    ]
-    # the first survivor's chunk lands in place, the others' in buffers XORed into it; two
-    # rounds in flight, so the next round arrives while this one is XORed
-    slots = min(2, len(ranges))
-    bufs = _buffers(slots * len(rest))
-
-    def post(i: int) -> List[Any]:
-        a, b = ranges[i]
-        base = (i % slots) * len(rest)
-        return [dist.irecv(acc[a:b], src=first, group=pg, tag=i)] + [
-            dist.irecv(torch.from_numpy(bufs[base + j][: b - a]), src=r, group=pg, tag=i)
-            for j, r in enumerate(rest)
-        ]
-
-    pending = deque(post(i) for i in range(slots))
-    try:
-        for i, (a, b) in enumerate(ranges):
-            wait_all(pending.popleft())
-            base = (i % slots) * len(rest)
-            for j in range(len(rest)):
-                xor_into(flat[a:b], bufs[base + j][: b - a])
-            if i + slots < len(ranges):
-                pending.append(post(i + slots))
-    finally:
-        _give_back(bufs)
-    size = sizes[group.index(me)]
-    if _tail_digest(flat[:size]) != digests[group.index(me)]:
+    size = layout.sizes[layout.lost]
+    part = torch.empty(size, dtype=torch.uint8)
+    works = []
+    for h in range(layout.k):
+        if h == layout.lost:
+            continue
+        for c in layout.chunks():
+            n = layout.out_len(h, c)
+            if n:
+                lo = layout.covered(h) * layout.segment + c * layout.chunk
+                works.append(dist.irecv(part[lo : lo + n], layout.group[h], pg, tag=c))
+    wait_all(works)
+    if _tail_digest(part.numpy()) != layout.digests[layout.lost]:
         raise ValueError("the rebuilt part does not match the digest its group recorded")
     ckpt_id = (iteration, me, session)
     where = f"local checkpoint part {describe_ckpt_id(ckpt_id)} (rebuilt from parity)"
-    checked = manager._checked(ckpt_id, (acc[:size], where))
+    checked = manager._checked(ckpt_id, (part, where))
     if not isinstance(checked, torch.Tensor):
         raise ValueError(str(checked))
     held[ckpt_id] = checked

@@ -5,9 +5,9 @@ and its proof: `_parity_math`). At save, every member sends each other member th
 its part that member's parity covers, as raw bytes in chunks of `PARITY_CHUNK` (views of the
 part where they can be; a bounded window of sends and receives in flight), and each member
 XORs what it receives chunk by chunk and writes its record as it goes: memory grows by a few
-chunks, not a part. At load, a part that no rank holds is rebuilt by its owner from the k-1
-surviving parts and parities of its group (`_parity_rebuild.rebuild_lost_parts`), then
-verified by the part's own checksums; two lost members of one group raise
+chunks, not a part. At load, a part that no rank holds is rebuilt from the k-1 surviving
+parts and parities of its group, each survivor sending its owner the segment its parity
+covers (`_parity_rebuild.rebuild_lost_parts`), then verified by the part's own checksums; two lost members of one group raise
 `NoReplicasAvailableError` on every rank.
 """
 
