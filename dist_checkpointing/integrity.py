@@ -290,10 +290,10 @@ def _name(name: Any) -> str:
     return name
 
 
-def write_checksums(checkpoint_dir: PathArg, checksums: Checksums, entry: bool = True) -> None:
-    """Writes `checksums.json` atomically (`entry=False`: the caller fsyncs the directory)."""
+def write_checksums(checkpoint_dir: PathArg, checksums: Checksums) -> None:
+    """Writes `checksums.json` atomically."""
     payload = checksums.to_json()
-    atomic_write(Path(checkpoint_dir) / CHECKSUMS_FNAME, lambda f: f.write(payload), entry=entry)
+    atomic_write(Path(checkpoint_dir) / CHECKSUMS_FNAME, lambda f: f.write(payload))
 
 
 def read_checksums(checkpoint_dir: PathArg) -> Optional[Checksums]:
@@ -305,7 +305,6 @@ def read_checksums(checkpoint_dir: PathArg) -> Optional[Checksums]:
 
 
 def write_item_sums(directory: PathArg, name: str, entries: Sequence[Tuple[int, ItemSum]]) -> None:
-    """Writes the sidecar of data file `name` (its items' `(offset, ItemSum)`) atomically;
-    the caller fsyncs `directory` (once for all of its files)."""
+    """Writes the sidecar of data file `name` (its items' `(offset, ItemSum)`) atomically."""
     payload = Checksums(ranges={name: dict(entries)}).to_json()
-    atomic_write(Path(directory) / (name + SUMS_SUFFIX), lambda f: f.write(payload), entry=False)
+    atomic_write(Path(directory) / (name + SUMS_SUFFIX), lambda f: f.write(payload))

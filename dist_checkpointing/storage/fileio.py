@@ -56,19 +56,18 @@ def read_capped(path: PathLike, limit: int) -> Optional[bytes]:
 
 
 def atomic_write(
-    path: PathLike, fill: Callable[[io.BufferedWriter], Any], sync: bool = True, entry: bool = True
+    path: PathLike, write_fn: Callable[[io.BufferedWriter], Any], sync: bool = True
 ) -> None:
     """Writes a file so that readers see either the old content or all of the new one (temp
     file, fsync, rename, directory fsync; an object: one PUT); on failure `path` is untouched.
 
     Args:
-        fill: called with the open binary temp file; writes the content.
+        write_fn: called with the open binary temp file; writes the content.
         sync: False to skip both fsyncs (the file may be lost in a crash, never torn).
-        entry: False to leave the directory's fsync to the caller (one for several files).
     """
     if objstore.split(path) is not None:
         buf = io.BytesIO()
-        fill(buf)  # type: ignore[arg-type]
+        write_fn(buf)  # type: ignore[arg-type]
         objstore.put_object(path, buf.getvalue())
         return
     path = Path(path)
@@ -77,7 +76,7 @@ def atomic_write(
     tmp = path.with_name(f"{path.name}.tmp.{os.getpid()}.{secrets.token_hex(4)}")
     try:
         with os.fdopen(create_new(tmp), "wb") as f:
-            fill(f)
+            write_fn(f)
             f.flush()
             if sync:
                 os.fsync(f.fileno())
@@ -86,7 +85,7 @@ def atomic_write(
         tmp.unlink(missing_ok=True)
         raise
     faults.check("replaced", str(path), 0, 0, False)  # the test seam: a file just put in place
-    if sync and entry:
+    if sync:
         fsync_dir(path.parent)
 
 

@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from ..._dist import broadcast_object, describe_rank_failures, gather_object
 from ...errors import CheckpointCorruptedError, CheckpointingException, ShardingIntegrityError
 from ...integrity import SUMS_SUFFIX, Checksums, checksum, file_checksum, write_checksums
-from ...storage import fsync_dir, objstore
+from ...storage import objstore
 from ..common import COMMON_STATE_FNAME
 from .metadata_file import serialize_metadata, write_metadata_files
 from .plan import is_empty_chunk
@@ -294,16 +294,14 @@ class SaveFinalizer:
                 if planner_data:
                     metadata.planner_data = dict(planner_data)
                 self.files_cache = (key, serialize_metadata(metadata))
-            # one fsync of the directory for the files before the commit, not one each
-            digests = write_metadata_files(ckpt, self.files_cache[1], entry=False)
+            digests = write_metadata_files(ckpt, self.files_cache[1])
             common = ckpt / COMMON_STATE_FNAME
             if checksums and objstore.is_file(common):  # written before the sharded part
                 digests[COMMON_STATE_FNAME] = file_checksum(common)
             if checksums:
                 for g in gathered:
                     digests.update(g[3])
-                write_checksums(ckpt, Checksums(files=digests), entry=False)
-            fsync_dir(ckpt)
+                write_checksums(ckpt, Checksums(files=digests))
         except Exception as e:  # turned into an error on every rank by the caller
             return f"rank 0 (metadata): {type(e).__name__}: {e}"
         items, nbytes, files = (sum(g[2][i] for g in gathered) for i in range(3))

@@ -12,7 +12,6 @@ import itertools
 import json
 import logging
 import pickle
-from operator import methodcaller
 from pathlib import Path
 from typing import Any, Callable, Collection, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
@@ -32,8 +31,8 @@ from ..._safe_load import enum_member_getter
 from ...errors import CheckpointCorruptedError, CheckpointingException, UnsafeCheckpointError
 from ...integrity import SUMS_SUFFIX, Checksums, checksum, read_checksums, write_checksums
 from ...storage import objstore
-from ...storage.fileio import atomic_write, read_capped
-from ..common import COMMON_STATE_FNAME
+from ...storage.fileio import read_capped
+from ..common import COMMON_STATE_FNAME, write_bytes_atomically
 from .plan import DATA_SUFFIX, overlapping
 
 __all__ = [
@@ -92,13 +91,13 @@ def serialize_metadata(metadata: Metadata) -> Dict[str, bytes]:
     return files
 
 
-def write_metadata_files(ckpt: Path, files: Dict[str, bytes], entry: bool = True) -> Dict[str, int]:
+def write_metadata_files(checkpoint_dir: Path, files: Dict[str, bytes]) -> Dict[str, int]:
     """Writes `serialize_metadata`'s files atomically (a stale index is removed); returns
-    `{file name: xxh3-64}` of them. `entry=False`: the caller fsyncs the directory."""
+    `{file name: xxh3-64}` of them."""
     for name, payload in files.items():
-        atomic_write(Path(ckpt) / name, methodcaller("write", payload), True, entry)
+        write_bytes_atomically(payload, str(Path(checkpoint_dir) / name))
     if INDEX_FNAME not in files:
-        objstore.remove(Path(ckpt) / INDEX_FNAME)
+        objstore.remove(Path(checkpoint_dir) / INDEX_FNAME)
     return {name: checksum(payload) for name, payload in files.items()}
 
 

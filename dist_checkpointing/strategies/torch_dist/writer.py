@@ -110,6 +110,11 @@ def plan_file(name: str, entries: Sequence[WriteEntry]) -> FilePlan:
     return FilePlan(name, items, offset)
 
 
+def _on_device(src: Any) -> bool:
+    """Whether `src` is a tensor outside host memory (copied a chunk at a time)."""
+    return isinstance(src, torch.Tensor) and src.device.type != "cpu"
+
+
 def _device_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().reshape(-1).view(torch.uint8)
 
@@ -143,7 +148,7 @@ def write_streamed(
         checksums: compute each item's xxh3-64 (written to the file's sidecar).
         progress: called with the bytes of each chunk handed to the disk.
     """
-    on_device = any(isinstance(s, torch.Tensor) and s.device.type != "cpu" for s in sources)
+    on_device = any(_on_device(src) for src in sources)
     out = _open(directory / plan.name, plan.size, direct, preallocate=direct)
     stream = ChunkStream(out, pin=on_device, progress=progress)
     sums: List[ItemChecksum] = []
@@ -155,7 +160,7 @@ def write_streamed(
                 if checksums:
                     sums.append((p.offset, ItemSum(p.length, checksum(p.payload))))
             else:
-                device = src.device.type != "cpu" and src.is_contiguous()  # else a host copy
+                device = _on_device(src) and src.is_contiguous()  # else through a host copy
                 data = _device_bytes(src) if device else flat_bytes(src.detach().cpu().contiguous())
                 blocks = BlockSums() if checksums else None
                 put(np.frombuffer(p.head, dtype=np.uint8))
