@@ -200,7 +200,8 @@ def dtensor_pieces(key: str, dt: Any) -> Optional[List[ShardedTensor]]:
         return None
     placements = placements_of(key, dt.placements)
     runs, replica = local_regions(tuple(dt.shape), tuple(mesh.shape), coordinate, placements)
-    local = dt.to_local().detach()
+    with torch.no_grad():  # to_local's autograd function costs more than the rest here
+        local = dt.to_local().detach()
     held = tuple(sum(b - a for a, b in r) for r in runs)
     if type(local) is not torch.Tensor and type(local) is not torch.nn.Parameter:
         raise CheckpointingException(
@@ -218,7 +219,8 @@ def dtensor_pieces(key: str, dt: Any) -> Optional[List[ShardedTensor]]:
     for g_off, l_off, shape in _boxes(runs, tuple(local.shape)):
         data = local
         for axis, (start, n) in enumerate(zip(l_off, shape)):
-            data = data.narrow(axis, start, n)
+            if n != local.shape[axis]:  # a whole axis needs no view
+                data = data.narrow(axis, start, n)
         pieces.append(
             ShardedTensor(key, data, local.dtype, shape, tuple(dt.shape), g_off, None, replica)
         )
