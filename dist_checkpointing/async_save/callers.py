@@ -9,6 +9,7 @@ import enum
 import logging
 import multiprocessing as mp
 import os
+import queue
 import signal
 import sys
 import threading
@@ -34,6 +35,9 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+#: how often an idle persistent writer looks whether its parent is still there
+_PARENT_POLL_S = 1.0
 
 
 class CallState(enum.Enum):
@@ -273,7 +277,7 @@ class TemporalAsyncCaller(AsyncCaller):
 
 
 def _persistent_worker(
-    tasks: Any, results: Any, niceness: int, log_setup: Tuple[int, bool]
+    tasks: Any, results: Any, niceness: int, log_setup: Tuple[int, bool], parent: int
 ) -> None:
     level, shown = log_setup  # the parent's: a spawned process starts unconfigured
     if shown:
@@ -281,7 +285,14 @@ def _persistent_worker(
     logging.getLogger("dist_checkpointing").setLevel(level)
     _lower_priority(niceness)
     while True:
-        task = tasks.get()
+        try:
+            task = tasks.get(timeout=_PARENT_POLL_S)
+        except queue.Empty:
+            # a parent killed outright never sends the stop: without this the worker
+            # would wait forever, holding the parent's output pipes and shared memory
+            if os.getppid() != parent:
+                return
+            continue
         if task is None:
             return
         call_idx, fn, args = task
@@ -318,7 +329,7 @@ class PersistentAsyncCaller(AsyncCaller):
         log_setup = (level, bool(logging.getLogger().handlers))
         self._proc = self._ctx.Process(
             target=_persistent_worker,
-            args=(self._tasks, self._results, self.niceness, log_setup),
+            args=(self._tasks, self._results, self.niceness, log_setup, os.getpid()),
             daemon=True,
             name="dc-async-worker",
         )

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
+from typing import List
 
 import pytest
 
@@ -74,3 +77,73 @@ def test_main_guard_is_recognised_either_way_round(test, expected):
     import ast
 
     assert _is_main_test(ast.parse(test, mode="eval").body) is expected
+
+
+def _children(pid: int) -> List[int]:
+    """The pids whose parent is `pid` (Linux /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                found.append(int(entry))
+    return found
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads /proc")
+@pytest.mark.timeout(300)
+def test_persistent_writer_ends_when_its_script_is_killed(tmp_path):
+    """A launcher waiting for a killed training script's output must not wait forever for
+    the script's background writer, which inherited the output pipe."""
+    script = tmp_path / "train.py"
+    script.write_text(
+        _BODY
+        + textwrap.dedent(
+            """\
+            if __name__ == "__main__":
+                import time
+                queue = AsyncCallsQueue(persistent=True)
+                sd = {"w": ShardedTensor.from_rank_offsets("w", torch.ones(4))}
+                queue.schedule_async_request(dc.save(sd, sys.argv[1], async_sharded_save=True))
+                queue.maybe_finalize_async_calls(blocking=True)
+                print("saved", flush=True)
+                time.sleep(600)
+            """
+        )
+    )
+    env = dict(os.environ, PYTHONPATH=_ROOT, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path / "ckpt")],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == "saved"
+    children = _children(proc.pid)
+    assert children, "the persistent writer should be running"
+    proc.kill()
+    try:
+        proc.communicate(timeout=30)  # EOF once every holder of the pipe is gone
+        deadline = time.monotonic() + 5  # the pipe closes a moment before a process ends
+        while any(_running(pid) for pid in children) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        left = [pid for pid in children if _running(pid)]
+        for pid in left:
+            os.kill(pid, signal.SIGKILL)
+    assert not left
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
