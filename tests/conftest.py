@@ -11,6 +11,24 @@ def _shutdown_worlds():
     close_all_worlds()
 
 
+@pytest.fixture(scope="session")
+def mcore016_jobs(tmp_path_factory):
+    """megatron-core 0.16.1's save, load of ours and float8 pair, one side run per session
+    (`tests/interop/_side_jobs.py`; skips when megatron-core is not installed)."""
+    from tests.interop import _side_jobs
+
+    return _side_jobs.mcore016(tmp_path_factory.mktemp("mcore016"))
+
+
+@pytest.fixture(scope="session")
+def mcore019_jobs(tmp_path_factory):
+    """megatron-core 0.19.2's save and load of ours, one side run per session
+    (`tests/interop/_side_jobs.py`; skips when it is not set up)."""
+    from tests.interop import _side_jobs
+
+    return _side_jobs.mcore019(tmp_path_factory.mktemp("mcore019"))
+
+
 @pytest.fixture
 def world_factory():
     """Returns get_world(n): a reusable gloo world of n ranks."""

@@ -1,13 +1,15 @@
 """Runs a tiny 2-rank load N times in a row and reports how each rank's process ended.
 
-Usage: python -m tests.distributed._exit_runs RUNS CKPT_DIR [--destroy-first]
+Usage: python -m tests.distributed._exit_runs RUNS CKPT_DIR [DESTROY_FIRST_RUNS]
 
 Each run forks two ranks from this already-imported interpreter (so a run costs no torch
 import), and each rank then leaves through the ordinary exit path of a script: `sys.exit`
 at the end of its work unwinds to the top level, atexit handlers run, the interpreter
 finalizes and C++ static destructors run. A rank that aborts at exit ("terminate called
-without an active exception", SIGABRT) shows as a non-zero status here. Prints one line
-per bad exit and a final "clean N/N" line; exits non-zero if any run was not clean.
+without an active exception", SIGABRT) shows as a non-zero status here. After RUNS loads of
+that plain kind come DESTROY_FIRST_RUNS (default 0) whose ranks destroy the process group
+themselves before exiting. Prints one line per bad exit, then "clean N/RUNS" and
+"destroy-first: clean M/DESTROY_FIRST_RUNS"; exits non-zero if any run was not clean.
 """
 
 from __future__ import annotations
@@ -110,9 +112,9 @@ def _run_pair(ckpt: str, save: bool, destroy_first: bool, logdir: str, i: int) -
 
 
 def main(argv: List[str]) -> int:
-    """Saves once, then runs the load `RUNS` times; returns 0 when every exit was clean."""
+    """Saves once, then runs the loads (see the module docstring); 0 when every exit was clean."""
     runs, ckpt = int(argv[0]), argv[1]
-    destroy_first = "--destroy-first" in argv
+    destroy_first_runs = int(argv[2]) if len(argv) > 2 else 0
     torch.set_num_threads(1)
     # import the backends once here, not in every forked rank (DCP's import dominates a run)
     get_default_strategy(StrategyAction.LOAD_SHARDED, "torch_dist", 1)
@@ -122,15 +124,17 @@ def main(argv: List[str]) -> int:
     # no context manager: the forked ranks unwind through this frame when they exit
     logdir = tempfile.mkdtemp(prefix="dc-exit-")
     failures = _run_pair(ckpt, True, False, logdir, 0)
-    clean = 0
-    for i in range(1, runs + 1):
+    clean = {False: 0, True: 0}
+    modes = [False] * runs + [True] * destroy_first_runs
+    for i, destroy_first in enumerate(modes, start=1):
         bad = _run_pair(ckpt, False, destroy_first, logdir, i)
-        failures += bad
-        clean += not bad
+        failures += [f"{line} (destroy-first)" if destroy_first else line for line in bad]
+        clean[destroy_first] += not bad
     shutil.rmtree(logdir, ignore_errors=True)
     for line in failures:
         print(line)
-    print(f"clean {clean}/{runs}")
+    print(f"clean {clean[False]}/{runs}")
+    print(f"destroy-first: clean {clean[True]}/{destroy_first_runs}")
     return 0 if not failures else 1
 
 

@@ -19,9 +19,7 @@ pytestmark = pytest.mark.timeout(600)
 ROOT = Path(__file__).parents[2]
 _ENV = {"PYTHONPATH": _launch.pythonpath(str(ROOT)), "OMP_NUM_THREADS": "1"}
 PYTHON = sys.executable if importlib.util.find_spec("transformers") else None
-if PYTHON is None and _launch.probe(
-    os.environ.get("DIST_CKPT_MCORE_PYTHON"), "import transformers"
-):
+if PYTHON is None and _launch.importable(os.environ.get("DIST_CKPT_MCORE_PYTHON"), "transformers"):
     PYTHON = os.environ["DIST_CKPT_MCORE_PYTHON"]
 
 

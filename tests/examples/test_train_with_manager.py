@@ -34,16 +34,38 @@ def _losses(text: str) -> Dict[int, str]:
     return {int(s): v for s, v in re.findall(r"^step (\d+) loss (\S+)$", text, re.M)}
 
 
-def _run(ckpt: Path, *extra: str) -> str:
-    out = subprocess.run(
+def _start(ckpt: Path, *extra: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
         [sys.executable, str(SCRIPT), str(ckpt), "--steps", str(STEPS), *extra],
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=280,
         env=_env(),
+        start_new_session=True,
     )
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
-    return out.stdout
+
+
+def _end(proc: subprocess.Popen[str]) -> None:
+    """Kills whatever is left of the job `proc` started (its process group)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def _finish(proc: subprocess.Popen[str]) -> str:
+    """The output of a run started by `_start`, which must exit 0 within 280 s."""
+    try:
+        out, err = proc.communicate(timeout=280)
+    finally:
+        _end(proc)
+    assert proc.returncode == 0, out[-2000:] + err[-3000:]
+    return out
+
+
+def _run(ckpt: Path, *extra: str) -> str:
+    return _finish(_start(ckpt, *extra))
 
 
 def _newest_complete(ckpt: Path, world: int = 2) -> int:
@@ -92,21 +114,21 @@ def _run_until_killed(ckpt: Path, kill_at: int, victim: int, *extra: str) -> str
                 break
         proc.wait(timeout=120)
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # whatever of the job is left
-        except ProcessLookupError:
-            pass
-        proc.wait()
+        _end(proc)
     assert f"step {kill_at} " in seen and proc.returncode != 0
     return seen
 
 
 def test_sigkill_of_one_rank_then_restart_resumes_and_the_loss_continues(tmp_path):
-    reference = _losses(_run(tmp_path / "reference"))
-    assert sorted(reference) == list(range(1, STEPS + 1))
-
+    # the uninterrupted reference runs meanwhile: the killed run sleeps 0.3 s a step
+    reference_run = _start(tmp_path / "reference")
     ckpt = tmp_path / "killed"
-    _run_until_killed(ckpt, 17, 1)
+    try:
+        _run_until_killed(ckpt, 17, 1)
+        reference = _losses(_finish(reference_run))
+    finally:
+        _end(reference_run)
+    assert sorted(reference) == list(range(1, STEPS + 1))
     expected = _newest_complete(ckpt)
     assert 14 <= expected <= 17
 

@@ -5,7 +5,9 @@ megatron-core never runs inside the pytest process: each interop test starts a s
 the wanted megatron-core version, in its own process group (megatron leaves helper
 processes behind; the whole group is ended), and reads back what it wrote.
 
-Interpreters, each probed once at import; a test skips with a reason when its one is missing:
+Interpreters, each probed once per session (a probe starts an interpreter that imports torch
+and megatron: seconds each, so the answers are cached and the module checks of one
+interpreter share one start); a test skips with a reason when its one is missing:
 - megatron-core 0.16: `DIST_CKPT_MCORE_PYTHON`, else this interpreter when it can import
   `megatron.core` (e.g. megatron-core installed in a folder on PYTHONPATH).
 - megatron-core 0.13: `DIST_CKPT_MCORE013_PYTHON`.
@@ -15,13 +17,14 @@ Interpreters, each probed once at import; a test skips with a reason when its on
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
 import signal
 import subprocess
 import sys
-from typing import Any, Dict, Mapping, Optional, Sequence
+from typing import Any, Dict, FrozenSet, Mapping, Optional, Sequence, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
@@ -42,20 +45,70 @@ def probe(python: Optional[str], code: str, env: Optional[Mapping[str, str]] = N
     """Whether `python -c code` succeeds (with `env` added to this process' environment)."""
     if not python:
         return False
+    return _probe(python, code, tuple(sorted((env or {}).items())))
+
+
+@functools.cache
+def _probe(python: str, code: str, env: Tuple[Tuple[str, str], ...]) -> bool:
     proc = subprocess.run(
-        [python, "-c", code], capture_output=True, env={**os.environ, **(env or {})}
+        [python, "-c", code], capture_output=True, env={**os.environ, **dict(env)}
     )
     return proc.returncode == 0
 
 
+#: every module the interop tests ask a side interpreter about (see `importable`)
+KNOWN_MODULES = (
+    "megatron.core.dist_checkpointing",
+    "megatron.core",
+    "transformers",
+    "dist_checkpointing",
+    "dist_checkpointing.utils",
+)
+
+_IMPORT_EACH = """
+import importlib, json, sys
+ok = []
+for name in sys.argv[1:]:
+    try:
+        importlib.import_module(name)
+        ok.append(name)
+    except Exception:
+        pass
+print("IMPORTABLE " + json.dumps(ok))
+"""
+
+
+def importable(python: Optional[str], *modules: str) -> bool:
+    """Whether `python` imports every one of `modules`, this checkout first on its PYTHONPATH.
+
+    One interpreter start per `python` answers for all of `KNOWN_MODULES` (each imported in
+    turn; a failing one does not stop the others) and is cached for the session.
+    """
+    if not python:
+        return False
+    return set(modules) <= _importable(python, tuple(dict.fromkeys(KNOWN_MODULES + modules)))
+
+
+@functools.cache
+def _importable(python: str, modules: Tuple[str, ...]) -> FrozenSet[str]:
+    env = {**os.environ, "PYTHONPATH": pythonpath(REPO)}
+    proc = subprocess.run(
+        [python, "-c", _IMPORT_EACH, *modules], capture_output=True, text=True, env=env
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("IMPORTABLE ")]
+    return frozenset(json.loads(lines[-1][len("IMPORTABLE ") :])) if lines else frozenset()
+
+
+@functools.cache
 def mcore_python() -> Optional[str]:
     """The interpreter with megatron-core 0.16 (see the module docstring), or None."""
     candidate = os.environ.get("DIST_CKPT_MCORE_PYTHON")
     if not candidate and importlib.util.find_spec("megatron") is not None:
         candidate = sys.executable
-    return candidate if probe(candidate, "import megatron.core.dist_checkpointing") else None
+    return candidate if importable(candidate, "megatron.core.dist_checkpointing") else None
 
 
+@functools.cache
 def mcore013_python() -> Optional[str]:
     """`DIST_CKPT_MCORE013_PYTHON` if it imports megatron-core 0.13, else None."""
     candidate = os.environ.get("DIST_CKPT_MCORE013_PYTHON")
@@ -63,6 +116,7 @@ def mcore013_python() -> Optional[str]:
     return candidate if probe(candidate, code) else None
 
 
+@functools.cache
 def mcore19() -> Optional[Dict[str, str]]:
     """`{"python", "path"}` of megatron-core 0.19 (see the module docstring), or None."""
     python = os.environ.get("DIST_CKPT_MCORE19_PYTHON")

@@ -21,8 +21,13 @@ def spawn_two(worker: Callable[..., Any], *args: Any, result: Optional[str] = No
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     mp.spawn(_traced, args=(worker, 2, port, *args), nprocs=2, join=True)
-    if result is None:
-        return
+    if result is not None:
+        merge_results(result)
+
+
+def merge_results(result: str) -> None:
+    """Merges the files `<result>.<rank>` the 2 ranks wrote (JSON) into `result` as
+    `{"0": ..., "1": ...}`."""
     merged = {}
     for r in range(2):
         with open(f"{result}.{r}") as f:

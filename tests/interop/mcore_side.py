@@ -1,12 +1,15 @@
 """Runs megatron-core's dist_checkpointing in a 2-rank gloo world (interop tests only).
 
-Usage: python mcore_side.py save|load|save-f8|load-f8 CKPT_DIR RESULT_JSON
+Usage: python mcore_side.py MODE CKPT_DIR RESULT_JSON [MODE CKPT_DIR RESULT_JSON ...]
+with MODE one of save, load, save-f8, load-f8
 
 Run with an interpreter that has megatron-core 0.16.1 installed. Never imported by our
 package; the test process imports only `expected` and `float8_tensors`. `save` writes a
 checkpoint with megatron-core; `load` loads one (written by us) with a different sharding and
 records what it found. `save-f8` / `load-f8`: the same with `float8_tensors`, row-split on
-save, column-split on load, compared bit for bit.
+save, column-split on load, compared bit for bit. Several jobs run in order in one world
+(one interpreter start and one world instead of one per job), each writing its own
+RESULT_JSON.
 """
 
 from __future__ import annotations
@@ -72,7 +75,8 @@ def _float8(mode: str, rank: int, world: int, ckpt: str) -> dict:
     }
 
 
-def worker(rank: int, world: int, port: int, mode: str, ckpt: str, result: str) -> None:
+def worker(rank: int, world: int, port: int, jobs: list) -> None:
+    """Runs every (mode, ckpt, result) job of `jobs` in order on this rank."""
     import torch
     import torch.distributed as dist
 
@@ -82,13 +86,24 @@ def worker(rank: int, world: int, port: int, mode: str, ckpt: str, result: str) 
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
+    for mode, ckpt, result in jobs:
+        ok = _job(mode, rank, world, ckpt)
+        with open(f"{result}.{rank}", "w") as f:
+            json.dump(ok, f)
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+def _job(mode: str, rank: int, world: int, ckpt: str) -> dict:
+    import torch
+    import torch.distributed as dist
     from megatron.core import dist_checkpointing as mdc
     from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
 
     full, stack = expected()
     if mode.endswith("-f8"):
-        ok = _float8(mode, rank, world, ckpt)
-    elif mode == "save":
+        return _float8(mode, rank, world, ckpt)
+    if mode == "save":
         sd = {
             "w": ShardedTensor.from_rank_offsets(
                 "w", full[rank * 4 : (rank + 1) * 4].clone(), (0, rank, world)
@@ -104,33 +119,32 @@ def worker(rank: int, world: int, port: int, mode: str, ckpt: str, result: str) 
         dist.barrier()
         mdc.save(sd, ckpt)
         dist.barrier()
-        ok = {"saved": True}
-    else:
-        sd = {
-            "w": ShardedTensor.from_rank_offsets("w", torch.zeros(8, 3), (1, rank, world)),
-            "layers": ShardedTensor.from_rank_offsets(
-                "layers",
-                torch.zeros(3, 4, dtype=torch.bfloat16),
-                (0, rank, world),
-                prepend_axis_num=1,
-            ),
-            "obj": ShardedObject("rng", None, (world,), (rank,)),
-        }
-        out = mdc.load(sd, ckpt)
-        ok = {
-            "w": bool(torch.equal(out["w"], full[:, rank * 3 : (rank + 1) * 3])),
-            "layers": bool(torch.equal(out["layers"], stack[rank])),
-            "obj": out["obj"] == {"seed": rank},
-            "iteration": out.get("iteration") == 5,
-        }
-    with open(f"{result}.{rank}", "w") as f:
-        json.dump(ok, f)
-    dist.barrier()
-    dist.destroy_process_group()
+        return {"saved": True}
+    sd = {
+        "w": ShardedTensor.from_rank_offsets("w", torch.zeros(8, 3), (1, rank, world)),
+        "layers": ShardedTensor.from_rank_offsets(
+            "layers",
+            torch.zeros(3, 4, dtype=torch.bfloat16),
+            (0, rank, world),
+            prepend_axis_num=1,
+        ),
+        "obj": ShardedObject("rng", None, (world,), (rank,)),
+    }
+    out = mdc.load(sd, ckpt)
+    return {
+        "w": bool(torch.equal(out["w"], full[:, rank * 3 : (rank + 1) * 3])),
+        "layers": bool(torch.equal(out["layers"], stack[rank])),
+        "obj": out["obj"] == {"seed": rank},
+        "iteration": out.get("iteration") == 5,
+    }
 
 
 if __name__ == "__main__":
-    from _side_spawn import spawn_two
+    from _side_spawn import merge_results, spawn_two
 
-    mode, ckpt, result = sys.argv[1:4]
-    spawn_two(worker, mode, ckpt, result, result=result)
+    args = sys.argv[1:]
+    assert args and len(args) % 3 == 0, __doc__
+    jobs = [tuple(args[i : i + 3]) for i in range(0, len(args), 3)]
+    spawn_two(worker, jobs)
+    for _, _, result in jobs:
+        merge_results(result)

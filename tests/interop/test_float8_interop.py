@@ -19,7 +19,7 @@ import dist_checkpointing as dc
 from dist_checkpointing import ShardedTensor
 from dist_checkpointing.core import CheckpointingConfig, save_config
 from tests.interop.mcore_side import float8_tensors
-from tests.interop.test_megatron_core import _run_mcore, requires_mcore
+from tests.interop.test_megatron_core import requires_mcore
 
 pytestmark = [pytest.mark.interop, pytest.mark.timeout(300)]
 WORLD = 2
@@ -110,18 +110,15 @@ def test_float8_checkpoints_cross_between_us_and_stock_dcp_bit_for_bit(
 
 
 @requires_mcore
-def test_megatron_core_reads_our_float8_checkpoint_resharded(world_factory, tmp_path):
-    ckpt = str(tmp_path / "ours")
-    world_factory(WORLD).run_ok(save_rows, ckpt, timeout=120)
-    result = _run_mcore("load-f8", ckpt, str(tmp_path / "res.json"))
+def test_megatron_core_reads_our_float8_checkpoint_resharded(mcore016_jobs):
+    # our save of `save_rows`, loaded by megatron in the session's side run (`_side_jobs.py`)
+    result = mcore016_jobs["load-f8"].result
     assert result == {str(r): dict.fromkeys(float8_tensors(), True) for r in range(WORLD)}
 
 
 @requires_mcore
-def test_we_read_a_megatron_core_float8_checkpoint_resharded(world_factory, tmp_path):
-    ckpt = str(tmp_path / "mcore")
-    assert _run_mcore("save-f8", ckpt, str(tmp_path / "res.json")) == {
-        str(r): {"saved": True} for r in range(WORLD)
-    }
-    got = world_factory(WORLD).run_ok(load_cols, ckpt, timeout=120)
+def test_we_read_a_megatron_core_float8_checkpoint_resharded(world_factory, mcore016_jobs):
+    job = mcore016_jobs["save-f8"]
+    assert job.result == {str(r): {"saved": True} for r in range(WORLD)}
+    got = world_factory(WORLD).run_ok(load_cols, job.ckpt, timeout=120)
     assert got == [dict.fromkeys(float8_tensors(), True)] * WORLD

@@ -21,7 +21,7 @@ from tests.interop import _launch
 
 PYTHON = _launch.mcore_python()
 _ENV = {"PYTHONPATH": _launch.pythonpath(_launch.REPO)}
-if PYTHON and not _launch.probe(PYTHON, "import transformers, dist_checkpointing", _ENV):
+if PYTHON and not _launch.importable(PYTHON, "transformers", "dist_checkpointing"):
     PYTHON = None
 requires_side_venv = pytest.mark.skipif(
     PYTHON is None,

@@ -29,9 +29,8 @@ IMPORTED = ("imported", "imported_tied_moe")
 
 def _python() -> object:
     python = _launch.mcore_python()
-    code = "import megatron.core, transformers, dist_checkpointing"
-    env = {"PYTHONPATH": _launch.pythonpath(_launch.REPO)}
-    return python if _launch.probe(python, code, env) else None
+    modules = ("megatron.core", "transformers", "dist_checkpointing")
+    return python if _launch.importable(python, *modules) else None
 
 
 PYTHON = _python()

@@ -6,7 +6,7 @@ megatron-core runs in its own interpreter (`DIST_CKPT_MCORE_PYTHON`, e.g. a venv
 
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Dict
 
 import pytest
 import torch
@@ -17,18 +17,11 @@ from dist_checkpointing import ShardedObject, ShardedTensor
 from tests.interop import _launch
 
 pytestmark = [pytest.mark.interop, pytest.mark.timeout(300)]
-SIDE = _launch.side_script("mcore_side.py")
 MCORE_PYTHON = _launch.mcore_python()
 requires_mcore = pytest.mark.skipif(
     MCORE_PYTHON is None,
     reason="megatron-core is not installed: set DIST_CKPT_MCORE_PYTHON to a python with megatron-core==0.16.1 and psutil (.ci/run does)",
 )
-
-
-def _run_mcore(mode: str, ckpt: str, result: str) -> Dict[str, Any]:
-    assert MCORE_PYTHON is not None
-    _launch.run_side(MCORE_PYTHON, [SIDE, mode, ckpt, result], timeout=240)
-    return _launch.read_json(result)
 
 
 def _expected():
@@ -75,22 +68,18 @@ def save_for_mcore(ckpt: str) -> None:
 
 
 @requires_mcore
-def test_we_load_megatron_core_checkpoint_resharded(world_factory, tmp_path):
-    ckpt = str(tmp_path / "mcore_ckpt")
-    assert _run_mcore("save", ckpt, str(tmp_path / "res.json")) == {
-        "0": {"saved": True},
-        "1": {"saved": True},
-    }
-    assert dc.check_is_distributed_checkpoint(ckpt)
-    results = world_factory(2).run_ok(load_mcore_checkpoint_resharded, ckpt, timeout=180)
+def test_we_load_megatron_core_checkpoint_resharded(world_factory, mcore016_jobs):
+    job = mcore016_jobs["save"]  # megatron's save, made once per session (`_side_jobs.py`)
+    assert job.result == {"0": {"saved": True}, "1": {"saved": True}}
+    assert dc.check_is_distributed_checkpoint(job.ckpt)
+    results = world_factory(2).run_ok(load_mcore_checkpoint_resharded, job.ckpt, timeout=180)
     assert results == [{"w": True, "layers": True, "obj": True, "iteration": True}] * 2
 
 
 @requires_mcore
-def test_megatron_core_loads_our_checkpoint_resharded(world_factory, tmp_path):
-    ckpt = str(tmp_path / "our_ckpt")
-    world_factory(2).run_ok(save_for_mcore, ckpt)
-    result = _run_mcore("load", ckpt, str(tmp_path / "res.json"))
+def test_megatron_core_loads_our_checkpoint_resharded(mcore016_jobs):
+    # our save of `save_for_mcore`, loaded by megatron in the session's side run
+    result = mcore016_jobs["load"].result
     assert result == {
         str(r): {"w": True, "layers": True, "obj": True, "iteration": True} for r in range(2)
     }

@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Dict
 
 import pytest
 
 import dist_checkpointing as dc
 from tests.interop import _launch
-from tests.interop.test_megatron_core import SIDE, load_mcore_checkpoint_resharded, save_for_mcore
+from tests.interop.test_megatron_core import load_mcore_checkpoint_resharded
 
 pytestmark = [pytest.mark.interop, pytest.mark.timeout(600)]
 MCORE19 = _launch.mcore19()
@@ -32,24 +31,11 @@ requires_mcore19 = pytest.mark.skipif(
 )
 
 
-def _run(mode: str, ckpt: str, result: str) -> Dict[str, Any]:
-    assert MCORE19 is not None
-    _launch.run_side(
-        MCORE19["python"],
-        [SIDE, mode, ckpt, result],
-        timeout=500,
-        env={"PYTHONPATH": MCORE19["path"]},
-    )
-    return _launch.read_json(result)
-
-
 @requires_mcore19
-def test_we_load_megatron_core_019_checkpoint_resharded(world_factory, tmp_path):
-    ckpt = str(tmp_path / "mcore19")
-    assert _run("save", ckpt, str(tmp_path / "r.json")) == {
-        "0": {"saved": True},
-        "1": {"saved": True},
-    }
+def test_we_load_megatron_core_019_checkpoint_resharded(world_factory, mcore019_jobs):
+    job = mcore019_jobs["save"]  # 0.19's save, made once per session (`_side_jobs.py`)
+    assert job.result == {"0": {"saved": True}, "1": {"saved": True}}
+    ckpt = job.ckpt
     # the 0.19 layout: no common.pt, metadata.json without common_backend
     assert not os.path.exists(os.path.join(ckpt, "common.pt"))
     with open(os.path.join(ckpt, "metadata.json")) as f:
@@ -60,10 +46,9 @@ def test_we_load_megatron_core_019_checkpoint_resharded(world_factory, tmp_path)
 
 
 @requires_mcore19
-def test_megatron_core_019_loads_our_checkpoint_resharded(world_factory, tmp_path):
-    ckpt = str(tmp_path / "ours")
-    world_factory(2).run_ok(save_for_mcore, ckpt, timeout=240)
-    result = _run("load", ckpt, str(tmp_path / "r.json"))
+def test_megatron_core_019_loads_our_checkpoint_resharded(mcore019_jobs):
+    # our save of `save_for_mcore`, loaded by 0.19 in the session's side run
+    result = mcore019_jobs["load"].result
     assert result == {
         str(r): {"w": True, "layers": True, "obj": True, "iteration": True} for r in range(2)
     }

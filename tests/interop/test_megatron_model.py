@@ -32,9 +32,8 @@ MODES = ("megatron", "installed", "megatron_load")
 def _same_interpreter_python() -> Optional[str]:
     """The megatron python if it can also import our package from this checkout."""
     python = _launch.mcore_python()
-    code = "import megatron.core.dist_checkpointing, dist_checkpointing.utils"
-    env = {"PYTHONPATH": _launch.pythonpath(_launch.REPO)}
-    return python if _launch.probe(python, code, env) else None
+    modules = ("megatron.core.dist_checkpointing", "dist_checkpointing.utils")
+    return python if _launch.importable(python, *modules) else None
 
 
 PYTHON = _same_interpreter_python()

@@ -44,34 +44,17 @@ def stock(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def mcore(tmp_path_factory) -> Path:
-    """A torch_dist checkpoint saved by megatron-core 0.16.1 (skips when it is absent)."""
-    from tests.interop.test_megatron_core import MCORE_PYTHON, _run_mcore
-
-    if MCORE_PYTHON is None:
-        pytest.skip(
-            "megatron-core is not installed: set DIST_CKPT_MCORE_PYTHON to a python with "
-            "megatron-core==0.16.1 and psutil (.ci/run does)"
-        )
-    base = tmp_path_factory.mktemp("mcore")
-    ckpt = base / "ckpt"
-    _run_mcore("save", str(ckpt), str(base / "result.json"))
-    return ckpt
+def mcore(mcore016_jobs) -> Path:
+    """A torch_dist checkpoint saved by megatron-core 0.16.1 (skips when it is absent);
+    shared with the interop tests: copy it before changing it."""
+    return Path(mcore016_jobs["save"].ckpt)
 
 
 @pytest.fixture(scope="session")
-def mcore19(tmp_path_factory) -> Path:
+def mcore19(mcore019_jobs) -> Path:
     """A torch_dist checkpoint saved by megatron-core 0.19.2: common state inside the
-    `.distcp` files, no common.pt (skips when its side environment is absent)."""
-    from tests.interop.test_megatron_core_019 import MCORE19, _run
-
-    if MCORE19 is None:
-        pytest.skip(
-            "megatron-core 0.19.2 is not set up: set DIST_CKPT_MCORE19_PYTHON and "
-            "DIST_CKPT_MCORE19_PATH (.ci/run does)"
-        )
-    base = tmp_path_factory.mktemp("mcore19")
-    ckpt = base / "ckpt"
-    _run("save", str(ckpt), str(base / "result.json"))
+    `.distcp` files, no common.pt (skips when its side environment is absent); shared with
+    the interop tests: copy it before changing it."""
+    ckpt = Path(mcore019_jobs["save"].ckpt)
     assert not (ckpt / "common.pt").exists()  # the 0.17+ layout this fixture stands for
     return ckpt

@@ -56,10 +56,22 @@ def test_cli_errors_are_one_line_and_non_zero(args):
     assert out.stderr.startswith(f"dist-ckpt {args[0]}: error: ")
 
 
-@pytest.mark.timeout(200)
-def test_demo_saves_reshards_verifies_and_reports(tmp_path):
-    for step in (100, 200):  # numbered like a training job's steps, each kept
-        out = _run("demo", "--world-size", "2", *_SMALL_DEMO, "--dir", str(tmp_path))
+@pytest.fixture(scope="module")
+def demo_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple:
+    """Two demo runs into one `--dir`, the second with `-v` (its stderr serves the verbose
+    test, its stdout this one: one demo run fewer); returns the directory and both runs."""
+    parent = tmp_path_factory.mktemp("demo_dir")
+    runs = [
+        _run(*verbose, "demo", "--world-size", "2", *_SMALL_DEMO, "--dir", str(parent))
+        for verbose in ((), ("-v",))
+    ]
+    return parent, runs
+
+
+@pytest.mark.timeout(400)  # the fixture's two demo runs count here
+def test_demo_saves_reshards_verifies_and_reports(demo_runs):
+    tmp_path, runs = demo_runs
+    for step, out in zip((100, 200), runs):  # numbered like a training job's steps, each kept
         assert out.returncode == 0, out.stderr[-3000:]
         assert "verified: every byte" in out.stdout and "save GB/s" in out.stdout
         assert f"kept: {tmp_path / f'iter_{step:07d}'}" in out.stdout
@@ -94,9 +106,9 @@ def test_every_demo_option_is_documented(capsys):
         assert f"{option} {help_text}" in text, option
 
 
-@pytest.mark.timeout(200)
-def test_verbose_demo_shows_info_lines_from_its_workers(tmp_path):
-    out = _run("-v", "demo", "--world-size", "2", *_SMALL_DEMO, "--dir", str(tmp_path))
+@pytest.mark.timeout(400)  # the fixture's two demo runs count here
+def test_verbose_demo_shows_info_lines_from_its_workers(demo_runs):
+    out = demo_runs[1][1]
     assert out.returncode == 0, out.stderr[-3000:]
     assert "INFO rank 0 dist_checkpointing" in out.stderr
     assert "Saved checkpoint" in out.stderr

@@ -7,6 +7,9 @@ XDG_CACHE_HOME and TMPDIR are empty directories of this test (and without the va
 that point torch or an older version of this library elsewhere). Afterwards those directories, and the working directory the
 processes ran in, must still be empty, and every path under the test's root must lie
 inside a checkpoint or output path the test passed (or be a parent directory of one).
+Processes that do not read each other's output run at the same time (each verb is still
+its own process): the verbs that need no checkpoint of the ranks run while the ranks do,
+and the verbs that read the ranks' checkpoints all at once after them.
 
 The ranks' side is `_writes_stay_inside_ranks.py`, run as a script; the processes import
 the `dist_checkpointing` of this tree (PYTHONPATH), not whatever is installed.
@@ -65,16 +68,26 @@ def _cli() -> List[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "dist_checkpointing"]
 
 
-def _run(cmd: Sequence[str], env: Dict[str, str], cwd: Path, timeout: float) -> str:
-    done = subprocess.run(
-        list(cmd), env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout
+def _start(cmd: Sequence[str], env: Dict[str, str], cwd: Path) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        list(cmd), env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
-    if done.returncode != 0:
+
+
+def _finish(proc: subprocess.Popen[str], timeout: float) -> str:
+    """Waits for `proc` (killed after `timeout` s); fails the test unless it exited 0."""
+    cmd = " ".join(proc.args) if isinstance(proc.args, list) else str(proc.args)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"{cmd} did not finish within {timeout:.0f} s\nstderr:\n{stderr[-6000:]}")
+    if proc.returncode != 0:
         pytest.fail(
-            f"{' '.join(cmd)} exited {done.returncode}\n"
-            f"stdout:\n{done.stdout[-4000:]}\nstderr:\n{done.stderr[-6000:]}"
+            f"{cmd} exited {proc.returncode}\nstdout:\n{stdout[-4000:]}\nstderr:\n{stderr[-6000:]}"
         )
-    return done.stdout
+    return stdout
 
 
 def _listing(d: Path) -> List[str]:
@@ -92,13 +105,18 @@ def _inside(p: Path, allowed: Sequence[Path]) -> bool:
 
 @pytest.mark.timeout(300)
 def test_every_write_stays_inside_the_given_paths(tmp_path: Path) -> None:
+    started: List[subprocess.Popen[str]] = []
     try:
-        _check_writes(tmp_path)
-    finally:  # 256 MiB nobody needs to keep
+        _check_writes(tmp_path, started)
+    finally:  # 256 MiB nobody needs to keep; no process outlives a failed test
+        for proc in started:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
         shutil.rmtree(tmp_path / "ckpt" / "big", ignore_errors=True)
 
 
-def _check_writes(root: Path) -> None:
+def _check_writes(root: Path, started: List[subprocess.Popen[str]]) -> None:
     home, cache, tmp, cwd = (root / n for n in ("home", "xdg_cache", "tmpdir", "cwd"))
     for d in (home, cache, tmp, cwd):
         d.mkdir()
@@ -106,51 +124,50 @@ def _check_writes(root: Path) -> None:
     ckpt, out = root / "ckpt", root / "out"
     shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
 
+    def start(*cmd: str) -> subprocess.Popen[str]:
+        started.append(_start(cmd, env, cwd))
+        return started[-1]
+
     # save, load, resharded load, async saves, local backend and managers on 2 fresh ranks
-    stdout = _run([sys.executable, str(RANKS), str(ckpt)], env, cwd, timeout=150)
+    ranks = start(sys.executable, str(RANKS), str(ckpt))
+
+    # meanwhile, every dist-ckpt verb that needs none of the ranks' checkpoints, once each
+    cli = _cli()
+    help_proc = start(*cli, "--help")
+    demo = [*cli, "demo", "--world-size", "2", "--hidden", "32", "--layers", "1", "--vocab", "64"]
+    demo_proc = start(*demo, "--dir", str(out / "demo"))
+    from tests.tools.test_hf import CONFIG, _gpt, _save
+
+    gpt = _save(_gpt(moe=True, tied=False), ckpt / "gpt")  # a GPTModel-shaped checkpoint
+    outputs = {}
+    for args in (
+        ["export-hf", str(gpt), str(out / "hf"), "--config", CONFIG],
+        ["import-hf", str(out / "hf"), str(ckpt / "from_hf"), "--tp", "2"],
+    ):
+        outputs[args[0]] = json.loads(_finish(start(*cli, *args, "--json"), 60))
+    help_text = _finish(help_proc, 60)
+    listed = set(re.findall(r"^ {4}([a-z][\w-]*)\s", help_text, flags=re.M))
+    assert listed == VERBS, f"dist-ckpt --help lists {sorted(listed)}: update this test"
+
+    stdout = _finish(ranks, 150)
     pids = next(line.split()[1:] for line in stdout.splitlines() if line.startswith("PIDS "))
 
     sync = ckpt / "sync" / "iter_0000001"
     async_ckpt = ckpt / "async" / "iter_0000002"
     manager_root = ckpt / "manager" / "persistent"
 
-    # every dist-ckpt verb, once each
-    cli = _cli()
-    help_text = _run([*cli, "--help"], env, cwd, timeout=60)
-    listed = set(re.findall(r"^ {4}([a-z][\w-]*)\s", help_text, flags=re.M))
-    assert listed == VERBS, f"dist-ckpt --help lists {sorted(listed)}: update this test"
-    outputs = {
-        "ls": json.loads(_run([*cli, "ls", str(manager_root), "--json"], env, cwd, 60)),
-        "inspect": json.loads(_run([*cli, "inspect", str(sync), "--json"], env, cwd, 60)),
-        "verify": json.loads(_run([*cli, "verify", str(sync), "--json"], env, cwd, 60)),
-        "convert": json.loads(
-            _run(
-                [*cli, "convert", str(sync), str(out / "safetensors"), "--to", "safetensors"]
-                + ["--json"],
-                env,
-                cwd,
-                60,
-            )
+    # the verbs that read the ranks' checkpoints, all at once
+    reading = {
+        "ls": start(*cli, "ls", str(manager_root), "--json"),
+        "inspect": start(*cli, "inspect", str(sync), "--json"),
+        "verify": start(*cli, "verify", str(sync), "--json"),
+        "convert": start(
+            *cli, "convert", str(sync), str(out / "safetensors"), "--to", "safetensors", "--json"
         ),
-        "diff": json.loads(
-            _run([*cli, "diff", str(sync), str(async_ckpt), "--json"], env, cwd, 60)
-        ),
+        "diff": start(*cli, "diff", str(sync), str(async_ckpt), "--json"),
     }
-    _run(
-        [*cli, "demo", "--world-size", "2", "--hidden", "32", "--layers", "1", "--vocab", "64"]
-        + ["--dir", str(out / "demo")],
-        env,
-        cwd,
-        timeout=120,
-    )
-    from tests.tools.test_hf import CONFIG, _gpt, _save
-
-    gpt = _save(_gpt(moe=True, tied=False), ckpt / "gpt")  # a GPTModel-shaped checkpoint
-    for args in (
-        ["export-hf", str(gpt), str(out / "hf"), "--config", CONFIG],
-        ["import-hf", str(out / "hf"), str(ckpt / "from_hf"), "--tp", "2"],
-    ):
-        outputs[args[0]] = json.loads(_run([*cli, *args, "--json"], env, cwd, 60))
+    outputs.update({verb: json.loads(_finish(proc, 60)) for verb, proc in reading.items()})
+    _finish(demo_proc, 120)
     assert outputs["export-hf"]["tensors"] == 3 + 2 * (7 + 3 * 4), outputs["export-hf"]
     assert outputs["import-hf"]["files"] == [str(ckpt / "from_hf")], outputs["import-hf"]
     assert [e["step"] for e in outputs["ls"]] == [6, 4], outputs["ls"]
