@@ -450,6 +450,9 @@ def main() -> None:
     )
     parser.add_argument("--json", default="")
     args = parser.parse_args()
+    for name in ("nvrx_python", "nvrx_path", "lmres_python"):  # the side runs start in /
+        if getattr(args, name):
+            setattr(args, name, os.path.abspath(getattr(args, name)))
     if args.repeats < 3:
         print(f"--repeats {args.repeats}: taking 3, the fewest a median means anything with")
         args.repeats = 3
