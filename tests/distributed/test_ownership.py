@@ -148,22 +148,21 @@ def test_async_request_never_scheduled_is_reported_at_exit(tmp_path):
     assert "never scheduled" in done.stderr and str(tmp_path / "U") in done.stderr
 
 
+def _survivor_of_rank_1(fn, tmp: str):
+    """Runs `fn(tmp, 1)` on 2 ranks, where rank 1 dies: rank 0's (class, message, seconds)."""
+    outcomes = get_world(2).run_tolerating_deaths(fn, tmp, 1, timeout=120)
+    assert outcomes[1] is None and outcomes[0] is not None
+    return outcomes[0].unwrap()
+
+
 def test_rank_killed_while_its_async_writer_hangs_fails_the_others_at_once(tmp_path):
     # the writer, forked from the victim, holds the victim's sockets: it must die with it
-    outcomes = get_world(2).run_tolerating_deaths(
-        F.die_while_writer_runs, str(tmp_path), 1, timeout=120
-    )
-    assert outcomes[1] is None and outcomes[0] is not None
-    name, message, seconds = outcomes[0].unwrap()
+    name, message, seconds = _survivor_of_rank_1(F.die_while_writer_runs, str(tmp_path))
     assert name == "DistributedFailureError", message
     assert seconds < 20.0  # not the writer's 120 s stall, nor the 600 s collective timeout
 
 
 def test_rank_lost_before_the_first_collective_fails_the_survivor_within_the_timeout(tmp_path):
-    outcomes = get_world(2).run_tolerating_deaths(
-        F.die_before_first_collective, str(tmp_path), 1, timeout=120
-    )
-    assert outcomes[1] is None and outcomes[0] is not None
-    name, message, seconds = outcomes[0].unwrap()
+    name, message, seconds = _survivor_of_rank_1(F.die_before_first_collective, str(tmp_path))
     assert name == "DistributedFailureError", message
     assert seconds < 60.0  # the 5 s collective timeout, not the process group's
