@@ -36,6 +36,7 @@ __all__ = [
     "format_rank_failures",
     "describe_rank_failures",
     "rank_ranges",
+    "ranks_label",
     "raise_on_reported_errors",
     "agree_on_errors",
     "run_collectively",
@@ -162,7 +163,7 @@ def _collective(op: str) -> Iterator[None]:
         if len(gone) == 1:
             who = f"rank {gone[0]}'s process is gone"
         elif gone:
-            who = f"the processes of {_ranks_label(gone)} are gone"
+            who = f"the processes of {ranks_label(gone)} are gone"
         else:
             who = f"another rank died or did not answer within {_timeout_s:.0f} s"
         lost = DistributedFailureError(
@@ -176,24 +177,24 @@ def _collective(op: str) -> Iterator[None]:
 def lost_ranks(error: BaseException) -> List[int]:
     """The ranks whose process was found gone when `error` (or what it was raised from),
     a collective's failure, happened; empty where none could be told."""
-    seen: Optional[BaseException] = error
-    while seen is not None:
-        if getattr(seen, "lost_ranks", None):
-            return list(seen.lost_ranks)  # type: ignore[attr-defined]
-        seen = seen.__cause__
-    return []
+    return list(_from_causes(error, "lost_ranks") or [])
 
 
 def peer_lost(error: BaseException) -> bool:
     """Whether `error` (or what it was raised from) is this rank's own collective failing
     (a peer died or went silent), rather than a failure every rank agreed on: then what the
     other ranks did is unknown."""
+    return bool(_from_causes(error, "peer_lost"))
+
+
+def _from_causes(error: BaseException, name: str) -> Any:
+    """The first truthy attribute `name` that `_collective` set on `error` or its causes."""
     seen: Optional[BaseException] = error
     while seen is not None:
-        if getattr(seen, "peer_lost", False):
-            return True
+        if getattr(seen, name, None):
+            return getattr(seen, name)
         seen = seen.__cause__
-    return False
+    return None
 
 
 def is_distributed() -> bool:
@@ -278,7 +279,7 @@ def rank_ranges(ranks: Iterable[int]) -> str:
     return ", ".join(parts)
 
 
-def _ranks_label(ranks: List[int]) -> str:
+def ranks_label(ranks: List[int]) -> str:
     """'rank 3' or 'ranks 0-3, 5'."""
     distinct = set(ranks)
     return f"rank {ranks[0]}" if len(distinct) == 1 else f"ranks {rank_ranges(distinct)}"
@@ -296,18 +297,18 @@ def describe_rank_failures(failed: List[Tuple[int, str]]) -> str:
     groups: Dict[str, List[int]] = {}
     for rank, cause in sorted(failed, key=lambda rc: rc[0]):
         groups.setdefault(cause, []).append(rank)
-    head = f"{_ranks_label([r for r, _ in failed])}: "
+    head = f"{ranks_label([r for r, _ in failed])}: "
     if len(groups) == 1:
         return head + next(iter(groups))
     shown: List[str] = []
     size = len(head)
     items = list(groups.items())
     for n, (cause, ranks) in enumerate(items):
-        part = f"{_ranks_label(ranks)}: {cause}"
+        part = f"{ranks_label(ranks)}: {cause}"
         if shown and size + len(part) > _MAX_TOTAL_MESSAGE:
             rest_ranks = [r for _, rs in items[n:] for r in rs]
             shown.append(
-                f"[{len(items) - n} more distinct cause(s) on {_ranks_label(rest_ranks)} cut "
+                f"[{len(items) - n} more distinct cause(s) on {ranks_label(rest_ranks)} cut "
                 f"to keep this message under {_MAX_TOTAL_MESSAGE} characters; see those "
                 "ranks' logs]"
             )

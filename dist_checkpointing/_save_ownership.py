@@ -188,8 +188,7 @@ class Ownership:
     def _after_commit_message(self, error: BaseException) -> str:
         lost = _dist.lost_ranks(error)
         if lost:
-            label = f"{'rank' if len(lost) == 1 else 'ranks'} {_dist.rank_ranges(lost)}"
-            what = f"{label} failed right after the commit (its process is gone)"
+            what = f"{_dist.ranks_label(lost)} failed right after the commit (its process is gone)"
         else:
             what = (
                 f"a rank other than {_dist.get_rank()} failed right after the commit (no "
