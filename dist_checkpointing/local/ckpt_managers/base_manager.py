@@ -117,6 +117,8 @@ class BaseCheckpointManager(ABC):
         #: per rank, `(iteration, holder, group)` of its parity records (last `find_latest`)
         self.globally_available_parity: List[List[Tuple[int, int, Tuple[int, ...]]]] = []
         self._newest_committed = -1
+        #: this rank's part as last verified by `_checked`, `(image, state)`, for `load`
+        self._decoded: Optional[Tuple[torch.Tensor, TensorAwareStateDict]] = None
         #: False unpickles hollow states without the allowlist (trusted checkpoints only)
         self.weights_only = True
 
@@ -320,12 +322,14 @@ class BaseCheckpointManager(ABC):
         file torn by a crash holds an older part's valid bytes)."""
         try:
             image, where = received or self._load_image(ckpt_id)
-            held, _ = decode_image(image, where, weights_only=self.weights_only)
+            held, state = decode_image(image, where, weights_only=self.weights_only)
             if tuple(held) != tuple(ckpt_id):
                 raise CheckpointCorruptedError(
                     f"{where}: holds local checkpoint part {tuple(held)}, expected "
                     f"{tuple(ckpt_id)} (an older part's bytes: torn by a crash?)"
                 )
+            if ckpt_id[1] == self.rank:  # `load` returns it: its header is not decoded twice
+                self._decoded = (image, state)
             return image
         except CheckpointingException as e:
             return e
@@ -367,12 +371,19 @@ class BaseCheckpointManager(ABC):
                 f"(session {self.session_id!r})"
             )
         mine = self._ckpt_id(iteration)
-        held, lost = retrieve_parts(self, iteration)
-        if lost:
-            rebuild_lost_parts(self, iteration, lost, held, self.globally_available_parity)
+        try:
+            held, lost = retrieve_parts(self, iteration)
+            if lost:
+                rebuild_lost_parts(self, iteration, lost, held, self.globally_available_parity)
+            decoded = self._decoded
+        finally:
+            self._decoded = None  # never keeps a part's buffer alive past this load
         image = held[mine]
-        where = f"local checkpoint part {describe_ckpt_id(mine)}"
-        _, state = decode_image(image, where, verify=False, weights_only=self.weights_only)
+        if decoded is not None and decoded[0] is image:
+            state = decoded[1]
+        else:
+            where = f"local checkpoint part {describe_ckpt_id(mine)}"
+            _, state = decode_image(image, where, verify=False, weights_only=self.weights_only)
         state.restore_tensor_device(non_blocking=False)
         msg = "loaded local checkpoint %s: %.1f MB in %.2f s"
         logger.info(msg, describe_ckpt_id(mine), image.numel() / 1e6, time.perf_counter() - start)

@@ -66,14 +66,21 @@ def _attempt(manager: Any, plan: ExchangePlan, held: Dict[CkptID, torch.Tensor])
     Returns the copies found unusable, as `(holder rank, id)`."""
     me = manager.rank
     keep = [id_ for s, r, id_ in plan.transfers if s == r == me and id_ not in held]
-    with concurrent.futures.ThreadPoolExecutor(1, "dc-local-keep") as pool:
-        kept = pool.submit(lambda: [(me, i, manager._checked(i)) for i in keep])
-        try:
-            got, unsent = transfer_parts(
-                plan, lambda id_: manager._load_image(id_)[0], host_group()
-            )
-        finally:
-            outcomes = kept.result()
+    if all(s == r for s, r, _ in plan.transfers):
+        # every rank keeps its own copy (the plan is the same everywhere, so every rank
+        # skips the exchange): nothing to overlap the checks with, no sizes to announce
+        outcomes = [(me, i, manager._checked(i)) for i in keep]
+        got: Dict[CkptID, Tuple[int, torch.Tensor]] = {}
+        unsent: List[CkptID] = []
+    else:
+        with concurrent.futures.ThreadPoolExecutor(1, "dc-local-keep") as pool:
+            kept = pool.submit(lambda: [(me, i, manager._checked(i)) for i in keep])
+            try:
+                got, unsent = transfer_parts(
+                    plan, lambda id_: manager._load_image(id_)[0], host_group()
+                )
+            finally:
+                outcomes = kept.result()
     for id_, (sender, buffer) in got.items():
         where = f"local checkpoint part {describe_ckpt_id(id_)} (sent by rank {sender})"
         outcomes.append((sender, id_, manager._checked(id_, (buffer, where))))
