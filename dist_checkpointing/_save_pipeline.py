@@ -110,6 +110,18 @@ class SavePlan:
     common_digest: str
     deferred_common: Optional[DeferredCalls]
     ownership: Ownership
+    async_save: bool = False
+
+    def flow(self) -> str:
+        """How this rank saves, as the agreement compares it across ranks."""
+        how = "async" if self.async_save else "sync"
+        return f"{_strategy_name(self.sharded)} and {_strategy_name(self.common)}, {how}"
+
+
+def _strategy_name(strategy: Any) -> str:
+    """`Class(backend, version)`: the same on every rank that uses the same strategy."""
+    backend, version = getattr(strategy, "backend", "?"), getattr(strategy, "version", "?")
+    return f"{type(strategy).__name__}({backend}, {version})"
 
 
 def prepare_save(
@@ -167,7 +179,16 @@ def prepare_save(
     ownership = Ownership(ckpt, node_local)
     ownership.take()  # last: nothing after it may fail and leave the claim behind
     return SavePlan(
-        sharded, common, node_local, sharded_part, common_part, records, digest, deferred, ownership
+        sharded,
+        common,
+        node_local,
+        sharded_part,
+        common_part,
+        records,
+        digest,
+        deferred,
+        ownership,
+        async_sharded_save,
     )
 
 
@@ -217,6 +238,7 @@ def agree_on_preparation(
         validate=validate_access_integrity,
         what=f"save to {ckpt}",
         shared=plan.ownership.lanes() if plan is not None else token_lanes(None),
+        flow=plan.flow() if plan is not None else "",
     )
     assert plan is not None
     plan.ownership.agreed(agreement.shared)

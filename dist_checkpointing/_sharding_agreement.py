@@ -33,7 +33,7 @@ from .coordination import (
     loads,
     owner,
 )
-from .errors import ShardingIntegrityError
+from .errors import CheckpointingException, ShardingIntegrityError
 from .mapping import ShardedObject, ShardedTensor, is_main_replica
 
 __all__ = [
@@ -222,6 +222,18 @@ def _lanes(rank: int, records: bytes) -> Tuple[int, ...]:
     return tuple(int.from_bytes(h[i : i + 4], "little") & _LANE for i in range(0, 16, 4))
 
 
+def _flows_differ(what: str, flows: Sequence[str]) -> str:
+    """The message when ranks would go on differently (`flows`, by rank)."""
+    ranks: Dict[str, List[int]] = defaultdict(list)
+    for rank, flow in enumerate(flows):
+        ranks[flow].append(rank)
+    each = "; ".join(f"{_dist.ranks_label(r)}: {flow}" for flow, r in ranks.items())
+    return (
+        f"{what}: the ranks were not called alike ({each}); every rank must pass the same "
+        "strategies and the same async_sharded_save"
+    )
+
+
 def agreement_protocol(
     rank: int,
     world: int,
@@ -233,6 +245,7 @@ def agreement_protocol(
     validate: bool = True,
     what: str = "save",
     shared: Sequence[int] = (),
+    flow: str = "",
 ) -> Protocol[Agreement]:
     """One rank's side of the agreement (a `coordination` protocol; see the module docstring).
 
@@ -246,21 +259,30 @@ def agreement_protocol(
         shared: small non-negative ints (< 2**31) summed over ranks: one rank's values, the
             others' zeros, reach every rank without a round trip of their own (the claim
             token of a save).
+        flow: how this rank goes on (its strategies, sync or async), for messages: ranks
+            going on differently would wait for each other in different collectives.
 
     Raises:
-        CheckpointingException: on every rank, where any rank failed to prepare.
+        CheckpointingException: on every rank, where any rank failed to prepare, or where
+            ranks' `flow`s differ (naming each rank's).
         ShardingIntegrityError: on every rank, where the shards do not form valid tensors.
     """
     local = digest([tuple(r) for r in records])
     changed = int(validate and (cache.local != local or cache.world != world))
     c = int.from_bytes(hashlib.blake2b(common_digest, digest_size=4).digest(), "little")
     c &= _COMMON_LANE
-    head = (int(error is not None), *_lanes(rank, local), c, c * c, changed)
+    f = int.from_bytes(hashlib.blake2b(flow.encode(), digest_size=4).digest(), "little")
+    f &= _COMMON_LANE
+    head = (int(error is not None), *_lanes(rank, local), c, c * c, changed, f, f * f)
     sums = yield AllReduceSum((*head, *shared))
     if sums[0]:
         gathered = yield Gather(dumps(_dist.error_report(error)))
         reports = yield Broadcast(dumps([loads(g) for g in gathered] if gathered else []))
         _dist.raise_on_reported_errors(loads(reports), error, f"{what} (preparation)")
+    if world * sums[9] != sums[8] ** 2:  # rare: who does what is gathered only then
+        gathered = yield Gather(dumps(flow))
+        flows = yield Broadcast(dumps([loads(g) for g in gathered] if gathered else []))
+        raise CheckpointingException(_flows_differ(what, loads(flows)))
     agreement = Agreement(
         tuple(sums[1:5]), False, world * sums[6] != sums[5] ** 2, tuple(sums[len(head) :])
     )

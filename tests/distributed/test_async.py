@@ -251,6 +251,33 @@ def test_async_save_with_non_async_strategy_is_refused(tmp_path):
         )
 
 
+def half_async(root: str) -> Any:
+    """Rank 1 saves async, rank 0 sync: refused on both, before anything is written."""
+    ckpt = os.path.join(root, "c")
+    q = _queue(False)
+    try:
+        request = dc.save(state(1), ckpt, async_sharded_save=dist.get_rank() == 1)
+        if request is not None:
+            q.schedule_async_request(request)
+            q.maybe_finalize_async_calls(blocking=True)
+    except CheckpointingException as e:
+        return str(e), os.path.exists(ckpt)
+    finally:
+        q.close()
+    return None
+
+
+def test_ranks_saving_sync_and_async_at_once_raise_at_once_naming_each(world_factory, tmp_path):
+    """Before, the async rank and the sync rank waited in different collectives until the
+    timeout; now the save's first agreement compares how every rank saves."""
+    start = time.monotonic()
+    results = world_factory(2).run_ok(half_async, str(tmp_path), timeout=30)
+    assert time.monotonic() - start < 20
+    for message, written in results:
+        assert "rank 1:" in message and ", async" in message and "rank 0:" in message, message
+        assert "same async_sharded_save" in message and not written
+
+
 def test_exit_with_unfinalized_calls_warns(tmp_path):
     script = textwrap.dedent(
         f"""

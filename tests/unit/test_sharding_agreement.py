@@ -133,3 +133,25 @@ def test_common_state_differences_are_agreed_on(world):
         [agreement_protocol(r, world, records[r], AgreementCache()) for r in range(world)]
     )
     assert not any(a.common_differs for a in same)
+
+
+@pytest.mark.parametrize("world", [4, 256])
+def test_ranks_called_with_different_strategies_raise_on_every_rank_naming_each(world):
+    """A rank saving another way than the others (another strategy, async where they are
+    not) would wait in other collectives until the timeout: every rank raises at once."""
+    records = grid_records(world)
+    flows = ["torch_dist 1, async" if r == 2 else "torch_dist 1, sync" for r in range(world)]
+    protos = [
+        agreement_protocol(r, world, records[r], AgreementCache(), flow=flows[r], what="save to X")
+        for r in range(world)
+    ]
+    got, _ = simulate(protos, return_exceptions=True)
+    assert all(isinstance(e, CheckpointingException) for e in got), got[:3]
+    for e in got:
+        assert "save to X" in str(e) and "rank 2: torch_dist 1, async" in str(e), str(e)
+        assert "torch_dist 1, sync" in str(e)
+    alike = [
+        agreement_protocol(r, world, records[r], AgreementCache(), flow="a") for r in range(world)
+    ]
+    same, _ = simulate(alike)
+    assert all(a.validated for a in same)
