@@ -1,8 +1,26 @@
 import logging
+from pathlib import Path
 
 import pytest
 
 from tests._world import close_all_worlds, get_world
+
+#: the folders whose test modules probe side interpreters as they are collected
+_PROBING = ("interop", "examples", "tools")
+
+
+def pytest_collection(session: pytest.Session) -> None:
+    """When the session collects tests that probe side interpreters (megatron-core, torchao,
+    lm-resiliency), every probe starts now, at once, beside the collection."""
+    here = Path(__file__).resolve().parent
+    wanted = [here / name for name in _PROBING]
+    for arg in session.config.args:
+        path = Path(arg.split("::")[0]).resolve()
+        if any(path == w or path in w.parents or w in path.parents for w in wanted):
+            from tests.interop import _launch
+
+            _launch.probe_all_in_background()
+            return
 
 
 @pytest.fixture(scope="session", autouse=True)

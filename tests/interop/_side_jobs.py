@@ -1,4 +1,5 @@
-"""megatron-core's jobs of `mcore_side.py`, one side run per megatron version and session.
+"""megatron-core's jobs of `mcore_side.py`, one side run per megatron version and session;
+and the long side runs that start in the background (`in_background`, `wait_for`).
 
 A side run costs an interpreter and two ranks that import megatron (about 8 s on 2 cores).
 The interop tests and the tools tests ask megatron-core 0.16.1 for four jobs (its save, its
@@ -11,9 +12,10 @@ result and checkpoint; the checkpoints are shared and must not be changed (copy 
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, TypeVar
 
 import pytest
 
@@ -85,3 +87,42 @@ def mcore019(base: Path) -> Dict[str, Job]:
         )
     env = {"PYTHONPATH": found["path"]}
     return run_jobs(base, found["python"], MCORE019_MODES, timeout=600, env=env)
+
+
+T = TypeVar("T")
+
+#: at most two long side runs at a time beside the tests (each is 2 ranks on a 2-core CI)
+_POOL: Optional[ThreadPoolExecutor] = None
+_STARTED: Dict[str, Future[Any]] = {}
+
+
+def in_background(key: str, run: Callable[[], Any]) -> None:
+    """Starts `run()` (a side run: subprocesses and files only, nothing printed or logged in
+    this process) in a background thread, once per session; `wait_for(key, ...)` collects it.
+
+    The long side runs of the interop tests (tens of seconds each) leave a core idle at
+    times (interpreter starts, one rank's work, the ranks waiting for each other), so the
+    first interop test starts them together, and each module's fixture waits for its own.
+    """
+    global _POOL
+    if key in _STARTED:
+        return
+    if _POOL is None:
+        _POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="side-run")
+    _STARTED[key] = _POOL.submit(run)
+
+
+def wait_for(key: str, run: Callable[[], T]) -> T:
+    """The result of the background run `key` (its exception re-raised), or of `run()` now
+    when none was started."""
+    future = _STARTED.get(key)
+    return future.result() if future is not None else run()
+
+
+def stop_background() -> None:
+    """Drops the background runs not started yet and waits for the running ones."""
+    global _POOL
+    if _POOL is not None:
+        _POOL.shutdown(wait=True, cancel_futures=True)
+    _POOL = None
+    _STARTED.clear()

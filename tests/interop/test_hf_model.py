@@ -10,19 +10,20 @@ from __future__ import annotations
 
 import os
 import subprocess
-from typing import Dict
+from typing import Dict, Set
 
 import pytest
 import torch
 
 from dist_checkpointing import _hf_layout
 from dist_checkpointing.tools import hf_map
-from tests.interop import _launch
+from tests.interop import _launch, _side_jobs
 
 PYTHON = _launch.mcore_python()
 _ENV = {"PYTHONPATH": _launch.pythonpath(_launch.REPO)}
 if PYTHON and not _launch.importable(PYTHON, "transformers", "dist_checkpointing"):
     PYTHON = None
+MCORE19 = _launch.mcore19()
 requires_side_venv = pytest.mark.skipif(
     PYTHON is None,
     reason="needs a python with megatron-core==0.16.1 and transformers that imports this "
@@ -30,16 +31,59 @@ requires_side_venv = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, str]:
-    if PYTHON is None:
-        pytest.skip("no side venv (see requires_side_venv)")
-    work = str(tmp_path_factory.mktemp("hf_model"))
+def _hf_model_run(work: str) -> Dict[str, str]:
+    """`hf_model_side.py`'s checks, by rank."""
+    assert PYTHON is not None
     env = {**_ENV, "OMP_NUM_THREADS": "1"}
     script = _launch.side_script("hf_model_side.py")
     _launch.run_side(PYTHON, [script, work], timeout=600, env=env)
     got = [_launch.read_json(os.path.join(work, f"result.{r}.json")) for r in (0, 1)]
     return {f"rank {r}: {k}": v for r, res in enumerate(got) for k, v in res.items()}
+
+
+def _mcore19_run(work: str) -> str:
+    """`hf_mcore19_side.py` run in `work` (megatron-core 0.19's interpreter)."""
+    assert PYTHON is not None and MCORE19 is not None
+    script = _launch.side_script("hf_mcore19_side.py")
+    # 0.19's interpreter has no transformers: the side venv's packages, after its own
+    site = subprocess.run(
+        [PYTHON, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    env = {"PYTHONPATH": _launch.pythonpath(MCORE19["path"], _launch.REPO), "OMP_NUM_THREADS": "1"}
+    _launch.run_side(MCORE19["python"], [script, work, site], timeout=600, env=env)
+    return work
+
+
+def start_in_background(tmp_path_factory: pytest.TempPathFactory, fixtures: Set[str]) -> None:
+    """Starts the side runs behind `fixtures` (the names this module's selected tests use)."""
+    if PYTHON is not None and "results" in fixtures:
+        work = str(tmp_path_factory.mktemp("hf_model"))
+        _side_jobs.in_background("hf_model", lambda: _hf_model_run(work))
+    if PYTHON is not None and MCORE19 is not None and "mcore19_work" in fixtures:
+        work19 = str(tmp_path_factory.mktemp("hf_mcore19"))
+        _side_jobs.in_background("hf_mcore19", lambda: _mcore19_run(work19))
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, str]:
+    if PYTHON is None:
+        pytest.skip("no side venv (see requires_side_venv)")
+    return _side_jobs.wait_for(
+        "hf_model", lambda: _hf_model_run(str(tmp_path_factory.mktemp("hf_model")))
+    )
+
+
+@pytest.fixture(scope="module")
+def mcore19_work(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Where `hf_mcore19_side.py` ran (both interpreters there, or the test skips)."""
+    if PYTHON is None or MCORE19 is None:
+        pytest.skip("no side venv or no megatron-core 0.19.2 (see the test's marks)")
+    return _side_jobs.wait_for(
+        "hf_mcore19", lambda: _mcore19_run(str(tmp_path_factory.mktemp("hf_mcore19")))
+    )
 
 
 def _check(results: Dict[str, str], checks: list) -> None:
@@ -180,9 +224,6 @@ def test_megatrons_fp32_optimizer_resumes_from_our_save_of_a_single_group_adamw(
     )
 
 
-MCORE19 = _launch.mcore19()
-
-
 @pytest.mark.interop
 @pytest.mark.timeout(900)
 @requires_side_venv
@@ -190,18 +231,8 @@ MCORE19 = _launch.mcore19()
     MCORE19 is None,
     reason="megatron-core 0.19.2 is not set up (DIST_CKPT_MCORE19_PYTHON, DIST_CKPT_MCORE19_PATH)",
 )
-def test_megatron_core_019_checkpoint_loads_and_our_save_loads_in_019(tmp_path):
-    assert PYTHON is not None and MCORE19 is not None
-    work, script = str(tmp_path), _launch.side_script("hf_mcore19_side.py")
-    # 0.19's interpreter has no transformers: the side venv's packages, after its own
-    site = subprocess.run(
-        [PYTHON, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.strip()
-    env = {"PYTHONPATH": _launch.pythonpath(MCORE19["path"], _launch.REPO), "OMP_NUM_THREADS": "1"}
-    _launch.run_side(MCORE19["python"], [script, work, site], timeout=600, env=env)
+def test_megatron_core_019_checkpoint_loads_and_our_save_loads_in_019(mcore19_work):
+    work = mcore19_work
     for rank in (0, 1):
         got = _launch.read_json(os.path.join(work, f"result.{rank}.json"))
         bad = {k: v for k, v in got.items() if v != "ok"}

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import os
 import shutil
-from typing import Dict
+from typing import Dict, Set, Tuple
 
 import pytest
 
 from dist_checkpointing.cli import main
-from tests.interop import _launch
+from tests.interop import _launch, _side_jobs
 
 pytestmark = [pytest.mark.interop, pytest.mark.timeout(900)]
 SCENARIOS = ("dense_tied_tp2", "dense_untied_pp2", "moe_tp2", "moe_ep2")
@@ -47,13 +47,24 @@ def _side(script: str, *args: str) -> None:
     _launch.run_side(PYTHON, [_launch.side_script(script), *args], timeout=600, env=env)
 
 
+def _make(work: str) -> Tuple[str, Dict[str, str]]:
+    """Step 1 in `work`: transformers builds the models `import-hf` reads; its checks."""
+    _side("hf_side.py", "make", work)
+    return work, _launch.read_json(os.path.join(work, "hf_result.json"))
+
+
+def start_in_background(tmp_path_factory: pytest.TempPathFactory, fixtures: Set[str]) -> None:
+    """Starts step 1 (a side run of its own) when a selected test of this module needs it."""
+    if PYTHON is not None and "results" in fixtures:
+        work = str(tmp_path_factory.mktemp("hf"))
+        _side_jobs.in_background("hf_make", lambda: _make(work))
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, str]:
     if PYTHON is None:
         pytest.skip("no side venv (see requires_side_venv)")
-    work = str(tmp_path_factory.mktemp("hf"))
-    _side("hf_side.py", "make", work)
-    made = _launch.read_json(os.path.join(work, "hf_result.json"))
+    work, made = _side_jobs.wait_for("hf_make", lambda: _make(str(tmp_path_factory.mktemp("hf"))))
     for name in IMPORTED:
         base = os.path.join(work, name)
         assert main(["import-hf", f"{base}/hf", f"{base}/mc", "--tp", "2"]) == 0

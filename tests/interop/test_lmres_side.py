@@ -19,7 +19,7 @@ SIDE = os.path.join(_launch.REPO, "benchmarks", "lmres_side.py")
 
 
 @pytest.mark.skipif(
-    not _launch.probe(PYTHON, "import importlib.util as u; assert u.find_spec('lm_resiliency')"),
+    not _launch.probe(PYTHON, _launch.LMRES_PROBE),
     reason="lm-resiliency is not installed: set DIST_CKPT_LMRES_PYTHON to a python with "
     "lm-resiliency==0.2.0 (.ci/run does)",
 )

@@ -8,7 +8,7 @@ and 4 ranks, unflattened and flat with other ranges, and list their original sha
 
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict, List, Set
 
 import pytest
 import torch
@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 import dist_checkpointing as dc
 from dist_checkpointing import ShardedTensor
-from tests.interop import _launch
+from tests.interop import _launch, _side_jobs
 from tests.interop.mcore013_side import expected
 
 pytestmark = [pytest.mark.interop, pytest.mark.timeout(900)]
@@ -29,13 +29,26 @@ requires_mcore013 = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(scope="module")
-def mcore013_checkpoint(tmp_path_factory) -> str:
+def _save_with_mcore013(ckpt: str) -> str:
     assert MCORE013_PYTHON is not None
-    ckpt = str(tmp_path_factory.mktemp("mcore013") / "ckpt")
     # megatron 0.13 saves slowly on a loaded CPU
     _launch.run_side(MCORE013_PYTHON, [SIDE, ckpt], timeout=600)
     return ckpt
+
+
+def start_in_background(tmp_path_factory: pytest.TempPathFactory, fixtures: Set[str]) -> None:
+    """Starts megatron-core 0.13's save when a selected test of this module needs it."""
+    if MCORE013_PYTHON is not None and "mcore013_checkpoint" in fixtures:
+        ckpt = str(tmp_path_factory.mktemp("mcore013") / "ckpt")
+        _side_jobs.in_background("mcore013", lambda: _save_with_mcore013(ckpt))
+
+
+@pytest.fixture(scope="module")
+def mcore013_checkpoint(tmp_path_factory) -> str:
+    return _side_jobs.wait_for(
+        "mcore013",
+        lambda: _save_with_mcore013(str(tmp_path_factory.mktemp("mcore013") / "ckpt")),
+    )
 
 
 def load_unflattened(ckpt: str) -> List[str]:

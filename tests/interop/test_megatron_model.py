@@ -16,12 +16,12 @@ still over gloo): `pytest -m gpu tests/interop/test_megatron_model.py`.
 from __future__ import annotations
 
 import os
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Set
 
 import pytest
 import torch
 
-from tests.interop import _launch
+from tests.interop import _launch, _side_jobs
 
 pytestmark = [pytest.mark.interop, pytest.mark.timeout(1200)]
 SIDE = _launch.side_script("mcore_model_side.py")
@@ -79,14 +79,28 @@ def _run(mode: str, workdir: str, optimizer: str) -> Dict[str, str]:
     return merged
 
 
+def _run_modes(workdir: str, optimizer: str) -> Dict[str, Dict[str, str]]:
+    """The three modes in order (each needs the checkpoints of the previous ones)."""
+    return {mode: _run(mode, workdir, optimizer) for mode in MODES}
+
+
+def start_in_background(tmp_path_factory: pytest.TempPathFactory, fixtures: Set[str]) -> None:
+    """Starts the CPU variant's side runs when a selected test of this module needs them."""
+    if PYTHON is not None and "outcomes" in fixtures:
+        workdir = str(tmp_path_factory.mktemp("mcore_model_adam"))
+        _side_jobs.in_background("megatron_model-adam", lambda: _run_modes(workdir, "adam"))
+
+
 @pytest.fixture(scope="module", params=OPTIMIZERS)
 def outcomes(request, tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Dict[str, str]]:
-    """Runs the three modes in order (each needs the checkpoints of the previous ones)."""
+    """The three modes' outcomes (started in the background for `adam`)."""
     if PYTHON is None:  # the tests skip too; no side run
         pytest.skip("megatron-core is not available (see requires_mcore_and_us)")
     optimizer = request.param
-    workdir = str(tmp_path_factory.mktemp(f"mcore_model_{optimizer}"))
-    runs = {mode: _run(mode, workdir, optimizer) for mode in MODES}
+    runs = _side_jobs.wait_for(
+        f"megatron_model-{optimizer}",
+        lambda: _run_modes(str(tmp_path_factory.mktemp(f"mcore_model_{optimizer}")), optimizer),
+    )
     if optimizer == "fp32":
         built = [k for k in runs["megatron"] if "built by megatron's FP32Optimizer" in k]
         assert len(built) == 2 * len(KINDS), sorted(runs["megatron"])

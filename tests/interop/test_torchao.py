@@ -17,7 +17,7 @@ PYTHON = os.environ.get("DIST_CKPT_TORCHAO_PYTHON")
 
 
 @pytest.mark.skipif(
-    not _launch.probe(PYTHON, "import torchao"),
+    not _launch.probe(PYTHON, _launch.TORCHAO_PROBE),
     reason="torchao is not installed: set DIST_CKPT_TORCHAO_PYTHON to a python with torchao==0.18 (.ci/run does)",
 )
 def test_torchao_weights_round_trip_bitwise_and_survive_a_lost_node_and_a_damaged_replica(tmp_path):

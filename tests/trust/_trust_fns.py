@@ -120,11 +120,10 @@ def stuck_rank_save(tmp: str, stuck: int, timeout_s: float) -> Tuple[str, str, f
 
 
 def enospc_on_rank(tmp: str, victim: int) -> Tuple[str, str, float]:
-    if dist.get_rank() == victim:
-        faults.inject(
-            faults.Fault("*.distcp", error=OSError(errno.ENOSPC, "No space left on device"))
-        )
-    return outcome(dc.save, state(1), os.path.join(tmp, "F"))
+    full = faults.Fault("*.distcp", error=OSError(errno.ENOSPC, "No space left on device"))
+    # removed again after the save: the world serves the next tests
+    with faults.injected(*([full] if dist.get_rank() == victim else [])):
+        return outcome(dc.save, state(1), os.path.join(tmp, "F"))
 
 
 def corrupt_and_load(tmp: str, owner: int) -> Tuple[str, str, float]:

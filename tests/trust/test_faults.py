@@ -67,7 +67,6 @@ def test_full_disk_on_one_rank_raises_on_every_rank(world_factory, tmp_path):
             message,
         )
         assert seconds < _DEATH_BOUND_S
-    world.close(kill=True)  # the patched writer must not leak into other tests
 
 
 def test_corrupted_data_file_raises_on_every_rank(world_factory, tmp_path):
