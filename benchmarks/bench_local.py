@@ -25,7 +25,8 @@ The save rows rotate their order from round to round, each after an untimed `syn
   venv; `--nvrx-path DIR` puts DIR on its PYTHONPATH, e.g. `/work/main/.mcore19/site` with
   0.7.0 beside the megatron-core 0.19 venv): its LocalCheckpointManager with replication factor 2, run by
   `benchmarks/nvrx_local_side.py` in that interpreter, in the same run (our package never
-  imports it);
+  imports it); its load is one cold sample in its own world (`benchmarks/local_load_ab.py`
+  compares the two loads sample by sample, in one world);
 - `--phases parity` (not in the default): parity replication against clique factor 2 on
   `--parity-world` ranks, `--parity-mib` MiB per rank (`benchmarks/_local_parity.py`), with
   nvidia-resiliency-ext's factor 2 at the same size when `--nvrx-python` is given, and
