@@ -5,7 +5,8 @@
 Per round (medians over `--repeats`; each sample the max over ranks), rows taking turns:
 sync save of each (each after an untimed `sync`); bytes kept per rank after it (files of the
 newest iteration, spares excluded, over the state's bytes); async save: how long `save()` +
-`schedule_async_request` block, and when it is committed; plain load (a fresh manager, page
+`schedule_async_request` block, and when it is committed (after one untimed async save of
+each kind, which refills the pools the round before emptied); plain load (a fresh manager, page
 cache dropped); recovery after the last rank's directory is lost (moved aside, put back
 after): a copy sent by the clique peer, or the part rebuilt from its group's parity; and the
 load of the same state from the persistent tier (`torch_dist`, page cache dropped). Two
@@ -131,11 +132,17 @@ def parity_worker(rank: int, world: int, args: argparse.Namespace, port: int, qu
         for n, m in managers.items():
             ratio = _files_bytes(str(m.local_ckpt_dir)) / state_bytes
             kept.setdefault(n, []).append(max_over_ranks(ratio))
+        # the pools were emptied at the end of the last round (below): one untimed async save
+        # of each kind refills them, as the saves of a training run find them filled; else
+        # the kind going first paid the refill (seconds) and the rotation favoured one kind
+        for m in managers.values():
+            queue_.schedule_async_request(m.save(state(), it + 1, is_async=True))
+            queue_.maybe_finalize_async_calls(blocking=True)
         for n, m in rotated(list(managers.items()), i):
             _settle(rank)
             dist.barrier()
             t0 = time.perf_counter()
-            queue_.schedule_async_request(m.save(state(), it + 1, is_async=True))
+            queue_.schedule_async_request(m.save(state(), it + 2, is_async=True))
             blocked = max_over_ranks(time.perf_counter() - t0)
             queue_.maybe_finalize_async_calls(blocking=True)
             s.add(f"{n} async blocks s", blocked)
