@@ -117,8 +117,7 @@ def read_file(path: PathLike) -> torch.Tensor:
         faults.check("read", path, 0, size, False)
         buffer = torch.empty(size, dtype=torch.uint8)
         view = memoryview(buffer.numpy())  # type: ignore[arg-type]
-        # one request for the whole file: between requests the kernel's readahead drains
-        _pread_into(fd, path, 0, view, None, max(size, 1))
+        _pread_into(fd, path, 0, view, None, max(size, 1))  # one request: no readahead drains
     finally:
         os.close(fd)
     return buffer
