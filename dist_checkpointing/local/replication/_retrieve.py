@@ -66,15 +66,19 @@ def _attempt(manager: Any, plan: ExchangePlan, held: Dict[CkptID, torch.Tensor])
     Returns the copies found unusable, as `(holder rank, id)`."""
     me = manager.rank
     keep = [id_ for s, r, id_ in plan.transfers if s == r == me and id_ not in held]
+
+    def check_kept() -> List[Any]:
+        return [(me, i, manager._checked(i)) for i in keep]
+
     if all(s == r for s, r, _ in plan.transfers):
         # every rank keeps its own copy (the plan is the same everywhere, so every rank
         # skips the exchange): nothing to overlap the checks with, no sizes to announce
-        outcomes = [(me, i, manager._checked(i)) for i in keep]
+        outcomes = check_kept()
         got: Dict[CkptID, Tuple[int, torch.Tensor]] = {}
         unsent: List[CkptID] = []
     else:
         with concurrent.futures.ThreadPoolExecutor(1, "dc-local-keep") as pool:
-            kept = pool.submit(lambda: [(me, i, manager._checked(i)) for i in keep])
+            kept = pool.submit(check_kept)
             try:
                 got, unsent = transfer_parts(
                     plan, lambda id_: manager._load_image(id_)[0], host_group()
