@@ -255,16 +255,20 @@ def half_async(root: str) -> Any:
     """Rank 1 saves async, rank 0 sync: refused on both, before anything is written."""
     ckpt = os.path.join(root, "c")
     q = _queue(False)
+    message = None
     try:
         request = dc.save(state(1), ckpt, async_sharded_save=dist.get_rank() == 1)
         if request is not None:
             q.schedule_async_request(request)
             q.maybe_finalize_async_calls(blocking=True)
     except CheckpointingException as e:
-        return str(e), os.path.exists(ckpt)
+        message = str(e)
     finally:
         q.close()
-    return None
+    # each rank removes what it created before raising; rank 0 may still be at it when
+    # rank 1 has raised, so the directory is looked at once every rank has returned
+    dist.barrier()
+    return message, os.path.exists(ckpt)
 
 
 def test_ranks_saving_sync_and_async_at_once_raise_at_once_naming_each(world_factory, tmp_path):
@@ -274,6 +278,7 @@ def test_ranks_saving_sync_and_async_at_once_raise_at_once_naming_each(world_fac
     results = world_factory(2).run_ok(half_async, str(tmp_path), timeout=30)
     assert time.monotonic() - start < 20
     for message, written in results:
+        assert message is not None, "a rank saved without error"
         assert "rank 1:" in message and ", async" in message and "rank 0:" in message, message
         assert "same async_sharded_save" in message and not written
 
