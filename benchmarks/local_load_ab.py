@@ -15,13 +15,15 @@ own "node" directory. Both managers use clique replication, jump 1, factor 2, an
 twice (the second save is the one loaded). Then `--rounds` rounds, in each of them, in an
 order that rotates from round to round, after the page cache is dropped (needs root):
 - `ours`: a fresh `LocalCheckpointManager`'s `load()` (find the newest complete iteration,
-  read this rank's part, verify its checksums);
+  map this rank's part, verify its checksums);
+- `ours, copied`: the same load with the part read into fresh memory instead of mapped
+  (what the load did before it mapped parts: the A/B of that mechanism);
 - `nvrx`: a fresh nvidia-resiliency-ext manager's `find_latest()` + `load()`;
 - `read`: one plain read of this rank's own part file into memory (`storage.read_file`),
   no checks: the disk's floor for the same bytes.
 Every load is compared bit for bit with the saved state, outside the timed region. Times
-are the max over ranks; prints one JSON line: medians (`"ours s"`, `"nvrx s"`, `"read s"`),
-`"ours / nvrx"`, every sample, and the MiB rank 0's loads read from the disk (from
+are the max over ranks; prints one JSON line: medians (`"ours s"`, `"ours, copied s"`,
+`"nvrx s"`, `"read s"`), `"ours / nvrx"`, `"ours / ours, copied"`, every sample, and the MiB rank 0's loads read from the disk (from
 `/proc/self/io`: the part's size when the cache drop worked).
 """
 
@@ -59,6 +61,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace, port: int, queue: A
 
     from benchmarks.nvrx_local_side import CpuStateDict
     from dist_checkpointing.local.basic_state_dict import BasicTensorAwareStateDict
+    from dist_checkpointing.local.ckpt_managers import local_manager
     from dist_checkpointing.local.ckpt_managers.local_manager import LocalCheckpointManager
     from dist_checkpointing.local.replication.strategies import CliqueReplicationStrategy
     from dist_checkpointing.storage import read_file
@@ -86,6 +89,14 @@ def _worker(rank: int, world: int, args: argparse.Namespace, port: int, queue: A
     def load_ours() -> None:
         loaded.append(LocalCheckpointManager(os.path.join(node, "ours"), "ab", ours_repl).load())
 
+    def load_ours_copied() -> None:
+        mapping = local_manager.map_image
+        local_manager.map_image = read_file  # the part read into fresh memory, not mapped
+        try:
+            load_ours()
+        finally:
+            local_manager.map_image = mapping
+
     def load_nvrx() -> None:
         fresh = NvrxManager(os.path.join(node, "nvrx"), "ab", nvrx_repl)
         fresh.find_latest()
@@ -96,7 +107,12 @@ def _worker(rank: int, world: int, args: argparse.Namespace, port: int, queue: A
 
     samples: Dict[str, List[float]] = {}
     disk: Dict[str, List[int]] = {}
-    rows: List[Any] = [("ours", load_ours), ("nvrx", load_nvrx), ("read", read)]
+    rows: List[Any] = [
+        ("ours", load_ours),
+        ("ours, copied", load_ours_copied),
+        ("nvrx", load_nvrx),
+        ("read", read),
+    ]
     for i in range(args.rounds):
         fn: Callable[[], None]
         for name, fn in rotated(rows, i):
@@ -113,9 +129,11 @@ def _worker(rank: int, world: int, args: argparse.Namespace, port: int, queue: A
                 state = loaded.pop()[0].state_dict
                 for key, want in tensors.items():
                     assert torch.equal(state[key], want), (name, key)
+                del state  # a load's pages are not dropped while its tensors live
     if rank == 0:
         out: Dict[str, Any] = {f"{k} s": statistics.median(v) for k, v in samples.items()}
         out["ours / nvrx"] = out["ours s"] / out["nvrx s"]
+        out["ours / ours, copied"] = out["ours s"] / out["ours, copied s"]
         out["samples"] = {k: [round(x, 3) for x in v] for k, v in samples.items()}
         # what the block layer read for rank 0's loads: about the part's size when the page
         # cache was dropped (0 where it could not be: not root)

@@ -4,11 +4,14 @@ header, checksums. Replicas are byte-identical to the owner's file."""
 from __future__ import annotations
 
 import io
+import mmap
+import os
 import struct
 import threading
+import weakref
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, Optional, Tuple, Union
 
 import numpy as np
 import torch
@@ -16,7 +19,7 @@ import torch
 from .._safe_load import torch_load
 from ..errors import CheckpointCorruptedError, CheckpointingException
 from ..integrity import checksum
-from ..storage import ALIGN, ImagePool, write_segments
+from ..storage import ALIGN, ImagePool, faults, write_segments
 from ..storage import read_file as read_image  # the name tools/_storage.py reads parts by
 from .base_state_dict import TensorAwareStateDict, hollow_state_classes
 from .basic_state_dict import BasicTensorAwareStateDict  # noqa: F401  (registers its classes)
@@ -28,6 +31,8 @@ __all__ = [
     "release_image",
     "decode_image",
     "read_image",
+    "map_image",
+    "is_mapped",
     "write_image",
 ]
 
@@ -264,6 +269,41 @@ def decode_image(
     except CheckpointingException as e:
         raise CheckpointCorruptedError(f"{where}: {e}") from e
     return tuple(header.get("id", ())), state
+
+
+#: the live mappings of `map_image`, each with the (device, inode) of the file it maps
+_MAPPED: weakref.WeakKeyDictionary[mmap.mmap, Tuple[int, int]] = weakref.WeakKeyDictionary()
+
+
+def map_image(path: str) -> torch.Tensor:
+    """A part file as a uint8 tensor mapping it copy-on-write, for `decode_image`: a load
+    then reads the page cache's pages where they are, instead of copying them into fresh
+    memory. Writes to the tensor stay private and unlinking the file does not disturb it;
+    writing the file in place would, so a part is never recycled while `is_mapped`.
+
+    Raises:
+        OSError: the file cannot be opened (FileNotFoundError when missing) or mapped.
+    """
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        st = os.fstat(fd)
+        faults.check("read", path, 0, st.st_size, False)
+        if st.st_size == 0:  # mmap refuses an empty file (decode_image refuses it too)
+            return torch.empty(0, dtype=torch.uint8)
+        mapped = mmap.mmap(fd, st.st_size, access=mmap.ACCESS_COPY)
+    finally:
+        os.close(fd)
+    _MAPPED[mapped] = (st.st_dev, st.st_ino)
+    return torch.frombuffer(mapped, dtype=torch.uint8)  # its views keep `mapped` alive
+
+
+def is_mapped(path: Union[str, os.PathLike]) -> bool:
+    """Whether a tensor of this process still maps the file `path` (`map_image`)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    return (st.st_dev, st.st_ino) in set(_MAPPED.values())
 
 
 def write_image(image: LocalImage, path: str, fsync: bool = True, overwrite: bool = False) -> None:

@@ -32,7 +32,8 @@ def test_local_load_ab_times_both_libraries_loads_alternately_and_checks_them(tm
     env = {"PYTHONPATH": os.pathsep.join([NVRX_PATH, _launch.REPO])}
     out = _launch.run_side(PYTHON, args, timeout=150, env=env)
     res = json.loads(out.strip().splitlines()[-1])
-    for row in ("ours", "nvrx", "read"):
+    for row in ("ours", "ours, copied", "nvrx", "read"):
         assert len(res["samples"][row]) == 2 and res[f"{row} s"] > 0, row
     assert res["ours / nvrx"] == pytest.approx(res["ours s"] / res["nvrx s"])
+    assert res["ours / ours, copied"] == pytest.approx(res["ours s"] / res["ours, copied s"])
     assert not os.path.exists(tmp_path / "ab")

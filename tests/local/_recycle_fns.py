@@ -62,6 +62,7 @@ def saves_write_over_spares(tmp: str, factor: int) -> Tuple[bool, bool, List[int
         fresh = _manager(tmp, factor)
         state, ckpt_id = fresh.load()
         exact = exact and ckpt_id == (it, dist.get_rank(), "r") and _exact(state, it)
+        del state  # its tensors map the part: kept, they would keep it from being recycled
         dist.barrier()
     recycled = sorted(inodes[3]) == sorted(inodes[1])
     # iteration 3 is smaller than the file it was written over: truncated to its size
@@ -137,3 +138,34 @@ def crash_while_writing_over_a_spare(tmp: str) -> Tuple[int, bool, str, bool, Li
         n for n in os.listdir(fresh.local_ckpt_dir) if not n.startswith(("iter_0000004_", "spare_"))
     )
     return latest, first, again, _exact(state, 4), left
+
+
+def loaded_tensors_outlive_later_saves(tmp: str, factor: int) -> Tuple[bool, bool, bool, bool]:
+    """Saves 1 and 2, loads 2 and keeps its tensors (writing into one), then saves 3, 4 and
+    5, whose clean-ups recycle superseded parts and write over them.
+
+    Returns:
+        (a second load of 2 did not see the write; the kept tensors still hold 2's values
+        and the write, after the later saves; the part they map was not written over; a
+        fresh load of 5 is exact).
+    """
+    m = _manager(tmp, factor)
+    for it in (1, 2):
+        m.save(BasicTensorAwareStateDict(_state(it)), it)
+    kept = _manager(tmp, factor).load()[0].state_dict
+    kept["w"][0] = 123.0  # the user's write: private to these tensors, not the file's
+    again = _manager(tmp, factor).load()[0]
+    unchanged = _exact(again, 2)
+    del again
+    kept_inode = os.stat(m._path((2, dist.get_rank(), "r"))).st_ino  # the part `kept` maps
+    later: set = set()
+    for it in (3, 4, 5):
+        m.save(BasicTensorAwareStateDict(_state(it)), it)
+        later.update(_inodes(m, it))
+    want = _state(2)
+    still = (
+        float(kept["w"][0]) == 123.0
+        and torch.equal(kept["w"][1:], want["w"][1:])
+        and torch.equal(kept["h"], want["h"])
+    )
+    return unchanged, still, kept_inode not in later, _exact(_manager(tmp, factor).load()[0], 5)

@@ -53,3 +53,16 @@ def test_crash_while_writing_over_a_spare_leaves_the_previous_checkpoint(world_f
         assert latest == 2 and first and exact
         assert again == "SameMachineReplicationException"
         assert left == []
+
+
+@pytest.mark.parametrize("factor", [1, 2])
+def test_loaded_tensors_keep_their_values_while_later_saves_recycle_parts(
+    world_factory, tmp_path, factor
+):
+    """A load maps its part file; the tensors a user keeps from it are neither changed by the
+    saves after it (which write over superseded parts) nor write back into the file."""
+    world = world_factory(2)
+    outcomes = world.run_ok(
+        F.loaded_tensors_outlive_later_saves, str(tmp_path), factor, timeout=180
+    )
+    assert outcomes == [(True, True, True, True)] * 2

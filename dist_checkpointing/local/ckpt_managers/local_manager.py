@@ -2,6 +2,7 @@
 
 Superseded parts are renamed to `spare_<hex>.bin` and the next save writes over one in place
 (skipping block allocation); `load` rejects a recycled file's older bytes by the part id.
+A load maps its part (`map_image`): a part whose tensors are still alive is never recycled.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from typing import Callable, Iterable, List, Optional, Tuple, TypeVar, Union
 import torch
 
 from ...errors import CheckpointCorruptedError, CheckpointingException
-from ...storage import StreamedFile, fsync_dir, read_file, read_region
-from .._image import LocalImage, write_image
+from ...storage import StreamedFile, fsync_dir, read_region
+from .._image import LocalImage, is_mapped, map_image, write_image
 from .._parity_math import read_record_info
 from ..memory import is_memory_path
 from ..replication._parity_rebuild import ParityReader
@@ -122,7 +123,7 @@ class LocalCheckpointManager(BaseCheckpointManager):
     def _load_image(self, ckpt_id: CkptID) -> Tuple[torch.Tensor, str]:
         path = self._path(ckpt_id)
         try:
-            return read_file(str(path)), str(path)
+            return map_image(str(path)), str(path)
         except FileNotFoundError as e:
             raise CheckpointCorruptedError(f"{path}: local checkpoint file is missing") from e
         except OSError as e:
@@ -162,6 +163,8 @@ class LocalCheckpointManager(BaseCheckpointManager):
             raise FileExistsError(str(dirty))
         with self._spare_lock:
             for spare in self._spares():
+                if is_mapped(spare):  # a load's tensors still read it
+                    continue
                 claim = dirty.parent / f"claim_{os.getpid()}_{threading.get_ident()}.bin"
                 try:
                     os.rename(spare, claim)
@@ -230,7 +233,7 @@ class LocalCheckpointManager(BaseCheckpointManager):
         room = max(0, wanted - len(self._spares()))
         recycled = False
         for _, dirty, path in reversed(older):  # the newest older parts: likely the same sizes
-            if room and not dirty:
+            if room and not dirty and not is_mapped(path):  # mapped: unlinked, not recycled
                 os.rename(path, self.local_ckpt_dir / f"spare_{uuid.uuid4().hex}.bin")
                 room, recycled = room - 1, True
         # Durable only with `fsync`: a crash that loses these renames and unlinks brings
