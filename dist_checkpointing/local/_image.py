@@ -273,6 +273,7 @@ def decode_image(
 
 #: the live mappings of `map_image`, each with the (device, inode) of the file it maps
 _MAPPED: weakref.WeakKeyDictionary[mmap.mmap, Tuple[int, int]] = weakref.WeakKeyDictionary()
+_MAPPED_LOCK = threading.Lock()  # a load may map while a background save asks `is_mapped`
 
 
 def map_image(path: str) -> torch.Tensor:
@@ -293,7 +294,8 @@ def map_image(path: str) -> torch.Tensor:
         mapped = mmap.mmap(fd, st.st_size, access=mmap.ACCESS_COPY)
     finally:
         os.close(fd)
-    _MAPPED[mapped] = (st.st_dev, st.st_ino)
+    with _MAPPED_LOCK:
+        _MAPPED[mapped] = (st.st_dev, st.st_ino)
     return torch.frombuffer(mapped, dtype=torch.uint8)  # its views keep `mapped` alive
 
 
@@ -303,7 +305,8 @@ def is_mapped(path: Union[str, os.PathLike]) -> bool:
         st = os.stat(path)
     except OSError:
         return False
-    return (st.st_dev, st.st_ino) in set(_MAPPED.values())
+    with _MAPPED_LOCK:
+        return (st.st_dev, st.st_ino) in set(_MAPPED.values())
 
 
 def write_image(image: LocalImage, path: str, fsync: bool = True, overwrite: bool = False) -> None:
