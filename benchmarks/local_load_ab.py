@@ -11,7 +11,8 @@ in a Python that has nvidia-resiliency-ext and torch, with this repository on PY
         --mib-per-rank 512 --rounds 9
 
 Each rank holds `--mib-per-rank` MiB of fp32 state in 8 tensors (as `bench_local`), in its
-own "node" directory. Both managers use clique replication, jump 1, factor 2, and save it
+own "node" directory. Both managers use clique replication, jump 1, factor 2 (or
+`--replication-factor`; 1: none), and save it
 twice (the second save is the one loaded). Then `--rounds` rounds, in each of them, in an
 order that rotates from round to round, after the page cache is dropped (needs root):
 - `ours`: a fresh `LocalCheckpointManager`'s `load()` (find the newest complete iteration,
@@ -74,8 +75,19 @@ def _worker(rank: int, world: int, args: argparse.Namespace, port: int, queue: A
         f"t{i}": torch.randn(per_rank // _N_TENSORS // 4, generator=g) for i in range(_N_TENSORS)
     }
     node = os.path.join(args.dir, f"node{rank}")
-    ours_repl = CliqueReplicationStrategy.from_replication_params(1, 2)
-    nvrx_repl = NvrxClique.from_replication_params(replication_jump=1, replication_factor=2)
+    replicated = args.replication_factor > 1
+    ours_repl = (
+        CliqueReplicationStrategy.from_replication_params(1, args.replication_factor)
+        if replicated
+        else None
+    )
+    nvrx_repl = (
+        NvrxClique.from_replication_params(
+            replication_jump=1, replication_factor=args.replication_factor
+        )
+        if replicated
+        else None
+    )
     ours = LocalCheckpointManager(os.path.join(node, "ours"), "ab", ours_repl)
     nvrx = NvrxManager(os.path.join(node, "nvrx"), "ab", nvrx_repl)
     for iteration in (1, 2):
@@ -149,6 +161,9 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--mib-per-rank", type=int, default=512)
     parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument(
+        "--replication-factor", type=int, default=2, help="clique factor (1: not replicated)"
+    )
     parser.add_argument("--dir", default="/tmp/dist_ckpt_bench_local_ab")
     args = parser.parse_args()
     shutil.rmtree(args.dir, ignore_errors=True)
