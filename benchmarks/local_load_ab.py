@@ -75,19 +75,9 @@ def _worker(rank: int, world: int, args: argparse.Namespace, port: int, queue: A
         f"t{i}": torch.randn(per_rank // _N_TENSORS // 4, generator=g) for i in range(_N_TENSORS)
     }
     node = os.path.join(args.dir, f"node{rank}")
-    replicated = args.replication_factor > 1
-    ours_repl = (
-        CliqueReplicationStrategy.from_replication_params(1, args.replication_factor)
-        if replicated
-        else None
-    )
-    nvrx_repl = (
-        NvrxClique.from_replication_params(
-            replication_jump=1, replication_factor=args.replication_factor
-        )
-        if replicated
-        else None
-    )
+    factor = args.replication_factor  # 1: neither library replicates
+    ours_repl = CliqueReplicationStrategy.from_replication_params(1, factor) if factor > 1 else None
+    nvrx_repl = NvrxClique.from_replication_params(1, factor) if factor > 1 else None
     ours = LocalCheckpointManager(os.path.join(node, "ours"), "ab", ours_repl)
     nvrx = NvrxManager(os.path.join(node, "nvrx"), "ab", nvrx_repl)
     for iteration in (1, 2):
