@@ -29,6 +29,8 @@ other world size saved (2 -> 4 and 4 -> 2 when both are run): the worlds run in 
 given, and the first world's loads of the second's checkpoints run in a last pass. Every
 method saves and loads once untimed in each world before its timed runs (writer processes,
 pools and first-call imports), and the methods take turns going first across repeats.
+`--load-repeats K` times each load K times per repeat (loads are short, and this disk's
+throughput drifts over seconds: more samples per row than saves).
 
     python -m benchmarks.bench_dtensor --world-sizes 2 4 --size-mib 1024 --repeats 3
     python -m benchmarks.bench_dtensor --device cuda --world-sizes 1 --size-mib 4096
@@ -393,26 +395,27 @@ def _worker(rank: int, world: int, args: argparse.Namespace, port: int, queue: A
                 results[m].setdefault("save", []).append(seconds)
                 if "-async" in m:
                     results[m].setdefault("block", []).append(max_over_ranks(blocked))
-        for m in order:
-            lib = libs[m.split("-")[0]]
-            for kind, src in [("load", world)] + [("load other", w) for w in others]:
-                if args.load_only and kind == "load":
-                    continue
-                # another world's checkpoints: the last repeat's (the only ones kept)
-                path = _path(args.dir, src, m, rep if src == world else args.repeats - 1)
-                _scramble(dest)
-                _cold()
-                try:
-                    seconds, loaded = _timed(lambda: lib.load(dest, path))
-                except RuntimeError as e:
-                    if m.startswith("ours"):
-                        raise
-                    # a peer's failure is a result (torch_checkpointing 0.1.1 has looked for
-                    # files of ranks the saving world did not have)
-                    failures.setdefault(m, {})[kind] = str(e)[:160]
-                    continue
-                _check(loaded, want, f"{m} {kind} of {path}")
-                results[m].setdefault(kind, []).append(seconds)
+        for turn in range(args.load_repeats):
+            for m in rotated(methods, rep * args.load_repeats + turn):
+                lib = libs[m.split("-")[0]]
+                for kind, src in [("load", world)] + [("load other", w) for w in others]:
+                    if (args.load_only and kind == "load") or kind in failures.get(m, {}):
+                        continue  # (a failed load is not retried)
+                    # another world's checkpoints: the last repeat's (the only ones kept)
+                    path = _path(args.dir, src, m, rep if src == world else args.repeats - 1)
+                    _scramble(dest)
+                    _cold()
+                    try:
+                        seconds, loaded = _timed(lambda: lib.load(dest, path))
+                    except RuntimeError as e:
+                        if m.startswith("ours"):
+                            raise
+                        # a peer's failure is a result (torch_checkpointing 0.1.1 has looked
+                        # for files of ranks the saving world did not have)
+                        failures.setdefault(m, {})[kind] = str(e)[:160]
+                        continue
+                    _check(loaded, want, f"{m} {kind} of {path}")
+                    results[m].setdefault(kind, []).append(seconds)
         if not args.load_only and rep < args.repeats - 1:  # disk space: keep the last
             for m in methods:
                 _remove(_path(args.dir, world, m, rep))
@@ -464,6 +467,12 @@ def main() -> None:
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--size-mib", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--load-repeats",
+        type=int,
+        default=1,
+        help="timed loads of each checkpoint per repeat (the methods take turns going first)",
+    )
     parser.add_argument("--methods", nargs="+", default=None, choices=METHODS + CUDA_METHODS)
     parser.add_argument(
         "--device",
