@@ -36,6 +36,7 @@ from .strategies.base import (
     SaveShardedStrategy,
     StrategyAction,
     resolve_strategy,
+    strategy_label,
 )
 
 __all__ = [
@@ -115,13 +116,7 @@ class SavePlan:
     def flow(self) -> str:
         """How this rank saves, as the agreement compares it across ranks."""
         how = "async" if self.async_save else "sync"
-        return f"{_strategy_name(self.sharded)} and {_strategy_name(self.common)}, {how}"
-
-
-def _strategy_name(strategy: Any) -> str:
-    """`Class(backend, version)`: the same on every rank that uses the same strategy."""
-    backend, version = getattr(strategy, "backend", "?"), getattr(strategy, "version", "?")
-    return f"{type(strategy).__name__}({backend}, {version})"
+        return f"{strategy_label(self.sharded)} and {strategy_label(self.common)}, {how}"
 
 
 def prepare_save(

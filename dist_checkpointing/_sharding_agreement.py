@@ -41,6 +41,7 @@ __all__ = [
     "AgreementCache",
     "ShardRecord",
     "agreement_protocol",
+    "flows_differ",
     "format_problems",
     "key_problems",
     "record_of",
@@ -222,15 +223,17 @@ def _lanes(rank: int, records: bytes) -> Tuple[int, ...]:
     return tuple(int.from_bytes(h[i : i + 4], "little") & _LANE for i in range(0, 16, 4))
 
 
-def _flows_differ(what: str, flows: Sequence[str]) -> str:
-    """The message when ranks would go on differently (`flows`, by rank)."""
+def flows_differ(
+    what: str, flows: Sequence[str], alike: str = "strategies and the same async_sharded_save"
+) -> str:
+    """The message when ranks would go on differently (`flows`, by rank); `alike`: what every
+    rank must pass the same of."""
     ranks: Dict[str, List[int]] = defaultdict(list)
     for rank, flow in enumerate(flows):
         ranks[flow].append(rank)
     each = "; ".join(f"{_dist.ranks_label(r)}: {flow}" for flow, r in ranks.items())
     return (
-        f"{what}: the ranks were not called alike ({each}); every rank must pass the same "
-        "strategies and the same async_sharded_save"
+        f"{what}: the ranks were not called alike ({each}); every rank must pass the same {alike}"
     )
 
 
@@ -282,7 +285,7 @@ def agreement_protocol(
     if world * sums[9] != sums[8] ** 2:  # rare: who does what is gathered only then
         gathered = yield Gather(dumps(flow))
         flows = yield Broadcast(dumps([loads(g) for g in gathered] if gathered else []))
-        raise CheckpointingException(_flows_differ(what, loads(flows)))
+        raise CheckpointingException(flows_differ(what, loads(flows)))
     agreement = Agreement(
         tuple(sums[1:5]), False, world * sums[6] != sums[5] ** 2, tuple(sums[len(head) :])
     )

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from pathlib import Path
-from typing import Any, Optional, Tuple, Union
+from typing import Any, Dict, Optional, Tuple, Union
 
 from . import _dist
+from ._sharding_agreement import flows_differ
 from ._types import StateDict
 from .core import (
     DCP_METADATA_FNAME,
@@ -25,6 +27,7 @@ from .strategies.base import (
     NodeLocalLoadShardedStrategy,
     StrategyAction,
     resolve_strategy,
+    strategy_label,
 )
 
 __all__ = [
@@ -110,12 +113,31 @@ def compatible_strategies(c: CheckpointingConfig, sharded: Any, common: Any) -> 
     return found[0], found[1]
 
 
+#: the lane of a load's flow digest: its maximum and that of its complement tell whether
+#: every rank's digest is the same
+_FLOW_LANE = (1 << 62) - 1
+
+
+def _flow_digest(flow: str) -> int:
+    return int.from_bytes(hashlib.blake2b(flow.encode(), digest_size=8).digest(), "little") & (
+        _FLOW_LANE
+    )
+
+
 def select_load_strategies(
-    ckpt: Path, sharded_strategy: Any, common_strategy: Any
+    ckpt: Path,
+    sharded_strategy: Any,
+    common_strategy: Any,
+    options: Optional[Dict[str, Any]] = None,
 ) -> Tuple[LoadShardedStrategy, LoadCommonStrategy, Optional[StateDict]]:
     """Collective: `(sharded, common strategy, common state (None if node-local))` for `ckpt`,
     agreed in one small reduction (reports are exchanged only after a failure). A rank missing
-    a node-local checkpoint adopts the others' record; other failures raise on every rank."""
+    a node-local checkpoint adopts the others' record; other failures raise on every rank.
+
+    The same reduction compares how the ranks load (their strategies and `options`, the
+    arguments that decide which collectives follow, by name): ranks called differently would
+    wait for each other in different collectives, so that raises on every rank, naming each
+    rank's."""
     found: Optional[Tuple[LoadShardedStrategy, LoadCommonStrategy]] = None
     error: Optional[BaseException] = None
     config = None
@@ -136,8 +158,20 @@ def select_load_strategies(
                 common_error = e
     except Exception as e:  # agreed on below
         error = e
-    if not _dist.all_reduce_max([int(error is not None or common_error is not None)])[0]:
+    flow = "" if found is None else f"{strategy_label(found[0])} and {strategy_label(found[1])}"
+    options = options or {}
+    flow += "".join(f", {name}={value}" for name, value in options.items())
+    digest = _flow_digest(flow)
+    failed, top, bottom = _dist.all_reduce_max(
+        [int(error is not None or common_error is not None), digest, _FLOW_LANE - digest]
+    )
+    if not failed:
         assert found is not None
+        if top + bottom != _FLOW_LANE:  # rare: who does what is gathered only then
+            flows = _dist.all_gather_object(flow)
+            raise CheckpointingException(
+                flows_differ(f"load from {ckpt}", flows, " and ".join(["strategies", *options]))
+            )
         return found[0], found[1], common_state  # one small reduction when all succeeded
     reports = _dist.all_gather_object(
         (_dist.error_report(error), config, _dist.error_report(common_error))

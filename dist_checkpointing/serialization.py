@@ -246,8 +246,10 @@ def load(
     with lossy_conversion_allowed(allow_lossy_dtype_conversion), _dist.naming_files_within(ckpt):
         start = time.perf_counter()
         strict = parse_strict_flag(strict)
+        # both decide which collectives follow: ranks passing different ones raise here
+        options = {"validate_access_integrity": validate_access_integrity, "strict": strict.value}
         sharded, common, common_state = select_load_strategies(
-            ckpt, sharded_strategy, common_strategy
+            ckpt, sharded_strategy, common_strategy, options
         )
 
         def stored_metadata() -> ShardedStateDict:

@@ -163,6 +163,13 @@ def resolve_strategy(
     return spec
 
 
+def strategy_label(strategy: Any) -> str:
+    """`Class(backend, version)`: the same on every rank that uses the same strategy (how
+    messages name the strategies of ranks that were not called alike)."""
+    backend, version = getattr(strategy, "backend", "?"), getattr(strategy, "version", "?")
+    return f"{type(strategy).__name__}({backend}, {version})"
+
+
 class LoadStrategyBase(StrategyBase):
     """Base of load strategies: declares which checkpoints it can read."""
 

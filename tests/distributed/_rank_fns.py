@@ -116,6 +116,24 @@ def call_load(
     return dc.load(builder(), ckpt, **(kwargs or {}))
 
 
+def load_called_differently_on_rank1(
+    builder: Callable[[], Dict[str, Any]], ckpt: str, how: str
+) -> Any:
+    """dc.load(builder(), ckpt) with rank 1 called otherwise: `how` is "strategy" (a fully
+    parallel wrapper) or "validate" (validate_access_integrity=False)."""
+    from dist_checkpointing.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
+    from dist_checkpointing.strategies.torch_dist import TorchDistLoadShardedStrategy
+
+    kwargs: Dict[str, Any] = {}
+    if dist.get_rank() == 1 and how == "strategy":
+        kwargs["sharded_strategy"] = FullyParallelLoadStrategyWrapper(
+            TorchDistLoadShardedStrategy()
+        )
+    if dist.get_rank() == 1 and how == "validate":
+        kwargs["validate_access_integrity"] = False
+    return dc.load(builder(), ckpt, **kwargs)
+
+
 def agreement_on_this_rank(records_by_rank: List[list], repeat: int = 1) -> Any:
     """Runs the save's agreement protocol `repeat` times on this rank (gloo); returns the
     agreements, or the message of the error it raised."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any, Dict
 
 import pytest
@@ -9,8 +10,8 @@ import torch
 import torch.distributed as dist
 
 from dist_checkpointing import ShardedTensor
-from dist_checkpointing.errors import KeyMismatchError
-from tests.distributed._rank_fns import call_load, call_save
+from dist_checkpointing.errors import CheckpointingException, KeyMismatchError
+from tests.distributed._rank_fns import call_load, call_save, load_called_differently_on_rank1
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -42,3 +43,25 @@ def test_same_cause_on_both_ranks_is_reported_once_with_close_keys(world_factory
         assert message.count("Unexpected keys (for this rank") == 1  # not once per rank
         assert "'decoder.layers.1.mlp.wieght' (closest keys in the checkpoint: " in message
         assert "'decoder.layers.1.mlp.weight'" in message
+
+
+@pytest.mark.parametrize("how", ["strategy", "validate"])
+def test_ranks_loading_differently_raise_at_once_naming_each(world_factory, tmp_path, how):
+    """Before, ranks loading with different strategies (or with and without the sharding
+    check) waited in different collectives until the timeout; now the load's first
+    reduction compares how each rank loads."""
+    world = world_factory(2)
+    world.run_ok(call_save, layer_state, str(tmp_path / "c"))
+    start = time.monotonic()
+    outcomes = world.run(load_called_differently_on_rank1, layer_state, str(tmp_path / "c"), how)
+    assert time.monotonic() - start < 20
+    for o in outcomes:
+        assert isinstance(o.error, CheckpointingException), o.trace
+        message = str(o.error)
+        assert "the ranks were not called alike" in message and "rank 0:" in message, message
+        assert "rank 1:" in message and "validate_access_integrity" in message, message
+        if how == "strategy":
+            assert "FullyParallelLoadStrategyWrapper" in message, message
+    # called alike again, the same world loads
+    loaded = world.run_ok(call_load, layer_state, str(tmp_path / "c"))
+    assert all(len(sd) == 3 for sd in loaded)
