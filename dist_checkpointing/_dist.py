@@ -12,6 +12,7 @@ import atexit
 import contextlib
 import contextvars
 import datetime
+import hashlib
 import itertools
 import logging
 import os
@@ -366,23 +367,75 @@ def raise_on_reported_errors(
     raise exc from error
 
 
-def agree_on_errors(error: Optional[BaseException], what: str, group: Group = None) -> None:
+#: the lane of a flow digest: the maxima over ranks of a digest and of its complement add up
+#: to the lane exactly when every rank's digest is the same
+_FLOW_LANE = (1 << 62) - 1
+
+
+def failed_or_flows_differ(failed: bool, flow: str, group: Group = None) -> Tuple[bool, bool]:
+    """Collective, one small reduction: `(whether any rank failed, whether ranks' `flow`s
+    differ)`. A flow says how a rank goes on (its strategies and the arguments that decide
+    which collectives follow): ranks going on differently would wait for each other in
+    different collectives until the timeout."""
+    digest = int.from_bytes(hashlib.blake2b(flow.encode(), digest_size=8).digest(), "little")
+    digest &= _FLOW_LANE
+    top, bottom = digest, _FLOW_LANE - digest
+    failed_any, top, bottom = all_reduce_max([int(failed), top, bottom], group)
+    return bool(failed_any), top + bottom != _FLOW_LANE
+
+
+def flows_differ(what: str, flows: List[str], alike: str) -> str:
+    """The message when ranks would go on differently (`flows`, by rank); `alike`: what every
+    rank must pass the same of."""
+    ranks: Dict[str, List[int]] = {}
+    for rank, flow in enumerate(flows):
+        ranks.setdefault(flow, []).append(rank)
+    each = "; ".join(f"{ranks_label(r)}: {flow}" for flow, r in ranks.items())
+    return (
+        f"{what}: the ranks were not called alike ({each}); every rank must pass the same {alike}"
+    )
+
+
+def agree_on_errors(
+    error: Optional[BaseException],
+    what: str,
+    group: Group = None,
+    flow: Optional[str] = None,
+    alike: str = "arguments",
+) -> None:
     """Collective: raises on every rank (see `raise_on_reported_errors`) if `error` (this
-    rank's failure in step `what`, or None) is set on any rank."""
-    if is_distributed() and not all_reduce_max([int(error is not None)], group)[0]:
-        return  # one small reduction when every rank succeeded
-    raise_on_reported_errors(all_gather_object(error_report(error), group), error, what)
+    rank's failure in step `what`, or None) is set on any rank; with `flow`, also (a
+    `CheckpointingException` naming each rank's) when ranks' flows differ."""
+    if not is_distributed():
+        failed, differ = error is not None, False
+    elif flow is None:
+        failed, differ = bool(all_reduce_max([int(error is not None)], group)[0]), False
+    else:
+        failed, differ = failed_or_flows_differ(error is not None, flow, group)
+    if failed:
+        raise_on_reported_errors(all_gather_object(error_report(error), group), error, what)
+    if differ:  # rare: who does what is gathered only then
+        flows = all_gather_object(flow or "", group)
+        raise CheckpointingException(flows_differ(what, flows, alike))
 
 
-def run_collectively(what: str, fn: Callable[..., T], *args: Any, group: Group = None) -> T:
-    """Collective: returns `fn(*args)`, or raises on every rank when it raised on any."""
+def run_collectively(
+    what: str,
+    fn: Callable[..., T],
+    *args: Any,
+    group: Group = None,
+    flow: Optional[str] = None,
+    alike: str = "arguments",
+) -> T:
+    """Collective: returns `fn(*args)`, or raises on every rank when it raised on any (or,
+    with `flow`, when ranks' flows differ: see `agree_on_errors`)."""
     result: Any = None
     error: Optional[BaseException] = None
     try:
         result = fn(*args)
     except Exception as e:  # translated and re-raised on every rank below
         error = e
-    agree_on_errors(error, what, group)
+    agree_on_errors(error, what, group, flow, alike)
     return result
 
 

@@ -233,7 +233,10 @@ def agree_on_preparation(
         validate=validate_access_integrity,
         what=f"save to {ckpt}",
         shared=plan.ownership.lanes() if plan is not None else token_lanes(None),
-        flow=plan.flow() if plan is not None else "",
+        # a rank validating alone would compare common states in a collective of its own
+        flow=f"{plan.flow()}, validate_access_integrity={validate_access_integrity}"
+        if plan is not None
+        else "",
     )
     assert plan is not None
     plan.ownership.agreed(agreement.shared)

@@ -41,7 +41,6 @@ __all__ = [
     "AgreementCache",
     "ShardRecord",
     "agreement_protocol",
-    "flows_differ",
     "format_problems",
     "key_problems",
     "record_of",
@@ -223,20 +222,6 @@ def _lanes(rank: int, records: bytes) -> Tuple[int, ...]:
     return tuple(int.from_bytes(h[i : i + 4], "little") & _LANE for i in range(0, 16, 4))
 
 
-def flows_differ(
-    what: str, flows: Sequence[str], alike: str = "strategies and the same async_sharded_save"
-) -> str:
-    """The message when ranks would go on differently (`flows`, by rank); `alike`: what every
-    rank must pass the same of."""
-    ranks: Dict[str, List[int]] = defaultdict(list)
-    for rank, flow in enumerate(flows):
-        ranks[flow].append(rank)
-    each = "; ".join(f"{_dist.ranks_label(r)}: {flow}" for flow, r in ranks.items())
-    return (
-        f"{what}: the ranks were not called alike ({each}); every rank must pass the same {alike}"
-    )
-
-
 def agreement_protocol(
     rank: int,
     world: int,
@@ -285,7 +270,11 @@ def agreement_protocol(
     if world * sums[9] != sums[8] ** 2:  # rare: who does what is gathered only then
         gathered = yield Gather(dumps(flow))
         flows = yield Broadcast(dumps([loads(g) for g in gathered] if gathered else []))
-        raise CheckpointingException(flows_differ(what, loads(flows)))
+        raise CheckpointingException(
+            _dist.flows_differ(
+                what, loads(flows), "strategies, async_sharded_save and validate_access_integrity"
+            )
+        )
     agreement = Agreement(
         tuple(sums[1:5]), False, world * sums[6] != sums[5] ** 2, tuple(sums[len(head) :])
     )

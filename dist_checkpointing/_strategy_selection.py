@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple, Union
 
 from . import _dist
-from ._sharding_agreement import flows_differ
 from ._types import StateDict
 from .core import (
     DCP_METADATA_FNAME,
@@ -113,17 +111,6 @@ def compatible_strategies(c: CheckpointingConfig, sharded: Any, common: Any) -> 
     return found[0], found[1]
 
 
-#: the lane of a load's flow digest: its maximum and that of its complement tell whether
-#: every rank's digest is the same
-_FLOW_LANE = (1 << 62) - 1
-
-
-def _flow_digest(flow: str) -> int:
-    return int.from_bytes(hashlib.blake2b(flow.encode(), digest_size=8).digest(), "little") & (
-        _FLOW_LANE
-    )
-
-
 def select_load_strategies(
     ckpt: Path,
     sharded_strategy: Any,
@@ -161,17 +148,15 @@ def select_load_strategies(
     flow = "" if found is None else f"{strategy_label(found[0])} and {strategy_label(found[1])}"
     options = options or {}
     flow += "".join(f", {name}={value}" for name, value in options.items())
-    digest = _flow_digest(flow)
-    failed, top, bottom = _dist.all_reduce_max(
-        [int(error is not None or common_error is not None), digest, _FLOW_LANE - digest]
+    failed, differ = _dist.failed_or_flows_differ(
+        error is not None or common_error is not None, flow
     )
     if not failed:
         assert found is not None
-        if top + bottom != _FLOW_LANE:  # rare: who does what is gathered only then
+        if differ:  # rare: who does what is gathered only then
             flows = _dist.all_gather_object(flow)
-            raise CheckpointingException(
-                flows_differ(f"load from {ckpt}", flows, " and ".join(["strategies", *options]))
-            )
+            alike = " and ".join(["strategies", *options])
+            raise CheckpointingException(_dist.flows_differ(f"load from {ckpt}", flows, alike))
         return found[0], found[1], common_state  # one small reduction when all succeeded
     reports = _dist.all_gather_object(
         (_dist.error_report(error), config, _dist.error_report(common_error))

@@ -134,6 +134,19 @@ def load_called_differently_on_rank1(
     return dc.load(builder(), ckpt, **kwargs)
 
 
+def save_validating_on_rank0_only(builder: Callable[[], Dict[str, Any]], ckpt: str) -> Any:
+    """dc.save(builder() with a per-rank plain value, ckpt), validating on rank 0 only;
+    returns (the error's message or None, whether `ckpt` is a checkpoint afterwards)."""
+    state = dict(builder(), note=f"rank {dist.get_rank()}")
+    message = None
+    try:
+        dc.save(state, ckpt, validate_access_integrity=dist.get_rank() == 0)
+    except Exception as e:
+        message = f"{type(e).__name__}: {e}"
+    dist.barrier()
+    return message, dc.check_is_distributed_checkpoint(ckpt)
+
+
 def agreement_on_this_rank(records_by_rank: List[list], repeat: int = 1) -> Any:
     """Runs the save's agreement protocol `repeat` times on this rank (gloo); returns the
     agreements, or the message of the error it raised."""

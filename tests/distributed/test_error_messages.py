@@ -11,7 +11,12 @@ import torch.distributed as dist
 
 from dist_checkpointing import ShardedTensor
 from dist_checkpointing.errors import CheckpointingException, KeyMismatchError
-from tests.distributed._rank_fns import call_load, call_save, load_called_differently_on_rank1
+from tests.distributed._rank_fns import (
+    call_load,
+    call_save,
+    load_called_differently_on_rank1,
+    save_validating_on_rank0_only,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -65,3 +70,15 @@ def test_ranks_loading_differently_raise_at_once_naming_each(world_factory, tmp_
     # called alike again, the same world loads
     loaded = world.run_ok(call_load, layer_state, str(tmp_path / "c"))
     assert all(len(sd) == 3 for sd in loaded)
+
+
+def test_ranks_saving_with_and_without_validation_raise_at_once(world_factory, tmp_path):
+    """Before, the validating rank compared the ranks' differing common states in a
+    collective the other rank never joined; now the save's agreement compares the flags."""
+    start = time.monotonic()
+    results = world_factory(2).run_ok(save_validating_on_rank0_only, layer_state, str(tmp_path))
+    assert time.monotonic() - start < 20
+    for message, complete in results:
+        assert message is not None and message.startswith("CheckpointingException"), message
+        assert "validate_access_integrity=True" in message, message
+        assert "validate_access_integrity=False" in message and not complete, message

@@ -189,6 +189,28 @@ def failing_save(
     return err, files, ok
 
 
+def half_async_save(tmp: str) -> Tuple[Tuple[str, str], List[str], bool]:
+    """Saves 1, then 2 with rank 1 async and rank 0 sync; then 2 again alike, and loads it.
+    Returns (the error of the mixed save, the files left after it, whether 2 loaded)."""
+    m = manager(tmp)
+    m.save(make_state(1), 1)
+    queue = AsyncCallsQueue()
+
+    def mixed() -> None:
+        req = m.save(make_state(2), 2, is_async=dist.get_rank() == 1)
+        if req is not None:
+            queue.schedule_async_request(req)
+            queue.maybe_finalize_async_calls(blocking=True)
+
+    err = error_of(mixed)
+    queue.close()
+    files = sorted(os.listdir(m.local_ckpt_dir))
+    m.save(make_state(2), 2)
+    fresh = manager(tmp)
+    ok = fresh.find_latest() == 2 and same_state(fresh.load()[0], make_state(2))
+    return err, files, ok
+
+
 def planted_pickle_load(tmp: str, payload: bytes) -> Tuple[str, str]:
     m = manager(tmp)
     m.save(make_state(1), 1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+import time
 
 import pytest
 
@@ -96,6 +97,20 @@ def test_failed_save_keeps_previous_iteration(world_factory, tmp_path, is_async)
         assert err[0] in ("AsyncSaveError", "DistributedFailureError", "CheckpointingException")
         assert "rank 1" in err[1] and "No space left" in err[1]
         assert files == [f"iter_0000001_{files[0].split('_')[2]}_local.pt"]
+        assert ok
+
+
+def test_ranks_saving_sync_and_async_at_once_raise_at_once(world_factory, tmp_path):
+    """Before, the async rank waited in its queue's collectives and the sync rank in the
+    write's until the world was killed; now the save's first agreement compares them."""
+    world = world_factory(2)
+    start = time.monotonic()
+    results = _values(world, F.half_async_save, str(tmp_path))
+    assert time.monotonic() - start < 30
+    for rank, (err, files, ok) in enumerate(results):
+        assert err[0] == "CheckpointingException", err
+        assert "rank 0: is_async=False" in err[1] and "rank 1: is_async=True" in err[1], err
+        assert files == [f"iter_0000001_{rank}_local.pt"]  # nothing of 2 was written
         assert ok
 
 

@@ -227,7 +227,19 @@ class BaseCheckpointManager(ABC):
         start = time.perf_counter()
         ckpt_id = self._ckpt_id(iteration)
         what = f"local checkpoint save of iteration {iteration}"
-        image = _dist.run_collectively(what, self._start_save, state_dict, ckpt_id, is_async)
+        image: Optional[LocalImage] = None
+        error: Optional[BaseException] = None
+        try:
+            image = self._start_save(state_dict, ckpt_id, is_async)
+        except Exception as e:  # agreed on below
+            error = e
+        try:  # an async rank beside a sync one would wait in other collectives until killed
+            _dist.agree_on_errors(error, what, flow=f"is_async={is_async}", alike="is_async")
+        except CheckpointingException:
+            if image is not None:
+                release_image(image)
+            raise
+        assert image is not None
         self.latest_iteration = -1
         nbytes = image.nbytes
         future = _background_thread().submit(self._write_parts, image, iteration)
