@@ -109,7 +109,8 @@ def test_ranks_saving_sync_and_async_at_once_raise_at_once(world_factory, tmp_pa
     assert time.monotonic() - start < 30
     for rank, (err, files, ok) in enumerate(results):
         assert err[0] == "CheckpointingException", err
-        assert "rank 0: is_async=False" in err[1] and "rank 1: is_async=True" in err[1], err
+        assert "rank 0: iteration=2, is_async=False" in err[1], err
+        assert "rank 1: iteration=2, is_async=True" in err[1], err
         assert files == [f"iter_0000001_{rank}_local.pt"]  # nothing of 2 was written
         assert ok
 

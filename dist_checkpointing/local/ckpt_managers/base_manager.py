@@ -233,8 +233,10 @@ class BaseCheckpointManager(ABC):
             image = self._start_save(state_dict, ckpt_id, is_async)
         except Exception as e:  # agreed on below
             error = e
-        try:  # an async rank beside a sync one would wait in other collectives until killed
-            _dist.agree_on_errors(error, what, flow=f"is_async={is_async}", alike="is_async")
+        # an async rank beside a sync one would wait in other collectives until killed
+        flow = f"iteration={iteration}, is_async={is_async}"
+        try:
+            _dist.agree_on_errors(error, what, flow=flow, alike="iteration and is_async")
         except CheckpointingException:
             if image is not None:
                 release_image(image)
