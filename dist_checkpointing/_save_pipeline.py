@@ -234,7 +234,7 @@ def agree_on_preparation(
         what=f"save to {ckpt}",
         shared=plan.ownership.lanes() if plan is not None else token_lanes(None),
         # a rank validating alone would compare common states in a collective of its own
-        flow=f"{plan.flow()}, validate_access_integrity={validate_access_integrity}"
+        flow=f"{plan.flow()}, validate_access_integrity={bool(validate_access_integrity)}"
         if plan is not None
         else "",
     )

@@ -247,7 +247,10 @@ def load(
         start = time.perf_counter()
         strict = parse_strict_flag(strict)
         # both decide which collectives follow: ranks passing different ones raise here
-        options = {"validate_access_integrity": validate_access_integrity, "strict": strict.value}
+        options = {
+            "validate_access_integrity": bool(validate_access_integrity),
+            "strict": strict.value,
+        }
         sharded, common, common_state = select_load_strategies(
             ckpt, sharded_strategy, common_strategy, options
         )
