@@ -174,7 +174,8 @@ class CheckpointManager:
 
     def _save_persistent(self, step: int, sharded_state_dict: ShardedStateDict) -> None:
         path = self.root / step_dir_name(step)
-        self._on_rank0(f"preparing {path}", self._clear_target, path)
+        # ranks saving other steps would go on to save into other directories
+        self._on_rank0(f"preparing {path}", self._clear_target, path, flow=f"step={step}")
         request = save(
             sharded_state_dict,
             path,
@@ -385,7 +386,10 @@ class CheckpointManager:
         return newest
 
     @staticmethod
-    def _on_rank0(what: str, fn: Callable[..., T], *args: Any) -> T:
-        """Collective: runs `fn` on rank 0; every rank gets its result or its failure."""
-        result = _dist.run_collectively(what, lambda: fn(*args) if _dist.get_rank() == 0 else None)
+    def _on_rank0(what: str, fn: Callable[..., T], *args: Any, flow: Optional[str] = None) -> T:
+        """Collective: runs `fn` on rank 0; every rank gets its result or its failure (and,
+        with `flow`, a failure when ranks' flows differ: `_dist.agree_on_errors`)."""
+        result = _dist.run_collectively(
+            what, lambda: fn(*args) if _dist.get_rank() == 0 else None, flow=flow, alike="step"
+        )
         return cast(T, _dist.broadcast_object(result))

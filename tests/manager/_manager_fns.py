@@ -176,3 +176,19 @@ def nothing_usable(base: str) -> str:
     finally:
         manager.close()
     return "loaded"
+
+
+def save_other_steps(base: str) -> Tuple[str, list]:
+    """Rank r saves step 10 + r through a manager (every step due); returns the error's
+    message and what is left in the persistent tier."""
+    opts = CheckpointManagerOptions(save_interval=1, async_save=False)
+    manager = CheckpointManager(os.path.join(base, "persistent"), opts)
+    step = 10 + dist.get_rank()
+    try:
+        manager.save(step, _state(step))
+        message = ""
+    except Exception as e:
+        message = f"{type(e).__name__}: {e}"
+    manager.close()
+    dist.barrier()
+    return message, sorted(os.listdir(os.path.join(base, "persistent")))

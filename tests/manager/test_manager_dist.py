@@ -3,6 +3,8 @@ with the local tier unreplicated and replicated (factor 2)."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from tests.manager import _manager_fns
@@ -56,3 +58,15 @@ def test_nothing_usable_raises_on_every_rank(world_factory, tmp_path):
     messages = world_factory(2).run_ok(_manager_fns.nothing_usable, str(tmp_path), timeout=240)
     assert len(set(messages)) == 1 and messages[0].startswith("No usable checkpoint under")
     assert "local step 2" in messages[0] and "persistent step 2" in messages[0]
+
+
+def test_ranks_saving_other_steps_raise_at_once_naming_each(world_factory, tmp_path):
+    """Before, each rank saved into its own step's directory and the claim check failed
+    with a message about a removed directory; now the first agreement names the steps."""
+    start = time.monotonic()
+    results = world_factory(2).run_ok(_manager_fns.save_other_steps, str(tmp_path))
+    assert time.monotonic() - start < 30
+    for message, left in results:
+        assert message.startswith("CheckpointingException"), message
+        assert "rank 0: step=10" in message and "rank 1: step=11" in message, message
+        assert left == []  # the step rank 0 prepared is removed again
