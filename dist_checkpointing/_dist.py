@@ -17,7 +17,19 @@ import itertools
 import logging
 import os
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple, TypeVar, Union
+from typing import (
+    Any,
+    Callable,
+    Dict,
+    Iterable,
+    Iterator,
+    List,
+    NoReturn,
+    Optional,
+    Tuple,
+    TypeVar,
+    Union,
+)
 
 import torch.distributed as dist
 
@@ -384,6 +396,12 @@ def failed_or_flows_differ(failed: bool, flow: str, group: Group = None) -> Tupl
     return bool(failed_any), top + bottom != _FLOW_LANE
 
 
+def raise_flows_differ(what: str, flow: str, alike: str, group: Group = None) -> NoReturn:
+    """Collective, once ranks' flows were found to differ: raises, on every rank, a
+    `CheckpointingException` naming each rank's flow (`flows_differ`)."""
+    raise CheckpointingException(flows_differ(what, all_gather_object(flow, group), alike))
+
+
 def flows_differ(what: str, flows: List[str], alike: str) -> str:
     """The message when ranks would go on differently (`flows`, by rank); `alike`: what every
     rank must pass the same of."""
@@ -415,8 +433,7 @@ def agree_on_errors(
     if failed:
         raise_on_reported_errors(all_gather_object(error_report(error), group), error, what)
     if differ:  # rare: who does what is gathered only then
-        flows = all_gather_object(flow or "", group)
-        raise CheckpointingException(flows_differ(what, flows, alike))
+        raise_flows_differ(what, flow or "", alike, group)
 
 
 def run_collectively(

@@ -154,9 +154,8 @@ def select_load_strategies(
     if not failed:
         assert found is not None
         if differ:  # rare: who does what is gathered only then
-            flows = _dist.all_gather_object(flow)
             alike = " and ".join(["strategies", *options])
-            raise CheckpointingException(_dist.flows_differ(f"load from {ckpt}", flows, alike))
+            _dist.raise_flows_differ(f"load from {ckpt}", flow, alike)
         return found[0], found[1], common_state  # one small reduction when all succeeded
     reports = _dist.all_gather_object(
         (_dist.error_report(error), config, _dist.error_report(common_error))
