@@ -391,8 +391,7 @@ def failed_or_flows_differ(failed: bool, flow: str, group: Group = None) -> Tupl
     different collectives until the timeout."""
     digest = int.from_bytes(hashlib.blake2b(flow.encode(), digest_size=8).digest(), "little")
     digest &= _FLOW_LANE
-    top, bottom = digest, _FLOW_LANE - digest
-    failed_any, top, bottom = all_reduce_max([int(failed), top, bottom], group)
+    failed_any, top, bottom = all_reduce_max([int(failed), digest, _FLOW_LANE - digest], group)
     return bool(failed_any), top + bottom != _FLOW_LANE
 
 
