@@ -8,7 +8,7 @@ import torch
 import dist_checkpointing as dc
 from dist_checkpointing import ShardedTensor
 from dist_checkpointing.dtypes import is_exact_conversion
-from dist_checkpointing.errors import LossyDtypeConversionError
+from dist_checkpointing.errors import CheckpointingException, LossyDtypeConversionError
 from dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
 
 EXACT = [
@@ -131,5 +131,14 @@ def test_missing_tensor_names_close_keys(tmp_path):
     want = {"w2": ShardedTensor.from_rank_offsets("w2", torch.zeros(6))}
     with pytest.raises(
         Exception, match=r"'w2' is not in the checkpoint \(closest keys in the checkpoint: 'w'\)"
+    ):
+        dc.load(want, tmp_path / "c")
+
+
+def test_tensor_requested_where_a_plain_value_is_stored_says_so(tmp_path):
+    dc.save({"lr": 0.5, "w": ShardedTensor.from_rank_offsets("w", torch.ones(6))}, tmp_path / "c")
+    want = {"lr": ShardedTensor.from_rank_offsets("lr", torch.zeros(6))}
+    with pytest.raises(
+        CheckpointingException, match="'lr' is stored as a plain value or object, not as a tensor"
     ):
         dc.load(want, tmp_path / "c")

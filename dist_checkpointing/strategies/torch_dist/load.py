@@ -243,10 +243,8 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                 view = view.narrow(dim, o, n)
             return view
 
-        planned = 0
-        for r in reads:
-            itemsize = dests[r.dest_index.index].element_size()  # type: ignore[index]
-            planned += int(math.prod(r.lengths)) * itemsize
+        sizes = [dests[r.dest_index.index].element_size() for r in reads]  # type: ignore[index]
+        planned = sum(int(math.prod(r.lengths)) * size for r, size in zip(reads, sizes))
         with byte_progress(f"load {ckpt.name}", planned) as progress:
             nbytes = read_tensor_items(
                 ckpt, metadata, reads, resolve, self.thread_count, checksums, progress
@@ -308,6 +306,9 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             raise CheckpointingException(
                 f"Tensor {sh.key!r} is not in the checkpoint"
                 + (stored_form_hint(sh.key, names) or close_matches(sh.key, names))
+                if stored is None  # else a plain value or object of that name
+                else f"{sh.key!r} is stored as a plain value or object, not as a tensor: "
+                "request it as a plain value (or a ShardedObject)"
             )
         shape = tuple(stored.size) if shape is None else shape
         if shape != sh.global_shape and not sh.allow_shape_mismatch:
@@ -316,11 +317,8 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                 f"requested {sh.global_shape}"
                 + block_hint(sh.key, shape, sh.global_shape, lambda: read_metadata(ckpt))
             )
-        dtype = stored.properties.dtype
-        by_value = check_dtype_conversion(
-            sh.key, dtype, sh.dtype, self.allow_lossy_dtype_conversion
-        )
-        return dtype if by_value else None
+        dtype, lossy_ok = stored.properties.dtype, self.allow_lossy_dtype_conversion
+        return dtype if check_dtype_conversion(sh.key, dtype, sh.dtype, lossy_ok) else None
 
     def load_tensors_metadata(
         self, checkpoint_dir: CheckpointDir, metadata: Optional[Metadata] = None
