@@ -117,7 +117,9 @@ class CheckpointManager:
         Args:
             step: the training step (increasing across calls).
             sharded_state_dict: as for `dist_checkpointing.save`; free to change on return.
-            force: save to the persistent tier even if not due.
+            force: save to the persistent tier even if not due. The same on every rank: a
+                rank forced alone waits in the save until the collective timeout (agree on
+                a flag such as a caught preemption signal first, e.g. with an all-reduce).
 
         Returns:
             Whether a save was started.
