@@ -14,18 +14,24 @@ import dist_checkpointing as dc
 from dist_checkpointing import ShardedTensor
 
 #: a layout: ("dtensor", mesh_shape, placements) with placements as ("S", d), ("R",),
-#: ("SS", d, split_factor); or ("rows",): ShardedTensor row blocks, torch.chunk-sized
+#: ("SS", d, split_factor), and a fourth item "reversed" for a mesh holding the ranks in
+#: reverse order; or ("rows",): ShardedTensor row blocks, torch.chunk-sized
 Layout = Tuple[Any, ...]
 
-_meshes: Dict[Tuple[int, ...], Any] = {}
+_meshes: Dict[Tuple[Any, ...], Any] = {}
 
 
-def _mesh(shape: Tuple[int, ...]) -> Any:
-    from torch.distributed.device_mesh import init_device_mesh
+def _mesh(shape: Tuple[int, ...], reversed_ranks: bool = False) -> Any:
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-    if shape not in _meshes:  # building a mesh is collective and slow: once per shape
-        _meshes[shape] = init_device_mesh("cpu", shape)
-    return _meshes[shape]
+    key = (shape, reversed_ranks)
+    if key not in _meshes:  # building a mesh is collective and slow: once per shape
+        if reversed_ranks:  # rank r at the mesh coordinate of rank world - 1 - r
+            ranks = torch.arange(dist.get_world_size()).flip(0).reshape(shape)
+            _meshes[key] = DeviceMesh("cpu", ranks)
+        else:
+            _meshes[key] = init_device_mesh("cpu", shape)
+    return _meshes[key]
 
 
 def _placements(spec: Tuple[Tuple[Any, ...], ...]) -> List[Any]:
@@ -65,7 +71,10 @@ def _leaf(layout: Layout, full: torch.Tensor, fill: bool) -> Tuple[Any, torch.Te
         return leaf, local
     from torch.distributed.tensor import distribute_tensor
 
-    dt = distribute_tensor(full, _mesh(layout[1]), _placements(layout[2]), src_data_rank=None)
+    # src_data_rank=None: each rank keeps its piece of its own copy (DTensor's scatter from
+    # one rank follows group ranks, not mesh coordinates, on a reversed mesh in torch 2.13)
+    mesh = _mesh(layout[1], layout[3:] == ("reversed",))
+    dt = distribute_tensor(full, mesh, _placements(layout[2]), src_data_rank=None)
     expected = dt.to_local().clone()
     if not fill:
         dt.to_local().zero_()

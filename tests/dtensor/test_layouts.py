@@ -50,3 +50,23 @@ def test_any_saved_layout_loads_bitwise_into_any_requested_layout(world_factory,
             assert got == ["same"] * WORLD, (case, got)
 
     run()
+
+
+def test_meshes_holding_ranks_in_another_order_save_and_load_by_mesh_coordinate(
+    world_factory, tmp_path
+):
+    """A rank's piece is where its mesh coordinate puts it, not its rank: meshes that hold
+    the ranks in reverse order, saved and loaded across each other and row blocks."""
+    rev_1d = ("dtensor", (4,), (("S", 0),), "reversed")
+    rev_2d = ("dtensor", (2, 2), (("S", 0), ("S", 1)), "reversed")
+    cases = [
+        ((7, 5), torch.float32, rev_1d, ("rows",)),
+        ((7, 5), torch.float32, ("rows",), rev_1d),
+        ((7, 5), torch.float32, ("dtensor", (4,), (("S", 0),)), rev_1d),
+        ((7, 5), torch.float32, rev_2d, ("dtensor", (4,), (("S", 1),))),
+        ((7, 5), torch.float32, rev_2d, rev_2d),
+        ((6, 3), torch.int64, ("dtensor", (2, 2), (("R",), ("S", 0)), "reversed"), ("rows",)),
+    ]
+    results = world_factory(WORLD).run_ok(_layouts.run_cases, cases, str(tmp_path), timeout=200)
+    for case, *got in zip(cases, *results):
+        assert got == ["same"] * WORLD, (case, got)
